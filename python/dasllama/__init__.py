@@ -1,0 +1,46 @@
+"""dasllama: run GGUF language models on the CPU from Python.
+
+    import dasllama as dl
+    m = dl.load_model("smollm2-135m-instruct")       # fetched on first use
+    s = dl.create_session(m)
+    ids = dl.encode(m, "Once upon a time")
+    out = dl.generate(m, s, ids, dl.SamplingParams(temp=0.8, seed=1), 48)
+    print(dl.decode(m, out))
+"""
+
+import logging
+
+from ._native import arch_names, n_threads
+from .errors import ContextOverflowError, DasllamaError, FetchError, GgufError, TemplateError, UnsupportedModelError
+from .fetch import DEFAULT_MODEL, fetch
+from .model import Model, QuantMode, decode, encode, load_model, token_piece
+from .session import SamplingParams, Session, create_session, eval, generate, sample
+
+logging.getLogger("dasllama").addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ContextOverflowError",
+    "DasllamaError",
+    "FetchError",
+    "GgufError",
+    "Model",
+    "QuantMode",
+    "SamplingParams",
+    "Session",
+    "TemplateError",
+    "UnsupportedModelError",
+    "arch_names",
+    "create_session",
+    "decode",
+    "encode",
+    "eval",
+    "fetch",
+    "generate",
+    "load_model",
+    "n_threads",
+    "sample",
+    "token_piece",
+]

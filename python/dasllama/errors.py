@@ -1,0 +1,14 @@
+"""The dasllama exception tree. Every error the package raises on purpose derives from DasllamaError."""
+
+from ._native import ContextOverflowError, DasllamaError, GgufError, UnsupportedModelError
+
+
+class FetchError(DasllamaError):
+    """A model could not be fetched: unknown name, no network, or a bad checksum."""
+
+
+class TemplateError(DasllamaError):
+    """The model's chat template is missing or failed to render."""
+
+
+__all__ = ["DasllamaError", "GgufError", "UnsupportedModelError", "ContextOverflowError", "FetchError", "TemplateError"]

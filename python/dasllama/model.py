@@ -1,0 +1,147 @@
+"""Loading a GGUF model, and its tokenizer."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from .errors import GgufError, UnsupportedModelError
+from .fetch import fetch
+from .gguf_file import read_header
+
+log = logging.getLogger("dasllama")
+
+# Token texts llama.cpp treats as end-of-generation besides eos (llama-vocab.cpp).
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|eom_id|>"}
+
+
+class QuantMode(enum.Enum):
+    """How weights are held after loading."""
+
+    native = "native"  # as stored in the GGUF, memory-mapped
+    q8 = "q8"  # every matrix converted to Q8_0 at load
+    fp32 = "fp32"  # every matrix dequantized to f32: the exact-arithmetic reference
+
+
+class Model:
+    """A loaded model. Read-only and shareable between sessions and threads."""
+
+    def __init__(self, native: _native.Model, metadata: dict[str, Any], path: Path) -> None:
+        self._native = native
+        self.metadata = metadata
+        self.path = path
+        self.arch: str = native.arch
+        self.config: dict[str, Any] = native.config
+        self.chat_template: str | None = metadata.get("tokenizer.chat_template")
+
+    @property
+    def n_vocab(self) -> int:
+        return self._native.n_vocab
+
+    @property
+    def eog_ids(self) -> list[int]:
+        return self._native.eog_ids
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._native.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._native.eos_id
+
+    def __repr__(self) -> str:
+        return repr(self._native)
+
+
+def _numeric_meta(meta: dict[str, Any], arch: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    prefix = arch + "."
+    for k, v in meta.items():
+        if k.startswith(prefix) and isinstance(v, (int, float, bool, np.integer, np.floating)):
+            out[k[len(prefix) :]] = float(v)
+    return out
+
+
+def _tokenizer_args(meta: dict[str, Any], path: Path) -> dict[str, Any]:
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise GgufError(f"{path}: the file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    n = len(tokens)
+    types = meta.get("tokenizer.ggml.token_type")
+    types = [1] * n if types is None else [int(t) for t in types]
+    scores = meta.get("tokenizer.ggml.scores")
+    scores = [] if scores is None else [float(s) for s in scores]
+    model = str(meta.get("tokenizer.ggml.model", "gpt2"))
+
+    def tid(key: str) -> int | None:
+        v = meta.get(key)
+        return int(v) if v is not None and 0 <= int(v) < n else None
+
+    eos = tid("tokenizer.ggml.eos_token_id")
+    eog = {t for t in (tid("tokenizer.ggml.eot_token_id"), tid("tokenizer.ggml.eom_token_id")) if t is not None}
+    eog |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4) and t in _EOG_TEXTS}
+    eog.discard(eos)  # type: ignore[arg-type]
+    return dict(
+        tokenizer_model=model,
+        tokenizer_pre=str(meta.get("tokenizer.ggml.pre", "default")),
+        tokens=list(tokens),
+        token_types=types,
+        scores=scores,
+        merges=list(meta.get("tokenizer.ggml.merges", [])),
+        bos=tid("tokenizer.ggml.bos_token_id"),
+        eos=eos,
+        eog=sorted(eog),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", model == "llama")),
+    )
+
+
+def load_model(path: str | os.PathLike[str], quant: QuantMode | str = QuantMode.native) -> Model:
+    """Load a GGUF model (a path, or a known name fetched on first use).
+
+    Raises GgufError for a missing, malformed or truncated file and UnsupportedModelError for an
+    architecture, tokenizer or tensor type this build does not implement.
+    """
+    qm = QuantMode(quant) if not isinstance(quant, QuantMode) else quant
+    t0 = time.perf_counter()
+    p = Path(path).expanduser()
+    if not p.exists() and not str(path).endswith(".gguf") and os.sep not in str(path):
+        p = fetch(str(path))
+    hdr = read_header(p)
+    meta = hdr.metadata
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GgufError(f"{p}: general.architecture is missing; this is not a model file")
+    if arch not in _native.arch_names():
+        raise UnsupportedModelError(f"{p}: architecture '{arch}' is not supported (supported: {', '.join(_native.arch_names())})")
+    tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
+    native = _native.load_model(str(p), arch, _numeric_meta(meta, arch), tensors, quant=qm.value, **_tokenizer_args(meta, p))
+    log.info("loaded %s (%s, %s) in %.2fs", p.name, arch, qm.value, time.perf_counter() - t0)
+    return Model(native, meta, p)
+
+
+def encode(m: Model, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+    """Text to token ids. ``add_bos=None`` follows the model; ``special`` parses control tokens."""
+    return _native.encode(m._native, text, add_bos, special)
+
+
+def decode(m: Model, ids: list[int], special: bool = False) -> str:
+    """Token ids to text. Control tokens are dropped unless ``special``."""
+    return _native.decode(m._native, list(ids), special)
+
+
+def token_piece(m: Model, id: int, special: bool = False) -> bytes | str:
+    """One token's text: ``str`` when it is valid UTF-8 on its own, else the raw ``bytes``."""
+    raw = _native.token_piece_bytes(m._native, id, special)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw

@@ -1,0 +1,74 @@
+"""Sessions, evaluation, sampling and generation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _native
+from .model import Model
+
+Session = _native.Session
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings, applied in llama.cpp's order. The defaults are greedy."""
+
+    temp: float = 0.0  # <= 0: greedy argmax
+    top_k: int = 0  # <= 0: off
+    top_p: float = 1.0  # >= 1: off
+    min_p: float = 0.0  # <= 0: off
+    penalty: float = 1.0  # repetition penalty (1: off)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # window of recent sampled tokens the penalties see (-1: all)
+    seed: int | None = None  # reseed the session's RNG at the start of generate
+
+    def _native(self) -> _native.Params:
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        return _native.make_params(
+            float(self.temp),
+            int(self.top_k),
+            float(self.top_p),
+            float(self.min_p),
+            float(self.penalty),
+            float(self.presence_penalty),
+            float(self.frequency_penalty),
+            int(self.penalty_last_n),
+            self.seed,
+        )
+
+
+def create_session(m: Model) -> Session:
+    """A new conversation on ``m`` with its own KV store (grown on demand)."""
+    return _native.create_session(m._native)
+
+
+def eval(m: Model, s: Session, ids: list[int]) -> np.ndarray:  # noqa: A001 - the seed's name
+    """Run ``ids`` at the session's position; return float32 logits after the last one."""
+    return _native.eval(m._native, s, list(ids))
+
+
+def sample(s: Session, params: SamplingParams = SamplingParams()) -> int:
+    """Pick the next token from the session's logits."""
+    return _native.sample(s, params._native())
+
+
+def generate(
+    m: Model,
+    s: Session,
+    ids: list[int],
+    params: SamplingParams = SamplingParams(),
+    max_new: int = 128,
+    on_piece: Callable[[int, str], bool | None] | None = None,
+) -> list[int]:
+    """Prefill ``ids`` and sample up to ``max_new`` tokens, stopping after an end-of-generation token.
+
+    ``on_piece(id, text)`` streams each token's text (never half a UTF-8 character); return False
+    to stop. Returns the generated ids (the end-of-generation token included when reached).
+    """
+    return _native.generate(m._native, s, list(ids), params._native(), int(max_new), on_piece)

@@ -1,0 +1,363 @@
+//! The only code that knows PyO3: thin wrappers over the core, the GIL released around every
+//! call that runs the model, and one mapping from core errors to Python exceptions.
+
+use dasllama::model::{Model, QuantMode, TensorInfo};
+use dasllama::sampling::{self, SamplingParams};
+use dasllama::session::Session;
+use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
+use dasllama::Error;
+use numpy::PyArray1;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+create_exception!(_native, DasllamaError, PyException, "Base of every dasllama error.");
+create_exception!(_native, GgufError, DasllamaError, "The GGUF file is missing, malformed or truncated.");
+create_exception!(_native, UnsupportedModelError, DasllamaError, "The model uses an architecture, tokenizer or tensor type dasllama does not implement.");
+create_exception!(_native, ContextOverflowError, DasllamaError, "A session would run past the model's context window.");
+
+fn map_err(e: Error) -> PyErr {
+    match e {
+        Error::Gguf(m) => GgufError::new_err(m),
+        Error::UnsupportedModel(m) => UnsupportedModelError::new_err(m),
+        Error::ContextOverflow(m) => ContextOverflowError::new_err(m),
+        Error::InvalidArgument(m) => PyValueError::new_err(m),
+        Error::Io(e) => DasllamaError::new_err(e.to_string()),
+    }
+}
+
+/// A loaded model. Shared, immutable: any number of sessions may use it.
+#[pyclass(module = "dasllama._native", name = "Model", frozen)]
+struct PyModel {
+    inner: Arc<Model>,
+    #[pyo3(get)]
+    arch: String,
+    #[pyo3(get)]
+    path: String,
+}
+
+#[pymethods]
+impl PyModel {
+    /// Configuration as a dict (dim, n_layers, n_heads, ..., seq_len, vocab_size).
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner.config;
+        let d = PyDict::new_bound(py);
+        d.set_item("arch", &c.arch)?;
+        d.set_item("dim", c.dim)?;
+        d.set_item("hidden_dim", c.hidden_dim)?;
+        d.set_item("n_layers", c.n_layers)?;
+        d.set_item("n_heads", c.n_heads)?;
+        d.set_item("n_kv_heads", c.n_kv_heads)?;
+        d.set_item("head_dim", c.head_dim)?;
+        d.set_item("vocab_size", c.vocab_size)?;
+        d.set_item("seq_len", c.seq_len)?;
+        d.set_item("rope_freq_base", c.rope_base)?;
+        d.set_item("sliding_window", c.sliding_window)?;
+        d.set_item("norm_eps", c.norm_eps)?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn n_vocab(&self) -> usize {
+        self.inner.tokenizer.n_vocab()
+    }
+
+    #[getter]
+    fn bos_id(&self) -> Option<u32> {
+        self.inner.tokenizer.bos()
+    }
+
+    #[getter]
+    fn eos_id(&self) -> Option<u32> {
+        self.inner.tokenizer.eos()
+    }
+
+    /// Ids that end a generation (eos and end-of-turn tokens).
+    #[getter]
+    fn eog_ids(&self) -> Vec<u32> {
+        self.inner.tokenizer.eog_ids()
+    }
+
+    /// Text of a vocabulary entry as stored (for finding special tokens by name).
+    fn token_text(&self, id: u32) -> PyResult<String> {
+        check_id(&self.inner, id)?;
+        Ok(self.inner.tokenizer.token_text(id).to_string())
+    }
+
+    fn token_type(&self, id: u32) -> PyResult<i32> {
+        check_id(&self.inner, id)?;
+        Ok(self.inner.tokenizer.token_type(id))
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.inner.config;
+        format!("Model(arch={:?}, layers={}, dim={}, vocab={}, path={:?})", c.arch, c.n_layers, c.dim, c.vocab_size, self.path)
+    }
+}
+
+fn check_id(m: &Model, id: u32) -> PyResult<()> {
+    if (id as usize) < m.tokenizer.n_vocab() {
+        Ok(())
+    } else {
+        Err(PyValueError::new_err(format!("token id {id} is out of range for a vocabulary of {}", m.tokenizer.n_vocab())))
+    }
+}
+
+/// One conversation's state: KV store, logits, sampling RNG.
+#[pyclass(module = "dasllama._native", name = "Session")]
+struct PySession {
+    model: Arc<Model>,
+    inner: Session,
+}
+
+#[pymethods]
+impl PySession {
+    #[getter]
+    fn n_past(&self) -> usize {
+        self.inner.n_past()
+    }
+
+    /// Seed this session's sampling RNG.
+    fn set_seed(&mut self, seed: u64) {
+        self.inner.rng = sampling::Rng::new(seed);
+    }
+
+    /// Forget everything (KV, logits, penalty window).
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Session(n_past={})", self.inner.n_past())
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[pyfunction]
+#[pyo3(signature = (path, arch, meta, tensors, tokenizer_model, tokenizer_pre, tokens, token_types, scores, merges, bos, eos, eog, add_bos, add_space_prefix, quant))]
+fn load_model(
+    py: Python<'_>,
+    path: String,
+    arch: String,
+    meta: HashMap<String, f64>,
+    tensors: Vec<(String, u32, Vec<u64>, u64)>,
+    tokenizer_model: String,
+    tokenizer_pre: String,
+    tokens: Vec<String>,
+    token_types: Vec<i32>,
+    scores: Vec<f32>,
+    merges: Vec<String>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    eog: Vec<u32>,
+    add_bos: bool,
+    add_space_prefix: bool,
+    quant: &str,
+) -> PyResult<PyModel> {
+    let quant = match quant {
+        "native" => QuantMode::Native,
+        "q8" => QuantMode::Q8,
+        "fp32" => QuantMode::Fp32,
+        other => return Err(PyValueError::new_err(format!("unknown quant mode '{other}' (use native, q8 or fp32)"))),
+    };
+    let tensors: Vec<TensorInfo> =
+        tensors.into_iter().map(|(name, ty, shape, offset)| TensorInfo { name, ty, shape, offset }).collect();
+    let model = py
+        .allow_threads(|| {
+            let vocab = Vocab { tokens, types: token_types, scores, merges, bos, eos, eog, add_bos, add_space_prefix };
+            let tok = Tokenizer::new(&tokenizer_model, &tokenizer_pre, vocab)
+                .map_err(|e| match e {
+                    Error::UnsupportedModel(m) | Error::Gguf(m) => Error::UnsupportedModel(format!("{path}: {m}")),
+                    other => other,
+                })?;
+            Model::load(std::path::Path::new(&path), &arch, &meta, &tensors, tok, quant)
+        })
+        .map_err(map_err)?;
+    Ok(PyModel { inner: Arc::new(model), arch, path })
+}
+
+#[pyfunction]
+#[pyo3(signature = (m, text, add_bos=None, special=false))]
+fn encode(py: Python<'_>, m: &PyModel, text: &str, add_bos: Option<bool>, special: bool) -> Vec<u32> {
+    let model = &m.inner;
+    py.allow_threads(|| model.tokenizer.encode(text, add_bos, special))
+}
+
+#[pyfunction]
+#[pyo3(signature = (m, ids, special=false))]
+fn decode(m: &PyModel, ids: Vec<u32>, special: bool) -> PyResult<String> {
+    for &id in &ids {
+        check_id(&m.inner, id)?;
+    }
+    Ok(String::from_utf8_lossy(&m.inner.tokenizer.decode(&ids, special)).into_owned())
+}
+
+/// The bytes a token stands for (a token may hold part of a UTF-8 character).
+#[pyfunction]
+#[pyo3(signature = (m, id, special=false))]
+fn token_piece_bytes<'py>(py: Python<'py>, m: &PyModel, id: u32, special: bool) -> PyResult<Bound<'py, PyBytes>> {
+    check_id(&m.inner, id)?;
+    Ok(PyBytes::new_bound(py, &m.inner.tokenizer.piece(id, special)))
+}
+
+#[pyfunction]
+fn create_session(m: &PyModel) -> PySession {
+    PySession { model: m.inner.clone(), inner: Session::new(&m.inner) }
+}
+
+fn same_model(m: &PyModel, s: &PySession) -> PyResult<()> {
+    if Arc::ptr_eq(&m.inner, &s.model) {
+        Ok(())
+    } else {
+        Err(PyValueError::new_err("this session was created for a different model"))
+    }
+}
+
+/// Run `ids` at the session's position; returns the float32 logits after the last id.
+#[pyfunction]
+fn eval<'py>(py: Python<'py>, m: &PyModel, s: &mut PySession, ids: Vec<u32>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    same_model(m, s)?;
+    let model = &m.inner;
+    let sess = &mut s.inner;
+    py.allow_threads(|| sess.eval(model, &ids)).map_err(map_err)?;
+    Ok(PyArray1::from_slice_bound(py, &s.inner.logits))
+}
+
+#[allow(clippy::too_many_arguments)]
+#[pyfunction]
+#[pyo3(signature = (temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed))]
+fn make_params(
+    temp: f32,
+    top_k: i64,
+    top_p: f32,
+    min_p: f32,
+    penalty: f32,
+    presence_penalty: f32,
+    frequency_penalty: f32,
+    penalty_last_n: i64,
+    seed: Option<u64>,
+) -> PyResult<Params> {
+    let p = SamplingParams { temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed };
+    p.validate().map_err(map_err)?;
+    Ok(Params(p))
+}
+
+/// Validated sampling parameters (built by `dasllama.SamplingParams`).
+#[pyclass(module = "dasllama._native", frozen)]
+#[derive(Clone)]
+struct Params(SamplingParams);
+
+fn sample_next(s: &mut Session, p: &SamplingParams) -> PyResult<u32> {
+    if s.logits.is_empty() {
+        return Err(PyValueError::new_err("the session has no logits yet: eval a prompt first"));
+    }
+    let mut logits = std::mem::take(&mut s.logits);
+    let tok = sampling::sample(&mut logits, &s.recent, p, &mut s.rng);
+    s.logits = logits;
+    s.recent.push(tok);
+    Ok(tok)
+}
+
+/// Sample the next token from the session's logits.
+#[pyfunction]
+fn sample(s: &mut PySession, params: &Params) -> PyResult<u32> {
+    if let Some(seed) = params.0.seed {
+        if s.inner.recent.is_empty() {
+            s.inner.rng = sampling::Rng::new(seed);
+        }
+    }
+    sample_next(&mut s.inner, &params.0)
+}
+
+/// Prefill `ids`, then sample up to `max_new` tokens, stopping at end-of-generation.
+/// `on_piece(id, text)` sees each token's text (never half a UTF-8 character); returning False stops.
+#[pyfunction]
+#[pyo3(signature = (m, s, ids, params, max_new, on_piece=None))]
+fn generate(
+    py: Python<'_>,
+    m: &PyModel,
+    s: &mut PySession,
+    ids: Vec<u32>,
+    params: &Params,
+    max_new: i64,
+    on_piece: Option<PyObject>,
+) -> PyResult<Vec<u32>> {
+    same_model(m, s)?;
+    if max_new < 0 {
+        return Err(PyValueError::new_err("max_new must be >= 0"));
+    }
+    if ids.is_empty() && s.inner.logits.is_empty() {
+        return Err(PyValueError::new_err("generate needs a prompt (ids is empty and the session has no logits)"));
+    }
+    let model = &m.inner;
+    if let Some(seed) = params.0.seed {
+        s.inner.rng = sampling::Rng::new(seed);
+    }
+    if !ids.is_empty() {
+        let sess = &mut s.inner;
+        py.allow_threads(|| sess.eval(model, &ids)).map_err(map_err)?;
+    }
+    let mut out = Vec::new();
+    let mut stream = Utf8Stream::default();
+    while (out.len() as i64) < max_new {
+        let tok = sample_next(&mut s.inner, &params.0)?;
+        out.push(tok);
+        let eog = model.tokenizer.is_eog(tok);
+        if let Some(cb) = &on_piece {
+            let mut text = stream.push(&model.tokenizer.piece(tok, false));
+            if eog || out.len() as i64 == max_new {
+                text.push_str(&stream.finish());
+            }
+            let keep = cb.call1(py, (tok, text))?;
+            if !keep.is_none(py) && !keep.is_truthy(py)? {
+                break;
+            }
+        }
+        if eog || out.len() as i64 == max_new {
+            break;
+        }
+        let sess = &mut s.inner;
+        py.allow_threads(|| sess.eval(model, &[tok])).map_err(map_err)?;
+    }
+    Ok(out)
+}
+
+/// Names of the architectures this build implements.
+#[pyfunction]
+fn arch_names() -> Vec<&'static str> {
+    dasllama::model::arch_names()
+}
+
+/// The number of threads kernels run on (DASLLAMA_THREADS, else physical cores).
+#[pyfunction]
+fn n_threads() -> usize {
+    dasllama::cpu::n_threads()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("DasllamaError", py.get_type_bound::<DasllamaError>())?;
+    m.add("GgufError", py.get_type_bound::<GgufError>())?;
+    m.add("UnsupportedModelError", py.get_type_bound::<UnsupportedModelError>())?;
+    m.add("ContextOverflowError", py.get_type_bound::<ContextOverflowError>())?;
+    m.add_class::<PyModel>()?;
+    m.add_class::<PySession>()?;
+    m.add_class::<Params>()?;
+    m.add_function(wrap_pyfunction!(load_model, m)?)?;
+    m.add_function(wrap_pyfunction!(encode, m)?)?;
+    m.add_function(wrap_pyfunction!(decode, m)?)?;
+    m.add_function(wrap_pyfunction!(token_piece_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(create_session, m)?)?;
+    m.add_function(wrap_pyfunction!(eval, m)?)?;
+    m.add_function(wrap_pyfunction!(make_params, m)?)?;
+    m.add_function(wrap_pyfunction!(sample, m)?)?;
+    m.add_function(wrap_pyfunction!(generate, m)?)?;
+    m.add_function(wrap_pyfunction!(arch_names, m)?)?;
+    m.add_function(wrap_pyfunction!(n_threads, m)?)?;
+    Ok(())
+}

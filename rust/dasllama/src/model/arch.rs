@@ -1,0 +1,23 @@
+//! The architecture registry: `general.architecture` -> how to configure the shared skeleton.
+//! A new family is one file with a `configure` function and one line here.
+
+use super::{Config, Metadata};
+use crate::Result;
+
+pub struct ArchDesc {
+    pub name: &'static str,
+    pub configure: fn(&Metadata) -> Result<Config>,
+}
+
+static REGISTRY: &[ArchDesc] = &[
+    ArchDesc { name: "llama", configure: super::llama::configure },
+    ArchDesc { name: "gemma3", configure: super::gemma3::configure },
+];
+
+pub fn lookup(name: &str) -> Option<&'static ArchDesc> {
+    REGISTRY.iter().find(|a| a.name == name)
+}
+
+pub fn arch_names() -> Vec<&'static str> {
+    REGISTRY.iter().map(|a| a.name).collect()
+}

@@ -1,0 +1,159 @@
+//! The forward pass shared by every family: embed, N x (attention + GLU FFN), norm, logits.
+//! Multi-token calls (prefill) run every matmul as one weight-stationary GEMM over all rows.
+
+use super::{Activation, Model};
+use crate::cpu::{matmul, ops, pool};
+use crate::session::KvCache;
+use crate::{Error, Result};
+use rayon::prelude::*;
+
+/// Scratch reused across calls so decode does not allocate per token.
+#[derive(Default)]
+pub struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    act: Vec<u8>,
+}
+
+fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+/// Evaluate `tokens` at positions `kv.len()..`, append their K/V, and write the logits after the
+/// last token into `logits`.
+pub fn forward(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
+    let c = &m.config;
+    let n = tokens.len();
+    let pos0 = kv.len();
+    if n == 0 {
+        return Err(Error::InvalidArgument("eval needs at least one token".into()));
+    }
+    if pos0 + n > c.seq_len {
+        return Err(Error::ContextOverflow(format!(
+            "{} tokens at position {pos0} would run past the context window of {} tokens; start a new session or shorten the prompt",
+            n, c.seq_len
+        )));
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        return Err(Error::InvalidArgument(format!("token id {bad} is out of range for a vocabulary of {}", c.vocab_size)));
+    }
+    let (d, qd, kvd, hd) = (c.dim, c.q_dim(), c.kv_dim(), c.hidden_dim);
+    let mut xbuf = std::mem::take(&mut s.x);
+    grow(&mut xbuf, n * d);
+    let x = &mut xbuf[..n * d];
+    for (t, &tok) in tokens.iter().enumerate() {
+        let row = &mut x[t * d..(t + 1) * d];
+        m.tok_embd.dequantize_row(tok as usize, row);
+        if let Some(sc) = c.embed_scale {
+            row.iter_mut().for_each(|v| *v *= sc);
+        }
+    }
+    kv.reserve(pos0 + n);
+    for (il, l) in m.layers.iter().enumerate() {
+        let h = grow(&mut s.h, n * d);
+        h.copy_from_slice(x);
+        h.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, &l.attn_norm, c.norm_eps));
+        let (h, act) = (&s.h[..n * d], &mut s.act);
+        matmul(&l.wq, h, n, grow(&mut s.q, n * qd), act);
+        matmul(&l.wk, h, n, grow(&mut s.k, n * kvd), act);
+        matmul(&l.wv, h, n, grow(&mut s.v, n * kvd), act);
+        let swa = c.is_swa_layer(il);
+        let base = if swa { c.rope_base_swa } else { c.rope_base };
+        for t in 0..n {
+            let pos = pos0 + t;
+            for qh in s.q[t * qd..(t + 1) * qd].chunks_exact_mut(c.head_dim) {
+                if let Some(w) = &l.q_norm {
+                    ops::rms_norm(qh, w, c.norm_eps);
+                }
+                ops::rope(qh, c.rope_dim, pos, base, c.rope_neox);
+            }
+            for kh in s.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(c.head_dim) {
+                if let Some(w) = &l.k_norm {
+                    ops::rms_norm(kh, w, c.norm_eps);
+                }
+                ops::rope(kh, c.rope_dim, pos, base, c.rope_neox);
+            }
+        }
+        kv.append(il, &s.k[..n * kvd], &s.v[..n * kvd]);
+        let window = if swa { c.sliding_window } else { 0 };
+        attention(m, kv, il, pos0, n, window, &s.q[..n * qd], grow(&mut s.att, n * qd));
+        let o = grow(&mut s.o, n * d);
+        matmul(&l.wo, &s.att[..n * qd], n, o, &mut s.act);
+        if let Some(w) = &l.post_attn_norm {
+            o.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, w, c.norm_eps));
+        }
+        x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
+
+        let h = grow(&mut s.h, n * d);
+        h.copy_from_slice(x);
+        h.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, &l.ffn_norm, c.norm_eps));
+        let h = &s.h[..n * d];
+        matmul(&l.w_gate, h, n, grow(&mut s.gate, n * hd), &mut s.act);
+        matmul(&l.w_up, h, n, grow(&mut s.up, n * hd), &mut s.act);
+        let (g, u) = (&mut s.gate[..n * hd], &s.up[..n * hd]);
+        match c.activation {
+            Activation::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::silu(*a) * b),
+            Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::gelu_tanh_f16(*a) * b),
+        }
+        let o = grow(&mut s.o, n * d);
+        matmul(&l.w_down, &s.gate[..n * hd], n, o, &mut s.act);
+        if let Some(w) = &l.post_ffn_norm {
+            o.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, w, c.norm_eps));
+        }
+        x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
+    }
+    kv.commit(pos0 + n);
+    let last = grow(&mut s.h, d);
+    last.copy_from_slice(&x[(n - 1) * d..n * d]);
+    ops::rms_norm(last, &m.output_norm, c.norm_eps);
+    logits.resize(c.vocab_size, 0.0);
+    s.x = xbuf;
+    matmul(&m.output, &s.h[..d], 1, logits, &mut s.act);
+    Ok(())
+}
+
+/// Causal attention of `n` new queries (at positions pos0..) over the layer's cached K/V.
+/// Q and the softmax weights are rounded to f16 as llama.cpp does against its f16 cache.
+#[allow(clippy::too_many_arguments)]
+fn attention(m: &Model, kv: &KvCache, il: usize, pos0: usize, n: usize, window: usize, q: &[f32], out: &mut [f32]) {
+    let c = &m.config;
+    let (hdim, qd, kvd) = (c.head_dim, c.q_dim(), c.kv_dim());
+    let group = c.n_heads / c.n_kv_heads;
+    let (kc, vc) = kv.layer(il);
+    let one = |(idx, o): (usize, &mut [f32])| {
+        let (t, h) = (idx / c.n_heads, idx % c.n_heads);
+        let pos = pos0 + t;
+        let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        let kvh = h / group;
+        let qh: Vec<f32> = q[t * qd + h * hdim..t * qd + (h + 1) * hdim].iter().map(|&v| ops::round_f16(v)).collect();
+        let mut sc: Vec<f32> = (start..=pos)
+            .map(|j| {
+                let kr = &kc[j * kvd + kvh * hdim..j * kvd + (kvh + 1) * hdim];
+                qh.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * c.attn_scale
+            })
+            .collect();
+        ops::softmax(&mut sc);
+        o.fill(0.0);
+        for (j, p) in (start..=pos).zip(sc) {
+            let p = ops::round_f16(p);
+            let vr = &vc[j * kvd + kvh * hdim..j * kvd + (kvh + 1) * hdim];
+            o.iter_mut().zip(vr).for_each(|(a, b)| *a += p * b);
+        }
+    };
+    let work = n * (pos0 + n) * c.n_heads;
+    if work * hdim > 1 << 16 {
+        pool().install(|| out[..n * qd].par_chunks_exact_mut(hdim).enumerate().for_each(one));
+    } else {
+        out[..n * qd].chunks_exact_mut(hdim).enumerate().for_each(one);
+    }
+}

@@ -1,0 +1,370 @@
+//! GGUF block formats: layouts, dequantization, activation quantization and dot products.
+//!
+//! Weights stay in their stored blocks. Activations are rounded to the block format llama.cpp pairs
+//! with each weight format (`q8_0` for Q4_0/Q5_0/Q8_0, `q8_1` for Q4_1/Q5_1, `q8_K` for the K-quants,
+//! f16/bf16 for half-precision weights): that rounding is part of the numbers llama.cpp produces, so
+//! matching it is what lets us agree with llama.cpp to a few hundredths of a nat.
+
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+
+use crate::{Error, Result};
+use half::{bf16, f16};
+
+/// ggml tensor types we understand, with their GGUF ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q4K,
+    Q5K,
+    Q6K,
+    Q8K,
+    BF16,
+}
+
+impl GgmlType {
+    pub fn from_id(id: u32) -> Result<Self> {
+        Ok(match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
+            8 => Self::Q8_0,
+            9 => Self::Q8_1,
+            12 => Self::Q4K,
+            13 => Self::Q5K,
+            14 => Self::Q6K,
+            15 => Self::Q8K,
+            30 => Self::BF16,
+            _ => {
+                return Err(Error::UnsupportedModel(format!(
+                    "tensor type id {id} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)"
+                )))
+            }
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "F32",
+            Self::F16 => "F16",
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
+            Self::Q8_0 => "Q8_0",
+            Self::Q8_1 => "Q8_1",
+            Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
+            Self::Q6K => "Q6_K",
+            Self::Q8K => "Q8_K",
+            Self::BF16 => "BF16",
+        }
+    }
+
+    /// Values per block.
+    pub fn block_len(self) -> usize {
+        match self {
+            Self::F32 | Self::F16 | Self::BF16 => 1,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Q8_1 => 32,
+            Self::Q4K | Self::Q5K | Self::Q6K | Self::Q8K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q8_0 => 34,
+            Self::Q8_1 => 36,
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Q6K => 210,
+            Self::Q8K => 292,
+        }
+    }
+
+    pub fn row_bytes(self, n: usize) -> usize {
+        n / self.block_len() * self.block_bytes()
+    }
+
+    /// The format activations are rounded to before a dot product with weights of this type.
+    pub fn vec_dot_type(self) -> GgmlType {
+        match self {
+            Self::F32 => Self::F32,
+            Self::F16 => Self::F16,
+            Self::BF16 => Self::BF16,
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => Self::Q8_0,
+            Self::Q4_1 | Self::Q5_1 => Self::Q8_1,
+            Self::Q4K | Self::Q5K | Self::Q6K => Self::Q8K,
+            Self::Q8_1 | Self::Q8K => self,
+        }
+    }
+}
+
+#[inline(always)]
+pub(crate) fn rd_f16(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+#[inline(always)]
+pub(crate) fn wr_f16(b: &mut [u8], at: usize, v: f32) {
+    b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
+}
+
+#[inline(always)]
+pub(crate) fn rd_f32(b: &[u8], at: usize) -> f32 {
+    f32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// Unpack the 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block.
+#[inline(always)]
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// Dequantize one row of `n` values.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    let bb = ty.block_bytes();
+    match ty {
+        GgmlType::F32 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = rd_f32(src, 4 * i);
+            }
+        }
+        GgmlType::F16 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = rd_f16(src, 2 * i);
+            }
+        }
+        GgmlType::BF16 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = bf16::from_bits(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])).to_f32();
+            }
+        }
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let (has_min, has_high) = match ty {
+                GgmlType::Q4_0 => (false, false),
+                GgmlType::Q4_1 => (true, false),
+                GgmlType::Q5_0 => (false, true),
+                _ => (true, true),
+            };
+            for ib in 0..n / 32 {
+                let b = &src[ib * bb..(ib + 1) * bb];
+                let d = rd_f16(b, 0);
+                let mut off = 2;
+                let m = if has_min {
+                    off += 2;
+                    rd_f16(b, 2)
+                } else {
+                    0.0
+                };
+                let qh = if has_high {
+                    off += 4;
+                    u32::from_le_bytes([b[off - 4], b[off - 3], b[off - 2], b[off - 1]])
+                } else {
+                    0
+                };
+                let qs = &b[off..off + 16];
+                let bias = match (has_min, has_high) {
+                    (true, _) => 0,
+                    (false, false) => 8,
+                    (false, true) => 16,
+                };
+                for j in 0..16 {
+                    let h0 = ((qh >> j) & 1) << 4;
+                    let h1 = ((qh >> (j + 16)) & 1) << 4;
+                    let v0 = ((qs[j] & 0xF) as u32 | h0) as i32 - bias;
+                    let v1 = ((qs[j] >> 4) as u32 | h1) as i32 - bias;
+                    out[ib * 32 + j] = v0 as f32 * d + m;
+                    out[ib * 32 + j + 16] = v1 as f32 * d + m;
+                }
+            }
+        }
+        GgmlType::Q8_0 | GgmlType::Q8_1 => {
+            let off = if ty == GgmlType::Q8_0 { 2 } else { 4 };
+            for ib in 0..n / 32 {
+                let b = &src[ib * bb..(ib + 1) * bb];
+                let d = rd_f16(b, 0);
+                for j in 0..32 {
+                    out[ib * 32 + j] = b[off + j] as i8 as f32 * d;
+                }
+            }
+        }
+        GgmlType::Q8K => {
+            for ib in 0..n / 256 {
+                let b = &src[ib * bb..(ib + 1) * bb];
+                let d = rd_f32(b, 0);
+                for j in 0..256 {
+                    out[ib * 256 + j] = b[4 + j] as i8 as f32 * d;
+                }
+            }
+        }
+        GgmlType::Q4K | GgmlType::Q5K => {
+            let five = ty == GgmlType::Q5K;
+            for ib in 0..n / 256 {
+                let b = &src[ib * bb..(ib + 1) * bb];
+                let d = rd_f16(b, 0);
+                let dmin = rd_f16(b, 2);
+                let scales = &b[4..16];
+                let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+                let y = &mut out[ib * 256..(ib + 1) * 256];
+                for j in 0..4 {
+                    let (sc1, m1) = scale_min_k4(2 * j, scales);
+                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+                    let (d1, mm1) = (d * sc1 as f32, dmin * m1 as f32);
+                    let (d2, mm2) = (d * sc2 as f32, dmin * m2 as f32);
+                    let q = &qs[32 * j..32 * j + 32];
+                    for l in 0..32 {
+                        let (mut lo, mut hi) = ((q[l] & 0xF) as u32, (q[l] >> 4) as u32);
+                        if five {
+                            lo |= (((qh[l] >> (2 * j)) & 1) as u32) << 4;
+                            hi |= (((qh[l] >> (2 * j + 1)) & 1) as u32) << 4;
+                        }
+                        y[64 * j + l] = d1 * lo as f32 - mm1;
+                        y[64 * j + 32 + l] = d2 * hi as f32 - mm2;
+                    }
+                }
+            }
+        }
+        GgmlType::Q6K => {
+            for ib in 0..n / 256 {
+                let b = &src[ib * bb..(ib + 1) * bb];
+                let d = rd_f16(b, 208);
+                let y = &mut out[ib * 256..(ib + 1) * 256];
+                for half in 0..2 {
+                    let ql = &b[64 * half..64 * half + 64];
+                    let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+                    let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                        let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                        let o = 128 * half;
+                        y[o + l] = d * (sc[is] as i8 as f32) * q1 as f32;
+                        y[o + l + 32] = d * (sc[is + 2] as i8 as f32) * q2 as f32;
+                        y[o + l + 64] = d * (sc[is + 4] as i8 as f32) * q3 as f32;
+                        y[o + l + 96] = d * (sc[is + 6] as i8 as f32) * q4 as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Round a row of activations to `ty` (a vec_dot_type), exactly as ggml's x86 path does:
+/// q8_0/q8_1 scale by 127/amax and round half to even, q8_K keeps the sign of the largest value.
+pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
+    match ty {
+        GgmlType::F32 => {
+            for (i, v) in x.iter().enumerate() {
+                out[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        GgmlType::F16 => {
+            for (i, v) in x.iter().enumerate() {
+                wr_f16(out, 2 * i, *v);
+            }
+        }
+        GgmlType::BF16 => {
+            for (i, v) in x.iter().enumerate() {
+                out[2 * i..2 * i + 2].copy_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes());
+            }
+        }
+        GgmlType::Q8_0 | GgmlType::Q8_1 => {
+            let bb = ty.block_bytes();
+            let off = if ty == GgmlType::Q8_0 { 2 } else { 4 };
+            for (ib, xb) in x.chunks_exact(32).enumerate() {
+                let b = &mut out[ib * bb..(ib + 1) * bb];
+                let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                wr_f16(b, 0, d);
+                let mut sum = 0i32;
+                for j in 0..32 {
+                    let q = (xb[j] * id).round_ties_even() as i32;
+                    sum += q;
+                    b[off + j] = q as i8 as u8;
+                }
+                if ty == GgmlType::Q8_1 {
+                    wr_f16(b, 2, d * sum as f32);
+                }
+            }
+        }
+        GgmlType::Q8K => {
+            for (ib, xb) in x.chunks_exact(256).enumerate() {
+                let b = &mut out[ib * 292..(ib + 1) * 292];
+                let (mut amax, mut max) = (0.0f32, 0.0f32);
+                for &v in xb {
+                    if v.abs() > amax {
+                        amax = v.abs();
+                        max = v;
+                    }
+                }
+                if amax == 0.0 {
+                    b.fill(0);
+                    continue;
+                }
+                let iscale = -127.0 / max;
+                for j in 0..256 {
+                    let q = ((iscale * xb[j]).round_ties_even() as i32).min(127);
+                    b[4 + j] = q as i8 as u8;
+                }
+                for g in 0..16 {
+                    let s: i32 = (0..16).map(|j| b[4 + 16 * g + j] as i8 as i32).sum();
+                    b[260 + 2 * g..262 + 2 * g].copy_from_slice(&(s as i16).to_le_bytes());
+                }
+                b[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+            }
+        }
+        other => panic!("{} is not an activation format", other.name()),
+    }
+}
+
+/// Quantize weights to Q8_0 with ggml's reference rounding (`roundf`, 1/d), for QuantMode.q8.
+pub fn quantize_weights_q8_0(x: &[f32], out: &mut [u8]) {
+    for (ib, xb) in x.chunks_exact(32).enumerate() {
+        let b = &mut out[ib * 34..(ib + 1) * 34];
+        let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        wr_f16(b, 0, d);
+        for j in 0..32 {
+            b[2 + j] = (xb[j] * id).round() as i8 as u8;
+        }
+    }
+}
+
+pub type DotFn = fn(&[u8], &[u8], usize) -> f32;
+
+/// The dot kernel for weights of `ty` against activations in `ty.vec_dot_type()`:
+/// the SIMD one when this CPU has it, else the scalar twin.
+pub fn dot_fn(ty: GgmlType) -> DotFn {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(f) = avx2::dot_fn(ty) {
+        return f;
+    }
+    scalar::dot_fn(ty)
+}
