@@ -1,0 +1,97 @@
+"""Chat templates: the model's own Jinja template, rendered in jinja2's sandbox as Hugging Face's
+``apply_chat_template`` does, and an interactive chat on the command line.
+
+    python -m dasllama.chat [-m MODEL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import sys
+from typing import Any
+
+from jinja2 import TemplateError as JinjaTemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import TemplateError
+from .fetch import DEFAULT_MODEL
+from .model import Model, decode, encode, load_model
+from .session import SamplingParams, create_session, generate
+
+Message = dict[str, Any]
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(f"the chat template refused the conversation: {message}")
+
+
+def render_chat(m: Model, messages: list[Message], add_generation_prompt: bool = True, **extra: Any) -> str:
+    """Render ``messages`` (dicts with ``role`` and ``content``) through the model's chat template."""
+    if not m.chat_template:
+        raise TemplateError(f"{m.path.name} has no chat template (tokenizer.chat_template); it is a base model: use dasllama.generate with raw text")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise TemplateError(f"message {i} must be a dict with 'role' and 'content', got {msg!r}")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+
+    def token(key: str) -> str:
+        tid = m.metadata.get(key)
+        return m._native.token_text(int(tid)) if tid is not None and 0 <= int(tid) < m.n_vocab else ""
+
+    try:
+        tmpl = env.from_string(m.chat_template)
+        return tmpl.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=token("tokenizer.ggml.bos_token_id"),
+            eos_token=token("tokenizer.ggml.eos_token_id"),
+            **extra,
+        )
+    except TemplateError:
+        raise
+    except JinjaTemplateError as e:
+        raise TemplateError(f"{m.path.name}: the chat template failed to render: {e}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dasllama.chat", description="Chat with a model through its own chat template.")
+    ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="path to a .gguf or a known model name")
+    ap.add_argument("--system", default="", help="system prompt")
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--temp", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--seed", type=int, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    m = load_model(args.model)
+    params = SamplingParams(temp=args.temp, top_p=args.top_p, seed=args.seed)
+    messages: list[Message] = [{"role": "system", "content": args.system}] if args.system else []
+    s = create_session(m)
+    fed: list[int] = []  # tokens already in the session's KV
+    print(f"chatting with {m.path.name} (empty line or Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        ids = encode(m, render_chat(m, messages), special=True)
+        # Reuse the KV of everything already evaluated; only the new turn is prefilled.
+        if ids[: len(fed)] != fed:
+            s.reset()
+            fed = []
+        out = generate(m, s, ids[len(fed) :], params, args.max_new, lambda _id, text: print(text, end="", flush=True))
+        print()
+        fed = ids + out
+        messages.append({"role": "assistant", "content": decode(m, [t for t in out if t not in m.eog_ids])})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
