@@ -1,0 +1,44 @@
+"""Every block format and both families on tiny synthetic models, against a NumPy reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from synthetic import reference_logits, write_model
+
+import dasllama as dl
+
+IDS = [1, 261, 262, 263, 5, 70, 80, 90, 100]
+FORMATS = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+
+
+def run(path: Path, quant: dl.QuantMode) -> np.ndarray:
+    m = dl.load_model(path, quant)
+    s = dl.create_session(m)
+    return np.stack([dl.eval(m, s, [t]) for t in IDS])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
+def test_format_against_numpy(tmp_path: Path, qt: QT, arch: str) -> None:
+    path = tmp_path / f"tiny-{arch}-{qt.name}.gguf"
+    weights = write_model(path, qt, arch)
+    ref = reference_logits(weights, IDS, arch)
+    # fp32 mode: exact weights and f32 activations; only the f16 KV rounding separates us.
+    got = run(path, dl.QuantMode.fp32)
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() <= 0.02 * scale, (np.abs(got - ref).max(), scale)
+    # native mode: activations rounded to the weight format's q8 partner; still close.
+    nat = run(path, dl.QuantMode.native)
+    assert np.abs(nat - ref).max() <= 0.12 * scale
+    assert (nat.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
+
+
+def test_q8_mode_converts(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    ref = reference_logits(write_model(path, QT.Q4_1), IDS)
+    got = run(path, dl.QuantMode.q8)
+    assert np.abs(got - ref).max() <= 0.08 * np.abs(ref).max()
