@@ -113,3 +113,48 @@ fn activation_rounding_is_ggml_x86() {
     let s = half::f16::from_bits(u16::from_le_bytes([a[2], a[3]])).to_f32();
     assert_eq!(s, 125.0);
 }
+
+#[test]
+fn four_row_kernels_are_bit_identical_to_single_row() {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
+        let Some(d4) = dasllama::quant::dot4_fn(ty) else { continue };
+        let mut rng = Lcg(ty as u64 + 99);
+        let n = 576;
+        for _ in 0..20 {
+            let w = random_weights(ty, n, &mut rng, false);
+            let vt = ty.vec_dot_type();
+            let acts: Vec<Vec<u8>> = (0..4)
+                .map(|_| {
+                    let x: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
+                    let mut a = vec![0u8; vt.row_bytes(n)];
+                    quantize_row(vt, &x, &mut a);
+                    a
+                })
+                .collect();
+            let got = d4(&w, [&acts[0], &acts[1], &acts[2], &acts[3]], n);
+            for k in 0..4 {
+                assert_eq!(got[k].to_bits(), dot_fn(ty)(&w, &acts[k], n).to_bits(), "{} row {k}", ty.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn four_weight_row_kernels_are_bit_identical_to_single_row() {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
+        let Some(r4) = dasllama::quant::rows4_fn(ty) else { continue };
+        let mut rng = Lcg(ty as u64 + 7);
+        let n = 576;
+        for _ in 0..20 {
+            let ws: Vec<Vec<u8>> = (0..4).map(|_| random_weights(ty, n, &mut rng, false)).collect();
+            let vt = ty.vec_dot_type();
+            let x: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
+            let mut a = vec![0u8; vt.row_bytes(n)];
+            quantize_row(vt, &x, &mut a);
+            let got = r4([&ws[0], &ws[1], &ws[2], &ws[3]], &a, n);
+            for k in 0..4 {
+                assert_eq!(got[k].to_bits(), dot_fn(ty)(&ws[k], &a, n).to_bits(), "{} row {k}", ty.name());
+            }
+        }
+    }
+}

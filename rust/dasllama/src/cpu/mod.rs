@@ -4,7 +4,7 @@
 
 pub mod ops;
 
-use crate::quant::{dequantize_row, dot_fn, quantize_row, GgmlType};
+use crate::quant::{dequantize_row, dot4_fn, dot_fn, quantize_row, rows4_fn, GgmlType};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
@@ -84,60 +84,115 @@ impl Weight {
 /// Raw pointer that rayon tasks may share because each writes a disjoint set of indices.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
-// SAFETY: `matmul` hands every task a disjoint range of output columns, so no two tasks
-// write the same element and nothing reads the buffer until the parallel loop has joined.
+// SAFETY: `matmul_many` hands every task a disjoint range of output columns, so no two tasks
+// write the same element and nothing reads the buffers until the parallel loop has joined.
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
+/// Activation rows dotted against one weight row per pass of the inner loop: a tile small enough
+/// to stay in L1 while a task walks its weight rows.
+const TOKEN_TILE: usize = 16;
+
 /// out[t][r] = dot(w[r], x[t]) for `n` activation rows x (each `w.cols` long).
-///
-/// Weight-stationary: each task walks a slice of weight rows and dots every row against all `n`
-/// activation rows while it is hot in L1, so a batch of any size reads the weights once. Each
-/// output element is computed by the same kernel whatever `n` is, so results do not depend on it.
 pub fn matmul(w: &Weight, x: &[f32], n: usize, out: &mut [f32], act: &mut Vec<u8>) {
-    let (k, m) = (w.cols, w.rows);
+    matmul_many(&mut [(w, out)], x, n, act);
+}
+
+/// Several matmuls of the same input (Q/K/V, gate/up) as one parallel pass.
+///
+/// Weight-stationary: each task owns a slice of one weight's rows and dots every row against all
+/// `n` activation rows, a tile at a time, while the row is hot in L1, so a batch of any size reads
+/// the weights once. Each output element is computed by the same kernel arithmetic whatever `n`
+/// is (the 4-row kernels are bit-identical to the 1-row ones), so results never depend on it.
+pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act: &mut Vec<u8>) {
+    let k = segs[0].0.cols;
+    let vt = segs[0].0.ty.vec_dot_type();
+    for (w, out) in segs.iter() {
+        assert!(w.cols == k && w.ty.vec_dot_type() == vt, "fused matmuls need the same input format");
+        assert!(out.len() >= n * w.rows, "matmul output has the wrong size");
+    }
     assert_eq!(x.len(), n * k, "matmul input has the wrong size");
-    assert!(out.len() >= n * m, "matmul output has the wrong size");
-    let vt = w.ty.vec_dot_type();
     let arb = vt.row_bytes(k);
     act.resize(n * arb, 0);
     if n >= 8 {
-        pool().install(|| {
-            act.par_chunks_exact_mut(arb)
-                .zip(x.par_chunks_exact(k))
-                .for_each(|(a, xr)| quantize_row(vt, xr, a));
-        });
+        act.par_chunks_exact_mut(arb).zip(x.par_chunks_exact(k)).for_each(|(a, xr)| quantize_row(vt, xr, a));
     } else {
         for (a, xr) in act.chunks_exact_mut(arb).zip(x.chunks_exact(k)) {
             quantize_row(vt, xr, a);
         }
     }
-    let dot = dot_fn(w.ty);
-    let wb = w.data.as_slice();
-    let wrb = w.row_bytes();
     let act = &act[..];
-    let dst = SharedOut(out.as_mut_ptr());
+    let total_rows: usize = segs.iter().map(|(w, _)| w.rows).sum();
     let threads = n_threads();
-    // Enough tasks to balance the two halves of a big-core/little-core split, few enough that
-    // the per-task overhead stays small against a 576-wide row.
-    let chunk = (m / (threads * 4)).max(16).min(m.max(1));
-    let run = |c: usize| {
-        let dst = dst;
-        let (lo, hi) = (c * chunk, ((c + 1) * chunk).min(m));
-        for r in lo..hi {
-            let wr = &wb[r * wrb..(r + 1) * wrb];
-            for t in 0..n {
-                let v = dot(wr, &act[t * arb..(t + 1) * arb], k);
-                // SAFETY: column r belongs to this task alone; t*m + r < n*m <= out.len().
-                unsafe { *dst.0.add(t * m + r) = v };
+    // Enough tasks to balance uneven cores, few enough that per-task overhead stays small.
+    let chunk = (total_rows / (threads * 4)).max(16);
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for (si, (w, _)) in segs.iter().enumerate() {
+        let mut lo = 0;
+        while lo < w.rows {
+            let hi = (lo + chunk).min(w.rows);
+            tasks.push((si, lo, hi));
+            lo = hi;
+        }
+    }
+    let ptrs: Vec<(&Weight, SharedOut)> = segs.iter_mut().map(|(w, o)| (&**w, SharedOut(o.as_mut_ptr()))).collect();
+    let run = |&(si, lo, hi): &(usize, usize, usize)| {
+        let (w, dst) = (ptrs[si].0, ptrs[si].1);
+        let (m, wrb) = (w.rows, w.row_bytes());
+        let wb = w.data.as_slice();
+        let dot = dot_fn(w.ty);
+        let dot4 = dot4_fn(w.ty);
+        let arow = |t: usize| &act[t * arb..(t + 1) * arb];
+        let wrow = |r: usize| &wb[r * wrb..(r + 1) * wrb];
+        if n < 4 {
+            if let Some(r4) = rows4_fn(w.ty) {
+                // Decode: too few activation rows to share a weight unpack; overlap four rows' chains.
+                for t in 0..n {
+                    let mut r = lo;
+                    while r + 4 <= hi {
+                        let v = r4([wrow(r), wrow(r + 1), wrow(r + 2), wrow(r + 3)], arow(t), k);
+                        for (j, vj) in v.into_iter().enumerate() {
+                            // SAFETY: columns lo..hi of this segment belong to this task alone, and
+                            // t*m + r + j < n*m <= the output's length (asserted above).
+                            unsafe { *dst.0.add(t * m + r + j) = vj };
+                        }
+                        r += 4;
+                    }
+                    for r in r..hi {
+                        // SAFETY: as above.
+                        unsafe { *dst.0.add(t * m + r) = dot(wrow(r), arow(t), k) };
+                    }
+                }
+                return;
+            }
+        }
+        for t0 in (0..n).step_by(TOKEN_TILE) {
+            let t1 = (t0 + TOKEN_TILE).min(n);
+            for r in lo..hi {
+                let wr = &wb[r * wrb..(r + 1) * wrb];
+                let mut t = t0;
+                if let Some(d4) = dot4 {
+                    while t + 4 <= t1 {
+                        let v = d4(wr, [arow(t), arow(t + 1), arow(t + 2), arow(t + 3)], k);
+                        for (j, vj) in v.into_iter().enumerate() {
+                            // SAFETY: column r of this segment belongs to this task alone, and
+                            // (t+j)*m + r < n*m <= the output's length (asserted above).
+                            unsafe { *dst.0.add((t + j) * m + r) = vj };
+                        }
+                        t += 4;
+                    }
+                }
+                for t in t..t1 {
+                    // SAFETY: as above.
+                    unsafe { *dst.0.add(t * m + r) = dot(wr, arow(t), k) };
+                }
             }
         }
     };
-    let n_chunks = m.div_ceil(chunk);
-    if threads == 1 || n_chunks == 1 {
-        (0..n_chunks).for_each(run);
+    if threads == 1 || tasks.len() == 1 {
+        tasks.iter().for_each(run);
     } else {
-        pool().install(|| (0..n_chunks).into_par_iter().for_each(run));
+        tasks.par_iter().for_each(run);
     }
 }
 

@@ -2,7 +2,7 @@
 //! Multi-token calls (prefill) run every matmul as one weight-stationary GEMM over all rows.
 
 use super::{Activation, Model};
-use crate::cpu::{matmul, ops, pool};
+use crate::cpu::{matmul, matmul_many, ops};
 use crate::session::KvCache;
 use crate::{Error, Result};
 use rayon::prelude::*;
@@ -29,9 +29,25 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     &mut v[..n]
 }
 
+/// One parallel pass when the weights share an input format, else one pass each.
+fn matmul_fused(segs: &mut [(&crate::cpu::Weight, &mut [f32])], x: &[f32], n: usize, act: &mut Vec<u8>) {
+    let vt = segs[0].0.ty.vec_dot_type();
+    if segs.iter().all(|(w, _)| w.ty.vec_dot_type() == vt) {
+        matmul_many(segs, x, n, act);
+    } else {
+        for (w, out) in segs.iter_mut() {
+            matmul(w, x, n, out, act);
+        }
+    }
+}
+
 /// Evaluate `tokens` at positions `kv.len()..`, append their K/V, and write the logits after the
-/// last token into `logits`.
+/// last token into `logits`. Runs on the kernel thread pool.
 pub fn forward(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
+    crate::cpu::pool().install(|| forward_on_pool(m, kv, tokens, s, logits))
+}
+
+fn forward_on_pool(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
     let c = &m.config;
     let n = tokens.len();
     let pos0 = kv.len();
@@ -63,10 +79,15 @@ pub fn forward(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, log
         let h = grow(&mut s.h, n * d);
         h.copy_from_slice(x);
         h.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, &l.attn_norm, c.norm_eps));
-        let (h, act) = (&s.h[..n * d], &mut s.act);
-        matmul(&l.wq, h, n, grow(&mut s.q, n * qd), act);
-        matmul(&l.wk, h, n, grow(&mut s.k, n * kvd), act);
-        matmul(&l.wv, h, n, grow(&mut s.v, n * kvd), act);
+        grow(&mut s.q, n * qd);
+        grow(&mut s.k, n * kvd);
+        grow(&mut s.v, n * kvd);
+        matmul_fused(
+            &mut [(&l.wq, &mut s.q[..n * qd]), (&l.wk, &mut s.k[..n * kvd]), (&l.wv, &mut s.v[..n * kvd])],
+            &s.h[..n * d],
+            n,
+            &mut s.act,
+        );
         let swa = c.is_swa_layer(il);
         let base = if swa { c.rope_base_swa } else { c.rope_base };
         for t in 0..n {
@@ -97,9 +118,9 @@ pub fn forward(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, log
         let h = grow(&mut s.h, n * d);
         h.copy_from_slice(x);
         h.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, &l.ffn_norm, c.norm_eps));
-        let h = &s.h[..n * d];
-        matmul(&l.w_gate, h, n, grow(&mut s.gate, n * hd), &mut s.act);
-        matmul(&l.w_up, h, n, grow(&mut s.up, n * hd), &mut s.act);
+        grow(&mut s.gate, n * hd);
+        grow(&mut s.up, n * hd);
+        matmul_fused(&mut [(&l.w_gate, &mut s.gate[..n * hd]), (&l.w_up, &mut s.up[..n * hd])], &s.h[..n * d], n, &mut s.act);
         let (g, u) = (&mut s.gate[..n * hd], &s.up[..n * hd]);
         match c.activation {
             Activation::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::silu(*a) * b),
@@ -152,7 +173,7 @@ fn attention(m: &Model, kv: &KvCache, il: usize, pos0: usize, n: usize, window: 
     };
     let work = n * (pos0 + n) * c.n_heads;
     if work * hdim > 1 << 16 {
-        pool().install(|| out[..n * qd].par_chunks_exact_mut(hdim).enumerate().for_each(one));
+        out[..n * qd].par_chunks_exact_mut(hdim).enumerate().for_each(one);
     } else {
         out[..n * qd].chunks_exact_mut(hdim).enumerate().for_each(one);
     }

@@ -15,6 +15,176 @@ fn has_avx2() -> bool {
     })
 }
 
+/// The 1-row x 4-activation kernel for `ty`: unpacks each weight block once for four rows of
+/// activations, and computes each of the four results with exactly the single-row arithmetic.
+pub fn dot4_fn(ty: GgmlType) -> Option<super::Dot4Fn> {
+    if !has_avx2() {
+        return None;
+    }
+    Some(match ty {
+        GgmlType::Q4_0 => dot4_q4_0,
+        GgmlType::Q4_1 => dot4_q4_1,
+        GgmlType::Q5_0 => dot4_q5_0,
+        GgmlType::Q8_0 => dot4_q8_0,
+        _ => return None,
+    })
+}
+
+macro_rules! safe_entry4 {
+    ($name:ident, $inner:ident, $wb:expr, $ab:expr) => {
+        pub fn $name(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
+            let nb = n / 32;
+            assert!(w.len() >= nb * $wb && a.iter().all(|r| r.len() >= nb * $ab));
+            // SAFETY: handed out only after detecting AVX2, FMA and F16C; the assert bounds every load.
+            unsafe { $inner(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
+        }
+    };
+}
+
+safe_entry4!(dot4_q4_0, q4_0_x4, 18, 34);
+safe_entry4!(dot4_q4_1, q4_1_x4, 20, 36);
+safe_entry4!(dot4_q5_0, q5_0_x4, 22, 34);
+safe_entry4!(dot4_q8_0, q8_0_x4, 34, 34);
+
+/// Four weight rows against one activation row, for decode: four independent accumulation chains
+/// instead of one, each computed exactly as the single-row kernel computes it.
+pub fn rows4_fn(ty: GgmlType) -> Option<super::Rows4Fn> {
+    if !has_avx2() {
+        return None;
+    }
+    Some(match ty {
+        GgmlType::Q4_0 => rows4_q4_0,
+        GgmlType::Q4_1 => rows4_q4_1,
+        GgmlType::Q5_0 => rows4_q5_0,
+        GgmlType::Q8_0 => rows4_q8_0,
+        _ => return None,
+    })
+}
+
+macro_rules! safe_rows4 {
+    ($name:ident, $inner:ident, $wb:expr, $ab:expr) => {
+        pub fn $name(w: [&[u8]; 4], a: &[u8], n: usize) -> [f32; 4] {
+            let nb = n / 32;
+            assert!(a.len() >= nb * $ab && w.iter().all(|r| r.len() >= nb * $wb));
+            // SAFETY: handed out only after detecting AVX2, FMA and F16C; the assert bounds every load.
+            unsafe { $inner([w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()], a.as_ptr(), nb) }
+        }
+    };
+}
+
+safe_rows4!(rows4_q4_0, q4_0_r4, 18, 34);
+safe_rows4!(rows4_q4_1, q4_1_r4, 20, 36);
+safe_rows4!(rows4_q5_0, q5_0_r4, 22, 34);
+safe_rows4!(rows4_q8_0, q8_0_r4, 34, 34);
+
+#[inline(always)]
+unsafe fn signed_r4(w: [*const u8; 4], a: *const u8, nb: usize, wbytes: usize, unpack: impl Fn(*const u8) -> __m256i) -> [f32; 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in 0..nb {
+        let ab = a.add(i * 34);
+        let da = f16_at(ab);
+        let y = _mm256_loadu_si256(ab.add(2) as *const __m256i);
+        for k in 0..4 {
+            let wb = w[k].add(i * wbytes);
+            let q = unpack(wb);
+            let d = _mm256_set1_ps(f16_at(wb) * da);
+            acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8_i8(q, y)), acc[k]);
+        }
+    }
+    [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
+    let eight = _mm256_set1_epi8(8);
+    signed_r4(w, a, nb, 18, |wb| _mm256_sub_epi8(nibbles(wb.add(2)), eight))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0_r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
+    let f0 = _mm256_set1_epi8(0xF0u8 as i8);
+    signed_r4(w, a, nb, 22, |wb| _mm256_or_si256(nibbles(wb.add(6)), _mm256_andnot_si256(bytes_from_bits(wb.add(2)), f0)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
+    signed_r4(w, a, nb, 34, |wb| _mm256_loadu_si256(wb.add(2) as *const __m256i))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1_r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut summs = [0.0f32; 4];
+    for i in 0..nb {
+        let ab = a.add(i * 36);
+        let (da, sa) = (f16_at(ab), f16_at(ab.add(2)));
+        let y = _mm256_loadu_si256(ab.add(4) as *const __m256i);
+        for k in 0..4 {
+            let wb = w[k].add(i * 20);
+            summs[k] += f16_at(wb.add(2)) * sa;
+            let d = _mm256_set1_ps(f16_at(wb) * da);
+            acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8_i8(nibbles(wb.add(4)), y)), acc[k]);
+        }
+    }
+    [hsum(acc[0]) + summs[0], hsum(acc[1]) + summs[1], hsum(acc[2]) + summs[2], hsum(acc[3]) + summs[3]]
+}
+
+/// Signed weights (|q| <= 127) against four q8_0 activation rows; `unpack` yields the block's
+/// i8 weights. Mirrors the single-row kernels: per row, acc = fma(dw*da, dot, acc), then hsum.
+#[inline(always)]
+unsafe fn signed_x4(w: *const u8, a: [*const u8; 4], nb: usize, wbytes: usize, unpack: impl Fn(*const u8) -> __m256i) -> [f32; 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in 0..nb {
+        let wb = w.add(i * wbytes);
+        let dw = f16_at(wb);
+        let q = unpack(wb);
+        let qa = _mm256_sign_epi8(q, q);
+        for k in 0..4 {
+            let ab = a[k].add(i * 34);
+            let d = _mm256_set1_ps(dw * f16_at(ab));
+            let y = _mm256_sign_epi8(_mm256_loadu_si256(ab.add(2) as *const __m256i), q);
+            acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8_i8(qa, y)), acc[k]);
+        }
+    }
+    [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+    let eight = _mm256_set1_epi8(8);
+    signed_x4(w, a, nb, 18, |wb| _mm256_sub_epi8(nibbles(wb.add(2)), eight))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_0_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+    let f0 = _mm256_set1_epi8(0xF0u8 as i8);
+    signed_x4(w, a, nb, 22, |wb| _mm256_or_si256(nibbles(wb.add(6)), _mm256_andnot_si256(bytes_from_bits(wb.add(2)), f0)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+    signed_x4(w, a, nb, 34, |wb| _mm256_loadu_si256(wb.add(2) as *const __m256i))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut summs = [0.0f32; 4];
+    for i in 0..nb {
+        let wb = w.add(i * 20);
+        let (dw, mw) = (f16_at(wb), f16_at(wb.add(2)));
+        let q = nibbles(wb.add(4));
+        for k in 0..4 {
+            let ab = a[k].add(i * 36);
+            summs[k] += mw * f16_at(ab.add(2));
+            let d = _mm256_set1_ps(dw * f16_at(ab));
+            let y = _mm256_loadu_si256(ab.add(4) as *const __m256i);
+            acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8_i8(q, y)), acc[k]);
+        }
+    }
+    [hsum(acc[0]) + summs[0], hsum(acc[1]) + summs[1], hsum(acc[2]) + summs[2], hsum(acc[3]) + summs[3]]
+}
+
 /// The AVX2 kernel for `ty`, when this CPU has AVX2+FMA+F16C and one is written for `ty`.
 pub fn dot_fn(ty: GgmlType) -> Option<super::DotFn> {
     if !has_avx2() {

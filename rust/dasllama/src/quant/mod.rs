@@ -358,6 +358,8 @@ pub fn quantize_weights_q8_0(x: &[f32], out: &mut [u8]) {
 }
 
 pub type DotFn = fn(&[u8], &[u8], usize) -> f32;
+pub type Dot4Fn = fn(&[u8], [&[u8]; 4], usize) -> [f32; 4];
+pub type Rows4Fn = fn([&[u8]; 4], &[u8], usize) -> [f32; 4];
 
 /// The dot kernel for weights of `ty` against activations in `ty.vec_dot_type()`:
 /// the SIMD one when this CPU has it, else the scalar twin.
@@ -367,4 +369,32 @@ pub fn dot_fn(ty: GgmlType) -> DotFn {
         return f;
     }
     scalar::dot_fn(ty)
+}
+
+/// A kernel that dots one weight row against four activation rows at once, when `ty` has one.
+/// Each of its four results is bit-identical to `dot_fn(ty)` on that row.
+pub fn dot4_fn(ty: GgmlType) -> Option<Dot4Fn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2::dot4_fn(ty)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        None
+    }
+}
+
+/// A kernel that dots four weight rows against one activation row, when `ty` has one.
+/// Each of its four results is bit-identical to `dot_fn(ty)` on that row.
+pub fn rows4_fn(ty: GgmlType) -> Option<Rows4Fn> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2::rows4_fn(ty)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        None
+    }
 }
