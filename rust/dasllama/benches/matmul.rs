@@ -1,1 +1,47 @@
-fn main(){}
+//! Criterion benches of the matmul kernels, per weight format: one 576-wide row-block of
+//! SmolLM2's shape, decode (1 activation row) and prefill (64 rows).
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use dasllama::cpu::{matmul, Bytes, Weight};
+use dasllama::quant::GgmlType;
+use std::sync::Arc;
+
+fn weight(ty: GgmlType, rows: usize, cols: usize) -> Weight {
+    let mut state = 0x9E37_79B9u64;
+    let mut data: Vec<u8> = (0..ty.row_bytes(cols) * rows)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+            (state >> 56) as u8
+        })
+        .collect();
+    // Keep every f16 field finite: clear the exponent's top bit of every second byte.
+    for b in data.iter_mut().skip(1).step_by(2) {
+        *b &= 0x3B;
+    }
+    Weight { ty, rows, cols, data: Bytes::Owned(Arc::new(data)) }
+}
+
+fn bench(c: &mut Criterion) {
+    let (rows, cols) = (1536, 768);
+    let mut g = c.benchmark_group("matmul");
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::F16, GgmlType::F32] {
+        let w = weight(ty, rows, cols);
+        for n in [1usize, 64] {
+            let x: Vec<f32> = (0..n * cols).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
+            let mut out = vec![0.0f32; n * rows];
+            let mut act = Vec::new();
+            g.throughput(Throughput::Elements((rows * cols * n) as u64));
+            g.bench_with_input(BenchmarkId::new(ty.name(), n), &n, |b, &n| {
+                b.iter(|| dasllama::cpu::pool().install(|| matmul(&w, &x, n, &mut out, &mut act)))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20).measurement_time(std::time::Duration::from_secs(1)).warm_up_time(std::time::Duration::from_millis(300));
+    targets = bench
+}
+criterion_main!(benches);

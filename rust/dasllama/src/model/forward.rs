@@ -90,21 +90,23 @@ fn forward_on_pool(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch,
         );
         let swa = c.is_swa_layer(il);
         let base = if swa { c.rope_base_swa } else { c.rope_base };
-        for t in 0..n {
-            let pos = pos0 + t;
-            for qh in s.q[t * qd..(t + 1) * qd].chunks_exact_mut(c.head_dim) {
-                if let Some(w) = &l.q_norm {
-                    ops::rms_norm(qh, w, c.norm_eps);
+        let heads = |rows: &mut [f32], width: usize, norm: &Option<Vec<f32>>| {
+            let each = |(t, row): (usize, &mut [f32])| {
+                for hv in row.chunks_exact_mut(c.head_dim) {
+                    if let Some(w) = norm {
+                        ops::rms_norm(hv, w, c.norm_eps);
+                    }
+                    ops::rope(hv, c.rope_dim, pos0 + t, base, c.rope_neox);
                 }
-                ops::rope(qh, c.rope_dim, pos, base, c.rope_neox);
+            };
+            if n >= 16 {
+                rows.par_chunks_exact_mut(width).enumerate().for_each(each);
+            } else {
+                rows.chunks_exact_mut(width).enumerate().for_each(each);
             }
-            for kh in s.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(c.head_dim) {
-                if let Some(w) = &l.k_norm {
-                    ops::rms_norm(kh, w, c.norm_eps);
-                }
-                ops::rope(kh, c.rope_dim, pos, base, c.rope_neox);
-            }
-        }
+        };
+        heads(&mut s.q[..n * qd], qd, &l.q_norm);
+        heads(&mut s.k[..n * kvd], kvd, &l.k_norm);
         kv.append(il, &s.k[..n * kvd], &s.v[..n * kvd]);
         let window = if swa { c.sliding_window } else { 0 };
         attention(m, kv, il, pos0, n, window, &s.q[..n * qd], grow(&mut s.att, n * qd));
@@ -121,10 +123,15 @@ fn forward_on_pool(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch,
         grow(&mut s.gate, n * hd);
         grow(&mut s.up, n * hd);
         matmul_fused(&mut [(&l.w_gate, &mut s.gate[..n * hd]), (&l.w_up, &mut s.up[..n * hd])], &s.h[..n * d], n, &mut s.act);
-        let (g, u) = (&mut s.gate[..n * hd], &s.up[..n * hd]);
-        match c.activation {
+        let act = c.activation;
+        let glu = |(g, u): (&mut [f32], &[f32])| match act {
             Activation::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::silu(*a) * b),
             Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::gelu_tanh_f16(*a) * b),
+        };
+        if n >= 16 {
+            s.gate[..n * hd].par_chunks_exact_mut(hd).zip(s.up[..n * hd].par_chunks_exact(hd)).for_each(glu);
+        } else {
+            glu((&mut s.gate[..n * hd], &s.up[..n * hd]));
         }
         let o = grow(&mut s.o, n * d);
         matmul(&l.w_down, &s.gate[..n * hd], n, o, &mut s.act);
@@ -158,10 +165,7 @@ fn attention(m: &Model, kv: &KvCache, il: usize, pos0: usize, n: usize, window: 
         let kvh = h / group;
         let qh: Vec<f32> = q[t * qd + h * hdim..t * qd + (h + 1) * hdim].iter().map(|&v| ops::round_f16(v)).collect();
         let mut sc: Vec<f32> = (start..=pos)
-            .map(|j| {
-                let kr = &kc[j * kvd + kvh * hdim..j * kvd + (kvh + 1) * hdim];
-                qh.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * c.attn_scale
-            })
+            .map(|j| ops::dot_f32(&qh, &kc[j * kvd + kvh * hdim..j * kvd + (kvh + 1) * hdim]) * c.attn_scale)
             .collect();
         ops::softmax(&mut sc);
         o.fill(0.0);

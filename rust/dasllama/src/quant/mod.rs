@@ -274,6 +274,14 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Round half to even for |x| < 2^22 (quantized activations are within ±128): adding and
+/// removing 1.5 * 2^23 leaves the FPU's own round-to-nearest-even, with no libm call.
+#[inline(always)]
+fn round_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (x + MAGIC) - MAGIC
+}
+
 /// Round a row of activations to `ty` (a vec_dot_type), exactly as ggml's x86 path does:
 /// q8_0/q8_1 scale by 127/amax and round half to even, q8_K keeps the sign of the largest value.
 pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
@@ -304,7 +312,7 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
                 wr_f16(b, 0, d);
                 let mut sum = 0i32;
                 for j in 0..32 {
-                    let q = (xb[j] * id).round_ties_even() as i32;
+                    let q = round_even(xb[j] * id) as i32;
                     sum += q;
                     b[off + j] = q as i8 as u8;
                 }
@@ -329,7 +337,7 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
                 }
                 let iscale = -127.0 / max;
                 for j in 0..256 {
-                    let q = ((iscale * xb[j]).round_ties_even() as i32).min(127);
+                    let q = (round_even(iscale * xb[j]) as i32).min(127);
                     b[4 + j] = q as i8 as u8;
                 }
                 for g in 0..16 {
