@@ -1,7 +1,8 @@
 //! Every SIMD dot equals its scalar twin, and both equal the dot of the dequantized rows, on
-//! random blocks and on edge values.
+//! random blocks and on edge values. SIMD kernels read weights in the layout `kernels(ty)` asks
+//! for (repacked or not); the scalar twins read the GGUF rows, so the repack is checked too.
 
-use dasllama::quant::{dequantize_row, dot_fn, quantize_row, scalar, GgmlType};
+use dasllama::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, repack, scalar, GgmlType};
 
 struct Lcg(u64);
 impl Lcg {
@@ -70,13 +71,12 @@ fn check(ty: GgmlType, edge: bool) {
         let w = random_weights(ty, n, &mut rng, edge);
         let x: Vec<f32> = (0..n).map(|_| if edge { [0.0, 1e-3, -3.0, 7.5][rng.next() as usize % 4] } else { rng.f() * 4.0 }).collect();
         let vt = ty.vec_dot_type();
-        let mut a = vec![0u8; vt.row_bytes(n)];
-        quantize_row(vt, &x, &mut a);
-        let simd = dot_fn(ty)(&w, &a, n);
+        let a = act(ty, &x);
+        let simd = (kernels(ty).dot)(&for_kernels(ty, &w), &a, n);
         let sc = scalar::dot_fn(ty)(&w, &a, n);
         let (mut wd, mut ad) = (vec![0.0f32; n], vec![0.0f32; n]);
         dequantize_row(ty, &w, &mut wd);
-        dequantize_row(vt, &a, &mut ad);
+        dequantize_row(vt, &a[..vt.row_bytes(n)], &mut ad);
         let reference: f64 = wd.iter().zip(&ad).map(|(p, q)| *p as f64 * *q as f64).sum();
         let mag: f64 = wd.iter().zip(&ad).map(|(p, q)| (*p as f64 * *q as f64).abs()).sum::<f64>() + 1e-6;
         assert!(((simd - sc) as f64).abs() <= 1e-4 * mag, "{}: simd {simd} != scalar {sc} (edge={edge})", ty.name());
@@ -105,7 +105,7 @@ fn activation_rounding_is_ggml_x86() {
     x[0] = 127.0;
     x[1] = 2.5;
     x[2] = -3.5;
-    let mut a = vec![0u8; 36];
+    let mut a = vec![0u8; act_row_bytes(GgmlType::Q8_1, 32)];
     quantize_row(GgmlType::Q8_1, &x, &mut a);
     assert_eq!(a[4] as i8, 127);
     assert_eq!(a[5] as i8, 2);
@@ -115,46 +115,48 @@ fn activation_rounding_is_ggml_x86() {
 }
 
 #[test]
-fn four_row_kernels_are_bit_identical_to_single_row() {
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
-        let Some(d4) = dasllama::quant::dot4_fn(ty) else { continue };
+fn multi_row_kernels_are_bit_identical_to_single_row() {
+    for ty in WEIGHTS.iter().copied().chain([GgmlType::Q6K]) {
+        let k = kernels(ty);
         let mut rng = Lcg(ty as u64 + 99);
-        let n = 576;
-        for _ in 0..20 {
-            let w = random_weights(ty, n, &mut rng, false);
-            let vt = ty.vec_dot_type();
-            let acts: Vec<Vec<u8>> = (0..4)
-                .map(|_| {
-                    let x: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
-                    let mut a = vec![0u8; vt.row_bytes(n)];
-                    quantize_row(vt, &x, &mut a);
-                    a
-                })
-                .collect();
-            let got = d4(&w, [&acts[0], &acts[1], &acts[2], &acts[3]], n);
-            for k in 0..4 {
-                assert_eq!(got[k].to_bits(), dot_fn(ty)(&w, &acts[k], n).to_bits(), "{} row {k}", ty.name());
+        for n in [576, 256, 2048] {
+            for _ in 0..10 {
+                let ws: Vec<Vec<u8>> = (0..4).map(|_| for_kernels(ty, &random_weights(ty, n, &mut rng, false))).collect();
+                let acts: Vec<Vec<u8>> = (0..4).map(|_| act(ty, &(0..n).map(|_| rng.f() * 3.0).collect::<Vec<_>>())).collect();
+                if let Some(d4) = k.dot4 {
+                    let got = d4(&ws[0], [&acts[0], &acts[1], &acts[2], &acts[3]], n);
+                    for j in 0..4 {
+                        assert_eq!(got[j].to_bits(), (k.dot)(&ws[0], &acts[j], n).to_bits(), "{} dot4 row {j}", ty.name());
+                    }
+                }
+                if let Some(r4) = k.rows4 {
+                    let got = r4([&ws[0], &ws[1], &ws[2], &ws[3]], &acts[0], n);
+                    for j in 0..4 {
+                        assert_eq!(got[j].to_bits(), (k.dot)(&ws[j], &acts[0], n).to_bits(), "{} rows4 row {j}", ty.name());
+                    }
+                }
             }
         }
     }
 }
 
-#[test]
-fn four_weight_row_kernels_are_bit_identical_to_single_row() {
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
-        let Some(r4) = dasllama::quant::rows4_fn(ty) else { continue };
-        let mut rng = Lcg(ty as u64 + 7);
-        let n = 576;
-        for _ in 0..20 {
-            let ws: Vec<Vec<u8>> = (0..4).map(|_| random_weights(ty, n, &mut rng, false)).collect();
-            let vt = ty.vec_dot_type();
-            let x: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
-            let mut a = vec![0u8; vt.row_bytes(n)];
-            quantize_row(vt, &x, &mut a);
-            let got = r4([&ws[0], &ws[1], &ws[2], &ws[3]], &a, n);
-            for k in 0..4 {
-                assert_eq!(got[k].to_bits(), dot_fn(ty)(&ws[k], &a, n).to_bits(), "{} row {k}", ty.name());
-            }
-        }
+/// A weight row in the layout this CPU's kernels for `ty` read.
+fn for_kernels(ty: GgmlType, w: &[u8]) -> Vec<u8> {
+    if kernels(ty).repacked {
+        let mut r = vec![0u8; w.len()];
+        repack::repack_row(ty, w, &mut r);
+        let mut back = vec![0u8; w.len()];
+        repack::unpack_row(ty, &r, &mut back);
+        assert_eq!(back, w, "{}: repack does not round-trip", ty.name());
+        r
+    } else {
+        w.to_vec()
     }
+}
+
+fn act(ty: GgmlType, x: &[f32]) -> Vec<u8> {
+    let vt = ty.vec_dot_type();
+    let mut a = vec![0u8; act_row_bytes(vt, x.len())];
+    quantize_row(vt, x, &mut a);
+    a
 }

@@ -4,7 +4,7 @@
 
 pub mod ops;
 
-use crate::quant::{dequantize_row, dot4_fn, dot_fn, quantize_row, rows4_fn, GgmlType};
+use crate::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, repack, GgmlType};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
@@ -48,16 +48,32 @@ impl Bytes {
     }
 }
 
-/// A 2-D weight matrix of `rows` rows of `cols` values, stored row-major in GGUF blocks.
+/// A 2-D weight matrix of `rows` rows of `cols` values, stored row-major in GGUF blocks, or in
+/// the `repack` layout when this CPU's kernels for its format want that.
 #[derive(Clone)]
 pub struct Weight {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
     pub data: Bytes,
+    pub repacked: bool,
 }
 
 impl Weight {
+    /// Put the rows in the layout this CPU's kernels read (a copy, when that means repacking).
+    pub fn for_kernels(self) -> Weight {
+        if self.repacked || !kernels(self.ty).repacked {
+            return self;
+        }
+        let rb = self.row_bytes();
+        let mut data = vec![0u8; rb * self.rows];
+        let src = self.data.as_slice();
+        pool().install(|| {
+            data.par_chunks_exact_mut(rb).enumerate().for_each(|(r, o)| repack::repack_row(self.ty, &src[r * rb..(r + 1) * rb], o))
+        });
+        Weight { data: Bytes::Owned(Arc::new(data)), repacked: true, ..self }
+    }
+
     pub fn row_bytes(&self) -> usize {
         self.ty.row_bytes(self.cols)
     }
@@ -68,7 +84,13 @@ impl Weight {
     }
 
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        dequantize_row(self.ty, self.row(r), &mut out[..self.cols]);
+        if self.repacked {
+            let mut gguf = vec![0u8; self.row_bytes()];
+            repack::unpack_row(self.ty, self.row(r), &mut gguf);
+            dequantize_row(self.ty, &gguf, &mut out[..self.cols]);
+        } else {
+            dequantize_row(self.ty, self.row(r), &mut out[..self.cols]);
+        }
     }
 
     /// All values as f32 (norm vectors, QuantMode.fp32).
@@ -112,7 +134,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
         assert!(out.len() >= n * w.rows, "matmul output has the wrong size");
     }
     assert_eq!(x.len(), n * k, "matmul input has the wrong size");
-    let arb = vt.row_bytes(k);
+    let arb = act_row_bytes(vt, k);
     act.resize(n * arb, 0);
     if n >= 8 {
         act.par_chunks_exact_mut(arb).zip(x.par_chunks_exact(k)).for_each(|(a, xr)| quantize_row(vt, xr, a));
@@ -125,7 +147,8 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
     let total_rows: usize = segs.iter().map(|(w, _)| w.rows).sum();
     let threads = n_threads();
     // Enough tasks to balance uneven cores, few enough that per-task overhead stays small.
-    let chunk = (total_rows / (threads * 4)).max(16);
+    let per_thread = if n < 4 { 1 } else { 4 };
+    let chunk = total_rows.div_ceil(threads * per_thread).next_multiple_of(4).max(16);
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (si, (w, _)) in segs.iter().enumerate() {
         let mut lo = 0;
@@ -140,12 +163,13 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
         let (w, dst) = (ptrs[si].0, ptrs[si].1);
         let (m, wrb) = (w.rows, w.row_bytes());
         let wb = w.data.as_slice();
-        let dot = dot_fn(w.ty);
-        let dot4 = dot4_fn(w.ty);
+        let kern = kernels(w.ty);
+        debug_assert_eq!(kern.repacked, w.repacked, "weight layout does not match its kernels");
+        let (dot, dot4) = (kern.dot, kern.dot4);
         let arow = |t: usize| &act[t * arb..(t + 1) * arb];
         let wrow = |r: usize| &wb[r * wrb..(r + 1) * wrb];
         if n < 4 {
-            if let Some(r4) = rows4_fn(w.ty) {
+            if let Some(r4) = kern.rows4 {
                 // Decode: too few activation rows to share a weight unpack; overlap four rows' chains.
                 for t in 0..n {
                     let mut r = lo;
@@ -211,5 +235,5 @@ pub fn convert_weight(w: &Weight, to: GgmlType) -> Weight {
             }
         })
     });
-    Weight { ty: to, rows: w.rows, cols: w.cols, data: Bytes::Owned(Arc::new(data)) }
+    Weight { ty: to, rows: w.rows, cols: w.cols, data: Bytes::Owned(Arc::new(data)), repacked: false }
 }

@@ -142,7 +142,7 @@ impl TensorTable<'_> {
                 self.map.len()
             )));
         }
-        Ok(Weight { ty, rows, cols, data: Bytes::Mapped { map: self.map.clone(), offset, len } })
+        Ok(Weight { ty, rows, cols, data: Bytes::Mapped { map: self.map.clone(), offset, len }, repacked: false })
     }
 
     fn has(&self, name: &str) -> bool {
@@ -158,13 +158,12 @@ impl TensorTable<'_> {
                 self.file, w.rows, w.cols
             )));
         }
-        Ok(match self.quant {
-            QuantMode::Native => w,
+        let w = match self.quant {
             QuantMode::Q8 if w.cols % 32 == 0 && w.ty != GgmlType::Q8_0 => convert_weight(&w, GgmlType::Q8_0),
-            QuantMode::Q8 => w,
             QuantMode::Fp32 if w.ty != GgmlType::F32 => convert_weight(&w, GgmlType::F32),
-            QuantMode::Fp32 => w,
-        })
+            _ => w,
+        };
+        Ok(w.for_kernels())
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {

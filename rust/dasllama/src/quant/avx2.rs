@@ -1,7 +1,7 @@
 //! AVX2+FMA dot products. Each has a scalar twin in `scalar.rs` and a test that they agree.
 //! Integer block sums are exact in both, so the twins differ only in f32 summation order.
 
-use super::GgmlType;
+use super::{Dot4Fn, DotFn, GgmlType, Kernels, Rows4Fn};
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
@@ -15,189 +15,21 @@ fn has_avx2() -> bool {
     })
 }
 
-/// The 1-row x 4-activation kernel for `ty`: unpacks each weight block once for four rows of
-/// activations, and computes each of the four results with exactly the single-row arithmetic.
-pub fn dot4_fn(ty: GgmlType) -> Option<super::Dot4Fn> {
+/// The AVX2 kernels for `ty`, when this CPU has AVX2+FMA+F16C and they are written for `ty`.
+pub fn kernels(ty: GgmlType) -> Option<Kernels> {
     if !has_avx2() {
         return None;
     }
+    let k = |dot: DotFn, dot4: Dot4Fn, rows4: Rows4Fn| Kernels { dot, dot4: Some(dot4), rows4: Some(rows4), repacked: true };
+    let single = |dot: DotFn| Kernels { dot, dot4: None, rows4: None, repacked: false };
     Some(match ty {
-        GgmlType::Q4_0 => dot4_q4_0,
-        GgmlType::Q4_1 => dot4_q4_1,
-        GgmlType::Q5_0 => dot4_q5_0,
-        GgmlType::Q8_0 => dot4_q8_0,
-        _ => return None,
-    })
-}
-
-macro_rules! safe_entry4 {
-    ($name:ident, $inner:ident, $wb:expr, $ab:expr) => {
-        pub fn $name(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
-            let nb = n / 32;
-            assert!(w.len() >= nb * $wb && a.iter().all(|r| r.len() >= nb * $ab));
-            // SAFETY: handed out only after detecting AVX2, FMA and F16C; the assert bounds every load.
-            unsafe { $inner(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
-        }
-    };
-}
-
-safe_entry4!(dot4_q4_0, q4_0_x4, 18, 34);
-safe_entry4!(dot4_q4_1, q4_1_x4, 20, 36);
-safe_entry4!(dot4_q5_0, q5_0_x4, 22, 34);
-safe_entry4!(dot4_q8_0, q8_0_x4, 34, 34);
-
-/// Four weight rows against one activation row, for decode: four independent accumulation chains
-/// instead of one, each computed exactly as the single-row kernel computes it.
-pub fn rows4_fn(ty: GgmlType) -> Option<super::Rows4Fn> {
-    if !has_avx2() {
-        return None;
-    }
-    Some(match ty {
-        GgmlType::Q4_0 => rows4_q4_0,
-        GgmlType::Q4_1 => rows4_q4_1,
-        GgmlType::Q5_0 => rows4_q5_0,
-        GgmlType::Q8_0 => rows4_q8_0,
-        _ => return None,
-    })
-}
-
-macro_rules! safe_rows4 {
-    ($name:ident, $inner:ident, $wb:expr, $ab:expr) => {
-        pub fn $name(w: [&[u8]; 4], a: &[u8], n: usize) -> [f32; 4] {
-            let nb = n / 32;
-            assert!(a.len() >= nb * $ab && w.iter().all(|r| r.len() >= nb * $wb));
-            // SAFETY: handed out only after detecting AVX2, FMA and F16C; the assert bounds every load.
-            unsafe { $inner([w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()], a.as_ptr(), nb) }
-        }
-    };
-}
-
-safe_rows4!(rows4_q4_0, q4_0_r4, 18, 34);
-safe_rows4!(rows4_q4_1, q4_1_r4, 20, 36);
-safe_rows4!(rows4_q5_0, q5_0_r4, 22, 34);
-safe_rows4!(rows4_q8_0, q8_0_r4, 34, 34);
-
-#[inline(always)]
-unsafe fn signed_r4(w: [*const u8; 4], a: *const u8, nb: usize, wbytes: usize, unpack: impl Fn(*const u8) -> __m256i) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for i in 0..nb {
-        let ab = a.add(i * 34);
-        let da = f16_at(ab);
-        let y = _mm256_loadu_si256(ab.add(2) as *const __m256i);
-        for k in 0..4 {
-            let wb = w[k].add(i * wbytes);
-            let q = unpack(wb);
-            let d = _mm256_set1_ps(f16_at(wb) * da);
-            acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8_i8(q, y)), acc[k]);
-        }
-    }
-    [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0_r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
-    let eight = _mm256_set1_epi8(8);
-    signed_r4(w, a, nb, 18, |wb| _mm256_sub_epi8(nibbles(wb.add(2)), eight))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0_r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
-    let f0 = _mm256_set1_epi8(0xF0u8 as i8);
-    signed_r4(w, a, nb, 22, |wb| _mm256_or_si256(nibbles(wb.add(6)), _mm256_andnot_si256(bytes_from_bits(wb.add(2)), f0)))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
-    signed_r4(w, a, nb, 34, |wb| _mm256_loadu_si256(wb.add(2) as *const __m256i))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1_r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut summs = [0.0f32; 4];
-    for i in 0..nb {
-        let ab = a.add(i * 36);
-        let (da, sa) = (f16_at(ab), f16_at(ab.add(2)));
-        let y = _mm256_loadu_si256(ab.add(4) as *const __m256i);
-        for k in 0..4 {
-            let wb = w[k].add(i * 20);
-            summs[k] += f16_at(wb.add(2)) * sa;
-            let d = _mm256_set1_ps(f16_at(wb) * da);
-            acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8_i8(nibbles(wb.add(4)), y)), acc[k]);
-        }
-    }
-    [hsum(acc[0]) + summs[0], hsum(acc[1]) + summs[1], hsum(acc[2]) + summs[2], hsum(acc[3]) + summs[3]]
-}
-
-/// Signed weights (|q| <= 127) against four q8_0 activation rows; `unpack` yields the block's
-/// i8 weights. Mirrors the single-row kernels: per row, acc = fma(dw*da, dot, acc), then hsum.
-#[inline(always)]
-unsafe fn signed_x4(w: *const u8, a: [*const u8; 4], nb: usize, wbytes: usize, unpack: impl Fn(*const u8) -> __m256i) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for i in 0..nb {
-        let wb = w.add(i * wbytes);
-        let dw = f16_at(wb);
-        let q = unpack(wb);
-        let qa = _mm256_sign_epi8(q, q);
-        for k in 0..4 {
-            let ab = a[k].add(i * 34);
-            let d = _mm256_set1_ps(dw * f16_at(ab));
-            let y = _mm256_sign_epi8(_mm256_loadu_si256(ab.add(2) as *const __m256i), q);
-            acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8_i8(qa, y)), acc[k]);
-        }
-    }
-    [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
-    let eight = _mm256_set1_epi8(8);
-    signed_x4(w, a, nb, 18, |wb| _mm256_sub_epi8(nibbles(wb.add(2)), eight))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
-    let f0 = _mm256_set1_epi8(0xF0u8 as i8);
-    signed_x4(w, a, nb, 22, |wb| _mm256_or_si256(nibbles(wb.add(6)), _mm256_andnot_si256(bytes_from_bits(wb.add(2)), f0)))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
-    signed_x4(w, a, nb, 34, |wb| _mm256_loadu_si256(wb.add(2) as *const __m256i))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut summs = [0.0f32; 4];
-    for i in 0..nb {
-        let wb = w.add(i * 20);
-        let (dw, mw) = (f16_at(wb), f16_at(wb.add(2)));
-        let q = nibbles(wb.add(4));
-        for k in 0..4 {
-            let ab = a[k].add(i * 36);
-            summs[k] += mw * f16_at(ab.add(2));
-            let d = _mm256_set1_ps(dw * f16_at(ab));
-            let y = _mm256_loadu_si256(ab.add(4) as *const __m256i);
-            acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8_i8(q, y)), acc[k]);
-        }
-    }
-    [hsum(acc[0]) + summs[0], hsum(acc[1]) + summs[1], hsum(acc[2]) + summs[2], hsum(acc[3]) + summs[3]]
-}
-
-/// The AVX2 kernel for `ty`, when this CPU has AVX2+FMA+F16C and one is written for `ty`.
-pub fn dot_fn(ty: GgmlType) -> Option<super::DotFn> {
-    if !has_avx2() {
-        return None;
-    }
-    Some(match ty {
-        GgmlType::Q4_0 => dot_q4_0,
-        GgmlType::Q4_1 => dot_q4_1,
-        GgmlType::Q5_0 => dot_q5_0,
-        GgmlType::Q8_0 => dot_q8_0,
-        GgmlType::Q4K => dot_q4_k,
-        GgmlType::Q6K => dot_q6_k,
-        GgmlType::F32 => dot_f32,
+        GgmlType::Q4_0 => k(dot_q4_0, dot4_q4_0, rows4_q4_0),
+        GgmlType::Q4_1 => k(dot_q4_1, dot4_q4_1, rows4_q4_1),
+        GgmlType::Q5_0 => k(dot_q5_0, dot4_q5_0, rows4_q5_0),
+        GgmlType::Q8_0 => k(dot_q8_0, dot4_q8_0, rows4_q8_0),
+        GgmlType::Q4K => single(dot_q4_k),
+        GgmlType::Q6K => single(dot_q6_k),
+        GgmlType::F32 => single(dot_f32),
         _ => return None,
     })
 }
@@ -213,10 +45,6 @@ macro_rules! safe_entry {
     };
 }
 
-safe_entry!(dot_q4_0, q4_0_impl, 18, 34, 32);
-safe_entry!(dot_q4_1, q4_1_impl, 20, 36, 32);
-safe_entry!(dot_q5_0, q5_0_impl, 22, 34, 32);
-safe_entry!(dot_q8_0, q8_0_impl, 34, 34, 32);
 safe_entry!(dot_q4_k, q4_k_impl, 144, 292, 256);
 safe_entry!(dot_q6_k, q6_k_impl, 210, 292, 256);
 safe_entry!(dot_f32, f32_impl, 4, 4, 1);
@@ -271,63 +99,9 @@ unsafe fn dot_i8_i8(x: __m256i, y: __m256i) -> __m256i {
     dot_u8_i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let eight = _mm256_set1_epi8(8);
-    for i in 0..nb {
-        let (wb, ab) = (w.add(i * 18), a.add(i * 34));
-        let d = _mm256_set1_ps(f16_at(wb) * f16_at(ab));
-        let q = _mm256_sub_epi8(nibbles(wb.add(2)), eight);
-        let y = _mm256_loadu_si256(ab.add(2) as *const __m256i);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8_i8(q, y)), acc);
-    }
-    hsum(acc)
-}
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let mut summs = 0.0f32;
-    for i in 0..nb {
-        let (wb, ab) = (w.add(i * 20), a.add(i * 36));
-        summs += f16_at(wb.add(2)) * f16_at(ab.add(2));
-        let d = _mm256_set1_ps(f16_at(wb) * f16_at(ab));
-        let q = nibbles(wb.add(4));
-        let y = _mm256_loadu_si256(ab.add(4) as *const __m256i);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_u8_i8(q, y)), acc);
-    }
-    hsum(acc) + summs
-}
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_0_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let f0 = _mm256_set1_epi8(0xF0u8 as i8);
-    for i in 0..nb {
-        let (wb, ab) = (w.add(i * 22), a.add(i * 34));
-        let d = _mm256_set1_ps(f16_at(wb) * f16_at(ab));
-        // (q | h<<4) - 16 as i8 is q where the high bit is set and q|0xF0 where it is not.
-        let hi = _mm256_andnot_si256(bytes_from_bits(wb.add(2)), f0);
-        let q = _mm256_or_si256(nibbles(wb.add(6)), hi);
-        let y = _mm256_loadu_si256(ab.add(2) as *const __m256i);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8_i8(q, y)), acc);
-    }
-    hsum(acc)
-}
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    for i in 0..nb {
-        let (wb, ab) = (w.add(i * 34), a.add(i * 34));
-        let d = _mm256_set1_ps(f16_at(wb) * f16_at(ab));
-        let q = _mm256_loadu_si256(wb.add(2) as *const __m256i);
-        let y = _mm256_loadu_si256(ab.add(2) as *const __m256i);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_i8_i8(q, y)), acc);
-    }
-    hsum(acc)
-}
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f32_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
@@ -428,3 +202,223 @@ unsafe fn q6_k_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
     }
     hsum(acc)
 }
+
+// ---- The 32-value formats, on repacked weight rows (see `repack`) --------------------------
+//
+// Per group of eight blocks the weight scales (and mins) convert with one vcvtph2ps and meet the
+// activation scales (the f32 tail `quantize_row` writes) in one multiply; per block what is left
+// is the integer dot, its conversion, a lane broadcast and one fma. Every variant (1x1, 1x4, 4x1)
+// runs this same per-output arithmetic, so their results are bit-identical.
+
+/// Which 32-value format: how to read block `i` of a repacked row of `nb` blocks.
+trait Fmt {
+    /// Activation block bytes (q8_0: 34, q8_1: 36) and weight block bytes.
+    const ABYTES: usize;
+    const WBYTES: usize;
+    /// Weights are unsigned (Q4_1) and carry a min applied through the activation sums.
+    const MIN: bool;
+    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i;
+}
+
+struct Q4_0;
+struct Q4_1;
+struct Q5_0;
+struct Q8_0;
+
+impl Fmt for Q4_0 {
+    const ABYTES: usize = 34;
+    const WBYTES: usize = 18;
+    const MIN: bool = false;
+    #[inline(always)]
+    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i {
+        _mm256_sub_epi8(nibbles(row.add(2 * nb + 16 * i)), _mm256_set1_epi8(8))
+    }
+}
+impl Fmt for Q4_1 {
+    const ABYTES: usize = 36;
+    const WBYTES: usize = 20;
+    const MIN: bool = true;
+    #[inline(always)]
+    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i {
+        nibbles(row.add(4 * nb + 16 * i))
+    }
+}
+impl Fmt for Q5_0 {
+    const ABYTES: usize = 34;
+    const WBYTES: usize = 22;
+    const MIN: bool = false;
+    #[inline(always)]
+    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i {
+        // (q | h<<4) - 16 as i8 is q where the high bit is set and q|0xF0 where it is not.
+        let hi = _mm256_andnot_si256(bytes_from_bits(row.add(2 * nb + 4 * i)), _mm256_set1_epi8(0xF0u8 as i8));
+        _mm256_or_si256(nibbles(row.add(6 * nb + 16 * i)), hi)
+    }
+}
+impl Fmt for Q8_0 {
+    const ABYTES: usize = 34;
+    const WBYTES: usize = 34;
+    const MIN: bool = false;
+    #[inline(always)]
+    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i {
+        _mm256_loadu_si256(row.add(2 * nb + 32 * i) as *const __m256i)
+    }
+}
+
+/// Eight f16 at `p` (fewer at the end of a row, zero-filled) as f32.
+#[inline(always)]
+unsafe fn f16x8(p: *const u8, cnt: usize) -> __m256 {
+    if cnt == 8 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    } else {
+        let mut tmp = [0u16; 8];
+        std::ptr::copy_nonoverlapping(p as *const u16, tmp.as_mut_ptr(), cnt);
+        _mm256_cvtph_ps(_mm_loadu_si128(tmp.as_ptr() as *const __m128i))
+    }
+}
+
+/// Eight f32 at `p` (fewer at the end, zero-filled).
+#[inline(always)]
+unsafe fn f32x8(p: *const f32, cnt: usize) -> __m256 {
+    if cnt == 8 {
+        _mm256_loadu_ps(p)
+    } else {
+        let mut tmp = [0.0f32; 8];
+        std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), cnt);
+        _mm256_loadu_ps(tmp.as_ptr())
+    }
+}
+
+/// Activation scales of a row: `d[nb]` then (q8_1) `s[nb]`, after the blocks.
+#[inline(always)]
+unsafe fn act_tail<F: Fmt>(a: *const u8, nb: usize) -> *const f32 {
+    a.add(nb * F::ABYTES) as *const f32
+}
+
+#[inline(always)]
+unsafe fn block_dot<F: Fmt>(q: __m256i, y: __m256i) -> __m256i {
+    if F::MIN {
+        dot_u8_i8(q, y)
+    } else {
+        dot_i8_i8(q, y)
+    }
+}
+
+#[inline(always)]
+unsafe fn finish<F: Fmt>(acc: __m256, summs: __m256) -> f32 {
+    if F::MIN {
+        hsum(acc) + hsum(summs)
+    } else {
+        hsum(acc)
+    }
+}
+
+/// R weight rows against one activation row.
+#[inline(always)]
+unsafe fn rows<F: Fmt, const R: usize>(w: [*const u8; R], a: *const u8, nb: usize) -> [f32; R] {
+    let tail = act_tail::<F>(a, nb);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut summs = [_mm256_setzero_ps(); R];
+    let mut g = 0;
+    while g < nb {
+        let cnt = (nb - g).min(8);
+        let da = f32x8(tail.add(g), cnt);
+        let mut dp = [_mm256_setzero_ps(); R];
+        for k in 0..R {
+            dp[k] = _mm256_mul_ps(f16x8(w[k].add(2 * g), cnt), da);
+            if F::MIN {
+                summs[k] = _mm256_fmadd_ps(f16x8(w[k].add(2 * nb + 2 * g), cnt), f32x8(tail.add(nb + g), cnt), summs[k]);
+            }
+        }
+        for j in 0..cnt {
+            let y = _mm256_loadu_si256(a.add((g + j) * F::ABYTES + F::ABYTES - 32) as *const __m256i);
+            let lane = _mm256_set1_epi32(j as i32);
+            for k in 0..R {
+                let q = F::quants(w[k], nb, g + j);
+                let d = _mm256_permutevar8x32_ps(dp[k], lane);
+                acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot::<F>(q, y)), acc[k]);
+            }
+        }
+        g += 8;
+    }
+    let mut out = [0.0f32; R];
+    for k in 0..R {
+        out[k] = finish::<F>(acc[k], summs[k]);
+    }
+    out
+}
+
+/// One weight row against four activation rows: the weight block is unpacked once.
+#[inline(always)]
+unsafe fn acts4<F: Fmt>(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+    let tails = [act_tail::<F>(a[0], nb), act_tail::<F>(a[1], nb), act_tail::<F>(a[2], nb), act_tail::<F>(a[3], nb)];
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut summs = [_mm256_setzero_ps(); 4];
+    let mut g = 0;
+    while g < nb {
+        let cnt = (nb - g).min(8);
+        let dw = f16x8(w.add(2 * g), cnt);
+        let mut dp = [_mm256_setzero_ps(); 4];
+        for k in 0..4 {
+            dp[k] = _mm256_mul_ps(dw, f32x8(tails[k].add(g), cnt));
+            if F::MIN {
+                summs[k] = _mm256_fmadd_ps(f16x8(w.add(2 * nb + 2 * g), cnt), f32x8(tails[k].add(nb + g), cnt), summs[k]);
+            }
+        }
+        for j in 0..cnt {
+            let q = F::quants(w, nb, g + j);
+            let lane = _mm256_set1_epi32(j as i32);
+            for k in 0..4 {
+                let y = _mm256_loadu_si256(a[k].add((g + j) * F::ABYTES + F::ABYTES - 32) as *const __m256i);
+                let d = _mm256_permutevar8x32_ps(dp[k], lane);
+                acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot::<F>(q, y)), acc[k]);
+            }
+        }
+        g += 8;
+    }
+    [finish::<F>(acc[0], summs[0]), finish::<F>(acc[1], summs[1]), finish::<F>(acc[2], summs[2]), finish::<F>(acc[3], summs[3])]
+}
+
+fn check<F: Fmt>(w: &[&[u8]], a: &[&[u8]], n: usize) -> usize {
+    let nb = n / 32;
+    let tail = if F::MIN { 8 } else { 4 };
+    assert!(w.iter().all(|r| r.len() >= nb * F::WBYTES), "weight row too short");
+    assert!(a.iter().all(|r| r.len() >= nb * (F::ABYTES + tail)), "activation row too short (size it with act_row_bytes)");
+    nb
+}
+
+macro_rules! repacked_entries {
+    ($fmt:ident, $dot:ident, $dot4:ident, $rows4:ident, $k1:ident, $k4:ident, $r4:ident) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $k1(w: *const u8, a: *const u8, nb: usize) -> f32 {
+            rows::<$fmt, 1>([w], a, nb)[0]
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $k4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+            acts4::<$fmt>(w, a, nb)
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
+            rows::<$fmt, 4>(w, a, nb)
+        }
+        pub fn $dot(w: &[u8], a: &[u8], n: usize) -> f32 {
+            let nb = check::<$fmt>(&[w], &[a], n);
+            // SAFETY: handed out only after detecting AVX2, FMA and F16C; `check` bounds every load.
+            unsafe { $k1(w.as_ptr(), a.as_ptr(), nb) }
+        }
+        pub fn $dot4(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
+            let nb = check::<$fmt>(&[w], &a, n);
+            // SAFETY: as above.
+            unsafe { $k4(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
+        }
+        pub fn $rows4(w: [&[u8]; 4], a: &[u8], n: usize) -> [f32; 4] {
+            let nb = check::<$fmt>(&w, &[a], n);
+            // SAFETY: as above.
+            unsafe { $r4([w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()], a.as_ptr(), nb) }
+        }
+    };
+}
+
+repacked_entries!(Q4_0, dot_q4_0, dot4_q4_0, rows4_q4_0, q4_0_k1, q4_0_k4, q4_0_r4);
+repacked_entries!(Q4_1, dot_q4_1, dot4_q4_1, rows4_q4_1, q4_1_k1, q4_1_k4, q4_1_r4);
+repacked_entries!(Q5_0, dot_q5_0, dot4_q5_0, rows4_q5_0, q5_0_k1, q5_0_k4, q5_0_r4);
+repacked_entries!(Q8_0, dot_q8_0, dot4_q8_0, rows4_q8_0, q8_0_k1, q8_0_k4, q8_0_r4);

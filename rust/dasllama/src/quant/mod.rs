@@ -5,6 +5,7 @@
 //! f16/bf16 for half-precision weights): that rounding is part of the numbers llama.cpp produces, so
 //! matching it is what lets us agree with llama.cpp to a few hundredths of a nat.
 
+pub mod repack;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -282,6 +283,20 @@ fn round_even(x: f32) -> f32 {
     (x + MAGIC) - MAGIC
 }
 
+/// Bytes of one row of `n` activations in `ty`: the GGUF blocks, then for q8_0/q8_1 a tail of
+/// the block scales as f32 (`d[nb]`, and `s[nb]` for q8_1) that the SIMD kernels read eight at a time.
+pub fn act_row_bytes(ty: GgmlType, n: usize) -> usize {
+    ty.row_bytes(n) + act_tail_floats(ty) * 4 * (n / ty.block_len())
+}
+
+fn act_tail_floats(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 1,
+        GgmlType::Q8_1 => 2,
+        _ => 0,
+    }
+}
+
 /// Round a row of activations to `ty` (a vec_dot_type), exactly as ggml's x86 path does:
 /// q8_0/q8_1 scale by 127/amax and round half to even, q8_K keeps the sign of the largest value.
 pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
@@ -318,6 +333,16 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
                 }
                 if ty == GgmlType::Q8_1 {
                     wr_f16(b, 2, d * sum as f32);
+                }
+            }
+            let nb = x.len() / 32;
+            let (blocks, tail) = out.split_at_mut(nb * bb);
+            assert!(tail.len() >= act_tail_floats(ty) * 4 * nb, "activation buffer lacks the scale tail (size it with act_row_bytes)");
+            for ib in 0..nb {
+                let b = &blocks[ib * bb..(ib + 1) * bb];
+                tail[4 * ib..4 * ib + 4].copy_from_slice(&rd_f16(b, 0).to_le_bytes());
+                if ty == GgmlType::Q8_1 {
+                    tail[4 * (nb + ib)..4 * (nb + ib) + 4].copy_from_slice(&rd_f16(b, 2).to_le_bytes());
                 }
             }
         }
@@ -365,44 +390,28 @@ pub fn quantize_weights_q8_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// The kernels for one weight format on this CPU, and the row layout they expect.
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    pub dot: DotFn,
+    /// One weight row against four activation rows (prefill), bit-identical to `dot`.
+    pub dot4: Option<Dot4Fn>,
+    /// Four weight rows against one activation row (decode), bit-identical to `dot`.
+    pub rows4: Option<Rows4Fn>,
+    /// Weights must be in the `repack` layout.
+    pub repacked: bool,
+}
+
+pub fn kernels(ty: GgmlType) -> Kernels {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(k) = avx2::kernels(ty) {
+        return k;
+    }
+    Kernels { dot: scalar::dot_fn(ty), dot4: None, rows4: None, repacked: false }
+}
+
+/// `dot(weight_row, activation_row, n)`; the activation row is `act_row_bytes` long.
 pub type DotFn = fn(&[u8], &[u8], usize) -> f32;
 pub type Dot4Fn = fn(&[u8], [&[u8]; 4], usize) -> [f32; 4];
 pub type Rows4Fn = fn([&[u8]; 4], &[u8], usize) -> [f32; 4];
 
-/// The dot kernel for weights of `ty` against activations in `ty.vec_dot_type()`:
-/// the SIMD one when this CPU has it, else the scalar twin.
-pub fn dot_fn(ty: GgmlType) -> DotFn {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(f) = avx2::dot_fn(ty) {
-        return f;
-    }
-    scalar::dot_fn(ty)
-}
-
-/// A kernel that dots one weight row against four activation rows at once, when `ty` has one.
-/// Each of its four results is bit-identical to `dot_fn(ty)` on that row.
-pub fn dot4_fn(ty: GgmlType) -> Option<Dot4Fn> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        avx2::dot4_fn(ty)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = ty;
-        None
-    }
-}
-
-/// A kernel that dots four weight rows against one activation row, when `ty` has one.
-/// Each of its four results is bit-identical to `dot_fn(ty)` on that row.
-pub fn rows4_fn(ty: GgmlType) -> Option<Rows4Fn> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        avx2::rows4_fn(ty)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = ty;
-        None
-    }
-}
