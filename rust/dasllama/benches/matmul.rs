@@ -32,7 +32,7 @@ fn bench(c: &mut Criterion) {
             let mut act = Vec::new();
             g.throughput(Throughput::Elements((rows * cols * n) as u64));
             g.bench_with_input(BenchmarkId::new(ty.name(), n), &n, |b, &n| {
-                b.iter(|| dasllama::cpu::pool().install(|| matmul(&w, &x, n, &mut out, &mut act)))
+                b.iter(|| dasllama::cpu::team().session(|t| matmul(&w, &x, n, &mut out, &mut act, t)))
             });
         }
     }

@@ -3,6 +3,9 @@
 //! f16 rounding of GELU inputs and attention operands) do the same here so results agree.
 
 pub mod ops;
+pub mod spin;
+
+pub use spin::{team, Session as Team};
 
 use crate::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, repack, GgmlType};
 use rayon::prelude::*;
@@ -20,7 +23,11 @@ pub fn n_threads() -> usize {
     })
 }
 
-/// The one rayon pool every kernel runs on.
+fn team_threads() -> usize {
+    team().threads()
+}
+
+/// The rayon pool for load-time work (repacking, conversions); the forward pass runs on `team`.
 pub fn pool() -> &'static rayon::ThreadPool {
     static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
     POOL.get_or_init(|| {
@@ -116,8 +123,8 @@ unsafe impl Sync for SharedOut {}
 const TOKEN_TILE: usize = 16;
 
 /// out[t][r] = dot(w[r], x[t]) for `n` activation rows x (each `w.cols` long).
-pub fn matmul(w: &Weight, x: &[f32], n: usize, out: &mut [f32], act: &mut Vec<u8>) {
-    matmul_many(&mut [(w, out)], x, n, act);
+pub fn matmul(w: &Weight, x: &[f32], n: usize, out: &mut [f32], act: &mut Vec<u8>, team: &Team) {
+    matmul_many(&mut [(w, out)], x, n, act, team);
 }
 
 /// Several matmuls of the same input (Q/K/V, gate/up) as one parallel pass.
@@ -126,7 +133,7 @@ pub fn matmul(w: &Weight, x: &[f32], n: usize, out: &mut [f32], act: &mut Vec<u8
 /// `n` activation rows, a tile at a time, while the row is hot in L1, so a batch of any size reads
 /// the weights once. Each output element is computed by the same kernel arithmetic whatever `n`
 /// is (the 4-row kernels are bit-identical to the 1-row ones), so results never depend on it.
-pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act: &mut Vec<u8>) {
+pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act: &mut Vec<u8>, team: &Team) {
     let k = segs[0].0.cols;
     let vt = segs[0].0.ty.vec_dot_type();
     for (w, out) in segs.iter() {
@@ -145,7 +152,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
     }
     let act = &act[..];
     let total_rows: usize = segs.iter().map(|(w, _)| w.rows).sum();
-    let threads = n_threads();
+    let threads = team_threads();
     // Enough tasks to balance uneven cores, few enough that per-task overhead stays small.
     let per_thread = if n < 4 { 1 } else { 4 };
     let chunk = total_rows.div_ceil(threads * per_thread).next_multiple_of(4).max(16);
@@ -216,7 +223,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
     if threads == 1 || tasks.len() == 1 {
         tasks.iter().for_each(run);
     } else {
-        tasks.par_iter().for_each(run);
+        team.parallel_for(tasks.len(), &|i| run(&tasks[i]));
     }
 }
 

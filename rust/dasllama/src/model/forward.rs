@@ -2,10 +2,9 @@
 //! Multi-token calls (prefill) run every matmul as one weight-stationary GEMM over all rows.
 
 use super::{Activation, Model};
-use crate::cpu::{matmul, matmul_many, ops};
+use crate::cpu::{matmul, matmul_many, ops, team, Team};
 use crate::session::KvCache;
 use crate::{Error, Result};
-use rayon::prelude::*;
 
 /// Scratch reused across calls so decode does not allocate per token.
 #[derive(Default)]
@@ -30,13 +29,13 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 }
 
 /// One parallel pass when the weights share an input format, else one pass each.
-fn matmul_fused(segs: &mut [(&crate::cpu::Weight, &mut [f32])], x: &[f32], n: usize, act: &mut Vec<u8>) {
+fn matmul_fused(segs: &mut [(&crate::cpu::Weight, &mut [f32])], x: &[f32], n: usize, act: &mut Vec<u8>, t: &Team) {
     let vt = segs[0].0.ty.vec_dot_type();
     if segs.iter().all(|(w, _)| w.ty.vec_dot_type() == vt) {
-        matmul_many(segs, x, n, act);
+        matmul_many(segs, x, n, act, t);
     } else {
         for (w, out) in segs.iter_mut() {
-            matmul(w, x, n, out, act);
+            matmul(w, x, n, out, act, t);
         }
     }
 }
@@ -44,10 +43,10 @@ fn matmul_fused(segs: &mut [(&crate::cpu::Weight, &mut [f32])], x: &[f32], n: us
 /// Evaluate `tokens` at positions `kv.len()..`, append their K/V, and write the logits after the
 /// last token into `logits`. Runs on the kernel thread pool.
 pub fn forward(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
-    crate::cpu::pool().install(|| forward_on_pool(m, kv, tokens, s, logits))
+    team().session(|t| forward_on_team(m, kv, tokens, s, logits, t))
 }
 
-fn forward_on_pool(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
+fn forward_on_team(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>, team: &Team) -> Result<()> {
     let c = &m.config;
     let n = tokens.len();
     let pos0 = kv.len();
@@ -87,11 +86,12 @@ fn forward_on_pool(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch,
             &s.h[..n * d],
             n,
             &mut s.act,
+            team,
         );
         let swa = c.is_swa_layer(il);
         let base = if swa { c.rope_base_swa } else { c.rope_base };
         let heads = |rows: &mut [f32], width: usize, norm: &Option<Vec<f32>>| {
-            let each = |(t, row): (usize, &mut [f32])| {
+            let each = |t: usize, row: &mut [f32]| {
                 for hv in row.chunks_exact_mut(c.head_dim) {
                     if let Some(w) = norm {
                         ops::rms_norm(hv, w, c.norm_eps);
@@ -100,18 +100,18 @@ fn forward_on_pool(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch,
                 }
             };
             if n >= 16 {
-                rows.par_chunks_exact_mut(width).enumerate().for_each(each);
+                team.for_each_chunk_mut(rows, width, &each);
             } else {
-                rows.chunks_exact_mut(width).enumerate().for_each(each);
+                rows.chunks_exact_mut(width).enumerate().for_each(|(t, r)| each(t, r));
             }
         };
         heads(&mut s.q[..n * qd], qd, &l.q_norm);
         heads(&mut s.k[..n * kvd], kvd, &l.k_norm);
         kv.append(il, &s.k[..n * kvd], &s.v[..n * kvd]);
         let window = if swa { c.sliding_window } else { 0 };
-        attention(m, kv, il, pos0, n, window, &s.q[..n * qd], grow(&mut s.att, n * qd));
+        attention(m, kv, il, pos0, n, window, &s.q[..n * qd], grow(&mut s.att, n * qd), team);
         let o = grow(&mut s.o, n * d);
-        matmul(&l.wo, &s.att[..n * qd], n, o, &mut s.act);
+        matmul(&l.wo, &s.att[..n * qd], n, o, &mut s.act, team);
         if let Some(w) = &l.post_attn_norm {
             o.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, w, c.norm_eps));
         }
@@ -122,19 +122,23 @@ fn forward_on_pool(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch,
         h.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, &l.ffn_norm, c.norm_eps));
         grow(&mut s.gate, n * hd);
         grow(&mut s.up, n * hd);
-        matmul_fused(&mut [(&l.w_gate, &mut s.gate[..n * hd]), (&l.w_up, &mut s.up[..n * hd])], &s.h[..n * d], n, &mut s.act);
+        matmul_fused(&mut [(&l.w_gate, &mut s.gate[..n * hd]), (&l.w_up, &mut s.up[..n * hd])], &s.h[..n * d], n, &mut s.act, team);
         let act = c.activation;
-        let glu = |(g, u): (&mut [f32], &[f32])| match act {
-            Activation::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::silu(*a) * b),
-            Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::gelu_tanh_f16(*a) * b),
+        let up = &s.up[..n * hd];
+        let glu = |t: usize, g: &mut [f32]| {
+            let u = &up[t * g.len()..(t + 1) * g.len()];
+            match act {
+                Activation::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::silu(*a) * b),
+                Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::gelu_tanh_f16(*a) * b),
+            }
         };
         if n >= 16 {
-            s.gate[..n * hd].par_chunks_exact_mut(hd).zip(s.up[..n * hd].par_chunks_exact(hd)).for_each(glu);
+            team.for_each_chunk_mut(&mut s.gate[..n * hd], hd, &glu);
         } else {
-            glu((&mut s.gate[..n * hd], &s.up[..n * hd]));
+            glu(0, &mut s.gate[..n * hd]);
         }
         let o = grow(&mut s.o, n * d);
-        matmul(&l.w_down, &s.gate[..n * hd], n, o, &mut s.act);
+        matmul(&l.w_down, &s.gate[..n * hd], n, o, &mut s.act, team);
         if let Some(w) = &l.post_ffn_norm {
             o.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, w, c.norm_eps));
         }
@@ -146,19 +150,19 @@ fn forward_on_pool(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch,
     ops::rms_norm(last, &m.output_norm, c.norm_eps);
     logits.resize(c.vocab_size, 0.0);
     s.x = xbuf;
-    matmul(&m.output, &s.h[..d], 1, logits, &mut s.act);
+    matmul(&m.output, &s.h[..d], 1, logits, &mut s.act, team);
     Ok(())
 }
 
 /// Causal attention of `n` new queries (at positions pos0..) over the layer's cached K/V.
 /// Q and the softmax weights are rounded to f16 as llama.cpp does against its f16 cache.
 #[allow(clippy::too_many_arguments)]
-fn attention(m: &Model, kv: &KvCache, il: usize, pos0: usize, n: usize, window: usize, q: &[f32], out: &mut [f32]) {
+fn attention(m: &Model, kv: &KvCache, il: usize, pos0: usize, n: usize, window: usize, q: &[f32], out: &mut [f32], team: &Team) {
     let c = &m.config;
     let (hdim, qd, kvd) = (c.head_dim, c.q_dim(), c.kv_dim());
     let group = c.n_heads / c.n_kv_heads;
     let (kc, vc) = kv.layer(il);
-    let one = |(idx, o): (usize, &mut [f32])| {
+    let one = |idx: usize, o: &mut [f32]| {
         let (t, h) = (idx / c.n_heads, idx % c.n_heads);
         let pos = pos0 + t;
         let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
@@ -177,8 +181,8 @@ fn attention(m: &Model, kv: &KvCache, il: usize, pos0: usize, n: usize, window: 
     };
     let work = n * (pos0 + n) * c.n_heads;
     if work * hdim > 1 << 16 {
-        out[..n * qd].par_chunks_exact_mut(hdim).enumerate().for_each(one);
+        team.for_each_chunk_mut(&mut out[..n * qd], hdim, &one);
     } else {
-        out[..n * qd].chunks_exact_mut(hdim).enumerate().for_each(one);
+        out[..n * qd].chunks_exact_mut(hdim).enumerate().for_each(|(i, o)| one(i, o));
     }
 }

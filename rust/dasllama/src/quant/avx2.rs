@@ -15,18 +15,28 @@ fn has_avx2() -> bool {
     })
 }
 
+/// AVX-VNNI (vpdpbusd on 256-bit vectors); `DASLLAMA_NO_VNNI` turns it off for comparisons.
+fn has_vnni() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| std::env::var_os("DASLLAMA_NO_VNNI").is_none() && is_x86_feature_detected!("avxvnni"))
+}
+
 /// The AVX2 kernels for `ty`, when this CPU has AVX2+FMA+F16C and they are written for `ty`.
 pub fn kernels(ty: GgmlType) -> Option<Kernels> {
     if !has_avx2() {
         return None;
     }
-    let k = |dot: DotFn, dot4: Dot4Fn, rows4: Rows4Fn| Kernels { dot, dot4: Some(dot4), rows4: Some(rows4), repacked: true };
+    let vnni = has_vnni();
+    let k = |plain: (DotFn, Dot4Fn, Rows4Fn), with_vnni: (DotFn, Dot4Fn, Rows4Fn)| {
+        let (dot, dot4, rows4) = if vnni { with_vnni } else { plain };
+        Kernels { dot, dot4: Some(dot4), rows4: Some(rows4), repacked: true }
+    };
     let single = |dot: DotFn| Kernels { dot, dot4: None, rows4: None, repacked: false };
     Some(match ty {
-        GgmlType::Q4_0 => k(dot_q4_0, dot4_q4_0, rows4_q4_0),
-        GgmlType::Q4_1 => k(dot_q4_1, dot4_q4_1, rows4_q4_1),
-        GgmlType::Q5_0 => k(dot_q5_0, dot4_q5_0, rows4_q5_0),
-        GgmlType::Q8_0 => k(dot_q8_0, dot4_q8_0, rows4_q8_0),
+        GgmlType::Q4_0 => k((dot_q4_0, dot4_q4_0, rows4_q4_0), (vnni_dot_q4_0, vnni_dot4_q4_0, vnni_rows4_q4_0)),
+        GgmlType::Q4_1 => k((dot_q4_1, dot4_q4_1, rows4_q4_1), (vnni_dot_q4_1, vnni_dot4_q4_1, vnni_rows4_q4_1)),
+        GgmlType::Q5_0 => k((dot_q5_0, dot4_q5_0, rows4_q5_0), (vnni_dot_q5_0, vnni_dot4_q5_0, vnni_rows4_q5_0)),
+        GgmlType::Q8_0 => k((dot_q8_0, dot4_q8_0, rows4_q8_0), (vnni_dot_q8_0, vnni_dot4_q8_0, vnni_rows4_q8_0)),
         GgmlType::Q4K => single(dot_q4_k),
         GgmlType::Q6K => single(dot_q6_k),
         GgmlType::F32 => single(dot_f32),
@@ -63,13 +73,12 @@ unsafe fn hsum(v: __m256) -> f32 {
 }
 
 /// 16 bytes of nibbles -> 32 bytes: low nibbles first, then high nibbles (ggml's order).
+/// One broadcast load, one per-lane variable shift (0 for the low half, 4 for the high), one mask.
 #[inline(always)]
 unsafe fn nibbles(p: *const u8) -> __m256i {
-    let t = _mm_loadu_si128(p as *const __m128i);
-    let m = _mm_set1_epi8(0xF);
-    let lo = _mm_and_si128(t, m);
-    let hi = _mm_and_si128(_mm_srli_epi16(t, 4), m);
-    _mm256_set_m128i(hi, lo)
+    let t = _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i));
+    let shifted = _mm256_srlv_epi32(t, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0));
+    _mm256_and_si256(shifted, _mm256_set1_epi8(0xF))
 }
 
 /// 32 bits -> 32 bytes of 0xFF where the bit is set.
@@ -92,16 +101,6 @@ unsafe fn bytes_from_bits(p: *const u8) -> __m256i {
 unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 }
-
-/// Sum of i8*i8 products as 8 i32 lanes.
-#[inline(always)]
-unsafe fn dot_i8_i8(x: __m256i, y: __m256i) -> __m256i {
-    dot_u8_i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
-}
-
-
-
-
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f32_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
@@ -294,12 +293,23 @@ unsafe fn act_tail<F: Fmt>(a: *const u8, nb: usize) -> *const f32 {
     a.add(nb * F::ABYTES) as *const f32
 }
 
+/// u8 x i8 dot of 32 bytes into 8 i32 lanes: one vpdpbusd where AVX-VNNI exists, else
+/// maddubs + madd. The integer results are identical.
 #[inline(always)]
-unsafe fn block_dot<F: Fmt>(q: __m256i, y: __m256i) -> __m256i {
-    if F::MIN {
-        dot_u8_i8(q, y)
+unsafe fn dot_u8_i8_v<const VNNI: bool>(u: __m256i, s: __m256i) -> __m256i {
+    if VNNI {
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
     } else {
-        dot_i8_i8(q, y)
+        dot_u8_i8(u, s)
+    }
+}
+
+#[inline(always)]
+unsafe fn block_dot<F: Fmt, const VNNI: bool>(q: __m256i, y: __m256i) -> __m256i {
+    if F::MIN {
+        dot_u8_i8_v::<VNNI>(q, y)
+    } else {
+        dot_u8_i8_v::<VNNI>(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q))
     }
 }
 
@@ -314,7 +324,7 @@ unsafe fn finish<F: Fmt>(acc: __m256, summs: __m256) -> f32 {
 
 /// R weight rows against one activation row.
 #[inline(always)]
-unsafe fn rows<F: Fmt, const R: usize>(w: [*const u8; R], a: *const u8, nb: usize) -> [f32; R] {
+unsafe fn rows<F: Fmt, const R: usize, const VNNI: bool>(w: [*const u8; R], a: *const u8, nb: usize) -> [f32; R] {
     let tail = act_tail::<F>(a, nb);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut summs = [_mm256_setzero_ps(); R];
@@ -335,7 +345,7 @@ unsafe fn rows<F: Fmt, const R: usize>(w: [*const u8; R], a: *const u8, nb: usiz
             for k in 0..R {
                 let q = F::quants(w[k], nb, g + j);
                 let d = _mm256_permutevar8x32_ps(dp[k], lane);
-                acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot::<F>(q, y)), acc[k]);
+                acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot::<F, VNNI>(q, y)), acc[k]);
             }
         }
         g += 8;
@@ -349,7 +359,7 @@ unsafe fn rows<F: Fmt, const R: usize>(w: [*const u8; R], a: *const u8, nb: usiz
 
 /// One weight row against four activation rows: the weight block is unpacked once.
 #[inline(always)]
-unsafe fn acts4<F: Fmt>(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+unsafe fn acts4<F: Fmt, const VNNI: bool>(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
     let tails = [act_tail::<F>(a[0], nb), act_tail::<F>(a[1], nb), act_tail::<F>(a[2], nb), act_tail::<F>(a[3], nb)];
     let mut acc = [_mm256_setzero_ps(); 4];
     let mut summs = [_mm256_setzero_ps(); 4];
@@ -370,7 +380,7 @@ unsafe fn acts4<F: Fmt>(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] 
             for k in 0..4 {
                 let y = _mm256_loadu_si256(a[k].add((g + j) * F::ABYTES + F::ABYTES - 32) as *const __m256i);
                 let d = _mm256_permutevar8x32_ps(dp[k], lane);
-                acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot::<F>(q, y)), acc[k]);
+                acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot::<F, VNNI>(q, y)), acc[k]);
             }
         }
         g += 8;
@@ -387,38 +397,42 @@ fn check<F: Fmt>(w: &[&[u8]], a: &[&[u8]], n: usize) -> usize {
 }
 
 macro_rules! repacked_entries {
-    ($fmt:ident, $dot:ident, $dot4:ident, $rows4:ident, $k1:ident, $k4:ident, $r4:ident) => {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn $k1(w: *const u8, a: *const u8, nb: usize) -> f32 {
-            rows::<$fmt, 1>([w], a, nb)[0]
-        }
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn $k4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
-            acts4::<$fmt>(w, a, nb)
-        }
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn $r4(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
-            rows::<$fmt, 4>(w, a, nb)
-        }
+    ($fmt:ident, $dot:ident, $dot4:ident, $rows4:ident, $vdot:ident, $vdot4:ident, $vrows4:ident) => {
+        repacked_entries!(@one $fmt, false, "avx2,fma,f16c", $dot, $dot4, $rows4);
+        repacked_entries!(@one $fmt, true, "avx2,fma,f16c,avxvnni", $vdot, $vdot4, $vrows4);
+    };
+    (@one $fmt:ident, $vnni:expr, $features:literal, $dot:ident, $dot4:ident, $rows4:ident) => {
         pub fn $dot(w: &[u8], a: &[u8], n: usize) -> f32 {
+            #[target_feature(enable = $features)]
+            unsafe fn k(w: *const u8, a: *const u8, nb: usize) -> f32 {
+                rows::<$fmt, 1, $vnni>([w], a, nb)[0]
+            }
             let nb = check::<$fmt>(&[w], &[a], n);
-            // SAFETY: handed out only after detecting AVX2, FMA and F16C; `check` bounds every load.
-            unsafe { $k1(w.as_ptr(), a.as_ptr(), nb) }
+            // SAFETY: handed out only after detecting these features; `check` bounds every load.
+            unsafe { k(w.as_ptr(), a.as_ptr(), nb) }
         }
         pub fn $dot4(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
+            #[target_feature(enable = $features)]
+            unsafe fn k(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+                acts4::<$fmt, $vnni>(w, a, nb)
+            }
             let nb = check::<$fmt>(&[w], &a, n);
             // SAFETY: as above.
-            unsafe { $k4(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
+            unsafe { k(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
         }
         pub fn $rows4(w: [&[u8]; 4], a: &[u8], n: usize) -> [f32; 4] {
+            #[target_feature(enable = $features)]
+            unsafe fn k(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
+                rows::<$fmt, 4, $vnni>(w, a, nb)
+            }
             let nb = check::<$fmt>(&w, &[a], n);
             // SAFETY: as above.
-            unsafe { $r4([w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()], a.as_ptr(), nb) }
+            unsafe { k([w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()], a.as_ptr(), nb) }
         }
     };
 }
 
-repacked_entries!(Q4_0, dot_q4_0, dot4_q4_0, rows4_q4_0, q4_0_k1, q4_0_k4, q4_0_r4);
-repacked_entries!(Q4_1, dot_q4_1, dot4_q4_1, rows4_q4_1, q4_1_k1, q4_1_k4, q4_1_r4);
-repacked_entries!(Q5_0, dot_q5_0, dot4_q5_0, rows4_q5_0, q5_0_k1, q5_0_k4, q5_0_r4);
-repacked_entries!(Q8_0, dot_q8_0, dot4_q8_0, rows4_q8_0, q8_0_k1, q8_0_k4, q8_0_r4);
+repacked_entries!(Q4_0, dot_q4_0, dot4_q4_0, rows4_q4_0, vnni_dot_q4_0, vnni_dot4_q4_0, vnni_rows4_q4_0);
+repacked_entries!(Q4_1, dot_q4_1, dot4_q4_1, rows4_q4_1, vnni_dot_q4_1, vnni_dot4_q4_1, vnni_rows4_q4_1);
+repacked_entries!(Q5_0, dot_q5_0, dot4_q5_0, rows4_q5_0, vnni_dot_q5_0, vnni_dot4_q5_0, vnni_rows4_q5_0);
+repacked_entries!(Q8_0, dot_q8_0, dot4_q8_0, rows4_q8_0, vnni_dot_q8_0, vnni_dot4_q8_0, vnni_rows4_q8_0);

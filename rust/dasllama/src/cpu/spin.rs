@@ -1,0 +1,203 @@
+//! The forward pass's thread team: workers that spin between the dozens of parallel loops of one
+//! forward pass (a sleep and wake per loop would cost more than a decode-sized matmul) and park on
+//! a condvar between passes, so an idle engine uses no CPU.
+//!
+//! One atomic word, `claim`, packs (loop epoch, task count, next task index). A thread owns a task
+//! only through a successful compare-exchange on it, which proves the loop it read the job pointer
+//! for is still the open one, so no thread can run a task with a stale job.
+
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+
+type Job<'a> = &'a (dyn Fn(usize) + Sync);
+
+const IDX_BITS: u32 = 20;
+const MAX_TASKS: usize = (1 << IDX_BITS) - 1;
+
+fn pack(epoch: u64, n: usize, idx: usize) -> u64 {
+    (epoch << (2 * IDX_BITS)) | ((n as u64) << IDX_BITS) | idx as u64
+}
+
+fn unpack(c: u64) -> (u64, usize, usize) {
+    let mask = (1u64 << IDX_BITS) - 1;
+    (c >> (2 * IDX_BITS), ((c >> IDX_BITS) & mask) as usize, (c & mask) as usize)
+}
+
+struct Shared {
+    claim: AtomicU64,
+    /// Points at the open loop's `Job`, which lives on the publishing thread's stack.
+    job: AtomicPtr<Job<'static>>,
+    remaining: AtomicUsize,
+    /// Inside a forward pass: workers spin instead of parking.
+    spinning: AtomicBool,
+    park: Mutex<()>,
+    wake: Condvar,
+}
+
+pub struct Team {
+    shared: Arc<Shared>,
+    /// One forward pass drives the team at a time.
+    lock: Mutex<()>,
+    n: usize,
+}
+
+impl Team {
+    fn new(n: usize) -> Team {
+        let shared = Arc::new(Shared {
+            claim: AtomicU64::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            remaining: AtomicUsize::new(0),
+            spinning: AtomicBool::new(false),
+            park: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        for i in 1..n {
+            let s = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("dasllama-team-{i}"))
+                .spawn(move || worker(&s))
+                .expect("failed to start a dasllama worker thread");
+        }
+        Team { shared, lock: Mutex::new(()), n }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.n
+    }
+
+    /// Run `f` with the team spinning, ready for `parallel_for`; it parks again afterwards.
+    pub fn session<R>(&self, f: impl FnOnce(&Session) -> R) -> R {
+        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        {
+            let _p = self.shared.park.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.spinning.store(true, Ordering::SeqCst);
+        }
+        self.shared.wake.notify_all();
+        struct Stop<'a>(&'a Shared);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.spinning.store(false, Ordering::SeqCst);
+            }
+        }
+        let _stop = Stop(&self.shared);
+        f(&Session { shared: &self.shared })
+    }
+}
+
+/// A team held spinning for one forward pass.
+pub struct Session<'a> {
+    shared: &'a Shared,
+}
+
+impl Session<'_> {
+    /// Call `f(i)` for every i in 0..n_tasks across the team, this thread included; return when all are done.
+    pub fn parallel_for(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        assert!(n_tasks <= MAX_TASKS, "too many tasks in one parallel loop");
+        if n_tasks == 0 {
+            return;
+        }
+        let s = self.shared;
+        let job: Job<'_> = f;
+        let job_ptr = &job as *const Job<'_> as *mut Job<'static>;
+        let (epoch, _, _) = unpack(s.claim.load(Ordering::Relaxed));
+        s.job.store(job_ptr, Ordering::Relaxed);
+        s.remaining.store(n_tasks, Ordering::Relaxed);
+        s.claim.store(pack(epoch + 1, n_tasks, 0), Ordering::Release);
+        drain(s);
+        while s.remaining.load(Ordering::Acquire) != 0 {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// Claim and run tasks of the open loop until none are left. Returns whether any ran.
+fn drain(s: &Shared) -> bool {
+    let mut ran = false;
+    loop {
+        let c = s.claim.load(Ordering::Acquire);
+        let (_, n, idx) = unpack(c);
+        if idx >= n {
+            return ran;
+        }
+        let job = s.job.load(Ordering::Acquire);
+        if s.claim.compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            // SAFETY: the exchange succeeded on the word of the loop whose job we loaded after it
+            // was published (Acquire on `claim` orders the earlier `job` store before our load),
+            // so that loop is open and its publisher is blocked until `remaining` reaches 0, which
+            // our own decrement below keeps from happening while this call runs.
+            unsafe { (*job)(idx) };
+            s.remaining.fetch_sub(1, Ordering::Release);
+            ran = true;
+        }
+    }
+}
+
+fn worker(s: &Shared) {
+    loop {
+        if drain(s) {
+            continue;
+        }
+        if s.spinning.load(Ordering::Relaxed) {
+            std::hint::spin_loop();
+            continue;
+        }
+        let guard = s.park.lock().unwrap_or_else(|e| e.into_inner());
+        if !s.spinning.load(Ordering::SeqCst) {
+            drop(s.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
+        }
+    }
+}
+
+/// The process-wide team, as many threads as the kernel pool.
+pub fn team() -> &'static Team {
+    static TEAM: OnceLock<Team> = OnceLock::new();
+    TEAM.get_or_init(|| Team::new(super::n_threads()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn every_task_runs_exactly_once() {
+        let t = Team::new(3);
+        t.session(|s| {
+            for n in [1usize, 2, 7, 64, 1000] {
+                let hits: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+                s.parallel_for(n, &|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            }
+        });
+    }
+}
+
+/// Chunks of one slice handed to different tasks.
+struct SlicePtr<T>(*mut T, usize);
+impl<T> Clone for SlicePtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SlicePtr<T> {}
+// SAFETY: `for_each_chunk_mut` gives each task a disjoint chunk and joins before returning.
+unsafe impl<T: Send> Send for SlicePtr<T> {}
+unsafe impl<T: Send> Sync for SlicePtr<T> {}
+
+impl Session<'_> {
+    /// `f(i, chunk_i)` over `data.chunks_mut(chunk)`, in parallel.
+    pub fn for_each_chunk_mut<T: Send>(&self, data: &mut [T], chunk: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
+        let n = data.len().div_ceil(chunk);
+        let p = SlicePtr(data.as_mut_ptr(), data.len());
+        self.parallel_for(n, &|i| {
+            let p = p;
+            let lo = i * chunk;
+            let len = chunk.min(p.1 - lo);
+            // SAFETY: chunk i covers lo..lo+len, disjoint from every other task's and within the
+            // slice, which stays borrowed mutably until parallel_for has joined.
+            f(i, unsafe { std::slice::from_raw_parts_mut(p.0.add(lo), len) });
+        });
+    }
+}
