@@ -175,8 +175,7 @@ fn attention(m: &Model, kv: &KvCache, il: usize, pos0: usize, n: usize, window: 
         o.fill(0.0);
         for (j, p) in (start..=pos).zip(sc) {
             let p = ops::round_f16(p);
-            let vr = &vc[j * kvd + kvh * hdim..j * kvd + (kvh + 1) * hdim];
-            o.iter_mut().zip(vr).for_each(|(a, b)| *a += p * b);
+            ops::axpy(o, p, &vc[j * kvd + kvh * hdim..j * kvd + (kvh + 1) * hdim]);
         }
     };
     let work = n * (pos0 + n) * c.n_heads;

@@ -5,7 +5,7 @@ use super::{Dot4Fn, DotFn, GgmlType, Kernels, Rows4Fn};
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         std::env::var_os("DASLLAMA_NO_SIMD").is_none()
@@ -37,8 +37,8 @@ pub fn kernels(ty: GgmlType) -> Option<Kernels> {
         GgmlType::Q4_1 => k((dot_q4_1, dot4_q4_1, rows4_q4_1), (vnni_dot_q4_1, vnni_dot4_q4_1, vnni_rows4_q4_1)),
         GgmlType::Q5_0 => k((dot_q5_0, dot4_q5_0, rows4_q5_0), (vnni_dot_q5_0, vnni_dot4_q5_0, vnni_rows4_q5_0)),
         GgmlType::Q8_0 => k((dot_q8_0, dot4_q8_0, rows4_q8_0), (vnni_dot_q8_0, vnni_dot4_q8_0, vnni_rows4_q8_0)),
-        GgmlType::Q4K => single(dot_q4_k),
-        GgmlType::Q6K => single(dot_q6_k),
+        GgmlType::Q4K => Kernels { dot4: Some(dot4_q4_k), ..single(dot_q4_k) },
+        GgmlType::Q6K => Kernels { dot4: Some(dot4_q6_k), ..single(dot_q6_k) },
         GgmlType::F32 => single(dot_f32),
         _ => return None,
     })
@@ -119,50 +119,70 @@ unsafe fn f32_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
     s
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let mut accm = 0.0f32;
+/// Q4_K against R activation rows (q8_K); the weight block's scales and nibbles are decoded once.
+#[inline(always)]
+unsafe fn q4_k_acts<const R: usize>(w: *const u8, a: [*const u8; R], nb: usize) -> [f32; R] {
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut accm = [0.0f32; R];
     let m4 = _mm256_set1_epi8(0xF);
     for i in 0..nb {
-        let (wb, ab) = (w.add(i * 144), a.add(i * 292));
-        let d8 = (ab as *const f32).read_unaligned();
-        let d = d8 * f16_at(wb);
-        let dmin = d8 * f16_at(wb.add(2));
+        let wb = w.add(i * 144);
+        let (dw, dminw) = (f16_at(wb), f16_at(wb.add(2)));
         let sc = std::slice::from_raw_parts(wb.add(4), 12);
-        let mut sumi = _mm256_setzero_si256();
-        let mut msum = 0i32;
-        let bs = ab.add(260) as *const i16;
+        let mut sumi = [_mm256_setzero_si256(); R];
+        let mut msum = [0i32; R];
         for j in 0..4 {
             let (s1, m1) = super::scale_min_k4(2 * j, sc);
             let (s2, m2) = super::scale_min_k4(2 * j + 1, sc);
-            msum += m1 as i32 * (bs.add(4 * j).read_unaligned() as i32 + bs.add(4 * j + 1).read_unaligned() as i32);
-            msum += m2 as i32 * (bs.add(4 * j + 2).read_unaligned() as i32 + bs.add(4 * j + 3).read_unaligned() as i32);
             let q = _mm256_loadu_si256(wb.add(16 + 32 * j) as *const __m256i);
             let lo = _mm256_and_si256(q, m4);
             let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            let y1 = _mm256_loadu_si256(ab.add(4 + 64 * j) as *const __m256i);
-            let y2 = _mm256_loadu_si256(ab.add(4 + 64 * j + 32) as *const __m256i);
-            let p1 = _mm256_mullo_epi32(dot_u8_i8(lo, y1), _mm256_set1_epi32(s1 as i32));
-            let p2 = _mm256_mullo_epi32(dot_u8_i8(hi, y2), _mm256_set1_epi32(s2 as i32));
-            sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p1, p2));
+            for k in 0..R {
+                let ab = a[k].add(i * 292);
+                let bs = ab.add(260) as *const i16;
+                msum[k] += m1 as i32 * (bs.add(4 * j).read_unaligned() as i32 + bs.add(4 * j + 1).read_unaligned() as i32);
+                msum[k] += m2 as i32 * (bs.add(4 * j + 2).read_unaligned() as i32 + bs.add(4 * j + 3).read_unaligned() as i32);
+                let y1 = _mm256_loadu_si256(ab.add(4 + 64 * j) as *const __m256i);
+                let y2 = _mm256_loadu_si256(ab.add(4 + 64 * j + 32) as *const __m256i);
+                let p1 = _mm256_mullo_epi32(dot_u8_i8(lo, y1), _mm256_set1_epi32(s1 as i32));
+                let p2 = _mm256_mullo_epi32(dot_u8_i8(hi, y2), _mm256_set1_epi32(s2 as i32));
+                sumi[k] = _mm256_add_epi32(sumi[k], _mm256_add_epi32(p1, p2));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-        accm += dmin * msum as f32;
+        for k in 0..R {
+            let d8 = (a[k].add(i * 292) as *const f32).read_unaligned();
+            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d8 * dw), _mm256_cvtepi32_ps(sumi[k]), acc[k]);
+            accm[k] += d8 * dminw * msum[k] as f32;
+        }
     }
-    hsum(acc) - accm
+    let mut out = [0.0f32; R];
+    for k in 0..R {
+        out[k] = hsum(acc[k]) - accm[k];
+    }
+    out
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
+unsafe fn q4_k_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
+    q4_k_acts::<1>(w, [a], nb)[0]
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+    q4_k_acts::<4>(w, a, nb)
+}
+
+/// Q6_K against R activation rows (q8_K); the weight block is decoded once.
+#[inline(always)]
+unsafe fn q6_k_acts<const R: usize>(w: *const u8, a: [*const u8; R], nb: usize) -> [f32; R] {
+    let mut acc = [_mm256_setzero_ps(); R];
     let m4 = _mm256_set1_epi8(0xF);
     let m2 = _mm256_set1_epi8(3);
     let m32 = _mm256_set1_epi8(32);
     for i in 0..nb {
-        let (wb, ab) = (w.add(i * 210), a.add(i * 292));
-        let d = (ab as *const f32).read_unaligned() * f16_at(wb.add(208));
-        let mut sumi = _mm256_setzero_si256();
+        let wb = w.add(i * 210);
+        let dw = f16_at(wb.add(208));
+        let mut sumi = [_mm256_setzero_si256(); R];
         for half in 0..2 {
             let ql = wb.add(64 * half);
             let qh = _mm256_loadu_si256(wb.add(128 + 32 * half) as *const __m256i);
@@ -171,35 +191,55 @@ unsafe fn q6_k_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
             let ql1 = _mm256_loadu_si256(ql.add(32) as *const __m256i);
             let qs = [
                 _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
-                _mm256_or_si256(
-                    _mm256_and_si256(ql1, m4),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4),
-                ),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)),
             ];
-            for (k, q) in qs.iter().enumerate() {
-                // q in 0..63 unsigned; (q-32)*y = q*y - 32*y.
-                let y = _mm256_loadu_si256(ab.add(4 + 128 * half + 32 * k) as *const __m256i);
-                let p = _mm256_maddubs_epi16(*q, y);
-                let p32 = _mm256_maddubs_epi16(m32, y);
-                let p = _mm256_sub_epi16(p, p32);
-                // lanes 0..7 (i16 pairs 0..15 of the low 128) belong to scale is, high half to is+1.
-                let s_lo = *sc.add(2 * k) as i16;
-                let s_hi = *sc.add(2 * k + 1) as i16;
-                let scv = _mm256_set_m128i(_mm_set1_epi16(s_hi), _mm_set1_epi16(s_lo));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scv));
+            for (c, q) in qs.iter().enumerate() {
+                // lanes 0..7 (the low 128 bits) take scale 2c, the high half scale 2c+1.
+                let scv = _mm256_set_m128i(_mm_set1_epi16(*sc.add(2 * c + 1) as i16), _mm_set1_epi16(*sc.add(2 * c) as i16));
+                for k in 0..R {
+                    // q in 0..63 unsigned; (q-32)*y = q*y - 32*y.
+                    let y = _mm256_loadu_si256(a[k].add(i * 292 + 4 + 128 * half + 32 * c) as *const __m256i);
+                    let p = _mm256_sub_epi16(_mm256_maddubs_epi16(*q, y), _mm256_maddubs_epi16(m32, y));
+                    sumi[k] = _mm256_add_epi32(sumi[k], _mm256_madd_epi16(p, scv));
+                }
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+        for k in 0..R {
+            let d = (a[k].add(i * 292) as *const f32).read_unaligned() * dw;
+            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[k]), acc[k]);
+        }
     }
-    hsum(acc)
+    let mut out = [0.0f32; R];
+    for k in 0..R {
+        out[k] = hsum(acc[k]);
+    }
+    out
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
+    q6_k_acts::<1>(w, [a], nb)[0]
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
+    q6_k_acts::<4>(w, a, nb)
+}
+
+pub fn dot4_q4_k(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
+    let nb = n / 256;
+    assert!(w.len() >= nb * 144 && a.iter().all(|r| r.len() >= nb * 292));
+    // SAFETY: handed out only after detecting AVX2, FMA and F16C; the assert bounds every load.
+    unsafe { q4_k_x4(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
+}
+
+pub fn dot4_q6_k(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
+    let nb = n / 256;
+    assert!(w.len() >= nb * 210 && a.iter().all(|r| r.len() >= nb * 292));
+    // SAFETY: as above.
+    unsafe { q6_k_x4(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
 }
 
 // ---- The 32-value formats, on repacked weight rows (see `repack`) --------------------------
