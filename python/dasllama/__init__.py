@@ -14,7 +14,7 @@ from ._native import arch_names, n_threads
 from .errors import ContextOverflowError, DasllamaError, FetchError, GgufError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
 from .model import Model, QuantMode, decode, encode, load_model, token_piece
-from .session import SamplingParams, Session, create_session, eval, generate, sample
+from .session import BatchWorkspace, SamplingParams, Session, create_batch_workspace, create_session, eval, eval_batch, generate, sample
 
 logging.getLogger("dasllama").addHandler(logging.NullHandler())
 
@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_MODEL",
+    "BatchWorkspace",
     "ContextOverflowError",
     "DasllamaError",
     "FetchError",
@@ -33,10 +34,12 @@ __all__ = [
     "TemplateError",
     "UnsupportedModelError",
     "arch_names",
+    "create_batch_workspace",
     "create_session",
     "decode",
     "encode",
     "eval",
+    "eval_batch",
     "fetch",
     "generate",
     "load_model",

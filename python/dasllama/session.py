@@ -11,6 +11,7 @@ from . import _native
 from .model import Model
 
 Session = _native.Session
+BatchWorkspace = _native.BatchWorkspace
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,20 @@ def create_session(m: Model) -> Session:
 def eval(m: Model, s: Session, ids: list[int]) -> np.ndarray:  # noqa: A001 - the seed's name
     """Run ``ids`` at the session's position; return float32 logits after the last one."""
     return _native.eval(m._native, s, list(ids))
+
+
+def create_batch_workspace(m: Model) -> BatchWorkspace:
+    """Scratch buffers for :func:`eval_batch`, reused across steps."""
+    return _native.create_batch_workspace(m._native)
+
+
+def eval_batch(m: Model, ws: BatchWorkspace, sessions: list[Session], tokens: list[int]) -> np.ndarray:
+    """Advance ``sessions[i]`` by ``tokens[i]``, all in one pass over the weights.
+
+    Returns float32 logits of shape (len(sessions), vocab); each row is bit-identical to what
+    :func:`eval` gives that session alone, and is also left in the session for :func:`sample`.
+    """
+    return _native.eval_batch(m._native, ws, list(sessions), list(tokens))
 
 
 def sample(s: Session, params: SamplingParams = SamplingParams()) -> int:

@@ -3,10 +3,10 @@
 
 use dasllama::model::{Model, QuantMode, TensorInfo};
 use dasllama::sampling::{self, SamplingParams};
-use dasllama::session::Session;
+use dasllama::session::{BatchWorkspace, Session};
 use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
 use dasllama::Error;
-use numpy::PyArray1;
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
@@ -227,6 +227,48 @@ fn eval<'py>(py: Python<'py>, m: &PyModel, s: &mut PySession, ids: Vec<u32>) -> 
     Ok(PyArray1::from_slice_bound(py, &s.inner.logits))
 }
 
+/// Scratch buffers for `eval_batch`, reused across steps.
+#[pyclass(module = "dasllama._native", name = "BatchWorkspace")]
+struct PyBatchWorkspace {
+    model: Arc<Model>,
+    inner: BatchWorkspace,
+}
+
+#[pyfunction]
+fn create_batch_workspace(m: &PyModel) -> PyBatchWorkspace {
+    PyBatchWorkspace { model: m.inner.clone(), inner: BatchWorkspace::default() }
+}
+
+/// Advance each session by one token in one pass over the weights; returns a (B, vocab) float32
+/// array of logits, row i for sessions[i] (also left in each session for `sample`).
+#[pyfunction]
+fn eval_batch<'py>(
+    py: Python<'py>,
+    m: &PyModel,
+    ws: &mut PyBatchWorkspace,
+    sessions: Vec<Bound<'py, PySession>>,
+    tokens: Vec<u32>,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    if !Arc::ptr_eq(&m.inner, &ws.model) {
+        return Err(PyValueError::new_err("this workspace was created for a different model"));
+    }
+    let mut guards = Vec::with_capacity(sessions.len());
+    for (i, s) in sessions.iter().enumerate() {
+        let g = s.try_borrow_mut().map_err(|_| {
+            PyValueError::new_err(format!("session {i} appears twice in the batch (or is in use elsewhere); pass each session once"))
+        })?;
+        same_model(m, &g)?;
+        guards.push(g);
+    }
+    let model = &m.inner;
+    let mut refs: Vec<&mut Session> = guards.iter_mut().map(|g| &mut g.inner).collect();
+    let work = &mut ws.inner;
+    py.allow_threads(|| dasllama::session::eval_batch(model, work, &mut refs, &tokens)).map_err(map_err)?;
+    let v = model.config.vocab_size;
+    let arr = PyArray1::from_slice_bound(py, &ws.inner.logits[..tokens.len() * v]);
+    arr.reshape([tokens.len(), v])
+}
+
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
 #[pyo3(signature = (temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed))]
@@ -354,6 +396,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(token_piece_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(create_session, m)?)?;
     m.add_function(wrap_pyfunction!(eval, m)?)?;
+    m.add_class::<PyBatchWorkspace>()?;
+    m.add_function(wrap_pyfunction!(create_batch_workspace, m)?)?;
+    m.add_function(wrap_pyfunction!(eval_batch, m)?)?;
     m.add_function(wrap_pyfunction!(make_params, m)?)?;
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(generate, m)?)?;

@@ -1,9 +1,9 @@
 //! Sessions: one conversation's KV store, position, logits, sampling state.
 
-use crate::model::forward::{forward, Scratch};
+use crate::model::forward::{forward, forward_batch, Scratch};
 use crate::model::Model;
 use crate::sampling::Rng;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Private KV store of one session, grown on demand (never sized by the context up front).
 /// Values are held as f32 already rounded to f16: the same numbers as llama.cpp's f16 cache.
@@ -88,4 +88,33 @@ impl Session {
         self.recent.clear();
         self.logits.clear();
     }
+}
+
+/// Scratch for `eval_batch`, reused across decode steps.
+#[derive(Default)]
+pub struct BatchWorkspace {
+    scratch: Scratch,
+    /// Logits of the last step, one row of `vocab_size` per session.
+    pub logits: Vec<f32>,
+}
+
+/// Advance every session by one token (`tokens[i]` for `sessions[i]`) in one pass over the
+/// weights. Each session's logits are bit-identical to what `Session::eval` would give it alone.
+/// Nothing is evaluated if any session would pass the context window.
+pub fn eval_batch(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Session], tokens: &[u32]) -> Result<()> {
+    if sessions.len() != tokens.len() {
+        return Err(Error::InvalidArgument(format!("eval_batch got {} sessions but {} tokens; pass one token per session", sessions.len(), tokens.len())));
+    }
+    if sessions.is_empty() {
+        return Err(Error::InvalidArgument("eval_batch needs at least one session".into()));
+    }
+    let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
+    let counts = vec![1; tokens.len()];
+    forward_batch(m, &mut kvs, &counts, tokens, &mut ws.scratch, &mut ws.logits)?;
+    let v = m.config.vocab_size;
+    for (i, s) in sessions.iter_mut().enumerate() {
+        s.logits.clear();
+        s.logits.extend_from_slice(&ws.logits[i * v..(i + 1) * v]);
+    }
+    Ok(())
 }

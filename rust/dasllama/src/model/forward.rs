@@ -41,26 +41,51 @@ fn matmul_fused(segs: &mut [(&crate::cpu::Weight, &mut [f32])], x: &[f32], n: us
 }
 
 /// Evaluate `tokens` at positions `kv.len()..`, append their K/V, and write the logits after the
-/// last token into `logits`. Runs on the kernel thread pool.
+/// last token into `logits`. Runs on the thread team.
 pub fn forward(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
-    team().session(|t| forward_on_team(m, kv, tokens, s, logits, t))
+    team().session(|t| forward_rows(m, &mut [kv], &[tokens.len()], tokens, s, logits, false, t))
 }
 
-fn forward_on_team(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>, team: &Team) -> Result<()> {
+/// Advance several sessions in one pass over the weights: session i takes `counts[i]` tokens from
+/// `tokens` (in order). `logits` receives one row per token when `all_logits`, else the last
+/// token's. Every row is computed with the same arithmetic as when its session runs alone.
+pub fn forward_batch(m: &Model, kvs: &mut [&mut KvCache], counts: &[usize], tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
+    team().session(|t| forward_rows(m, kvs, counts, tokens, s, logits, true, t))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_rows(
+    m: &Model,
+    kvs: &mut [&mut KvCache],
+    counts: &[usize],
+    tokens: &[u32],
+    s: &mut Scratch,
+    logits: &mut Vec<f32>,
+    all_logits: bool,
+    team: &Team,
+) -> Result<()> {
     let c = &m.config;
     let n = tokens.len();
-    let pos0 = kv.len();
-    if n == 0 {
-        return Err(Error::InvalidArgument("eval needs at least one token".into()));
+    assert_eq!(kvs.len(), counts.len(), "one token count per session");
+    if n == 0 || counts.iter().sum::<usize>() != n || counts.contains(&0) {
+        return Err(Error::InvalidArgument("eval needs at least one token per session".into()));
     }
-    if pos0 + n > c.seq_len {
-        return Err(Error::ContextOverflow(format!(
-            "{} tokens at position {pos0} would run past the context window of {} tokens; start a new session or shorten the prompt",
-            n, c.seq_len
-        )));
+    for (kv, &cnt) in kvs.iter().zip(counts) {
+        if kv.len() + cnt > c.seq_len {
+            return Err(Error::ContextOverflow(format!(
+                "{cnt} tokens at position {} would run past the context window of {} tokens; start a new session or shorten the prompt",
+                kv.len(),
+                c.seq_len
+            )));
+        }
     }
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
         return Err(Error::InvalidArgument(format!("token id {bad} is out of range for a vocabulary of {}", c.vocab_size)));
+    }
+    // Row t of the batch: (its session, its position).
+    let mut rows = Vec::with_capacity(n);
+    for (si, (kv, &cnt)) in kvs.iter().zip(counts).enumerate() {
+        rows.extend((0..cnt).map(|j| (si, kv.len() + j)));
     }
     let (d, qd, kvd, hd) = (c.dim, c.q_dim(), c.kv_dim(), c.hidden_dim);
     let mut xbuf = std::mem::take(&mut s.x);
@@ -73,7 +98,9 @@ fn forward_on_team(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch,
             row.iter_mut().for_each(|v| *v *= sc);
         }
     }
-    kv.reserve(pos0 + n);
+    for (kv, &cnt) in kvs.iter_mut().zip(counts) {
+        kv.reserve(kv.len() + cnt);
+    }
     for (il, l) in m.layers.iter().enumerate() {
         let h = grow(&mut s.h, n * d);
         h.copy_from_slice(x);
@@ -90,26 +117,30 @@ fn forward_on_team(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch,
         );
         let swa = c.is_swa_layer(il);
         let base = if swa { c.rope_base_swa } else { c.rope_base };
-        let heads = |rows: &mut [f32], width: usize, norm: &Option<Vec<f32>>| {
+        let heads = |buf: &mut [f32], width: usize, norm: &Option<Vec<f32>>| {
             let each = |t: usize, row: &mut [f32]| {
                 for hv in row.chunks_exact_mut(c.head_dim) {
                     if let Some(w) = norm {
                         ops::rms_norm(hv, w, c.norm_eps);
                     }
-                    ops::rope(hv, c.rope_dim, pos0 + t, base, c.rope_neox);
+                    ops::rope(hv, c.rope_dim, rows[t].1, base, c.rope_neox);
                 }
             };
             if n >= 16 {
-                team.for_each_chunk_mut(rows, width, &each);
+                team.for_each_chunk_mut(buf, width, &each);
             } else {
-                rows.chunks_exact_mut(width).enumerate().for_each(|(t, r)| each(t, r));
+                buf.chunks_exact_mut(width).enumerate().for_each(|(t, r)| each(t, r));
             }
         };
         heads(&mut s.q[..n * qd], qd, &l.q_norm);
         heads(&mut s.k[..n * kvd], kvd, &l.k_norm);
-        kv.append(il, &s.k[..n * kvd], &s.v[..n * kvd]);
+        let mut off = 0;
+        for (kv, &cnt) in kvs.iter_mut().zip(counts) {
+            kv.append(il, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);
+            off += cnt;
+        }
         let window = if swa { c.sliding_window } else { 0 };
-        attention(m, kv, il, pos0, n, window, &s.q[..n * qd], grow(&mut s.att, n * qd), team);
+        attention(m, kvs, il, &rows, window, &s.q[..n * qd], grow(&mut s.att, n * qd), team);
         let o = grow(&mut s.o, n * d);
         matmul(&l.wo, &s.att[..n * qd], n, o, &mut s.act, team);
         if let Some(w) = &l.post_attn_norm {
@@ -144,27 +175,34 @@ fn forward_on_team(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch,
         }
         x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b);
     }
-    kv.commit(pos0 + n);
-    let last = grow(&mut s.h, d);
-    last.copy_from_slice(&x[(n - 1) * d..n * d]);
-    ops::rms_norm(last, &m.output_norm, c.norm_eps);
-    logits.resize(c.vocab_size, 0.0);
+    for (kv, &cnt) in kvs.iter_mut().zip(counts) {
+        let len = kv.len() + cnt;
+        kv.commit(len);
+    }
+    let first = if all_logits { 0 } else { n - 1 };
+    let out_rows = n - first;
+    let last = grow(&mut s.h, out_rows * d);
+    last.copy_from_slice(&x[first * d..n * d]);
+    last.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, &m.output_norm, c.norm_eps));
+    logits.resize(out_rows * c.vocab_size, 0.0);
     s.x = xbuf;
-    matmul(&m.output, &s.h[..d], 1, logits, &mut s.act, team);
+    matmul(&m.output, &s.h[..out_rows * d], out_rows, logits, &mut s.act, team);
     Ok(())
 }
 
-/// Causal attention of `n` new queries (at positions pos0..) over the layer's cached K/V.
+/// Causal attention of each new query row over its own session's cached K/V (which already holds
+/// the row's own position).
 /// Q and the softmax weights are rounded to f16 as llama.cpp does against its f16 cache.
 #[allow(clippy::too_many_arguments)]
-fn attention(m: &Model, kv: &KvCache, il: usize, pos0: usize, n: usize, window: usize, q: &[f32], out: &mut [f32], team: &Team) {
+fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)], window: usize, q: &[f32], out: &mut [f32], team: &Team) {
     let c = &m.config;
     let (hdim, qd, kvd) = (c.head_dim, c.q_dim(), c.kv_dim());
     let group = c.n_heads / c.n_kv_heads;
-    let (kc, vc) = kv.layer(il);
+    let n = rows.len();
     let one = |idx: usize, o: &mut [f32]| {
         let (t, h) = (idx / c.n_heads, idx % c.n_heads);
-        let pos = pos0 + t;
+        let (si, pos) = rows[t];
+        let (kc, vc) = kvs[si].layer(il);
         let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
         let kvh = h / group;
         let qh: Vec<f32> = q[t * qd + h * hdim..t * qd + (h + 1) * hdim].iter().map(|&v| ops::round_f16(v)).collect();
@@ -178,7 +216,7 @@ fn attention(m: &Model, kv: &KvCache, il: usize, pos0: usize, n: usize, window: 
             ops::axpy(o, p, &vc[j * kvd + kvh * hdim..j * kvd + (kvh + 1) * hdim]);
         }
     };
-    let work = n * (pos0 + n) * c.n_heads;
+    let work: usize = rows.iter().map(|r| r.1 + 1).sum::<usize>() * c.n_heads;
     if work * hdim > 1 << 16 {
         team.for_each_chunk_mut(&mut out[..n * qd], hdim, &one);
     } else {
