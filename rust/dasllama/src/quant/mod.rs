@@ -143,6 +143,25 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// The 256 (quant, scale) pairs of a Q6_K block, in value order (quants already minus 32).
+pub(crate) fn q6_k_values(b: &[u8]) -> [(i32, i32); 256] {
+    let mut v = [(0, 0); 256];
+    for half in 0..2 {
+        let ql = &b[64 * half..];
+        let qh = &b[128 + 32 * half..];
+        let sc = &b[192 + 8 * half..];
+        let o = 128 * half;
+        for l in 0..32 {
+            let is = l / 16;
+            v[o + l] = (((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32, sc[is] as i8 as i32);
+            v[o + l + 32] = (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32, sc[is + 2] as i8 as i32);
+            v[o + l + 64] = (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32, sc[is + 4] as i8 as i32);
+            v[o + l + 96] = (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32, sc[is + 6] as i8 as i32);
+        }
+    }
+    v
+}
+
 /// Dequantize one row of `n` values.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
     let n = out.len();
@@ -252,23 +271,8 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
             for ib in 0..n / 256 {
                 let b = &src[ib * bb..(ib + 1) * bb];
                 let d = rd_f16(b, 208);
-                let y = &mut out[ib * 256..(ib + 1) * 256];
-                for half in 0..2 {
-                    let ql = &b[64 * half..64 * half + 64];
-                    let qh = &b[128 + 32 * half..128 + 32 * half + 32];
-                    let sc = &b[192 + 8 * half..192 + 8 * half + 8];
-                    for l in 0..32 {
-                        let is = l / 16;
-                        let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                        let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                        let o = 128 * half;
-                        y[o + l] = d * (sc[is] as i8 as f32) * q1 as f32;
-                        y[o + l + 32] = d * (sc[is + 2] as i8 as f32) * q2 as f32;
-                        y[o + l + 64] = d * (sc[is + 4] as i8 as f32) * q3 as f32;
-                        y[o + l + 96] = d * (sc[is + 6] as i8 as f32) * q4 as f32;
-                    }
+                for (j, (q, sc)) in q6_k_values(b).into_iter().enumerate() {
+                    out[ib * 256 + j] = d * sc as f32 * q as f32;
                 }
             }
         }

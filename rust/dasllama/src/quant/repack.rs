@@ -22,30 +22,29 @@ pub fn has_layout(ty: GgmlType) -> bool {
 
 /// GGUF row -> repacked row.
 pub fn repack_row(ty: GgmlType, src: &[u8], dst: &mut [u8]) {
-    let p = parts(ty).expect("format has a repacked layout");
-    let bb = ty.block_bytes();
-    let nb = src.len() / bb;
-    let mut field_at = 0;
-    let mut region = 0;
-    for &w in &p {
-        for i in 0..nb {
-            dst[region + i * w..region + (i + 1) * w].copy_from_slice(&src[i * bb + field_at..i * bb + field_at + w]);
-        }
-        field_at += w;
-        region += w * nb;
-    }
+    shuffle(ty, src, dst, true);
 }
 
 /// Repacked row -> GGUF row.
 pub fn unpack_row(ty: GgmlType, src: &[u8], dst: &mut [u8]) {
+    shuffle(ty, src, dst, false);
+}
+
+/// Move each block field between its place in the block and its place in its region.
+fn shuffle(ty: GgmlType, src: &[u8], dst: &mut [u8], to_repacked: bool) {
     let p = parts(ty).expect("format has a repacked layout");
     let bb = ty.block_bytes();
     let nb = src.len() / bb;
-    let mut field_at = 0;
-    let mut region = 0;
+    let (mut field_at, mut region) = (0, 0);
     for &w in &p {
         for i in 0..nb {
-            dst[i * bb + field_at..i * bb + field_at + w].copy_from_slice(&src[region + i * w..region + (i + 1) * w]);
+            let in_block = i * bb + field_at..i * bb + field_at + w;
+            let in_region = region + i * w..region + (i + 1) * w;
+            if to_repacked {
+                dst[in_region].copy_from_slice(&src[in_block]);
+            } else {
+                dst[in_block].copy_from_slice(&src[in_region]);
+            }
         }
         field_at += w;
         region += w * nb;

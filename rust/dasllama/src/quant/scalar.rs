@@ -147,24 +147,7 @@ pub fn dot_q6_k(w: &[u8], a: &[u8], n: usize) -> f32 {
     for ib in 0..n / 256 {
         let wb = &w[ib * 210..(ib + 1) * 210];
         let ab = &a[ib * 292..(ib + 1) * 292];
-        let mut isum = 0i32;
-        for half in 0..2 {
-            let ql = &wb[64 * half..];
-            let qh = &wb[128 + 32 * half..];
-            let sc = &wb[192 + 8 * half..];
-            let o = 128 * half;
-            for l in 0..32 {
-                let is = l / 16;
-                let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                isum += sc[is] as i8 as i32 * q1 * a8k(ab, o + l)
-                    + sc[is + 2] as i8 as i32 * q2 * a8k(ab, o + l + 32)
-                    + sc[is + 4] as i8 as i32 * q3 * a8k(ab, o + l + 64)
-                    + sc[is + 6] as i8 as i32 * q4 * a8k(ab, o + l + 96);
-            }
-        }
+        let isum: i32 = super::q6_k_values(wb).iter().enumerate().map(|(j, &(q, sc))| sc * q * a8k(ab, j)).sum();
         sum += rd_f32(ab, 0) * rd_f16(wb, 208) * isum as f32;
     }
     sum
