@@ -14,6 +14,7 @@ from ._native import arch_names, n_threads
 from .errors import ContextOverflowError, DasllamaError, FetchError, GgufError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
 from .model import Model, QuantMode, decode, encode, load_model, token_piece
+from .scheduler import KVDtype, PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, submit
 from .session import BatchWorkspace, SamplingParams, Session, create_batch_workspace, create_session, eval, eval_batch, generate, sample
 
 logging.getLogger("dasllama").addHandler(logging.NullHandler())
@@ -21,29 +22,40 @@ logging.getLogger("dasllama").addHandler(logging.NullHandler())
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_MODEL",
     "BatchWorkspace",
     "ContextOverflowError",
+    "DEFAULT_MODEL",
     "DasllamaError",
     "FetchError",
     "GgufError",
+    "KVDtype",
     "Model",
+    "PendingReq",
     "QuantMode",
     "SamplingParams",
+    "SchedEvent",
+    "Scheduler",
     "Session",
     "TemplateError",
     "UnsupportedModelError",
     "arch_names",
     "create_batch_workspace",
+    "create_scheduler",
     "create_session",
     "decode",
     "encode",
     "eval",
     "eval_batch",
+    "evict",
     "fetch",
     "generate",
     "load_model",
+    "n_active",
+    "n_queued",
     "n_threads",
     "sample",
+    "scheduler_stats",
+    "scheduler_step",
+    "submit",
     "token_piece",
 ]

@@ -3,6 +3,7 @@
 
 use dasllama::model::{Model, QuantMode, TensorInfo};
 use dasllama::sampling::{self, SamplingParams};
+use dasllama::sched::{EventKind, Finish, PendingReq, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
 use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
 use dasllama::Error;
@@ -368,6 +369,100 @@ fn generate(
     Ok(out)
 }
 
+/// The continuous-batching scheduler of one model.
+#[pyclass(module = "dasllama._native", name = "Scheduler")]
+struct PyScheduler {
+    model: Arc<Model>,
+    inner: Scheduler,
+}
+
+type EventTuple = (usize, i64, &'static str, i64, String, &'static str, usize, usize, usize, u64, u64);
+
+fn event_tuple(e: SchedEvent) -> EventTuple {
+    let kind = match e.kind {
+        EventKind::Piece => "piece",
+        EventKind::Finished => "finished",
+    };
+    let finish = match e.finish {
+        Finish::None => "",
+        Finish::Stop => "stop",
+        Finish::Length => "length",
+        Finish::Evicted => "evicted",
+    };
+    (e.stream, e.id, kind, e.token, e.text, finish, e.n_prompt, e.n_gen, e.n_cached, e.ttft_us, e.gen_us)
+}
+
+fn check_sched(m: &PyModel, sch: &PyScheduler) -> PyResult<()> {
+    if Arc::ptr_eq(&m.inner, &sch.model) {
+        Ok(())
+    } else {
+        Err(PyValueError::new_err("this scheduler was created for a different model"))
+    }
+}
+
+#[pyfunction]
+fn create_scheduler(m: &PyModel, max_streams: usize, max_queue: usize, chunk_tokens: usize) -> PyResult<PyScheduler> {
+    Ok(PyScheduler { model: m.inner.clone(), inner: Scheduler::new(max_streams, max_queue, chunk_tokens).map_err(map_err)? })
+}
+
+#[allow(clippy::too_many_arguments)]
+#[pyfunction]
+fn submit(
+    m: &PyModel,
+    sch: &mut PyScheduler,
+    id: i64,
+    prompt: Vec<u32>,
+    close_toks: Vec<u32>,
+    stop_ids: Vec<u32>,
+    params: &Params,
+    max_new: i64,
+    seed: u64,
+) -> PyResult<bool> {
+    check_sched(m, sch)?;
+    if max_new < 1 {
+        return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
+    }
+    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed };
+    sch.inner.submit(&m.inner, req).map_err(map_err)
+}
+
+/// One tick; returns (work remains, events).
+#[pyfunction]
+fn scheduler_step(py: Python<'_>, m: &PyModel, sch: &mut PyScheduler) -> PyResult<(bool, Vec<EventTuple>)> {
+    check_sched(m, sch)?;
+    let model = &m.inner;
+    let inner = &mut sch.inner;
+    let mut events = Vec::new();
+    let more = py.allow_threads(|| inner.step(model, &mut events)).map_err(map_err)?;
+    Ok((more, events.into_iter().map(event_tuple).collect()))
+}
+
+#[pyfunction]
+fn evict(sch: &mut PyScheduler, id: i64) -> (bool, Vec<EventTuple>) {
+    let mut events = Vec::new();
+    let found = sch.inner.evict(id, &mut events);
+    (found, events.into_iter().map(event_tuple).collect())
+}
+
+#[pyfunction]
+fn scheduler_counts(sch: &PyScheduler) -> (usize, usize) {
+    (sch.inner.n_active(), sch.inner.n_queued())
+}
+
+#[pyfunction]
+fn scheduler_stats<'py>(py: Python<'py>, sch: &PyScheduler) -> PyResult<Bound<'py, PyDict>> {
+    let s = &sch.inner.stats;
+    let d = PyDict::new_bound(py);
+    d.set_item("decode_steps", s.decode_steps)?;
+    d.set_item("avg_batch", if s.decode_steps > 0 { s.decode_rows as f64 / s.decode_steps as f64 } else { 0.0 })?;
+    d.set_item("prefill_chunks", s.prefill_chunks)?;
+    d.set_item("prefill_tokens", s.prefill_tokens)?;
+    d.set_item("cached_tokens", s.cached_tokens)?;
+    d.set_item("finished", s.finished)?;
+    d.set_item("avg_ttft_ms", if s.finished > 0 { s.ttft_us_sum as f64 / s.finished as f64 / 1000.0 } else { 0.0 })?;
+    Ok(d)
+}
+
 /// Names of the architectures this build implements.
 #[pyfunction]
 fn arch_names() -> Vec<&'static str> {
@@ -402,6 +497,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(make_params, m)?)?;
     m.add_function(wrap_pyfunction!(sample, m)?)?;
     m.add_function(wrap_pyfunction!(generate, m)?)?;
+    m.add_class::<PyScheduler>()?;
+    m.add_function(wrap_pyfunction!(create_scheduler, m)?)?;
+    m.add_function(wrap_pyfunction!(submit, m)?)?;
+    m.add_function(wrap_pyfunction!(scheduler_step, m)?)?;
+    m.add_function(wrap_pyfunction!(evict, m)?)?;
+    m.add_function(wrap_pyfunction!(scheduler_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(scheduler_stats, m)?)?;
     m.add_function(wrap_pyfunction!(arch_names, m)?)?;
     m.add_function(wrap_pyfunction!(n_threads, m)?)?;
     Ok(())

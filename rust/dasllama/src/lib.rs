@@ -6,6 +6,7 @@ pub mod error;
 pub mod model;
 pub mod quant;
 pub mod sampling;
+pub mod sched;
 pub mod session;
 pub mod tokenizer;
 

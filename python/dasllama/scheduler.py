@@ -1,0 +1,126 @@
+"""The continuous-batching scheduler (the seed's ``dasllama_scheduler``).
+
+Requests are token lists with no KV; ``submit`` queues them; each ``scheduler_step`` admits FIFO
+into free streams, runs ONE batched decode step over every decoding stream, then at most ONE
+prefill chunk of ``chunk_tokens``. Results come back as :class:`SchedEvent` values::
+
+    sch = create_scheduler(m, max_streams=4)
+    submit(m, sch, PendingReq(id=1, prompt=ids, max_new=32))
+    events: list[SchedEvent] = []
+    while scheduler_step(m, sch, events):
+        for ev in events:
+            if ev.kind == "piece":
+                print(ev.text, end="")
+        events.clear()
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _native
+from .model import Model
+from .session import SamplingParams
+
+Scheduler = _native.Scheduler
+
+
+class KVDtype(enum.Enum):
+    """KV-cache storage. Only f16 exists so far; q8_0 and tq4 come with the paged pool."""
+
+    f16 = "f16"
+    q8_0 = "q8_0"
+    tq4 = "tq4"
+
+
+@dataclass
+class PendingReq:
+    """A request: its tokens and how to run it. Holds no KV, so a deep queue is cheap."""
+
+    id: int
+    prompt: list[int] = field(default_factory=list)
+    close_toks: list[int] = field(default_factory=list)  # the turn's closing tokens (for the prefix cache)
+    stop_ids: list[int] = field(default_factory=list)  # end the stream (besides end-of-generation); not emitted
+    nothink: Any = None  # thinking-template guard; no thinking-template family is supported yet
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new: int = 256
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SchedEvent:
+    """``kind`` is "piece" (one token's text; never half a UTF-8 character) or "finished"
+    (``finish`` is "stop", "length" or "evicted"). Times are microseconds."""
+
+    stream: int
+    id: int
+    kind: str
+    token: int
+    text: str
+    finish: str
+    n_prompt: int
+    n_gen: int
+    n_cached: int
+    ttft_us: int
+    gen_us: int
+
+
+def create_scheduler(
+    m: Model,
+    max_streams: int = 4,
+    max_queue: int = 32,
+    chunk_tokens: int = 64,
+    page_rows: int = 0,
+    prefix_groups: int = 0,
+    kv_dtype: KVDtype = KVDtype.f16,
+    mtp: bool = False,
+) -> Scheduler:
+    """A scheduler of ``max_streams`` concurrent streams over ``m``."""
+    if page_rows or prefix_groups:
+        raise NotImplementedError("the paged KV pool and the prefix cache are not implemented yet; pass page_rows=0 and prefix_groups=0")
+    if KVDtype(kv_dtype) is not KVDtype.f16:
+        raise NotImplementedError(f"kv_dtype {KVDtype(kv_dtype).value} needs the paged KV pool, which is not implemented yet; use KVDtype.f16")
+    if mtp:
+        raise NotImplementedError("speculative decoding (mtp) is not implemented yet; pass mtp=False")
+    if max_streams < 1 or chunk_tokens < 1 or max_queue < 0:
+        raise ValueError("max_streams and chunk_tokens must be at least 1, max_queue at least 0")
+    return _native.create_scheduler(m._native, max_streams, max_queue, chunk_tokens)
+
+
+def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
+    """Queue ``req``; False when the queue is full. A request that cannot run (empty prompt,
+    ``max_new < 1``, a prompt past the context, a duplicate id) raises and nothing is queued."""
+    if req.nothink is not None:
+        raise NotImplementedError("nothink guards need a thinking-template family, none of which is supported yet")
+    if not 0 <= req.seed < 2**64:
+        raise ValueError(f"request {req.id}: seed must be in [0, 2**64)")
+    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed))
+
+
+def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:
+    """One tick; appends its events to ``events``. Returns whether work remains."""
+    more, evs = _native.scheduler_step(m._native, sch)
+    events.extend(SchedEvent(*e) for e in evs)
+    return more
+
+
+def evict(m: Model, sch: Scheduler, id: int, events: list[SchedEvent]) -> bool:  # noqa: A002 - the seed's name
+    """Drop request ``id`` (queued or running) at once; a finished(evicted) event reports it."""
+    found, evs = _native.evict(sch, int(id))
+    events.extend(SchedEvent(*e) for e in evs)
+    return found
+
+
+def n_active(sch: Scheduler) -> int:
+    return _native.scheduler_counts(sch)[0]
+
+
+def n_queued(sch: Scheduler) -> int:
+    return _native.scheduler_counts(sch)[1]
+
+
+def scheduler_stats(sch: Scheduler) -> dict[str, float]:
+    """Counters: decode_steps, avg_batch, prefill_chunks, prefill_tokens, cached_tokens, finished, avg_ttft_ms."""
+    return _native.scheduler_stats(sch)

@@ -1,0 +1,319 @@
+//! The continuous-batching scheduler: requests wait as token lists (no KV), are admitted FIFO into
+//! free streams, and every `step` runs ONE batched decode step over every decoding stream, then
+//! at most ONE prefill chunk of `chunk_tokens`, so a long prompt delays the others by one chunk,
+//! never by its whole length. Rows are computed with the same arithmetic whatever the batch, so a
+//! request's output does not depend on what else runs beside it.
+
+use crate::model::Model;
+use crate::sampling::{self, Rng, SamplingParams};
+use crate::session::{eval_batch, BatchWorkspace, Session};
+use crate::tokenizer::Utf8Stream;
+use crate::{Error, Result};
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// A request: everything needed to run it, and no KV.
+#[derive(Clone, Debug)]
+pub struct PendingReq {
+    pub id: i64,
+    pub prompt: Vec<u32>,
+    /// Tokens that close the turn after the reply (kept for the prefix cache).
+    pub close_toks: Vec<u32>,
+    /// Tokens that end the stream (besides the model's end-of-generation tokens); not emitted.
+    pub stop_ids: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_new: usize,
+    pub seed: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    Piece,
+    Finished,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// Not finished (a piece event).
+    None,
+    Stop,
+    Length,
+    Evicted,
+}
+
+#[derive(Clone, Debug)]
+pub struct SchedEvent {
+    pub stream: usize,
+    pub id: i64,
+    pub kind: EventKind,
+    /// The sampled token (a piece's, or the stop token of a `Stop` finish); -1 if none.
+    pub token: i64,
+    pub text: String,
+    pub finish: Finish,
+    pub n_prompt: usize,
+    pub n_gen: usize,
+    pub n_cached: usize,
+    pub ttft_us: u64,
+    pub gen_us: u64,
+}
+
+struct Stream {
+    req: PendingReq,
+    session: Session,
+    /// Prompt tokens already evaluated.
+    fed: usize,
+    generated: usize,
+    /// The last sampled token, to be fed by the next decode step.
+    next: Option<u32>,
+    utf8: Utf8Stream,
+    rng: Rng,
+    t_submit: Instant,
+    t_first: Option<Instant>,
+    /// Admission order: prefill chunks go to the oldest admitted stream first.
+    order: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct SchedStats {
+    pub decode_steps: u64,
+    /// Sum over decode steps of the streams each advanced (average batch = this / decode_steps).
+    pub decode_rows: u64,
+    pub prefill_chunks: u64,
+    pub prefill_tokens: u64,
+    pub cached_tokens: u64,
+    pub finished: u64,
+    pub ttft_us_sum: u64,
+}
+
+pub struct Scheduler {
+    slots: Vec<Option<Stream>>,
+    queue: VecDeque<(PendingReq, Instant)>,
+    max_queue: usize,
+    chunk_tokens: usize,
+    ws: BatchWorkspace,
+    admitted: u64,
+    pub stats: SchedStats,
+}
+
+impl Scheduler {
+    pub fn new(max_streams: usize, max_queue: usize, chunk_tokens: usize) -> Result<Self> {
+        if max_streams == 0 || chunk_tokens == 0 {
+            return Err(Error::InvalidArgument("max_streams and chunk_tokens must be at least 1".into()));
+        }
+        Ok(Scheduler {
+            slots: (0..max_streams).map(|_| None).collect(),
+            queue: VecDeque::new(),
+            max_queue,
+            chunk_tokens,
+            ws: BatchWorkspace::default(),
+            admitted: 0,
+            stats: SchedStats::default(),
+        })
+    }
+
+    pub fn n_active(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    pub fn n_queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    fn known(&self, id: i64) -> bool {
+        self.queue.iter().any(|(r, _)| r.id == id) || self.slots.iter().flatten().any(|s| s.req.id == id)
+    }
+
+    /// Queue a request. Ok(false) when the queue is full; an error (and nothing queued) when the
+    /// request cannot run at all.
+    pub fn submit(&mut self, m: &Model, req: PendingReq) -> Result<bool> {
+        let bad = |msg: String| Err(Error::InvalidArgument(format!("request {}: {msg}", req.id)));
+        if req.prompt.is_empty() {
+            return bad("the prompt is empty".into());
+        }
+        if req.max_new < 1 {
+            return bad("max_new must be at least 1".into());
+        }
+        if req.prompt.len() + 1 > m.config.seq_len {
+            return Err(Error::ContextOverflow(format!(
+                "request {}: the prompt has {} tokens but the context window is {}; shorten it",
+                req.id,
+                req.prompt.len(),
+                m.config.seq_len
+            )));
+        }
+        if let Some(&t) = req.prompt.iter().chain(&req.stop_ids).chain(&req.close_toks).find(|&&t| t as usize >= m.config.vocab_size) {
+            return bad(format!("token id {t} is out of range for a vocabulary of {}", m.config.vocab_size));
+        }
+        req.params.validate()?;
+        if self.known(req.id) {
+            return bad("this id is already queued or running; ids must be unique".into());
+        }
+        if self.queue.len() >= self.max_queue {
+            return Ok(false);
+        }
+        self.queue.push_back((req, Instant::now()));
+        Ok(true)
+    }
+
+    /// Remove a request wherever it is; its stream (and KV) is freed at once.
+    pub fn evict(&mut self, id: i64, events: &mut Vec<SchedEvent>) -> bool {
+        if let Some(i) = self.queue.iter().position(|(r, _)| r.id == id) {
+            let (req, _) = self.queue.remove(i).expect("index from position");
+            events.push(finished_event(usize::MAX, &req, Finish::Evicted, -1, 0, 0, 0));
+            self.stats.finished += 1;
+            return true;
+        }
+        if let Some(slot) = self.slots.iter().position(|s| s.as_ref().is_some_and(|s| s.req.id == id)) {
+            let s = self.slots[slot].take().expect("slot found above");
+            events.push(self.finish_stream(slot, s, Finish::Evicted, -1));
+            return true;
+        }
+        false
+    }
+
+    /// One tick: admit, one batched decode step, at most one prefill chunk. Returns whether any
+    /// request is still queued or running.
+    pub fn step(&mut self, m: &Model, events: &mut Vec<SchedEvent>) -> Result<bool> {
+        self.admit(m);
+        self.decode(m, events)?;
+        self.prefill(m, events)?;
+        Ok(self.n_active() > 0 || !self.queue.is_empty())
+    }
+
+    fn admit(&mut self, m: &Model) {
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].is_some() {
+                continue;
+            }
+            let Some((req, t_submit)) = self.queue.pop_front() else { break };
+            self.admitted += 1;
+            let rng = Rng::new(req.seed);
+            self.slots[slot] = Some(Stream {
+                req,
+                session: Session::new(m),
+                fed: 0,
+                generated: 0,
+                next: None,
+                utf8: Utf8Stream::default(),
+                rng,
+                t_submit,
+                t_first: None,
+                order: self.admitted,
+            });
+        }
+    }
+
+    fn decode(&mut self, m: &Model, events: &mut Vec<SchedEvent>) -> Result<()> {
+        let ready: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).collect();
+        if ready.is_empty() {
+            return Ok(());
+        }
+        let tokens: Vec<u32> = ready.iter().map(|&i| self.slots[i].as_ref().and_then(|s| s.next).expect("ready")).collect();
+        {
+            let mut sessions: Vec<&mut Session> = Vec::with_capacity(ready.len());
+            for (i, slot) in self.slots.iter_mut().enumerate() {
+                if let Some(s) = slot {
+                    if ready.contains(&i) {
+                        sessions.push(&mut s.session);
+                    }
+                }
+            }
+            eval_batch(m, &mut self.ws, &mut sessions, &tokens)?;
+        }
+        self.stats.decode_steps += 1;
+        self.stats.decode_rows += ready.len() as u64;
+        for &i in &ready {
+            self.sample_and_emit(m, i, events);
+        }
+        Ok(())
+    }
+
+    fn prefill(&mut self, m: &Model, events: &mut Vec<SchedEvent>) -> Result<()> {
+        let pick = (0..self.slots.len())
+            .filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.fed < s.req.prompt.len()))
+            .min_by_key(|&i| self.slots[i].as_ref().map(|s| s.order));
+        let Some(i) = pick else { return Ok(()) };
+        let chunk = self.chunk_tokens;
+        let s = self.slots[i].as_mut().expect("picked");
+        let end = (s.fed + chunk).min(s.req.prompt.len());
+        let ids = s.req.prompt[s.fed..end].to_vec();
+        s.session.eval(m, &ids)?;
+        s.fed = end;
+        self.stats.prefill_chunks += 1;
+        self.stats.prefill_tokens += ids.len() as u64;
+        if s.fed == s.req.prompt.len() {
+            self.sample_and_emit(m, i, events);
+        }
+        Ok(())
+    }
+
+    /// Sample from the stream's logits and emit its piece, or finish it.
+    fn sample_and_emit(&mut self, m: &Model, i: usize, events: &mut Vec<SchedEvent>) {
+        let s = self.slots[i].as_mut().expect("live stream");
+        let mut logits = std::mem::take(&mut s.session.logits);
+        let tok = sampling::sample(&mut logits, &s.session.recent, &s.req.params, &mut s.rng);
+        s.session.logits = logits;
+        s.session.recent.push(tok);
+        s.generated += 1;
+        if s.t_first.is_none() {
+            s.t_first = Some(Instant::now());
+        }
+        if m.tokenizer.is_eog(tok) || s.req.stop_ids.contains(&tok) {
+            let s = self.slots[i].take().expect("live stream");
+            let ev = self.finish_stream(i, s, Finish::Stop, tok as i64);
+            events.push(ev);
+            return;
+        }
+        let mut text = s.utf8.push(&m.tokenizer.piece(tok, false));
+        // The next decode step would evaluate `tok` at position n_past: stop where that would overflow.
+        let done = s.generated >= s.req.max_new || s.session.n_past() >= m.config.seq_len;
+        if done {
+            text.push_str(&s.utf8.finish());
+        }
+        events.push(SchedEvent {
+            stream: i,
+            id: s.req.id,
+            kind: EventKind::Piece,
+            token: tok as i64,
+            text,
+            finish: Finish::None,
+            n_prompt: s.req.prompt.len(),
+            n_gen: s.generated,
+            n_cached: 0,
+            ttft_us: 0,
+            gen_us: 0,
+        });
+        if done {
+            let s = self.slots[i].take().expect("live stream");
+            let ev = self.finish_stream(i, s, Finish::Length, -1);
+            events.push(ev);
+        } else {
+            s.next = Some(tok);
+        }
+    }
+
+    fn finish_stream(&mut self, slot: usize, s: Stream, finish: Finish, token: i64) -> SchedEvent {
+        let now = Instant::now();
+        let ttft = s.t_first.map_or(0, |t| (t - s.t_submit).as_micros() as u64);
+        let gen = s.t_first.map_or(0, |t| (now - t).as_micros() as u64);
+        self.stats.finished += 1;
+        self.stats.ttft_us_sum += ttft;
+        finished_event(slot, &s.req, finish, token, s.generated, ttft, gen)
+    }
+}
+
+fn finished_event(stream: usize, req: &PendingReq, finish: Finish, token: i64, n_gen: usize, ttft_us: u64, gen_us: u64) -> SchedEvent {
+    SchedEvent {
+        stream,
+        id: req.id,
+        kind: EventKind::Finished,
+        token,
+        text: String::new(),
+        finish,
+        n_prompt: req.prompt.len(),
+        n_gen,
+        n_cached: 0,
+        ttft_us,
+        gen_us,
+    }
+}

@@ -1,0 +1,176 @@
+"""The continuous-batching scheduler: every request's greedy output equals its single-session
+`generate` output, whatever else runs beside it; every request finishes exactly once."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dasllama as dl
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm_golden: dict) -> list[list[int]]:
+    return [c["prompt_ids"] for c in smollm_golden["cases"]]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm: dl.Model, prompts: list[list[int]]) -> list[list[int]]:
+    return [dl.generate(smollm, dl.create_session(smollm), p, dl.SamplingParams(), MAX_NEW) for p in prompts]
+
+
+def run(m: dl.Model, sch: dl.Scheduler, events: list[dl.SchedEvent] | None = None) -> dict[int, list[dl.SchedEvent]]:
+    by_id: dict[int, list[dl.SchedEvent]] = {}
+    evs: list[dl.SchedEvent] = []
+    more = True
+    while more:
+        more = dl.scheduler_step(m, sch, evs)
+        for e in evs:
+            by_id.setdefault(e.id, []).append(e)
+        if events is not None:
+            events.extend(evs)
+        evs.clear()
+    return by_id
+
+
+def tokens_of(evs: list[dl.SchedEvent]) -> list[int]:
+    toks = [e.token for e in evs if e.kind == "piece"]
+    fin = [e for e in evs if e.kind == "finished"]
+    assert len(fin) == 1 and evs[-1] is fin[0], "exactly one finished event, last"
+    if fin[0].finish == "stop":
+        toks.append(fin[0].token)
+    return toks
+
+
+@pytest.mark.parametrize(("streams", "chunk"), [(1, 64), (4, 64), (4, 7), (16, 16)])
+def test_greedy_equals_generate(smollm: dl.Model, prompts, reference, streams: int, chunk: int) -> None:
+    sch = dl.create_scheduler(smollm, max_streams=streams, max_queue=64, chunk_tokens=chunk)
+    for i, p in enumerate(prompts):
+        assert dl.submit(smollm, sch, dl.PendingReq(id=i, prompt=p, max_new=MAX_NEW))
+    got = run(smollm, sch)
+    for i, want in enumerate(reference):
+        assert tokens_of(got[i]) == want, i
+    assert dl.n_active(sch) == 0 and dl.n_queued(sch) == 0
+    stats = dl.scheduler_stats(sch)
+    assert stats["finished"] == len(prompts)
+    assert 1 <= stats["avg_batch"] <= streams
+    assert stats["prefill_tokens"] == sum(len(p) for p in prompts)
+
+
+def test_requests_joining_and_leaving(smollm: dl.Model, prompts, reference) -> None:
+    """Requests arrive while others decode; one is evicted mid-stream; the rest are unchanged."""
+    sch = dl.create_scheduler(smollm, max_streams=3, chunk_tokens=16)
+    evs: list[dl.SchedEvent] = []
+    pending = list(range(len(prompts)))
+    by_id: dict[int, list[dl.SchedEvent]] = {}
+    step = 0
+    while pending or dl.n_active(sch) or dl.n_queued(sch):
+        if pending and step % 3 == 0:
+            i = pending.pop(0)
+            assert dl.submit(smollm, sch, dl.PendingReq(id=i, prompt=prompts[i], max_new=MAX_NEW))
+        if step == 5:
+            assert dl.evict(smollm, sch, 0, evs)
+        dl.scheduler_step(smollm, sch, evs)
+        for e in evs:
+            by_id.setdefault(e.id, []).append(e)
+        evs.clear()
+        step += 1
+    assert by_id[0][-1].finish == "evicted"
+    for i in range(1, len(prompts)):
+        assert tokens_of(by_id[i]) == reference[i], i
+
+
+def test_pieces_are_whole_text(smollm: dl.Model, prompts) -> None:
+    sch = dl.create_scheduler(smollm, max_streams=4)
+    for i, p in enumerate(prompts[:4]):
+        dl.submit(smollm, sch, dl.PendingReq(id=i, prompt=p, max_new=20, params=dl.SamplingParams(temp=0.9, seed=5), seed=i))
+    got = run(smollm, sch)
+    for i in range(4):
+        pieces = [e.text for e in got[i] if e.kind == "piece"]
+        assert all("\ufffd" not in t for t in pieces)
+        toks = [e.token for e in got[i] if e.kind == "piece"]
+        assert "".join(pieces) == dl.decode(smollm, toks)
+
+
+def test_seeded_sampling_is_reproducible(smollm: dl.Model, prompts) -> None:
+    def once() -> list[list[int]]:
+        sch = dl.create_scheduler(smollm, max_streams=2)
+        for i, p in enumerate(prompts[:3]):
+            dl.submit(smollm, sch, dl.PendingReq(id=i, prompt=p, max_new=10, params=dl.SamplingParams(temp=1.0, top_k=40), seed=100 + i))
+        got = run(smollm, sch)
+        return [tokens_of(got[i]) for i in range(3)]
+
+    assert once() == once()
+
+
+def test_stop_ids_end_the_stream_unemitted(smollm: dl.Model, prompts, reference) -> None:
+    want = reference[0]
+    stop = want[3]
+    sch = dl.create_scheduler(smollm)
+    dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=prompts[0], stop_ids=[stop], max_new=MAX_NEW))
+    evs = run(smollm, sch)[1]
+    assert [e.token for e in evs if e.kind == "piece"] == want[: want.index(stop)]
+    assert evs[-1].finish == "stop" and evs[-1].token == stop
+
+
+def test_bad_requests_are_refused_and_scheduler_stays_usable(smollm: dl.Model, prompts, reference) -> None:
+    sch = dl.create_scheduler(smollm, max_streams=2, max_queue=2)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=[]))
+    with pytest.raises(ValueError, match="max_new"):
+        dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=[1, 2], max_new=0))
+    with pytest.raises(dl.ContextOverflowError, match="context window"):
+        dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=[1] * smollm.config["seq_len"]))
+    with pytest.raises(ValueError, match="out of range"):
+        dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=[smollm.n_vocab]))
+    assert dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=prompts[0], max_new=MAX_NEW))
+    with pytest.raises(ValueError, match="already queued or running"):
+        dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=prompts[1]))
+    assert dl.submit(smollm, sch, dl.PendingReq(id=2, prompt=prompts[1], max_new=MAX_NEW))
+    assert not dl.submit(smollm, sch, dl.PendingReq(id=3, prompt=prompts[2]))  # queue full
+    assert dl.n_queued(sch) == 2
+    got = run(smollm, sch)
+    assert tokens_of(got[1]) == reference[0] and tokens_of(got[2]) == reference[1]
+    with pytest.raises(NotImplementedError, match="paged KV pool"):
+        dl.create_scheduler(smollm, page_rows=16)
+    assert not dl.evict(smollm, sch, 99, [])
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(0, 14), st.integers(1, 6)),
+        st.tuples(st.just("step"), st.integers(1, 3), st.just(0)),
+        st.tuples(st.just("evict"), st.integers(0, 30), st.just(0)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops, streams=st.integers(1, 4), chunk=st.sampled_from([5, 32]))
+def test_random_sequences_finish_each_request_once(smollm: dl.Model, prompts, ops, streams: int, chunk: int) -> None:
+    sch = dl.create_scheduler(smollm, max_streams=streams, max_queue=8, chunk_tokens=chunk)
+    accepted: set[int] = set()
+    finished: list[int] = []
+    evs: list[dl.SchedEvent] = []
+    next_id = 0
+    for op, a, b in ops:
+        if op == "submit":
+            if dl.submit(smollm, sch, dl.PendingReq(id=next_id, prompt=prompts[a], max_new=b)):
+                accepted.add(next_id)
+            next_id += 1
+        elif op == "step":
+            for _ in range(a):
+                dl.scheduler_step(smollm, sch, evs)
+        else:
+            dl.evict(smollm, sch, a, evs)
+        finished += [e.id for e in evs if e.kind == "finished"]
+        evs.clear()
+    while dl.scheduler_step(smollm, sch, evs) or evs:
+        finished += [e.id for e in evs if e.kind == "finished"]
+        evs.clear()
+    assert sorted(finished) == sorted(accepted)
+    assert dl.n_active(sch) == 0 and dl.n_queued(sch) == 0
