@@ -11,6 +11,7 @@
 import logging
 
 from ._native import arch_names, n_threads
+from .chat import ChatRenderer, add_assistant, add_user, create_chat_renderer, make_nothink_guard, render_chat, render_close, render_turn, set_thinking, turn_stop_ids
 from .errors import ContextOverflowError, DasllamaError, FetchError, GgufError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
 from .model import Model, QuantMode, decode, encode, load_model, token_piece
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchWorkspace",
+    "ChatRenderer",
     "ContextOverflowError",
     "DEFAULT_MODEL",
     "DasllamaError",
@@ -38,8 +40,11 @@ __all__ = [
     "Session",
     "TemplateError",
     "UnsupportedModelError",
+    "add_assistant",
+    "add_user",
     "arch_names",
     "create_batch_workspace",
+    "create_chat_renderer",
     "create_scheduler",
     "create_session",
     "decode",
@@ -50,12 +55,18 @@ __all__ = [
     "fetch",
     "generate",
     "load_model",
+    "make_nothink_guard",
     "n_active",
     "n_queued",
     "n_threads",
+    "render_chat",
+    "render_close",
+    "render_turn",
     "sample",
     "scheduler_stats",
     "scheduler_step",
+    "set_thinking",
     "submit",
     "token_piece",
+    "turn_stop_ids",
 ]

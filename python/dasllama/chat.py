@@ -10,6 +10,7 @@ import argparse
 import datetime
 import logging
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError as JinjaTemplateError
@@ -55,6 +56,72 @@ def render_chat(m: Model, messages: list[Message], add_generation_prompt: bool =
         raise
     except JinjaTemplateError as e:
         raise TemplateError(f"{m.path.name}: the chat template failed to render: {e}") from e
+
+
+_MARK = "\u2063dasllama-reply\u2063"
+
+
+@dataclass
+class ChatRenderer:
+    """A conversation as messages, rendered to tokens on demand; it holds no KV."""
+
+    model: Model
+    messages: list[Message] = field(default_factory=list)
+    max_new: int = 256
+    thinking: bool = False
+
+
+def create_chat_renderer(m: Model, system: str = "", max_new: int = 256) -> ChatRenderer:
+    """A renderer over ``m``'s own chat template, with an optional system turn."""
+    render_chat(m, [{"role": "user", "content": "x"}])  # fail now, with the template's error, not later
+    return ChatRenderer(m, [{"role": "system", "content": system}] if system else [], max_new)
+
+
+def add_user(chat: ChatRenderer, text: str) -> None:
+    chat.messages.append({"role": "user", "content": text})
+
+
+def add_assistant(chat: ChatRenderer, text: str) -> None:
+    """Record a reply (one the model gave, or a replayed one); nothing is evaluated."""
+    chat.messages.append({"role": "assistant", "content": text})
+
+
+def render_turn(m: Model, chat: ChatRenderer) -> list[int]:
+    """The whole conversation so far plus the assistant's opening, as tokens."""
+    return encode(m, render_chat(m, chat.messages, add_generation_prompt=True), special=True)
+
+
+def _close_text(m: Model, chat: ChatRenderer) -> str:
+    """What the template writes after an assistant reply: render one with a marker and cut."""
+    text = render_chat(m, [*chat.messages, {"role": "assistant", "content": _MARK}], add_generation_prompt=False)
+    at = text.rfind(_MARK)
+    return text[at + len(_MARK) :] if at >= 0 else ""
+
+
+def render_close(m: Model, chat: ChatRenderer) -> list[int]:
+    """The tokens that close the assistant's turn after its reply (e.g. ``<|im_end|>\\n``)."""
+    return encode(m, _close_text(m, chat), add_bos=False, special=True)
+
+
+def turn_stop_ids(chat: ChatRenderer) -> list[int]:
+    """Tokens that end the reply: the model's end-of-generation ids and the template's turn end."""
+    m = chat.model
+    close = render_close(m, chat)
+    ids = list(m.eog_ids)
+    if close and m._native.token_type(close[0]) in (3, 4) and close[0] not in ids:
+        ids.append(close[0])
+    return ids
+
+
+def set_thinking(chat: ChatRenderer, on: bool) -> None:
+    """Ask thinking-template families to think (or not); other families ignore it."""
+    chat.thinking = bool(on)
+
+
+def make_nothink_guard(chat: ChatRenderer) -> None:
+    """The thinking-off stop guard of a thinking-template family. No family served here has a
+    thinking template, so there is nothing to guard and this returns None."""
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,55 @@
+"""The chat renderer: the model's template to tokens, with no KV."""
+
+from __future__ import annotations
+
+import pytest
+
+import dasllama as dl
+
+
+def test_render_turn_matches_llama_cpp_prompts(smollm: dl.Model, smollm_golden: dict) -> None:
+    for c in smollm_golden["cases"]:
+        if c["kind"] != "chat":
+            continue
+        msgs = c["messages"]
+        system = msgs[0]["content"] if msgs[0]["role"] == "system" else ""
+        chat = dl.create_chat_renderer(smollm, system)
+        for msg in msgs[1 if system else 0 :]:
+            (dl.add_user if msg["role"] == "user" else dl.add_assistant)(chat, msg["content"])
+        assert dl.render_turn(smollm, chat) == c["prompt_ids"]
+
+
+def test_close_and_stop_ids(smollm: dl.Model) -> None:
+    chat = dl.create_chat_renderer(smollm, "Be brief.")
+    dl.add_user(chat, "Hi")
+    close = dl.render_close(smollm, chat)
+    assert dl.decode(smollm, close, special=True) == "<|im_end|>\n"
+    assert close[0] in dl.turn_stop_ids(chat)
+    first = dl.render_turn(smollm, chat)
+    dl.add_assistant(chat, "Hello!")
+    dl.add_user(chat, "Bye")
+    second = dl.render_turn(smollm, chat)
+    # The next turn extends the previous one: what a prefix cache can reuse.
+    reply = dl.encode(smollm, "Hello!")
+    assert second[: len(first) + len(reply) + len(close)] == first + reply + close
+    assert dl.make_nothink_guard(chat) is None
+
+
+def test_model_without_template(gemma: dl.Model) -> None:
+    with pytest.raises(dl.TemplateError, match="no chat template"):
+        dl.create_chat_renderer(gemma)
+
+
+def test_scheduler_with_renderer(smollm: dl.Model) -> None:
+    chat = dl.create_chat_renderer(smollm, "You are a concise assistant.", 32)
+    dl.add_user(chat, "What is the capital of France?")
+    req = dl.PendingReq(id=1, prompt=dl.render_turn(smollm, chat), close_toks=dl.render_close(smollm, chat), stop_ids=dl.turn_stop_ids(chat), max_new=32)
+    sch = dl.create_scheduler(smollm)
+    assert dl.submit(smollm, sch, req)
+    evs: list[dl.SchedEvent] = []
+    while dl.scheduler_step(smollm, sch, evs):
+        pass
+    text = "".join(e.text for e in evs if e.kind == "piece")
+    fin = [e for e in evs if e.kind == "finished"]
+    assert len(fin) == 1 and fin[0].finish in ("stop", "length") and "Paris" in text
+    assert not any(e.token in req.stop_ids for e in evs if e.kind == "piece")
