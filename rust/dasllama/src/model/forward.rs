@@ -43,14 +43,15 @@ fn matmul_fused(segs: &mut [(&crate::cpu::Weight, &mut [f32])], x: &[f32], n: us
 /// Evaluate `tokens` at positions `kv.len()..`, append their K/V, and write the logits after the
 /// last token into `logits`. Runs on the thread team.
 pub fn forward(m: &Model, kv: &mut KvCache, tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
-    team().session(|t| forward_rows(m, &mut [kv], &[tokens.len()], tokens, s, logits, false, t))
+    team().session(|t| forward_rows(m, &mut [kv], &[tokens.len()], tokens, s, logits, t))
 }
 
 /// Advance several sessions in one pass over the weights: session i takes `counts[i]` tokens from
-/// `tokens` (in order). `logits` receives one row per token when `all_logits`, else the last
-/// token's. Every row is computed with the same arithmetic as when its session runs alone.
+/// `tokens` (in order: decode steps and prefill chunks alike). `logits` receives one row per
+/// session, after its last token. Every row is computed with the same arithmetic as when its
+/// session runs alone.
 pub fn forward_batch(m: &Model, kvs: &mut [&mut KvCache], counts: &[usize], tokens: &[u32], s: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
-    team().session(|t| forward_rows(m, kvs, counts, tokens, s, logits, true, t))
+    team().session(|t| forward_rows(m, kvs, counts, tokens, s, logits, t))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -61,7 +62,6 @@ fn forward_rows(
     tokens: &[u32],
     s: &mut Scratch,
     logits: &mut Vec<f32>,
-    all_logits: bool,
     team: &Team,
 ) -> Result<()> {
     let c = &m.config;
@@ -179,10 +179,14 @@ fn forward_rows(
         let len = kv.len() + cnt;
         kv.commit(len);
     }
-    let first = if all_logits { 0 } else { n - 1 };
-    let out_rows = n - first;
+    // Logits only after each session's last token: the vocabulary matmul is the largest one.
+    let out_rows = counts.len();
     let last = grow(&mut s.h, out_rows * d);
-    last.copy_from_slice(&x[first * d..n * d]);
+    let mut end = 0;
+    for (i, &cnt) in counts.iter().enumerate() {
+        end += cnt;
+        last[i * d..(i + 1) * d].copy_from_slice(&x[(end - 1) * d..end * d]);
+    }
     last.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, &m.output_norm, c.norm_eps));
     logits.resize(out_rows * c.vocab_size, 0.0);
     s.x = xbuf;

@@ -353,21 +353,11 @@ unsafe fn block_dot<F: Fmt, const VNNI: bool>(q: __m256i, y: __m256i) -> __m256i
     }
 }
 
-#[inline(always)]
-unsafe fn finish<F: Fmt>(acc: __m256, summs: __m256) -> f32 {
-    if F::MIN {
-        hsum(acc) + hsum(summs)
-    } else {
-        hsum(acc)
-    }
-}
-
 /// R weight rows against one activation row.
 #[inline(always)]
 unsafe fn rows<F: Fmt, const R: usize, const VNNI: bool>(w: [*const u8; R], a: *const u8, nb: usize) -> [f32; R] {
     let tail = act_tail::<F>(a, nb);
     let mut acc = [_mm256_setzero_ps(); R];
-    let mut summs = [_mm256_setzero_ps(); R];
     let mut g = 0;
     while g < nb {
         let cnt = (nb - g).min(8);
@@ -376,7 +366,8 @@ unsafe fn rows<F: Fmt, const R: usize, const VNNI: bool>(w: [*const u8; R], a: *
         for k in 0..R {
             dp[k] = _mm256_mul_ps(f16x8(w[k].add(2 * g), cnt), da);
             if F::MIN {
-                summs[k] = _mm256_fmadd_ps(f16x8(w[k].add(2 * nb + 2 * g), cnt), f32x8(tail.add(nb + g), cnt), summs[k]);
+                // The mins' term, m_w * s_a per block, joins the same accumulator.
+                acc[k] = _mm256_fmadd_ps(f16x8(w[k].add(2 * nb + 2 * g), cnt), f32x8(tail.add(nb + g), cnt), acc[k]);
             }
         }
         for j in 0..cnt {
@@ -392,7 +383,7 @@ unsafe fn rows<F: Fmt, const R: usize, const VNNI: bool>(w: [*const u8; R], a: *
     }
     let mut out = [0.0f32; R];
     for k in 0..R {
-        out[k] = finish::<F>(acc[k], summs[k]);
+        out[k] = hsum(acc[k]);
     }
     out
 }
@@ -402,7 +393,6 @@ unsafe fn rows<F: Fmt, const R: usize, const VNNI: bool>(w: [*const u8; R], a: *
 unsafe fn acts4<F: Fmt, const VNNI: bool>(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
     let tails = [act_tail::<F>(a[0], nb), act_tail::<F>(a[1], nb), act_tail::<F>(a[2], nb), act_tail::<F>(a[3], nb)];
     let mut acc = [_mm256_setzero_ps(); 4];
-    let mut summs = [_mm256_setzero_ps(); 4];
     let mut g = 0;
     while g < nb {
         let cnt = (nb - g).min(8);
@@ -411,7 +401,7 @@ unsafe fn acts4<F: Fmt, const VNNI: bool>(w: *const u8, a: [*const u8; 4], nb: u
         for k in 0..4 {
             dp[k] = _mm256_mul_ps(dw, f32x8(tails[k].add(g), cnt));
             if F::MIN {
-                summs[k] = _mm256_fmadd_ps(f16x8(w.add(2 * nb + 2 * g), cnt), f32x8(tails[k].add(nb + g), cnt), summs[k]);
+                acc[k] = _mm256_fmadd_ps(f16x8(w.add(2 * nb + 2 * g), cnt), f32x8(tails[k].add(nb + g), cnt), acc[k]);
             }
         }
         for j in 0..cnt {
@@ -425,7 +415,7 @@ unsafe fn acts4<F: Fmt, const VNNI: bool>(w: *const u8, a: [*const u8; 4], nb: u
         }
         g += 8;
     }
-    [finish::<F>(acc[0], summs[0]), finish::<F>(acc[1], summs[1]), finish::<F>(acc[2], summs[2]), finish::<F>(acc[3], summs[3])]
+    [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
 }
 
 fn check<F: Fmt>(w: &[&[u8]], a: &[&[u8]], n: usize) -> usize {

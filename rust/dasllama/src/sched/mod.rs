@@ -1,12 +1,13 @@
 //! The continuous-batching scheduler: requests wait as token lists (no KV), are admitted FIFO into
-//! free streams, and every `step` runs ONE batched decode step over every decoding stream, then
-//! at most ONE prefill chunk of `chunk_tokens`, so a long prompt delays the others by one chunk,
-//! never by its whole length. Rows are computed with the same arithmetic whatever the batch, so a
-//! request's output does not depend on what else runs beside it.
+//! free streams, and every `step` advances every decoding stream by one token and prefills at most
+//! ONE chunk of `chunk_tokens` prompt tokens (from the oldest admitted streams), all in ONE pass
+//! over the weights, so a long prompt delays the others by one chunk, never by its whole length.
+//! Rows are computed with the same arithmetic whatever the batch, so a request's output does not
+//! depend on what else runs beside it.
 
 use crate::model::Model;
 use crate::sampling::{self, Rng, SamplingParams};
-use crate::session::{eval_batch, BatchWorkspace, Session};
+use crate::session::{eval_multi, BatchWorkspace, Session};
 use crate::tokenizer::Utf8Stream;
 use crate::{Error, Result};
 use std::collections::VecDeque;
@@ -171,12 +172,62 @@ impl Scheduler {
         false
     }
 
-    /// One tick: admit, one batched decode step, at most one prefill chunk. Returns whether any
-    /// request is still queued or running.
+    /// One tick: admit, then one pass that advances every decoding stream by a token and prefills
+    /// at most `chunk_tokens` prompt tokens. Returns whether any request is still queued or running.
     pub fn step(&mut self, m: &Model, events: &mut Vec<SchedEvent>) -> Result<bool> {
         self.admit(m);
-        self.decode(m, events)?;
-        self.prefill(m, events)?;
+        let decoding: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).collect();
+        let mut prefilling: Vec<usize> =
+            (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.fed < s.req.prompt.len())).collect();
+        prefilling.sort_by_key(|&i| self.slots[i].as_ref().map(|s| s.order));
+        // (slot, token count) of this pass: decode rows first, then the prefill chunk's pieces.
+        let mut plan: Vec<(usize, usize)> = decoding.iter().map(|&i| (i, 1)).collect();
+        let mut budget = self.chunk_tokens;
+        for &i in &prefilling {
+            if budget == 0 {
+                break;
+            }
+            let s = self.slots[i].as_ref().expect("prefilling stream");
+            let k = (s.req.prompt.len() - s.fed).min(budget);
+            plan.push((i, k));
+            budget -= k;
+        }
+        if plan.is_empty() {
+            return Ok(self.n_active() > 0 || !self.queue.is_empty());
+        }
+        let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
+        for &(i, k) in &plan {
+            let s = self.slots[i].as_ref().expect("planned stream");
+            match s.next {
+                Some(t) => tokens.push(t),
+                None => tokens.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]),
+            }
+        }
+        {
+            let mut by_slot: Vec<Option<&mut Session>> = self.slots.iter_mut().map(|s| s.as_mut().map(|s| &mut s.session)).collect();
+            let mut sessions: Vec<&mut Session> = plan.iter().map(|&(i, _)| by_slot[i].take().expect("each slot planned once")).collect();
+            let counts: Vec<usize> = plan.iter().map(|p| p.1).collect();
+            eval_multi(m, &mut self.ws, &mut sessions, &counts, &tokens)?;
+        }
+        if !decoding.is_empty() {
+            self.stats.decode_steps += 1;
+            self.stats.decode_rows += decoding.len() as u64;
+        }
+        for &(i, k) in &plan {
+            let s = self.slots[i].as_mut().expect("planned stream");
+            if s.next.take().is_some() {
+                self.sample_and_emit(m, i, events);
+                continue;
+            }
+            s.fed += k;
+            self.stats.prefill_tokens += k as u64;
+            if s.fed == s.req.prompt.len() {
+                self.sample_and_emit(m, i, events);
+            }
+        }
+        if plan.len() > decoding.len() {
+            self.stats.prefill_chunks += 1;
+        }
         Ok(self.n_active() > 0 || !self.queue.is_empty())
     }
 
@@ -201,50 +252,6 @@ impl Scheduler {
                 order: self.admitted,
             });
         }
-    }
-
-    fn decode(&mut self, m: &Model, events: &mut Vec<SchedEvent>) -> Result<()> {
-        let ready: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).collect();
-        if ready.is_empty() {
-            return Ok(());
-        }
-        let tokens: Vec<u32> = ready.iter().map(|&i| self.slots[i].as_ref().and_then(|s| s.next).expect("ready")).collect();
-        {
-            let mut sessions: Vec<&mut Session> = Vec::with_capacity(ready.len());
-            for (i, slot) in self.slots.iter_mut().enumerate() {
-                if let Some(s) = slot {
-                    if ready.contains(&i) {
-                        sessions.push(&mut s.session);
-                    }
-                }
-            }
-            eval_batch(m, &mut self.ws, &mut sessions, &tokens)?;
-        }
-        self.stats.decode_steps += 1;
-        self.stats.decode_rows += ready.len() as u64;
-        for &i in &ready {
-            self.sample_and_emit(m, i, events);
-        }
-        Ok(())
-    }
-
-    fn prefill(&mut self, m: &Model, events: &mut Vec<SchedEvent>) -> Result<()> {
-        let pick = (0..self.slots.len())
-            .filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.fed < s.req.prompt.len()))
-            .min_by_key(|&i| self.slots[i].as_ref().map(|s| s.order));
-        let Some(i) = pick else { return Ok(()) };
-        let chunk = self.chunk_tokens;
-        let s = self.slots[i].as_mut().expect("picked");
-        let end = (s.fed + chunk).min(s.req.prompt.len());
-        let ids = s.req.prompt[s.fed..end].to_vec();
-        s.session.eval(m, &ids)?;
-        s.fed = end;
-        self.stats.prefill_chunks += 1;
-        self.stats.prefill_tokens += ids.len() as u64;
-        if s.fed == s.req.prompt.len() {
-            self.sample_and_emit(m, i, events);
-        }
-        Ok(())
     }
 
     /// Sample from the stream's logits and emit its piece, or finish it.
