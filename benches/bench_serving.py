@@ -1,0 +1,94 @@
+"""Serving: N concurrent SmolLM2 conversations with 128-token replies through the scheduler,
+batched (max_streams=N) against one at a time (max_streams=1). Prints aggregate tokens/s, TTFT
+p50/p99, decode steps and average batch; writes a PNG plot of throughput against streams.
+
+    python benches/bench_serving.py [--streams 1 4 8 16] [--max-new 128] [--plot benches/serving.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from tqdm import tqdm
+
+import dasllama as dl
+
+TOPICS = ["the sea", "a robot", "autumn", "a lighthouse", "coffee", "mountains", "a city at night", "rain",
+          "a library", "the moon", "a garden", "trains", "winter", "a violin", "the desert", "friendship"]
+
+
+def requests(m: dl.Model, n: int, max_new: int, first_id: int) -> list[dl.PendingReq]:
+    reqs = []
+    for i in range(n):
+        chat = dl.create_chat_renderer(m, "You are a helpful assistant.", max_new)
+        dl.add_user(chat, f"Write a long story about {TOPICS[i % len(TOPICS)]}.")
+        # Greedy, and no stop ids: every reply runs the full max_new tokens, so runs compare.
+        reqs.append(dl.PendingReq(id=first_id + i, prompt=dl.render_turn(m, chat), max_new=max_new))
+    return reqs
+
+
+def run(m: dl.Model, reqs: list[dl.PendingReq], streams: int) -> dict[str, float]:
+    sch = dl.create_scheduler(m, max_streams=streams, max_queue=len(reqs), chunk_tokens=64)
+    t0 = time.perf_counter()
+    for r in reqs:
+        assert dl.submit(m, sch, r)
+    events: list[dl.SchedEvent] = []
+    ttft, n_gen = [], 0
+    while dl.scheduler_step(m, sch, events) or events:
+        for e in events:
+            if e.kind == "finished":
+                ttft.append(e.ttft_us / 1000)
+                n_gen += e.n_gen
+        events.clear()
+    wall = time.perf_counter() - t0
+    st = dl.scheduler_stats(sch)
+    q = statistics.quantiles(ttft, n=100) if len(ttft) > 1 else [ttft[0]] * 99
+    return {"tok_s": n_gen / wall, "wall": wall, "ttft_p50": statistics.median(ttft), "ttft_p99": q[98], "steps": st["decode_steps"], "avg_batch": st["avg_batch"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--plot", default="benches/serving.png")
+    args = ap.parse_args()
+    m = dl.load_model(args.model)
+    rows = []
+    for n in tqdm(args.streams, desc="concurrency"):
+        batched = run(m, requests(m, n, args.max_new, 0), n)
+        serial = run(m, requests(m, n, args.max_new, 1000), 1)
+        rows.append((n, batched, serial))
+    print(f"\n{m.path.name}, {dl.n_threads()} threads, {args.max_new}-token replies")
+    print("| streams | batched tok/s | 1-at-a-time tok/s | wall ratio | TTFT p50 ms | TTFT p99 ms | decode steps | avg batch |")
+    print("|--------:|--------------:|------------------:|-----------:|------------:|------------:|-------------:|----------:|")
+    for n, b, s in rows:
+        print(f"| {n:7d} | {b['tok_s']:13.1f} | {s['tok_s']:17.1f} | {b['wall'] / s['wall']:9.2f}x | {b['ttft_p50']:11.0f} | {b['ttft_p99']:11.0f} | {b['steps']:12.0f} | {b['avg_batch']:9.2f} |")
+    single = rows[0][1]["tok_s"] if rows[0][0] == 1 else None
+    if single:
+        print(f"\n{rows[-1][0]} streams: {rows[-1][1]['tok_s'] / single:.2f}x the single-stream tokens/s")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'dasllama[bench]'): no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r[0] for r in rows], [r[1]["tok_s"] for r in rows], "o-", label="batched (scheduler)")
+    ax.plot([r[0] for r in rows], [r[2]["tok_s"] for r in rows], "s--", label="one at a time")
+    ax.set_xlabel("concurrent conversations")
+    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_title(f"{m.path.name}, {dl.n_threads()} threads")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"plot written to {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
