@@ -1,58 +1,11 @@
 //! Sessions: one conversation's KV store, position, logits, sampling state.
 
+pub use crate::kv::KvCache;
+use crate::kv::KvPool;
 use crate::model::forward::{forward, forward_batch, Scratch};
 use crate::model::Model;
 use crate::sampling::Rng;
 use crate::{Error, Result};
-
-/// Private KV store of one session, grown on demand (never sized by the context up front).
-/// Values are held as f32 already rounded to f16: the same numbers as llama.cpp's f16 cache.
-pub struct KvCache {
-    kv_dim: usize,
-    len: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-}
-
-impl KvCache {
-    pub fn new(n_layers: usize, kv_dim: usize) -> Self {
-        KvCache { kv_dim, len: 0, k: vec![Vec::new(); n_layers], v: vec![Vec::new(); n_layers] }
-    }
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    pub(crate) fn reserve(&mut self, positions: usize) {
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            let want = positions * self.kv_dim;
-            if buf.capacity() < want {
-                buf.reserve(want.next_power_of_two().max(64 * self.kv_dim) - buf.len());
-            }
-        }
-    }
-    /// Append rows for layer `il` (positions len.. until commit).
-    pub(crate) fn append(&mut self, il: usize, k: &[f32], v: &[f32]) {
-        self.k[il].truncate(self.len * self.kv_dim);
-        self.v[il].truncate(self.len * self.kv_dim);
-        self.k[il].extend(k.iter().map(|&x| crate::cpu::ops::round_f16(x)));
-        self.v[il].extend(v.iter().map(|&x| crate::cpu::ops::round_f16(x)));
-    }
-    pub(crate) fn commit(&mut self, len: usize) {
-        self.len = len;
-    }
-    pub(crate) fn layer(&self, il: usize) -> (&[f32], &[f32]) {
-        (&self.k[il], &self.v[il])
-    }
-    /// Forget positions from `pos` on.
-    pub fn truncate(&mut self, pos: usize) {
-        self.len = self.len.min(pos);
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
-            buf.truncate(self.len * self.kv_dim);
-        }
-    }
-}
 
 pub struct Session {
     pub kv: KvCache,
@@ -64,9 +17,23 @@ pub struct Session {
 }
 
 impl Session {
+    /// A session with a private KV store.
     pub fn new(m: &Model) -> Self {
+        Self::with_kv(KvCache::private(m.config.n_layers, m.config.kv_dim()))
+    }
+
+    /// A session whose KV pages come from `pool`.
+    pub fn paged(m: &Model, pool: &KvPool) -> Result<Self> {
+        let g = pool.geometry();
+        if g.n_layers != m.config.n_layers || g.kv_dim != m.config.kv_dim() {
+            return Err(Error::InvalidArgument("this KV pool was made for a model of another shape".into()));
+        }
+        Ok(Self::with_kv(KvCache::paged(pool)))
+    }
+
+    fn with_kv(kv: KvCache) -> Self {
         Session {
-            kv: KvCache::new(m.config.n_layers, m.config.kv_dim()),
+            kv,
             logits: Vec::new(),
             recent: Vec::new(),
             rng: Rng::new(crate::sampling::DEFAULT_SEED),
@@ -83,8 +50,9 @@ impl Session {
         forward(m, &mut self.kv, tokens, &mut self.scratch, &mut self.logits)
     }
 
+    /// Forget everything (KV, logits, penalty window); the KV pages go back to their pool.
     pub fn reset(&mut self) {
-        self.kv.truncate(0);
+        self.kv.release();
         self.recent.clear();
         self.logits.clear();
     }

@@ -99,7 +99,8 @@ fn forward_rows(
         }
     }
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
-        kv.reserve(kv.len() + cnt);
+        let want = kv.len() + cnt;
+        kv.reserve(want)?;
     }
     for (il, l) in m.layers.iter().enumerate() {
         let h = grow(&mut s.h, n * d);
@@ -200,24 +201,24 @@ fn forward_rows(
 #[allow(clippy::too_many_arguments)]
 fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)], window: usize, q: &[f32], out: &mut [f32], team: &Team) {
     let c = &m.config;
-    let (hdim, qd, kvd) = (c.head_dim, c.q_dim(), c.kv_dim());
+    let (hdim, qd) = (c.head_dim, c.q_dim());
     let group = c.n_heads / c.n_kv_heads;
     let n = rows.len();
     let one = |idx: usize, o: &mut [f32]| {
         let (t, h) = (idx / c.n_heads, idx % c.n_heads);
         let (si, pos) = rows[t];
-        let (kc, vc) = kvs[si].layer(il);
+        let lv = kvs[si].layer(il);
         let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
         let kvh = h / group;
         let qh: Vec<f32> = q[t * qd + h * hdim..t * qd + (h + 1) * hdim].iter().map(|&v| ops::round_f16(v)).collect();
         let mut sc: Vec<f32> = (start..=pos)
-            .map(|j| ops::dot_f32(&qh, &kc[j * kvd + kvh * hdim..j * kvd + (kvh + 1) * hdim]) * c.attn_scale)
+            .map(|j| ops::dot_f32(&qh, &lv.k(j)[kvh * hdim..(kvh + 1) * hdim]) * c.attn_scale)
             .collect();
         ops::softmax(&mut sc);
         o.fill(0.0);
         for (j, p) in (start..=pos).zip(sc) {
             let p = ops::round_f16(p);
-            ops::axpy(o, p, &vc[j * kvd + kvh * hdim..j * kvd + (kvh + 1) * hdim]);
+            ops::axpy(o, p, &lv.v(j)[kvh * hdim..(kvh + 1) * hdim]);
         }
     };
     let work: usize = rows.iter().map(|r| r.1 + 1).sum::<usize>() * c.n_heads;

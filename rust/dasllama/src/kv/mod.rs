@@ -1,0 +1,371 @@
+//! KV storage: fixed pages of `page_rows` positions for every layer, a session's page table, the
+//! shared pool that owns pages and recycles them, and the prefix cache of finished streams' pages.
+//!
+//! A page is reference-counted by `Arc`: session tables and the prefix cache hold it; when the last
+//! holder lets go, its id returns to the pool. A page held by more than one holder is never written:
+//! a session about to write into a shared page copies it first (copy-on-write). Values are stored
+//! as f32 already rounded to f16 (the f16 codec's numbers, read without conversion).
+
+use crate::{Error, Result};
+use std::cell::UnsafeCell;
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, Weak};
+
+/// Positions per page of a session without a pool (its pages are private).
+pub const PRIVATE_PAGE_ROWS: usize = 256;
+
+pub struct Page {
+    buf: UnsafeCell<Box<[f32]>>,
+    /// Pool slot, returned to the pool when the page drops.
+    slot: Option<(u32, Weak<PoolShared>)>,
+}
+
+// SAFETY: a page is written only through `KvCache::append`, by the one session whose table holds
+// the only reference to it (`Arc::strong_count == 1`, checked before every write, copy-on-write
+// otherwise); every other access is a read.
+unsafe impl Sync for Page {}
+unsafe impl Send for Page {}
+
+impl Drop for Page {
+    fn drop(&mut self) {
+        if let Some((slot, pool)) = &self.slot {
+            if let Some(pool) = pool.upgrade() {
+                pool.state.lock().unwrap_or_else(|e| e.into_inner()).free.push(*slot);
+            }
+        }
+    }
+}
+
+impl Page {
+    fn new(len: usize, slot: Option<(u32, Weak<PoolShared>)>) -> Arc<Page> {
+        Arc::new(Page { buf: UnsafeCell::new(vec![0.0; len].into_boxed_slice()), slot })
+    }
+
+    fn data(&self) -> &[f32] {
+        // SAFETY: see the Sync impl: no write is in progress while a shared reference is read.
+        unsafe { &*self.buf.get() }
+    }
+
+    /// # Safety
+    /// The caller holds the only reference to this page.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn data_mut(&self) -> &mut [f32] {
+        &mut *self.buf.get()
+    }
+}
+
+/// Geometry shared by a pool and its sessions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub n_layers: usize,
+    pub kv_dim: usize,
+    pub page_rows: usize,
+}
+
+impl Geometry {
+    fn page_floats(&self) -> usize {
+        self.n_layers * 2 * self.page_rows * self.kv_dim
+    }
+    /// Offset of (layer, K or V, row) inside a page.
+    fn at(&self, il: usize, v: bool, row: usize) -> usize {
+        ((il * 2 + v as usize) * self.page_rows + row) * self.kv_dim
+    }
+}
+
+struct CacheEntry {
+    page: Arc<Page>,
+    tokens: Vec<u32>,
+    last_used: u64,
+    /// The first page of a chain.
+    first: bool,
+}
+
+struct PoolState {
+    free: Vec<u32>,
+    created: u32,
+    cache: HashMap<u64, CacheEntry>,
+    clock: u64,
+    hits: u64,
+}
+
+pub struct PoolShared {
+    geo: Geometry,
+    max_pages: u32,
+    /// Cached pages kept at most (0: as many as the pool has room for).
+    max_cached: usize,
+    state: Mutex<PoolState>,
+}
+
+/// The paged KV pool. Cheap to clone (a handle).
+#[derive(Clone)]
+pub struct KvPool(Arc<PoolShared>);
+
+#[derive(Clone, Debug, Default)]
+pub struct PoolStats {
+    pub pages_total: usize,
+    pub pages_free: usize,
+    pub pages_used: usize,
+    pub pages_shared: usize,
+    pub pages_cached: usize,
+    pub bytes_per_page: usize,
+    pub bytes_allocated: usize,
+    pub cache_chains: usize,
+    pub cache_hits: u64,
+}
+
+fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+impl KvPool {
+    pub fn new(geo: Geometry, max_pages: usize, max_cached: usize) -> Result<KvPool> {
+        if geo.page_rows == 0 || max_pages == 0 {
+            return Err(Error::InvalidArgument("a KV pool needs page_rows >= 1 and at least one page".into()));
+        }
+        Ok(KvPool(Arc::new(PoolShared {
+            geo,
+            max_pages: max_pages.min(u32::MAX as usize) as u32,
+            max_cached,
+            state: Mutex::new(PoolState { free: Vec::new(), created: 0, cache: HashMap::new(), clock: 0, hits: 0 }),
+        })))
+    }
+
+    pub fn geometry(&self) -> Geometry {
+        self.0.geo
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.0.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A fresh page, evicting least-recently-used cached pages nobody else holds if the pool is full.
+    fn alloc(&self) -> Result<Arc<Page>> {
+        loop {
+            let mut evicted = Vec::new();
+            {
+                let mut st = self.lock();
+                let slot = if let Some(s) = st.free.pop() {
+                    Some(s)
+                } else if st.created < self.0.max_pages {
+                    st.created += 1;
+                    Some(st.created - 1)
+                } else {
+                    None
+                };
+                if let Some(slot) = slot {
+                    drop(st);
+                    return Ok(Page::new(self.0.geo.page_floats(), Some((slot, Arc::downgrade(&self.0)))));
+                }
+                // Evict the least recently used cached page no session holds; its drop (after
+                // the lock is released) returns its slot.
+                let victim = st.cache.iter().filter(|(_, e)| Arc::strong_count(&e.page) == 1).min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k);
+                match victim {
+                    Some(k) => evicted.push(st.cache.remove(&k).expect("victim is in the cache")),
+                    None => {
+                        return Err(Error::InvalidArgument(format!(
+                            "the KV pool is full ({} pages of {} positions, all in use); use fewer streams or a bigger pool",
+                            self.0.max_pages, self.0.geo.page_rows
+                        )))
+                    }
+                }
+            }
+            drop(evicted);
+        }
+    }
+
+    /// Offer a finished stream's full pages (covering `tokens`) to the prefix cache.
+    pub fn donate(&self, kv: &KvCache, tokens: &[u32]) {
+        let r = self.0.geo.page_rows;
+        let full = kv.len().min(tokens.len()) / r;
+        let mut evicted = Vec::new();
+        {
+            let mut st = self.lock();
+            st.clock += 1;
+            let now = st.clock;
+            let mut parent = 0u64;
+            for (i, page) in kv.pages.iter().take(full).enumerate() {
+                let toks = &tokens[i * r..(i + 1) * r];
+                let h = chain_hash(parent, toks);
+                st.cache.entry(h).and_modify(|e| e.last_used = now).or_insert_with(|| CacheEntry { page: page.clone(), tokens: toks.to_vec(), last_used: now, first: i == 0 });
+                parent = h;
+            }
+            if self.0.max_cached > 0 {
+                while st.cache.len() > self.0.max_cached {
+                    let Some(k) = st.cache.iter().filter(|(_, e)| Arc::strong_count(&e.page) == 1).min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k) else { break };
+                    evicted.push(st.cache.remove(&k).expect("victim is in the cache"));
+                }
+            }
+        }
+        drop(evicted);
+    }
+
+    /// Attach the longest cached chain of whole pages matching `prompt[..limit]` to `kv` (which
+    /// must be empty). Returns the number of positions attached.
+    pub fn attach(&self, kv: &mut KvCache, prompt: &[u32], limit: usize) -> usize {
+        assert!(kv.is_empty(), "attach needs an empty session");
+        let r = self.0.geo.page_rows;
+        let mut st = self.lock();
+        st.clock += 1;
+        let now = st.clock;
+        let mut parent = 0u64;
+        let mut got = 0;
+        for i in 0..limit.min(prompt.len()) / r {
+            let toks = &prompt[i * r..(i + 1) * r];
+            let h = chain_hash(parent, toks);
+            match st.cache.get_mut(&h) {
+                Some(e) if e.tokens == toks => {
+                    e.last_used = now;
+                    kv.pages.push(e.page.clone());
+                    got += r;
+                }
+                _ => break,
+            }
+            parent = h;
+        }
+        if got > 0 {
+            st.hits += 1;
+        }
+        drop(st);
+        kv.len = got;
+        got
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        let st = self.lock();
+        let geo = self.0.geo;
+        let cached_in_use = st.cache.values().filter(|e| Arc::strong_count(&e.page) > 1).count();
+        let live = st.created as usize - st.free.len();
+        let bytes_per_page = geo.page_floats() * 4;
+        PoolStats {
+            pages_total: self.0.max_pages as usize,
+            pages_free: self.0.max_pages as usize - live,
+            pages_used: live,
+            pages_shared: cached_in_use,
+            pages_cached: st.cache.len(),
+            bytes_per_page,
+            bytes_allocated: live * bytes_per_page,
+            cache_chains: st.cache.values().filter(|e| e.first).count(),
+            cache_hits: st.hits,
+        }
+    }
+}
+
+/// One session's KV: a table of pages (its own or the pool's) and the number of positions held.
+pub struct KvCache {
+    geo: Geometry,
+    len: usize,
+    pages: Vec<Arc<Page>>,
+    pool: Option<KvPool>,
+}
+
+/// Read access to one layer of a session's KV during attention.
+pub struct LayerView<'a> {
+    cache: &'a KvCache,
+    il: usize,
+}
+
+impl LayerView<'_> {
+    #[inline]
+    pub fn k(&self, pos: usize) -> &[f32] {
+        self.row(pos, false)
+    }
+    #[inline]
+    pub fn v(&self, pos: usize) -> &[f32] {
+        self.row(pos, true)
+    }
+    #[inline]
+    fn row(&self, pos: usize, v: bool) -> &[f32] {
+        let g = &self.cache.geo;
+        let at = g.at(self.il, v, pos % g.page_rows);
+        &self.cache.pages[pos / g.page_rows].data()[at..at + g.kv_dim]
+    }
+}
+
+impl KvCache {
+    /// A session's private store (pages of `PRIVATE_PAGE_ROWS`, grown on demand).
+    pub fn private(n_layers: usize, kv_dim: usize) -> Self {
+        KvCache { geo: Geometry { n_layers, kv_dim, page_rows: PRIVATE_PAGE_ROWS }, len: 0, pages: Vec::new(), pool: None }
+    }
+
+    pub fn paged(pool: &KvPool) -> Self {
+        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn pool(&self) -> Option<&KvPool> {
+        self.pool.as_ref()
+    }
+    pub fn n_pages(&self) -> usize {
+        self.pages.len()
+    }
+
+    fn new_page(&self) -> Result<Arc<Page>> {
+        match &self.pool {
+            Some(p) => p.alloc(),
+            None => Ok(Page::new(self.geo.page_floats(), None)),
+        }
+    }
+
+    /// Make room for positions up to `positions` (exclusive), and make sure the pages those
+    /// positions will be written to are this session's alone. On error nothing has changed that
+    /// matters: extra pages are simply held until release.
+    pub(crate) fn reserve(&mut self, positions: usize) -> Result<()> {
+        let r = self.geo.page_rows;
+        while self.pages.len() * r < positions {
+            let p = self.new_page()?;
+            self.pages.push(p);
+        }
+        // Copy-on-write: the first page to be written may be shared with the prefix cache.
+        for pi in self.len / r..positions.div_ceil(r) {
+            if Arc::strong_count(&self.pages[pi]) > 1 {
+                let fresh = self.new_page()?;
+                // SAFETY: `fresh` was just created and is referenced only here.
+                unsafe { fresh.data_mut().copy_from_slice(self.pages[pi].data()) };
+                self.pages[pi] = fresh;
+            }
+        }
+        Ok(())
+    }
+
+    /// Write rows for layer `il` at positions len.. (made exclusive by `reserve`).
+    pub(crate) fn append(&mut self, il: usize, k: &[f32], v: &[f32]) {
+        let g = self.geo;
+        for (j, (kr, vr)) in k.chunks_exact(g.kv_dim).zip(v.chunks_exact(g.kv_dim)).enumerate() {
+            let pos = self.len + j;
+            let page = &self.pages[pos / g.page_rows];
+            assert_eq!(Arc::strong_count(page), 1, "writing into a shared KV page");
+            // SAFETY: the assert above: this session holds the only reference to the page.
+            let data = unsafe { page.data_mut() };
+            let (ka, va) = (g.at(il, false, pos % g.page_rows), g.at(il, true, pos % g.page_rows));
+            for (d, s) in data[ka..ka + g.kv_dim].iter_mut().zip(kr) {
+                *d = crate::cpu::ops::round_f16(*s);
+            }
+            for (d, s) in data[va..va + g.kv_dim].iter_mut().zip(vr) {
+                *d = crate::cpu::ops::round_f16(*s);
+            }
+        }
+    }
+
+    pub(crate) fn commit(&mut self, len: usize) {
+        self.len = len;
+    }
+
+    pub(crate) fn layer(&self, il: usize) -> LayerView<'_> {
+        LayerView { cache: self, il }
+    }
+
+    /// Forget every position and give all pages back.
+    pub fn release(&mut self) {
+        self.len = 0;
+        self.pages.clear();
+    }
+}
