@@ -65,3 +65,37 @@ def test_eval_batch_bad_inputs(smollm: dl.Model, gemma: dl.Model) -> None:
         dl.eval_batch(gemma, ws, [a], [5])
     assert a.n_past == 2 and b.n_past == 2  # nothing half-done
     assert dl.eval_batch(smollm, ws, [a, b], [5, 6]).shape == (2, smollm.n_vocab)
+
+
+@pytest.mark.parametrize("page_rows", [1, 3, 16, 64])
+def test_paged_sessions_match_private_ones(smollm: dl.Model, page_rows: int) -> None:
+    pool = dl.create_kv_pool(smollm, page_rows=page_rows, max_pages=4096)
+    ids = dl.encode(smollm, PROMPTS[1])
+    flat, paged = dl.create_session(smollm), dl.create_session(smollm, pool)
+    np.testing.assert_array_equal(dl.eval(smollm, flat, ids), dl.eval(smollm, paged, ids))
+    ws = dl.create_batch_workspace(smollm)
+    other = dl.create_session(smollm, pool)
+    dl.eval(smollm, other, ids[:3])
+    for t in [5, 6, 7]:
+        out = dl.eval_batch(smollm, ws, [paged, other], [t, t])
+        np.testing.assert_array_equal(out[0], dl.eval(smollm, flat, [t]))
+    st = dl.kv_pool_stats(pool)
+    assert st["pages_used"] == -(-paged.n_past // page_rows) + -(-other.n_past // page_rows)
+    dl.release_kv_pages(paged)
+    dl.release_kv_pages(other)
+    st = dl.kv_pool_stats(pool)
+    assert st["pages_used"] == 0 and st["pages_free"] == st["pages_total"]
+    assert paged.n_past == 0
+
+
+def test_full_pool_is_a_clear_error(smollm: dl.Model) -> None:
+    pool = dl.create_kv_pool(smollm, page_rows=4, max_pages=2)
+    s = dl.create_session(smollm, pool)
+    dl.eval(smollm, s, [1, 2, 3, 4, 5, 6])
+    with pytest.raises(ValueError, match="KV pool is full"):
+        dl.eval(smollm, s, [7, 8, 9])
+    assert s.n_past == 6  # nothing half-done
+    other = dl.create_session(smollm)
+    np.testing.assert_array_equal(dl.eval(smollm, s, [7, 8]), dl.eval(smollm, other, [1, 2, 3, 4, 5, 6, 7, 8]))
+    with pytest.raises(ValueError, match="page_rows"):
+        dl.create_kv_pool(smollm, page_rows=0)

@@ -45,9 +45,9 @@ def tokens_of(evs: list[dl.SchedEvent]) -> list[int]:
     return toks
 
 
-@pytest.mark.parametrize(("streams", "chunk"), [(1, 64), (4, 64), (4, 7), (16, 16)])
-def test_greedy_equals_generate(smollm: dl.Model, prompts, reference, streams: int, chunk: int) -> None:
-    sch = dl.create_scheduler(smollm, max_streams=streams, max_queue=64, chunk_tokens=chunk)
+@pytest.mark.parametrize(("streams", "chunk", "page_rows"), [(1, 64, 0), (4, 64, 0), (4, 7, 16), (16, 16, 5), (3, 32, 64)])
+def test_greedy_equals_generate(smollm: dl.Model, prompts, reference, streams: int, chunk: int, page_rows: int) -> None:
+    sch = dl.create_scheduler(smollm, max_streams=streams, max_queue=64, chunk_tokens=chunk, page_rows=page_rows)
     for i, p in enumerate(prompts):
         assert dl.submit(smollm, sch, dl.PendingReq(id=i, prompt=p, max_new=MAX_NEW))
     got = run(smollm, sch)
@@ -57,7 +57,8 @@ def test_greedy_equals_generate(smollm: dl.Model, prompts, reference, streams: i
     stats = dl.scheduler_stats(sch)
     assert stats["finished"] == len(prompts)
     assert 1 <= stats["avg_batch"] <= streams
-    assert stats["prefill_tokens"] == sum(len(p) for p in prompts)
+    assert stats["prefill_tokens"] + stats["cached_tokens"] == sum(len(p) for p in prompts)
+    assert page_rows or stats["cached_tokens"] == 0
 
 
 def test_requests_joining_and_leaving(smollm: dl.Model, prompts, reference) -> None:
@@ -134,8 +135,8 @@ def test_bad_requests_are_refused_and_scheduler_stays_usable(smollm: dl.Model, p
     assert dl.n_queued(sch) == 2
     got = run(smollm, sch)
     assert tokens_of(got[1]) == reference[0] and tokens_of(got[2]) == reference[1]
-    with pytest.raises(NotImplementedError, match="paged KV pool"):
-        dl.create_scheduler(smollm, page_rows=16)
+    with pytest.raises(NotImplementedError, match="q8_0"):
+        dl.create_scheduler(smollm, page_rows=16, kv_dtype=dl.KVDtype.q8_0)
     assert not dl.evict(smollm, sch, 99, [])
 
 
@@ -150,9 +151,9 @@ ops = st.lists(
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=ops, streams=st.integers(1, 4), chunk=st.sampled_from([5, 32]))
-def test_random_sequences_finish_each_request_once(smollm: dl.Model, prompts, ops, streams: int, chunk: int) -> None:
-    sch = dl.create_scheduler(smollm, max_streams=streams, max_queue=8, chunk_tokens=chunk)
+@given(ops=ops, streams=st.integers(1, 4), chunk=st.sampled_from([5, 32]), page_rows=st.sampled_from([0, 4, 16]), groups=st.sampled_from([0, 3]))
+def test_random_sequences_finish_each_request_once(smollm: dl.Model, prompts, ops, streams: int, chunk: int, page_rows: int, groups: int) -> None:
+    sch = dl.create_scheduler(smollm, max_streams=streams, max_queue=8, chunk_tokens=chunk, page_rows=page_rows, prefix_groups=groups)
     accepted: set[int] = set()
     finished: list[int] = []
     evs: list[dl.SchedEvent] = []
@@ -174,3 +175,38 @@ def test_random_sequences_finish_each_request_once(smollm: dl.Model, prompts, op
         evs.clear()
     assert sorted(finished) == sorted(accepted)
     assert dl.n_active(sch) == 0 and dl.n_queued(sch) == 0
+    stats = dl.scheduler_stats(sch)
+    if page_rows:  # idle: every page is free or held by the prefix cache, none leaked
+        assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
+        assert groups == 0 or stats["kv_pages_cached"] <= groups
+
+
+def test_prefix_cache_hits_give_the_same_output(smollm: dl.Model) -> None:
+    """A second round of the same conversations attaches cached pages and still matches generate."""
+    system = "You are a concise assistant. Answer in one short sentence. Be helpful, polite and accurate."
+    chats = []
+    for q in ["What is the capital of France?", "Name a color.", "What is 2+2?"]:
+        c = dl.create_chat_renderer(smollm, system)
+        dl.add_user(c, q)
+        chats.append(c)
+    reqs = lambda base: [  # noqa: E731
+        dl.PendingReq(id=base + i, prompt=dl.render_turn(smollm, c), close_toks=dl.render_close(smollm, c), stop_ids=dl.turn_stop_ids(c), max_new=MAX_NEW)
+        for i, c in enumerate(chats)
+    ]
+    want = [dl.generate(smollm, dl.create_session(smollm), r.prompt, dl.SamplingParams(), MAX_NEW) for r in reqs(0)]
+    want = [[t for t in w if t not in reqs(0)[0].stop_ids] for w in want]
+    sch = dl.create_scheduler(smollm, max_streams=2, page_rows=8)
+    for base in (0, 100):
+        for r in reqs(base):
+            dl.submit(smollm, sch, r)
+        got = run(smollm, sch)
+        for i, w in enumerate(want):
+            evs = got[base + i]
+            assert [e.token for e in evs if e.kind == "piece"] == w
+            if base:
+                # The whole prompt but its last token is cached, rounded down to whole pages.
+                n = len(reqs(0)[i].prompt)
+                assert evs[-1].n_cached == (n - 1) // 8 * 8 > 0
+    stats = dl.scheduler_stats(sch)
+    assert stats["cached_tokens"] > 0 and stats["kv_cache_hits"] >= 3
+    assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]

@@ -15,8 +15,8 @@ from .chat import ChatRenderer, add_assistant, add_user, create_chat_renderer, m
 from .errors import ContextOverflowError, DasllamaError, FetchError, GgufError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
 from .model import Model, QuantMode, decode, encode, load_model, token_piece
-from .scheduler import KVDtype, PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, submit
-from .session import BatchWorkspace, SamplingParams, Session, create_batch_workspace, create_session, eval, eval_batch, generate, sample
+from .scheduler import PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, submit
+from .session import BatchWorkspace, KvPool, KVDtype, SamplingParams, Session, create_batch_workspace, create_kv_pool, create_session, eval, eval_batch, generate, kv_pool_stats, release_kv_pages, sample
 
 logging.getLogger("dasllama").addHandler(logging.NullHandler())
 
@@ -31,6 +31,7 @@ __all__ = [
     "FetchError",
     "GgufError",
     "KVDtype",
+    "KvPool",
     "Model",
     "PendingReq",
     "QuantMode",
@@ -45,6 +46,7 @@ __all__ = [
     "arch_names",
     "create_batch_workspace",
     "create_chat_renderer",
+    "create_kv_pool",
     "create_scheduler",
     "create_session",
     "decode",
@@ -54,11 +56,13 @@ __all__ = [
     "evict",
     "fetch",
     "generate",
+    "kv_pool_stats",
     "load_model",
     "make_nothink_guard",
     "n_active",
     "n_queued",
     "n_threads",
+    "release_kv_pages",
     "render_chat",
     "render_close",
     "render_turn",

@@ -16,23 +16,14 @@ prefill chunk of ``chunk_tokens``. Results come back as :class:`SchedEvent` valu
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import _native
 from .model import Model
-from .session import SamplingParams
+from .session import KVDtype, SamplingParams, check_kv_dtype
 
 Scheduler = _native.Scheduler
-
-
-class KVDtype(enum.Enum):
-    """KV-cache storage. Only f16 exists so far; q8_0 and tq4 come with the paged pool."""
-
-    f16 = "f16"
-    q8_0 = "q8_0"
-    tq4 = "tq4"
 
 
 @dataclass
@@ -77,16 +68,17 @@ def create_scheduler(
     kv_dtype: KVDtype = KVDtype.f16,
     mtp: bool = False,
 ) -> Scheduler:
-    """A scheduler of ``max_streams`` concurrent streams over ``m``."""
-    if page_rows or prefix_groups:
-        raise NotImplementedError("the paged KV pool and the prefix cache are not implemented yet; pass page_rows=0 and prefix_groups=0")
-    if KVDtype(kv_dtype) is not KVDtype.f16:
-        raise NotImplementedError(f"kv_dtype {KVDtype(kv_dtype).value} needs the paged KV pool, which is not implemented yet; use KVDtype.f16")
+    """A scheduler of ``max_streams`` concurrent streams over ``m``. ``page_rows > 0`` gives them a
+    paged pool and a prefix cache (of at most ``prefix_groups`` pages; 0: as the pool allows):
+    a finished stream donates its full pages and a new request attaches the longest cached prefix."""
+    check_kv_dtype(kv_dtype)
+    if page_rows < 0 or prefix_groups < 0:
+        raise ValueError("page_rows and prefix_groups must be >= 0")
     if mtp:
         raise NotImplementedError("speculative decoding (mtp) is not implemented yet; pass mtp=False")
     if max_streams < 1 or chunk_tokens < 1 or max_queue < 0:
         raise ValueError("max_streams and chunk_tokens must be at least 1, max_queue at least 0")
-    return _native.create_scheduler(m._native, max_streams, max_queue, chunk_tokens)
+    return _native.create_scheduler(m._native, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups)
 
 
 def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
@@ -108,7 +100,7 @@ def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:
 
 def evict(m: Model, sch: Scheduler, id: int, events: list[SchedEvent]) -> bool:  # noqa: A002 - the seed's name
     """Drop request ``id`` (queued or running) at once; a finished(evicted) event reports it."""
-    found, evs = _native.evict(sch, int(id))
+    found, evs = _native.evict(m._native, sch, int(id))
     events.extend(SchedEvent(*e) for e in evs)
     return found
 
@@ -122,5 +114,10 @@ def n_queued(sch: Scheduler) -> int:
 
 
 def scheduler_stats(sch: Scheduler) -> dict[str, float]:
-    """Counters: decode_steps, avg_batch, prefill_chunks, prefill_tokens, cached_tokens, finished, avg_ttft_ms."""
-    return _native.scheduler_stats(sch)
+    """Counters: decode_steps, avg_batch, prefill_chunks, prefill_tokens, cached_tokens, finished,
+    avg_ttft_ms; with a paged pool also its page counts and the prefix cache's chains and hits."""
+    stats = dict(_native.scheduler_stats(sch))
+    pool = _native.scheduler_pool_stats(sch)
+    if pool is not None:
+        stats.update({f"kv_{k}": v for k, v in pool.items()})
+    return stats

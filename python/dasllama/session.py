@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +13,21 @@ from .model import Model
 
 Session = _native.Session
 BatchWorkspace = _native.BatchWorkspace
+KvPool = _native.KvPool
+
+
+class KVDtype(enum.Enum):
+    """How KV values are stored. f16: values rounded to f16 (as llama.cpp's default cache); q8_0
+    and tq4 are not implemented yet."""
+
+    f16 = "f16"
+    q8_0 = "q8_0"
+    tq4 = "tq4"
+
+
+def check_kv_dtype(kv_dtype: KVDtype | str) -> None:
+    if KVDtype(kv_dtype) is not KVDtype.f16:
+        raise NotImplementedError(f"KV codec {KVDtype(kv_dtype).value} is not implemented yet; use KVDtype.f16")
 
 
 @dataclass(frozen=True)
@@ -44,9 +60,33 @@ class SamplingParams:
         )
 
 
-def create_session(m: Model) -> Session:
-    """A new conversation on ``m`` with its own KV store (grown on demand)."""
-    return _native.create_session(m._native)
+def create_session(m: Model, pool: KvPool | None = None) -> Session:
+    """A new conversation on ``m``: its KV pages come from ``pool``, or are its own (grown on demand)."""
+    return _native.create_session(m._native, pool)
+
+
+def create_kv_pool(m: Model, page_rows: int = 64, kv_dtype: KVDtype = KVDtype.f16, max_pages: int | None = None) -> KvPool:
+    """A paged KV pool: pages of ``page_rows`` positions for every layer, taken on demand by the
+    sessions created over it and returned by :func:`release_kv_pages`. ``max_pages`` bounds it
+    (default: room for eight full-context sessions); pages are allocated only when first written."""
+    check_kv_dtype(kv_dtype)
+    if page_rows < 1:
+        raise ValueError(f"page_rows must be at least 1, got {page_rows}")
+    if max_pages is None:
+        max_pages = 8 * -(-int(m.config["seq_len"]) // page_rows)
+    if max_pages < 1:
+        raise ValueError(f"max_pages must be at least 1, got {max_pages}")
+    return _native.create_kv_pool(m._native, page_rows, max_pages)
+
+
+def release_kv_pages(s: Session) -> None:
+    """Give the session's KV pages back to its pool; it starts over at position 0."""
+    _native.release_kv_pages(s)
+
+
+def kv_pool_stats(pool: KvPool) -> dict[str, int]:
+    """pages_total / free / used / shared / cached, bytes_per_page, bytes_allocated, cache_chains, cache_hits."""
+    return _native.kv_pool_stats(pool)
 
 
 def eval(m: Model, s: Session, ids: list[int]) -> np.ndarray:  # noqa: A001 - the seed's name

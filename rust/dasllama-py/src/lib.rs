@@ -1,6 +1,7 @@
 //! The only code that knows PyO3: thin wrappers over the core, the GIL released around every
 //! call that runs the model, and one mapping from core errors to Python exceptions.
 
+use dasllama::kv::{Geometry, KvPool, PoolStats};
 use dasllama::model::{Model, QuantMode, TensorInfo};
 use dasllama::sampling::{self, SamplingParams};
 use dasllama::sched::{EventKind, Finish, PendingReq, SchedEvent, Scheduler};
@@ -205,9 +206,60 @@ fn token_piece_bytes<'py>(py: Python<'py>, m: &PyModel, id: u32, special: bool) 
     Ok(PyBytes::new_bound(py, &m.inner.tokenizer.piece(id, special)))
 }
 
+/// A paged KV pool: sessions created over it take fixed pages on demand.
+#[pyclass(module = "dasllama._native", name = "KvPool", frozen)]
+struct PyKvPool {
+    model: Arc<Model>,
+    inner: KvPool,
+}
+
 #[pyfunction]
-fn create_session(m: &PyModel) -> PySession {
-    PySession { model: m.inner.clone(), inner: Session::new(&m.inner) }
+#[pyo3(signature = (m, page_rows, max_pages))]
+fn create_kv_pool(m: &PyModel, page_rows: usize, max_pages: usize) -> PyResult<PyKvPool> {
+    let geo = Geometry { n_layers: m.inner.config.n_layers, kv_dim: m.inner.config.kv_dim(), page_rows };
+    Ok(PyKvPool { model: m.inner.clone(), inner: KvPool::new(geo, max_pages, 0).map_err(map_err)? })
+}
+
+#[pyfunction]
+#[pyo3(signature = (m, pool=None))]
+fn create_session(m: &PyModel, pool: Option<&PyKvPool>) -> PyResult<PySession> {
+    let inner = match pool {
+        Some(p) if !Arc::ptr_eq(&p.model, &m.inner) => return Err(PyValueError::new_err("this KV pool was created for a different model")),
+        Some(p) => Session::paged(&m.inner, &p.inner).map_err(map_err)?,
+        None => Session::new(&m.inner),
+    };
+    Ok(PySession { model: m.inner.clone(), inner })
+}
+
+/// Give a session's KV pages back to their pool; the session starts over at position 0.
+#[pyfunction]
+fn release_kv_pages(s: &mut PySession) {
+    s.inner.reset();
+}
+
+fn stats_dict<'py>(py: Python<'py>, st: PoolStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new_bound(py);
+    d.set_item("pages_total", st.pages_total)?;
+    d.set_item("pages_free", st.pages_free)?;
+    d.set_item("pages_used", st.pages_used)?;
+    d.set_item("pages_shared", st.pages_shared)?;
+    d.set_item("pages_cached", st.pages_cached)?;
+    d.set_item("bytes_per_page", st.bytes_per_page)?;
+    d.set_item("bytes_allocated", st.bytes_allocated)?;
+    d.set_item("cache_chains", st.cache_chains)?;
+    d.set_item("cache_hits", st.cache_hits)?;
+    Ok(d)
+}
+
+#[pyfunction]
+fn kv_pool_stats<'py>(py: Python<'py>, pool: &PyKvPool) -> PyResult<Bound<'py, PyDict>> {
+    stats_dict(py, pool.inner.stats())
+}
+
+/// The scheduler's pool statistics, or None without a paged pool.
+#[pyfunction]
+fn scheduler_pool_stats<'py>(py: Python<'py>, sch: &PyScheduler) -> PyResult<Option<Bound<'py, PyDict>>> {
+    sch.inner.pool().map(|p| stats_dict(py, p.stats())).transpose()
 }
 
 fn same_model(m: &PyModel, s: &PySession) -> PyResult<()> {
@@ -401,8 +453,9 @@ fn check_sched(m: &PyModel, sch: &PyScheduler) -> PyResult<()> {
 }
 
 #[pyfunction]
-fn create_scheduler(m: &PyModel, max_streams: usize, max_queue: usize, chunk_tokens: usize) -> PyResult<PyScheduler> {
-    Ok(PyScheduler { model: m.inner.clone(), inner: Scheduler::new(max_streams, max_queue, chunk_tokens).map_err(map_err)? })
+fn create_scheduler(m: &PyModel, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize) -> PyResult<PyScheduler> {
+    let inner = Scheduler::new(&m.inner, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups).map_err(map_err)?;
+    Ok(PyScheduler { model: m.inner.clone(), inner })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -438,10 +491,11 @@ fn scheduler_step(py: Python<'_>, m: &PyModel, sch: &mut PyScheduler) -> PyResul
 }
 
 #[pyfunction]
-fn evict(sch: &mut PyScheduler, id: i64) -> (bool, Vec<EventTuple>) {
+fn evict(m: &PyModel, sch: &mut PyScheduler, id: i64) -> PyResult<(bool, Vec<EventTuple>)> {
+    check_sched(m, sch)?;
     let mut events = Vec::new();
-    let found = sch.inner.evict(id, &mut events);
-    (found, events.into_iter().map(event_tuple).collect())
+    let found = sch.inner.evict(&m.inner, id, &mut events);
+    Ok((found, events.into_iter().map(event_tuple).collect()))
 }
 
 #[pyfunction]
@@ -490,6 +544,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode, m)?)?;
     m.add_function(wrap_pyfunction!(token_piece_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(create_session, m)?)?;
+    m.add_class::<PyKvPool>()?;
+    m.add_function(wrap_pyfunction!(create_kv_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(release_kv_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_pool_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(scheduler_pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(eval, m)?)?;
     m.add_class::<PyBatchWorkspace>()?;
     m.add_function(wrap_pyfunction!(create_batch_workspace, m)?)?;

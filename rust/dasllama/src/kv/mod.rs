@@ -363,9 +363,69 @@ impl KvCache {
         LayerView { cache: self, il }
     }
 
+    /// Forget positions from `pos` on (pages past it go back; a later write into a page still
+    /// shared is copied first).
+    pub fn truncate(&mut self, pos: usize) {
+        self.len = self.len.min(pos);
+        self.pages.truncate(self.len.div_ceil(self.geo.page_rows));
+    }
+
     /// Forget every position and give all pages back.
     pub fn release(&mut self) {
         self.len = 0;
         self.pages.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fill(kv: &mut KvCache, n: usize, base: f32) {
+        let g = kv.geo;
+        let len = kv.len();
+        kv.reserve(len + n).unwrap();
+        for il in 0..g.n_layers {
+            let k: Vec<f32> = (0..n * g.kv_dim).map(|i| base + i as f32).collect();
+            kv.append(il, &k, &k);
+        }
+        kv.commit(len + n);
+    }
+
+    #[test]
+    fn shared_pages_are_copied_before_a_write_and_slots_come_back() {
+        let geo = Geometry { n_layers: 2, kv_dim: 4, page_rows: 4 };
+        let pool = KvPool::new(geo, 8, 0).unwrap();
+        let mut a = KvCache::paged(&pool);
+        fill(&mut a, 8, 1.0);
+        let toks: Vec<u32> = (0..8).collect();
+        pool.donate(&a, &toks);
+        let mut b = KvCache::paged(&pool);
+        assert_eq!(pool.attach(&mut b, &toks, 7), 4, "one whole page, capped short of the prompt");
+        assert_eq!(b.layer(1).k(2), a.layer(1).k(2));
+        b.truncate(2);
+        fill(&mut b, 1, 100.0); // position 2 lies in the shared page: copy-on-write
+        assert_eq!(b.layer(0).k(2)[0], 100.0);
+        assert_eq!(a.layer(0).k(2)[0], crate::cpu::ops::round_f16(1.0 + 8.0));
+        assert_eq!(b.layer(0).k(1), a.layer(0).k(1));
+        drop(a);
+        b.release();
+        let st = pool.stats();
+        assert_eq!(st.pages_free + st.pages_cached, st.pages_total, "{st:?}");
+    }
+
+    #[test]
+    fn a_full_pool_evicts_cached_pages_then_refuses() {
+        let geo = Geometry { n_layers: 1, kv_dim: 2, page_rows: 2 };
+        let pool = KvPool::new(geo, 2, 0).unwrap();
+        let mut a = KvCache::paged(&pool);
+        fill(&mut a, 4, 0.0);
+        pool.donate(&a, &[1, 2, 3, 4]);
+        a.release();
+        let mut b = KvCache::paged(&pool);
+        fill(&mut b, 4, 0.0); // both pages come from evicting the cache
+        assert_eq!(pool.stats().pages_cached, 0);
+        let mut c = KvCache::paged(&pool);
+        assert!(c.reserve(1).is_err());
     }
 }

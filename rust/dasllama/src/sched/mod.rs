@@ -5,6 +5,7 @@
 //! Rows are computed with the same arithmetic whatever the batch, so a request's output does not
 //! depend on what else runs beside it.
 
+use crate::kv::{Geometry, KvPool};
 use crate::model::Model;
 use crate::sampling::{self, Rng, SamplingParams};
 use crate::session::{eval_multi, BatchWorkspace, Session};
@@ -61,6 +62,10 @@ pub struct SchedEvent {
 struct Stream {
     req: PendingReq,
     session: Session,
+    /// Tokens whose K/V the session holds, in order (for donating pages to the prefix cache).
+    in_kv: Vec<u32>,
+    /// Prompt positions that came from the prefix cache.
+    cached: usize,
     /// Prompt tokens already evaluated.
     fed: usize,
     generated: usize,
@@ -87,6 +92,8 @@ pub struct SchedStats {
 }
 
 pub struct Scheduler {
+    /// With page_rows > 0: the paged pool and its prefix cache.
+    pool: Option<KvPool>,
     slots: Vec<Option<Stream>>,
     queue: VecDeque<(PendingReq, Instant)>,
     max_queue: usize,
@@ -97,11 +104,23 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(max_streams: usize, max_queue: usize, chunk_tokens: usize) -> Result<Self> {
+    /// `page_rows > 0` gives the streams a paged pool with a prefix cache of at most
+    /// `prefix_groups` pages (0: as many as the pool has room for).
+    pub fn new(m: &Model, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize) -> Result<Self> {
         if max_streams == 0 || chunk_tokens == 0 {
             return Err(Error::InvalidArgument("max_streams and chunk_tokens must be at least 1".into()));
         }
+        let pool = if page_rows > 0 {
+            let per_stream = m.config.seq_len.div_ceil(page_rows);
+            // Room for every stream's whole context plus as much again for the cache; pages are
+            // only allocated when written, so this bounds memory rather than reserving it.
+            let geo = Geometry { n_layers: m.config.n_layers, kv_dim: m.config.kv_dim(), page_rows };
+            Some(KvPool::new(geo, 2 * max_streams * per_stream, prefix_groups)?)
+        } else {
+            None
+        };
         Ok(Scheduler {
+            pool,
             slots: (0..max_streams).map(|_| None).collect(),
             queue: VecDeque::new(),
             max_queue,
@@ -118,6 +137,10 @@ impl Scheduler {
 
     pub fn n_queued(&self) -> usize {
         self.queue.len()
+    }
+
+    pub fn pool(&self) -> Option<&KvPool> {
+        self.pool.as_ref()
     }
 
     fn known(&self, id: i64) -> bool {
@@ -157,7 +180,7 @@ impl Scheduler {
     }
 
     /// Remove a request wherever it is; its stream (and KV) is freed at once.
-    pub fn evict(&mut self, id: i64, events: &mut Vec<SchedEvent>) -> bool {
+    pub fn evict(&mut self, m: &Model, id: i64, events: &mut Vec<SchedEvent>) -> bool {
         if let Some(i) = self.queue.iter().position(|(r, _)| r.id == id) {
             let (req, _) = self.queue.remove(i).expect("index from position");
             events.push(finished_event(usize::MAX, &req, Finish::Evicted, -1, 0, 0, 0));
@@ -166,7 +189,7 @@ impl Scheduler {
         }
         if let Some(slot) = self.slots.iter().position(|s| s.as_ref().is_some_and(|s| s.req.id == id)) {
             let s = self.slots[slot].take().expect("slot found above");
-            events.push(self.finish_stream(slot, s, Finish::Evicted, -1));
+            events.push(self.finish_stream(m, slot, s, Finish::Evicted, -1));
             return true;
         }
         false
@@ -215,10 +238,12 @@ impl Scheduler {
         }
         for &(i, k) in &plan {
             let s = self.slots[i].as_mut().expect("planned stream");
-            if s.next.take().is_some() {
+            if let Some(t) = s.next.take() {
+                s.in_kv.push(t);
                 self.sample_and_emit(m, i, events);
                 continue;
             }
+            s.in_kv.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
             s.fed += k;
             self.stats.prefill_tokens += k as u64;
             if s.fed == s.req.prompt.len() {
@@ -239,10 +264,23 @@ impl Scheduler {
             let Some((req, t_submit)) = self.queue.pop_front() else { break };
             self.admitted += 1;
             let rng = Rng::new(req.seed);
+            let mut session = match &self.pool {
+                Some(p) => Session::paged(m, p).expect("the pool was made for this model"),
+                None => Session::new(m),
+            };
+            // Attach the longest cached prefix, one token short of the prompt so that its last
+            // token is evaluated here and gives the first logits.
+            let cached = match &self.pool {
+                Some(p) => p.attach(&mut session.kv, &req.prompt, req.prompt.len() - 1),
+                None => 0,
+            };
+            self.stats.cached_tokens += cached as u64;
             self.slots[slot] = Some(Stream {
+                in_kv: req.prompt[..cached].to_vec(),
+                cached,
                 req,
-                session: Session::new(m),
-                fed: 0,
+                session,
+                fed: cached,
                 generated: 0,
                 next: None,
                 utf8: Utf8Stream::default(),
@@ -267,7 +305,7 @@ impl Scheduler {
         }
         if m.tokenizer.is_eog(tok) || s.req.stop_ids.contains(&tok) {
             let s = self.slots[i].take().expect("live stream");
-            let ev = self.finish_stream(i, s, Finish::Stop, tok as i64);
+            let ev = self.finish_stream(m, i, s, Finish::Stop, tok as i64);
             events.push(ev);
             return;
         }
@@ -286,26 +324,37 @@ impl Scheduler {
             finish: Finish::None,
             n_prompt: s.req.prompt.len(),
             n_gen: s.generated,
-            n_cached: 0,
+            n_cached: s.cached,
             ttft_us: 0,
             gen_us: 0,
         });
         if done {
             let s = self.slots[i].take().expect("live stream");
-            let ev = self.finish_stream(i, s, Finish::Length, -1);
+            let ev = self.finish_stream(m, i, s, Finish::Length, -1);
             events.push(ev);
         } else {
             s.next = Some(tok);
         }
     }
 
-    fn finish_stream(&mut self, slot: usize, s: Stream, finish: Finish, token: i64) -> SchedEvent {
+    fn finish_stream(&mut self, m: &Model, slot: usize, mut s: Stream, finish: Finish, token: i64) -> SchedEvent {
+        if let (Some(pool), true) = (&self.pool, finish != Finish::Evicted) {
+            // Close the turn in the KV (what the next turn's prompt will hold), then offer the
+            // full pages. A close that does not fit the context is simply not donated.
+            let close = s.req.close_toks.clone();
+            if close.is_empty() || s.session.eval(m, &close).is_ok() {
+                s.in_kv.extend_from_slice(&close);
+                pool.donate(&s.session.kv, &s.in_kv);
+            }
+        }
         let now = Instant::now();
         let ttft = s.t_first.map_or(0, |t| (t - s.t_submit).as_micros() as u64);
         let gen = s.t_first.map_or(0, |t| (now - t).as_micros() as u64);
         self.stats.finished += 1;
         self.stats.ttft_us_sum += ttft;
-        finished_event(slot, &s.req, finish, token, s.generated, ttft, gen)
+        let mut ev = finished_event(slot, &s.req, finish, token, s.generated, ttft, gen);
+        ev.n_cached = s.cached;
+        ev
     }
 }
 
