@@ -5,6 +5,7 @@
 1. The raw mechanism: two sessions advanced by ONE weight pass with eval_batch.
 2. The scheduler: four conversations, one digit (the stream) printed per generated piece.
 3. The batched round against the same four conversations run one at a time.
+4. A warm round: new questions under the same system turn attach its pages from the prefix cache.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ import time
 
 import dasllama as dl
 
-SYSTEM = "You are a concise assistant. Answer in one short sentence."
+SYSTEM = (
+    "You are a concise assistant. Answer every question in one short, accurate sentence. "
+    "Do not add greetings, lists or explanations unless the user asks for them, and say so when you do not know."
+)
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "What do bees make?"]
+WARM_QUESTIONS = ["What is the capital of Italy?", "Name a fruit.", "What is 3 + 3?", "What do cows give?"]
 
 
-def requests(m: dl.Model, first_id: int, max_new: int) -> list[dl.PendingReq]:
+def requests(m: dl.Model, first_id: int, max_new: int, questions: list[str] = QUESTIONS) -> list[dl.PendingReq]:
     out = []
-    for i, q in enumerate(QUESTIONS):
+    for i, q in enumerate(questions):
         chat = dl.create_chat_renderer(m, SYSTEM, max_new)
         dl.add_user(chat, q)
         out.append(
@@ -36,8 +41,11 @@ def requests(m: dl.Model, first_id: int, max_new: int) -> list[dl.PendingReq]:
     return out
 
 
-def run(m: dl.Model, reqs: list[dl.PendingReq], streams: int, show: bool) -> tuple[float, dict[int, str]]:
-    sch = dl.create_scheduler(m, max_streams=streams, max_queue=32, chunk_tokens=64)
+def run(
+    m: dl.Model, reqs: list[dl.PendingReq], streams: int, show: bool, sch: dl.Scheduler | None = None, label: str = "stream"
+) -> tuple[float, dict[int, str], list[float]]:
+    sch = sch or dl.create_scheduler(m, max_streams=streams, max_queue=32, chunk_tokens=64)
+    ttfts: list[float] = []
     for r in reqs:
         dl.submit(m, sch, r)
     texts: dict[int, str] = {r.id: "" for r in reqs}
@@ -50,14 +58,20 @@ def run(m: dl.Model, reqs: list[dl.PendingReq], streams: int, show: bool) -> tup
                 texts[ev.id] += ev.text
                 if show:
                     print(ev.stream + 1, end="", flush=True)
-            elif show:
-                print(f"\n[stream {ev.stream + 1}] {ev.finish}: {ev.n_gen} tok, ttft {ev.ttft_us / 1000:.0f} ms", end="")
+            else:
+                ttfts.append(ev.ttft_us / 1000)
+                if show:
+                    print(
+                        f"\n[{label} {ev.stream + 1}] {ev.finish}: {ev.n_gen} tok, ttft {ev.ttft_us / 1000:.0f} ms, "
+                        f"cached {ev.n_cached} of {ev.n_prompt} prompt tokens",
+                        end="",
+                    )
         events.clear()
         if not more:
             break
     if show:
         print()
-    return time.perf_counter() - t0, texts
+    return time.perf_counter() - t0, texts, ttfts
 
 
 def main() -> None:
@@ -73,13 +87,19 @@ def main() -> None:
     print(f"   eval_batch -> logits {logits.shape}; next tokens {dl.decode(m, toks)!r}")
 
     print("\n2. the scheduler: four conversations, one digit per piece")
-    batched, texts = run(m, requests(m, 1, 32), streams=4, show=True)
+    batched, texts, _ = run(m, requests(m, 1, 32), streams=4, show=True)
     for i, q in enumerate(QUESTIONS):
         print(f"   {q} -> {texts[1 + i].strip()!r}")
 
     print("\n3. the same four conversations one at a time")
-    single, _ = run(m, requests(m, 11, 32), streams=1, show=False)
+    single, _, _ = run(m, requests(m, 11, 32), streams=1, show=False)
     print(f"   batched {batched:.2f}s, one at a time {single:.2f}s: {batched / single:.2f}x the wall clock")
+
+    print("\n4. the prefix cache: 16-row pages; a cold round, then new questions under the same system turn")
+    sch = dl.create_scheduler(m, max_streams=4, max_queue=32, chunk_tokens=64, page_rows=16)
+    _, _, cold = run(m, requests(m, 21, 32), 4, show=True, sch=sch, label="cold stream")
+    _, _, warm = run(m, requests(m, 31, 32, WARM_QUESTIONS), 4, show=True, sch=sch, label="warm stream")
+    print(f"   mean ttft: cold {sum(cold) / len(cold):.0f} ms, warm {sum(warm) / len(warm):.0f} ms")
 
 
 if __name__ == "__main__":

@@ -55,3 +55,25 @@ def test_scheduler_with_renderer(smollm: dl.Model) -> None:
     assert len(fin) == 1 and fin[0].finish == ("stop" if want[-1] in req.stop_ids else "length")
     assert text == dl.decode(smollm, [t for t in want if t not in req.stop_ids])
     assert not any(e.token in req.stop_ids for e in evs if e.kind == "piece")
+
+
+def test_serving_example_warm_round_attaches_cached_pages(smollm: dl.Model) -> None:
+    """examples/13_serving.py: the warm round attaches >= 48 cached prompt tokens per stream."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "13_serving.py"
+    spec = importlib.util.spec_from_file_location("serving_example", path)
+    assert spec and spec.loader
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    sch = dl.create_scheduler(smollm, max_streams=4, page_rows=16)
+    ex.run(smollm, ex.requests(smollm, 1, 8), 4, show=False, sch=sch)
+    cached: list[int] = []
+    for r in ex.requests(smollm, 11, 8, ex.WARM_QUESTIONS):
+        dl.submit(smollm, sch, r)
+    evs: list[dl.SchedEvent] = []
+    while dl.scheduler_step(smollm, sch, evs):
+        pass
+    cached = [e.n_cached for e in evs if e.kind == "finished"]
+    assert len(cached) == 4 and min(cached) >= 48, cached
