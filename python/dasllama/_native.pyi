@@ -91,11 +91,20 @@ def n_threads() -> int: ...
 
 class Scheduler: ...
 
-EventTuple = tuple[int, int, str, int, str, str, int, int, int, int, int]
+EventTuple = tuple[tuple[int, int, str, int, str, str, int, int, int, int, int], tuple[float | None, list[tuple[int, float]]]]
 
 def create_scheduler(m: Model, max_streams: int, max_queue: int, chunk_tokens: int, page_rows: int, prefix_groups: int) -> Scheduler: ...
 def submit(
-    m: Model, sch: Scheduler, id: int, prompt: list[int], close_toks: list[int], stop_ids: list[int], params: Params, max_new: int, seed: int
+    m: Model,
+    sch: Scheduler,
+    id: int,
+    prompt: list[int],
+    close_toks: list[int],
+    stop_ids: list[int],
+    params: Params,
+    max_new: int,
+    seed: int,
+    logprobs: int | None = None,
 ) -> bool: ...
 def scheduler_step(m: Model, sch: Scheduler) -> tuple[bool, list[EventTuple]]: ...
 def evict(m: Model, sch: Scheduler, id: int) -> tuple[bool, list[EventTuple]]: ...

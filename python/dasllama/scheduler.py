@@ -38,6 +38,7 @@ class PendingReq:
     params: SamplingParams = field(default_factory=SamplingParams)
     max_new: int = 256
     seed: int = 0
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class SchedEvent:
     n_cached: int
     ttft_us: int
     gen_us: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 def create_scheduler(
@@ -88,20 +91,20 @@ def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
         raise NotImplementedError("nothink guards need a thinking-template family, none of which is supported yet")
     if not 0 <= req.seed < 2**64:
         raise ValueError(f"request {req.id}: seed must be in [0, 2**64)")
-    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed))
+    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs)
 
 
 def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:
     """One tick; appends its events to ``events``. Returns whether work remains."""
     more, evs = _native.scheduler_step(m._native, sch)
-    events.extend(SchedEvent(*e) for e in evs)
+    events.extend(SchedEvent(*base, *lp) for base, lp in evs)
     return more
 
 
 def evict(m: Model, sch: Scheduler, id: int, events: list[SchedEvent]) -> bool:  # noqa: A002 - the seed's name
     """Drop request ``id`` (queued or running) at once; a finished(evicted) event reports it."""
     found, evs = _native.evict(m._native, sch, int(id))
-    events.extend(SchedEvent(*e) for e in evs)
+    events.extend(SchedEvent(*base, *lp) for base, lp in evs)
     return found
 
 

@@ -428,7 +428,7 @@ struct PyScheduler {
     inner: Scheduler,
 }
 
-type EventTuple = (usize, i64, &'static str, i64, String, &'static str, usize, usize, usize, u64, u64);
+type EventTuple = ((usize, i64, &'static str, i64, String, &'static str, usize, usize, usize, u64, u64), (Option<f32>, Vec<(u32, f32)>));
 
 fn event_tuple(e: SchedEvent) -> EventTuple {
     let kind = match e.kind {
@@ -441,7 +441,7 @@ fn event_tuple(e: SchedEvent) -> EventTuple {
         Finish::Length => "length",
         Finish::Evicted => "evicted",
     };
-    (e.stream, e.id, kind, e.token, e.text, finish, e.n_prompt, e.n_gen, e.n_cached, e.ttft_us, e.gen_us)
+    ((e.stream, e.id, kind, e.token, e.text, finish, e.n_prompt, e.n_gen, e.n_cached, e.ttft_us, e.gen_us), (e.logprob, e.top))
 }
 
 fn check_sched(m: &PyModel, sch: &PyScheduler) -> PyResult<()> {
@@ -460,6 +460,7 @@ fn create_scheduler(m: &PyModel, max_streams: usize, max_queue: usize, chunk_tok
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
+#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None))]
 fn submit(
     m: &PyModel,
     sch: &mut PyScheduler,
@@ -470,12 +471,13 @@ fn submit(
     params: &Params,
     max_new: i64,
     seed: u64,
+    logprobs: Option<usize>,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
     if max_new < 1 {
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
-    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed };
+    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs };
     sch.inner.submit(&m.inner, req).map_err(map_err)
 }
 

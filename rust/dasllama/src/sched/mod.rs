@@ -26,6 +26,8 @@ pub struct PendingReq {
     pub params: SamplingParams,
     pub max_new: usize,
     pub seed: u64,
+    /// Report each sampled token's log-probability and this many alternatives (None: off).
+    pub logprobs: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +59,10 @@ pub struct SchedEvent {
     pub n_cached: usize,
     pub ttft_us: u64,
     pub gen_us: u64,
+    /// The sampled token's log-probability under the model (before sampling settings), and the
+    /// top alternatives, when the request asked for them.
+    pub logprob: Option<f32>,
+    pub top: Vec<(u32, f32)>,
 }
 
 struct Stream {
@@ -296,6 +302,8 @@ impl Scheduler {
     fn sample_and_emit(&mut self, m: &Model, i: usize, events: &mut Vec<SchedEvent>) {
         let s = self.slots[i].as_mut().expect("live stream");
         let mut logits = std::mem::take(&mut s.session.logits);
+        // Log-probabilities are the model's own, before penalties and sampling settings.
+        let lp = s.req.logprobs.map(|k| (log_softmax_top(&logits, k), logits.clone()));
         let tok = sampling::sample(&mut logits, &s.session.recent, &s.req.params, &mut s.rng);
         s.session.logits = logits;
         s.session.recent.push(tok);
@@ -327,6 +335,8 @@ impl Scheduler {
             n_cached: s.cached,
             ttft_us: 0,
             gen_us: 0,
+            logprob: lp.as_ref().map(|((lse, _), raw)| raw[tok as usize] - lse),
+            top: lp.map(|((_, top), _)| top).unwrap_or_default(),
         });
         if done {
             let s = self.slots[i].take().expect("live stream");
@@ -371,5 +381,21 @@ fn finished_event(stream: usize, req: &PendingReq, finish: Finish, token: i64, n
         n_cached: 0,
         ttft_us,
         gen_us,
+        logprob: None,
+        top: Vec::new(),
     }
+}
+
+/// log-sum-exp of the logits and the `k` most likely tokens with their log-probabilities.
+fn log_softmax_top(logits: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let lse = max + logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = k.min(idx.len());
+    if k > 0 {
+        idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    }
+    let mut top: Vec<(u32, f32)> = idx[..k].iter().map(|&t| (t, logits[t as usize] - lse)).collect();
+    top.sort_by(|a, b| b.1.total_cmp(&a.1));
+    (lse, top)
 }
