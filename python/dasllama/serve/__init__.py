@@ -1,0 +1,5 @@
+"""An OpenAI-compatible HTTP server over the scheduler: ``python -m dasllama.serve``."""
+
+from .app import Server, build_app
+
+__all__ = ["Server", "build_app"]

@@ -1,0 +1,106 @@
+"""python -m dasllama.serve [--model PATH|NAME ...] [--alias NAME ...] [--host H] [--port P] ...
+
+Serves the default model (fetched on first use) on 127.0.0.1:8080 with no arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+
+from ..fetch import DEFAULT_MODEL
+from ..model import load_model
+from ..session import KVDtype
+from .app import Server, build_app
+from .engine import Engine
+
+log = logging.getLogger("dasllama.serve")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m dasllama.serve", description="OpenAI-compatible server for GGUF models.")
+    ap.add_argument("--model", action="append", help="a .gguf path or known model name; repeat to serve several (default: %s)" % DEFAULT_MODEL)
+    ap.add_argument("--alias", action="append", help="the name clients use for the matching --model (default: the model's name)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--streams", type=int, default=8, help="concurrent streams per model")
+    ap.add_argument("--queue", type=int, default=64, help="requests waiting per model before 503")
+    ap.add_argument("--chunk", type=int, default=64, help="prefill tokens per scheduler step")
+    ap.add_argument("--page-rows", type=int, default=16, help="KV page size; 0 turns the paged pool and prefix cache off")
+    ap.add_argument("--ctx", type=int, default=0, help="cap on the context per request (0: the model's)")
+    ap.add_argument("--kv-dtype", default="f16", choices=[k.value for k in KVDtype])
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = ap.parse_args(argv)
+    args.model = args.model or [DEFAULT_MODEL]
+    if args.alias and len(args.alias) != len(args.model):
+        ap.error("give one --alias per --model")
+    for name in ("streams", "queue", "chunk"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    if args.page_rows < 0 or args.ctx < 0:
+        ap.error("--page-rows and --ctx must be >= 0")
+    if KVDtype(args.kv_dtype) is not KVDtype.f16:
+        ap.error(f"--kv-dtype {args.kv_dtype} is not implemented yet; use f16")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    server = Server(api_key=args.api_key)
+    app = build_app(server)
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            for i, spec in enumerate(args.model):
+                m = load_model(spec)
+                if args.ctx:
+                    m.config["seq_len"] = min(int(m.config["seq_len"]), args.ctx)
+                name = args.alias[i] if args.alias else m.path.stem
+                server.engines[name] = Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows)
+                server.default = server.default or name
+                log.info("serving %s as '%s'", m.path.name, name)
+            server.ready = True
+        except BaseException as e:  # surfaced below: the server exits non-zero
+            failed.append(e)
+            log.error("could not load the model: %s", e)
+            os_kill()
+
+    class _Uvicorn(uvicorn.Server):
+        # SIGINT/SIGTERM are ours: stop admitting, let running requests finish, exit 0. (uvicorn's
+        # own handler re-raises the signal after shutdown, which would exit non-zero.)
+        @contextlib.contextmanager
+        def capture_signals(self):  # noqa: ANN202
+            yield
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    uv = _Uvicorn(config)
+
+    def on_signal(signum: int, frame: object) -> None:
+        for eng in server.engines.values():
+            eng.admitting = False
+        uv.should_exit = True
+
+    def os_kill() -> None:
+        uv.should_exit = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    threading.Thread(target=load, name="dasllama-load", daemon=True).start()
+    uv.run()
+    server.ready = False
+    for eng in server.engines.values():
+        eng.shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

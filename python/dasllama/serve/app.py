@@ -1,0 +1,571 @@
+"""The OpenAI-compatible HTTP API over one or more engines (Starlette + uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import scheduler as sched
+from ..chat import render_chat
+from ..errors import ContextOverflowError, DasllamaError, TemplateError
+from ..model import decode, encode
+from ..session import SamplingParams
+from .engine import Engine, Subscription
+
+log = logging.getLogger("dasllama.serve")
+
+MAX_BODY = 4 << 20  # 4 MiB: far above any prompt the served models' contexts hold
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+TTFT_BUCKETS = [0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1]
+
+
+@dataclass
+class Histogram:
+    buckets: list[float]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, v: float) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.buckets)
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.total += v
+        self.n += 1
+
+    def render(self, name: str, labels: str) -> list[str]:
+        counts = self.counts or [0] * len(self.buckets)
+        out = [f'{name}_bucket{{{labels},le="{b}"}} {c}' for b, c in zip(self.buckets, counts)]
+        out += [f'{name}_bucket{{{labels},le="+Inf"}} {self.n}', f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.n}"]
+        return out
+
+
+@dataclass
+class Metrics:
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    generated_tokens: dict[str, int] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    ttft: dict[str, Histogram] = field(default_factory=dict)
+    itl: dict[str, Histogram] = field(default_factory=dict)
+
+    def outcome(self, model: str, outcome: str) -> None:
+        self.requests[(model, outcome)] = self.requests.get((model, outcome), 0) + 1
+
+
+# ---- request parsing ---------------------------------------------------------------------------
+
+
+def _num(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any, lo: float | None = None, hi: float | None = None) -> Any:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, kind):
+        raise ApiError(400, f"'{key}' must be a {'number' if kind != int else 'integer'}, got {type(v).__name__}", param=key, code="invalid_type")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ApiError(400, f"'{key}' must be finite", param=key)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ApiError(400, f"'{key}' must be between {lo} and {hi}, got {v}", param=key, code="invalid_value")
+    return v
+
+
+KNOWN_FIELDS = {
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
+    "logprobs", "top_logprobs", "n", "user",
+}
+
+
+@dataclass
+class Job:
+    engine: Engine
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    stop: list[str]
+    stop_ids: list[int]
+    close_toks: list[int]
+    n: int
+    seed: int | None
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+
+
+def _content(msg: dict[str, Any], i: int) -> str:
+    c = msg.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for p in c:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}", param=f"messages[{i}].content")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, api_key: str | None = None) -> None:
+        self.engines: dict[str, Engine] = {}
+        self.default: str | None = None
+        self.ready = False
+        self.api_key = api_key
+        self.metrics = Metrics()
+
+    def engine(self, name: Any) -> Engine:
+        if name is None or name == "":
+            assert self.default is not None
+            return self.engines[self.default]
+        if not isinstance(name, str):
+            raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
+        if name not in self.engines:
+            raise ApiError(404, f"the model '{name}' does not exist; this server has: {', '.join(self.engines)}", param="model", code="model_not_found")
+        return self.engines[name]
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY:
+            raise ApiError(413, f"the request body is {int(length)} bytes; the limit is {MAX_BODY}", code="request_too_large")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request body exceeds {MAX_BODY} bytes", code="request_too_large")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ApiError(400, "the request body is not valid UTF-8", code="invalid_encoding") from None
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        unknown = set(body) - KNOWN_FIELDS
+        if unknown:
+            log.info("ignoring unknown request fields: %s", ", ".join(sorted(unknown)))
+        return body
+
+    def job(self, body: dict[str, Any], chat: bool) -> Job:
+        eng = self.engine(body.get("model"))
+        m = eng.m
+        close: list[int] = []
+        stop_ids = list(m.eog_ids)
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+            rendered = []
+            for i, msg in enumerate(msgs):
+                if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "developer"):
+                    raise ApiError(400, f"messages[{i}] needs a role of system, user or assistant", param=f"messages[{i}].role")
+                role = "system" if msg["role"] == "developer" else msg["role"]
+                rendered.append({"role": role, "content": _content(msg, i)})
+            try:
+                text = render_chat(m, rendered)
+            except TemplateError as e:
+                raise ApiError(400, str(e), param="messages") from None
+            prompt = encode(m, text, special=True)
+        else:
+            p = body.get("prompt")
+            if isinstance(p, str):
+                prompt = encode(m, p)
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                bad = [t for t in p if not 0 <= t < m.n_vocab]
+                if bad:
+                    raise ApiError(400, f"token id {bad[0]} is out of range for a vocabulary of {m.n_vocab}", param="prompt")
+                prompt = list(p)
+            else:
+                raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", param="prompt")
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
+        ctx = int(m.config["seq_len"])
+        if len(prompt) + 1 > ctx:
+            raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the prompt has {len(prompt)}", param="messages" if chat else "prompt", code="context_length_exceeded")
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_new = _num(body, key, int, min(256 if chat else 16, ctx - len(prompt)), 1, None)
+        max_new = min(max_new, ctx - len(prompt))
+        stop = body.get("stop")
+        if stop is None:
+            stops: list[str] = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+            stops = list(stop)
+        else:
+            raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
+        stops = [s for s in stops if s]
+        seed = _num(body, "seed", int, None)
+        params = SamplingParams(
+            temp=float(_num(body, "temperature", (int, float), 1.0, 0, 2)),
+            top_k=_num(body, "top_k", int, 0, 0, None),
+            top_p=float(_num(body, "top_p", (int, float), 1.0, 0, 1)),
+            min_p=float(_num(body, "min_p", (int, float), 0.0, 0, 1)),
+            penalty=float(_num(body, "repetition_penalty", (int, float), 1.0, 0, None)),
+            presence_penalty=float(_num(body, "presence_penalty", (int, float), 0.0, -2, 2)),
+            frequency_penalty=float(_num(body, "frequency_penalty", (int, float), 0.0, -2, 2)),
+        )
+        n = _num(body, "n", int, 1, 1, 8)
+        lp = body.get("logprobs")
+        if chat:
+            if lp is not None and not isinstance(lp, bool):
+                raise ApiError(400, "'logprobs' must be a boolean", param="logprobs")
+            logprobs = _num(body, "top_logprobs", int, 0, 0, 20) if lp else None
+        else:
+            logprobs = _num(body, "logprobs", int, None, 0, 5)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "'stream' must be a boolean", param="stream")
+        so = body.get("stream_options") or {}
+        if not isinstance(so, dict):
+            raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")))
+
+    async def run_one(self, job: Job, index: int) -> AsyncIterator[tuple[str, sched.SchedEvent | None, str | None]]:
+        """Yield (text delta, event, finish_reason) for one choice; evicts on cancellation."""
+        eng = job.engine
+        rid = eng.next_id()
+        seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
+        req = sched.PendingReq(id=rid, prompt=job.prompt, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs)
+        sub = Subscription(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        try:
+            ok = await loop.run_in_executor(None, eng.submit, req, sub)
+        except ContextOverflowError as e:
+            raise ApiError(400, str(e), code="context_length_exceeded") from None
+        except (ValueError, DasllamaError) as e:
+            raise ApiError(400, str(e)) from None
+        if not ok:
+            self.metrics.outcome(eng.name, "rejected")
+            raise ApiError(503, "the server is at capacity: its request queue is full; retry shortly", type_="server_error", code="queue_full", headers={"Retry-After": "1"})
+        name = eng.name
+        pending = ""  # text held back while it could still become a stop string
+        t_last: float | None = None
+        finished = False
+        try:
+            while True:
+                ev: sched.SchedEvent = await sub.queue.get()
+                if ev.kind == "piece":
+                    now = time.monotonic()
+                    if t_last is None:
+                        self.metrics.ttft.setdefault(name, Histogram(TTFT_BUCKETS)).observe(ev.ttft_us / 1e6 if ev.ttft_us else 0.0)
+                    else:
+                        self.metrics.itl.setdefault(name, Histogram(ITL_BUCKETS)).observe(now - t_last)
+                    t_last = now
+                    pending += ev.text
+                    hit = min((pending.find(s), s) for s in job.stop if s in pending) if any(s in pending for s in job.stop) else None
+                    if hit:
+                        yield pending[: hit[0]], ev, None
+                        finished = True
+                        await loop.run_in_executor(None, eng.evict, rid)
+                        yield "", ev, "stop"
+                        self._count(name, ev, "stop")
+                        return
+                    keep = max((len(s) - 1 for s in job.stop), default=0)
+                    # Hold back the longest tail that could still grow into a stop string.
+                    cut = len(pending)
+                    for k in range(min(keep, len(pending)), 0, -1):
+                        if any(s.startswith(pending[-k:]) for s in job.stop):
+                            cut = len(pending) - k
+                            break
+                    out, pending = pending[:cut], pending[cut:]
+                    yield out, ev, None
+                else:
+                    finished = True
+                    reason = "length" if ev.finish == "length" else "stop"
+                    if pending:
+                        yield pending, None, None
+                    yield "", ev, reason
+                    self._count(name, ev, reason)
+                    return
+        finally:
+            if not finished:
+                self.metrics.outcome(name, "cancelled")
+                await asyncio.shield(loop.run_in_executor(None, eng.evict, rid))
+
+    def _count(self, name: str, ev: sched.SchedEvent, reason: str) -> None:
+        self.metrics.outcome(name, reason)
+        self.metrics.prompt_tokens[name] = self.metrics.prompt_tokens.get(name, 0) + ev.n_prompt
+        self.metrics.generated_tokens[name] = self.metrics.generated_tokens.get(name, 0) + ev.n_gen
+        self.metrics.cached_tokens[name] = self.metrics.cached_tokens.get(name, 0) + ev.n_cached
+
+
+def _logprob_entry(m: Any, ev: sched.SchedEvent, chat: bool) -> dict[str, Any]:
+    def piece(t: int) -> str:
+        return decode(m, [t])
+
+    if chat:
+        return {
+            "token": piece(ev.token),
+            "logprob": ev.logprob,
+            "bytes": list(piece(ev.token).encode()),
+            "top_logprobs": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())} for t, lp in ev.top],
+        }
+    return {"token": piece(ev.token), "logprob": ev.logprob, "top": {piece(t): lp for t, lp in ev.top}}
+
+
+def build_app(server: Server) -> Starlette:
+    def check_auth(request: Request) -> None:
+        if server.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if auth != f"Bearer {server.api_key}":
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    def guarded(handler):  # noqa: ANN001, ANN202
+        async def wrapped(request: Request) -> Response:
+            try:
+                if not server.ready:
+                    raise ApiError(503, "the model is still loading; retry shortly", type_="server_error", code="loading", headers={"Retry-After": "2"})
+                check_auth(request)
+                return await handler(request)
+            except ApiError as e:
+                return e.response()
+
+        return wrapped
+
+    async def health(request: Request) -> Response:
+        if not server.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "dasllama"} for name in server.engines]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def completions(request: Request, chat: bool) -> Response:
+        body = await server.body(request)
+        job = server.job(body, chat)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        model_name = job.engine.name
+        m = job.engine.m
+        if job.stream:
+            # Submit the first choice before answering, so a full queue is a 503, not a broken stream.
+            gens = [server.run_one(job, i) for i in range(job.n)]
+            firsts = []
+            for g in gens:
+                try:
+                    firsts.append(await g.__anext__())
+                except StopAsyncIteration:
+                    firsts.append(None)
+
+            async def sse() -> AsyncIterator[bytes]:
+                usage = {"prompt": 0, "completion": 0, "cached": 0}
+                queue: asyncio.Queue = asyncio.Queue()
+
+                async def pump(i: int, first: Any, g: AsyncIterator[Any]) -> None:
+                    try:
+                        if first is not None:
+                            await queue.put((i, first))
+                        async for item in g:
+                            await queue.put((i, item))
+                    finally:
+                        await queue.put((i, None))
+
+                tasks = [asyncio.create_task(pump(i, f, g)) for i, (f, g) in enumerate(zip(firsts, gens))]
+                if chat:
+                    for i in range(job.n):
+                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+                done = 0
+                checked = time.monotonic()
+                try:
+                    while done < job.n:
+                        getter = asyncio.ensure_future(queue.get())
+                        while True:
+                            await asyncio.wait([getter], timeout=0.1)
+                            # A client that hangs up is evicted within a step or two, not whenever
+                            # a write happens to fail.
+                            if time.monotonic() - checked >= 0.05 or not getter.done():
+                                checked = time.monotonic()
+                                if await request.is_disconnected():
+                                    getter.cancel()
+                                    return
+                            if getter.done():
+                                break
+                        i, item = getter.result()
+                        if item is None:
+                            done += 1
+                            continue
+                        text, ev, reason = item
+                        if reason:
+                            usage["prompt"] = ev.n_prompt if ev else usage["prompt"]
+                            usage["completion"] += ev.n_gen if ev else 0
+                            usage["cached"] = max(usage["cached"], ev.n_cached if ev else 0)
+                        if not text and not reason:
+                            continue
+                        lp = None
+                        if job.logprobs is not None and ev is not None and ev.kind == "piece" and text:
+                            e = _logprob_entry(m, ev, chat)
+                            lp = {"content": [e]} if chat else {"tokens": [e["token"]], "token_logprobs": [e["logprob"]], "top_logprobs": [e["top"]]}
+                        if chat:
+                            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
+                            chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [choice]}
+                        else:
+                            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+                            chunk = {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": [choice]}
+                        if job.include_usage:
+                            chunk["usage"] = None
+                        yield _sse(chunk)
+                    if job.include_usage:
+                        yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [], "usage": _usage(usage)})
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    # Cancelling a pump raises inside its request's generator, whose cleanup evicts.
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    for g in gens:
+                        await g.aclose()
+
+            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        async def collect(i: int) -> dict[str, Any]:
+            text, reason, n_prompt, n_gen, cached, lps = "", "stop", 0, 0, 0, []
+            async for t, ev, r in server.run_one(job, i):
+                text += t
+                if job.logprobs is not None and ev is not None and ev.kind == "piece" and t:
+                    lps.append(_logprob_entry(m, ev, chat))
+                if r:
+                    reason = r
+                    if ev is not None:
+                        n_prompt, n_gen, cached = ev.n_prompt, ev.n_gen, ev.n_cached
+            return {"text": text, "reason": reason, "n_prompt": n_prompt or len(job.prompt), "n_gen": n_gen, "cached": cached, "lps": lps}
+
+        results = await asyncio.gather(*(collect(i) for i in range(job.n)))
+        usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results)}
+        choices = []
+        for i, r in enumerate(results):
+            if chat:
+                lp = {"content": r["lps"]} if job.logprobs is not None else None
+                choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]}, "logprobs": lp, "finish_reason": r["reason"]})
+            else:
+                lp = None
+                if job.logprobs is not None:
+                    lp = {"tokens": [e["token"] for e in r["lps"]], "token_logprobs": [e["logprob"] for e in r["lps"]], "top_logprobs": [e["top"] for e in r["lps"]]}
+                choices.append({"index": i, "text": r["text"], "logprobs": lp, "finish_reason": r["reason"]})
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, "usage": _usage(usage)})
+
+    async def chat_completions(request: Request) -> Response:
+        return await completions(request, True)
+
+    async def text_completions(request: Request) -> Response:
+        return await completions(request, False)
+
+    async def tokenize(request: Request) -> Response:
+        body = await server.body(request)
+        eng = server.engine(body.get("model"))
+        content = body.get("content", body.get("prompt"))
+        if not isinstance(content, str):
+            raise ApiError(400, "'content' must be a string", param="content")
+        add_special = body.get("add_special", False)
+        if not isinstance(add_special, bool):
+            raise ApiError(400, "'add_special' must be a boolean", param="add_special")
+        return JSONResponse({"tokens": encode(eng.m, content, add_bos=add_special, special=bool(body.get("parse_special", False)))})
+
+    async def detokenize(request: Request) -> Response:
+        body = await server.body(request)
+        eng = server.engine(body.get("model"))
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise ApiError(400, "'tokens' must be a list of integers", param="tokens")
+        bad = [t for t in toks if not 0 <= t < eng.m.n_vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is out of range", param="tokens")
+        return JSONResponse({"content": decode(eng.m, toks)})
+
+    async def metrics(request: Request) -> Response:
+        mt = server.metrics
+        lines = [
+            "# HELP dasllama_requests_total Requests by outcome (stop, length, cancelled, rejected).",
+            "# TYPE dasllama_requests_total counter",
+        ]
+        lines += [f'dasllama_requests_total{{model="{m}",outcome="{o}"}} {c}' for (m, o), c in sorted(mt.requests.items())]
+        for metric, table, help_ in (
+            ("dasllama_prompt_tokens_total", mt.prompt_tokens, "Prompt tokens of finished requests."),
+            ("dasllama_generated_tokens_total", mt.generated_tokens, "Generated tokens of finished requests."),
+            ("dasllama_prefix_cache_hit_tokens_total", mt.cached_tokens, "Prompt tokens served from the prefix cache."),
+        ):
+            lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} counter"]
+            lines += [f'{metric}{{model="{name}"}} {table.get(name, 0)}' for name in server.engines]
+        lines += ["# HELP dasllama_queue_depth Requests waiting.", "# TYPE dasllama_queue_depth gauge"]
+        stats = {name: (eng.counts(), eng.stats()) for name, eng in server.engines.items()}
+        lines += [f'dasllama_queue_depth{{model="{n}"}} {c[1]}' for n, (c, _) in stats.items()]
+        lines += ["# HELP dasllama_active_streams Streams decoding or prefilling.", "# TYPE dasllama_active_streams gauge"]
+        lines += [f'dasllama_active_streams{{model="{n}"}} {c[0]}' for n, (c, _) in stats.items()]
+        for key, metric in (("kv_pages_used", "dasllama_kv_pages_used"), ("kv_pages_free", "dasllama_kv_pages_free"), ("kv_pages_cached", "dasllama_kv_pages_cached")):
+            lines += [f"# TYPE {metric} gauge"]
+            lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
+        lines += ["# HELP dasllama_ttft_seconds Time to first token.", "# TYPE dasllama_ttft_seconds histogram"]
+        for name in server.engines:
+            lines += mt.ttft.get(name, Histogram(TTFT_BUCKETS)).render("dasllama_ttft_seconds", f'model="{name}"')
+        lines += ["# HELP dasllama_inter_token_seconds Time between streamed tokens.", "# TYPE dasllama_inter_token_seconds histogram"]
+        for name in server.engines:
+            lines += mt.itl.get(name, Histogram(ITL_BUCKETS)).render("dasllama_inter_token_seconds", f'model="{name}"')
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return ApiError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+    async def method_not_allowed(request: Request, exc: Exception) -> Response:
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded(text_completions), methods=["POST"]),
+        Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/detokenize", guarded(detokenize), methods=["POST"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed})
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _usage(u: dict[str, int]) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u["prompt"],
+        "completion_tokens": u["completion"],
+        "total_tokens": u["prompt"] + u["completion"],
+        "prompt_tokens_details": {"cached_tokens": u["cached"]},
+    }

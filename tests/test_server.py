@@ -1,0 +1,254 @@
+"""Black-box tests of `python -m dasllama.serve` on loopback, with httpx and the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+import dasllama as dl
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(*args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "dasllama.serve", "--port", str(port), "--log-level", "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read().decode()[-2000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(2)  # SIGINT: stop admitting, finish, exit 0
+    try:
+        return proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(smollm: dl.Model, gemma: dl.Model) -> Iterator[str]:
+    proc, base = start("--model", str(smollm.path), "--alias", "smollm", "--model", str(gemma.path), "--alias", "gemma", "--api-key", KEY, "--streams", "16")
+    yield base
+    assert stop(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+
+
+def post(base: str, path: str, body: object, headers: dict[str, str] = AUTH) -> httpx.Response:
+    return httpx.post(base + path, json=body, headers=headers, timeout=120)
+
+
+def test_models_and_health(server: str) -> None:
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    r = httpx.get(server + "/v1/models", headers=AUTH).json()
+    assert r["object"] == "list" and [d["id"] for d in r["data"]] == ["smollm", "gemma"]
+
+
+def test_chat_and_usage(client: openai.OpenAI, smollm: dl.Model) -> None:
+    r = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=16, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content and c.finish_reason in ("stop", "length")
+    prompt = dl.encode(smollm, dl.render_chat(smollm, [{"role": "user", "content": "What is 2+2?"}]), special=True)
+    assert r.usage.prompt_tokens == len(prompt)
+    assert 1 <= r.usage.completion_tokens <= 16 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    want = dl.generate(smollm, dl.create_session(smollm), prompt, dl.SamplingParams(), 16)
+    assert c.message.content == dl.decode(smollm, [t for t in want if t not in smollm.eog_ids])
+
+
+def test_completions_stream_and_not(client: openai.OpenAI, smollm: dl.Model) -> None:
+    full = client.completions.create(model="smollm", prompt="The capital of France is", max_tokens=10, temperature=0)
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="smollm", prompt="The capital of France is", max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    ids = dl.encode(smollm, "The capital of France is")
+    assert full.choices[0].text == dl.decode(smollm, dl.generate(smollm, dl.create_session(smollm), ids, dl.SamplingParams(), 10))
+
+
+def test_chat_stream_with_text_parts(client: openai.OpenAI) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Name a color."}]}]
+    stream = client.chat.completions.create(model="smollm", messages=msgs, max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    full = client.chat.completions.create(model="smollm", messages=msgs, max_tokens=12, temperature=0)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_strings_are_never_emitted(client: openai.OpenAI) -> None:
+    base = client.completions.create(model="smollm", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0).choices[0].text
+    assert " 6" in base
+    stop = base[base.index(" 6") : base.index(" 6") + 3]
+    r = client.completions.create(model="smollm", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[stop, "zzz"])
+    assert r.choices[0].text == base[: base.index(stop)] and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="smollm", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == base[: base.index(stop)]
+
+
+def test_seed_reproducibility_and_n(client: openai.OpenAI) -> None:
+    ask = lambda seed: client.completions.create(model="smollm", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed, n=2)  # noqa: E731
+    a, b, c = ask(7), ask(7), ask(8)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices]
+    assert [x.text for x in a.choices] != [x.text for x in c.choices]
+    assert len(a.choices) == 2 and [x.index for x in a.choices] == [0, 1]
+    assert a.usage.completion_tokens >= 2
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy: the chosen is the top one
+    c = client.completions.create(model="smollm", prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    assert len(c.choices[0].logprobs.token_logprobs) == len(c.choices[0].logprobs.tokens) > 0
+
+
+def test_several_models(client: openai.OpenAI, gemma: dl.Model) -> None:
+    r = client.completions.create(model="gemma", prompt="The capital of France is", max_tokens=8, temperature=0)
+    ids = dl.encode(gemma, "The capital of France is")
+    assert r.choices[0].text == dl.decode(gemma, dl.generate(gemma, dl.create_session(gemma), ids, dl.SamplingParams(), 8))
+    assert r.model == "gemma"
+
+
+def test_sixteen_concurrent_streams_match_one_at_a_time(server: str, smollm: dl.Model) -> None:
+    prompts = [f"Write a sentence about the number {i}." for i in range(16)]
+
+    async def one(c: httpx.AsyncClient, p: str) -> str:
+        body = {"model": "smollm", "messages": [{"role": "user", "content": p}], "max_tokens": 24, "temperature": 0, "stream": True}
+        text = ""
+        async with c.stream("POST", server + "/v1/chat/completions", json=body, headers=AUTH, timeout=300) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["delta"].get("content", "") if json.loads(line[6:])["choices"] else ""
+        return text
+
+    async def all_() -> list[str]:
+        async with httpx.AsyncClient() as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    got = asyncio.run(all_())
+    for p, g in zip(prompts, got):
+        ids = dl.encode(smollm, dl.render_chat(smollm, [{"role": "user", "content": p}]), special=True)
+        want = dl.generate(smollm, dl.create_session(smollm), ids, dl.SamplingParams(), 24)
+        assert g == dl.decode(smollm, [t for t in want if t not in smollm.eog_ids])
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "invalid_value"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "invalid_type"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "invalid_type"),
+        ({"messages": []}, 400, None),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model_not_found"),
+        ({"messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "context_length_exceeded"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ],
+)
+def test_bad_requests(server: str, body: dict, status: int, code: str | None) -> None:
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code:
+        assert err["code"] == code
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_bad_bodies_and_auth(server: str) -> None:
+    h = {**AUTH, "content-type": "application/json"}
+    r = httpx.post(server + "/v1/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(server + "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_encoding"
+    r = httpx.post(server + "/v1/completions", content=b'{"prompt": "' + b"a" * (10 << 20) + b'"}', headers=h, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert post(server, "/v1/completions", {"prompt": "hi"}, headers={}).status_code == 401
+    r = post(server, "/v1/completions", {"prompt": "hi"}, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server + "/health").status_code == 200  # no key needed
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "unknown_field": 1}).status_code == 200
+
+
+def test_tokenize_round_trip(server: str, smollm: dl.Model) -> None:
+    toks = post(server, "/tokenize", {"model": "smollm", "content": "Hello world"}).json()["tokens"]
+    assert toks == dl.encode(smollm, "Hello world")
+    assert post(server, "/detokenize", {"model": "smollm", "tokens": toks}).json()["content"] == "Hello world"
+    assert post(server, "/detokenize", {"tokens": [10**9]}).status_code == 400
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", headers=AUTH).text
+    for line in text.splitlines():
+        if line.startswith(name + '{model="smollm"'):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_disconnect_evicts_and_pages_return(server: str) -> None:
+    body = {"model": "smollm", "prompt": "1, 2, 3, 4,", "max_tokens": 1000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        for i, _line in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # hang up mid-stream
+    deadline = time.time() + 10
+    while time.time() < deadline and metric(server, "dasllama_active_streams") > 0:
+        time.sleep(0.05)
+    assert metric(server, "dasllama_active_streams") == 0
+    text = httpx.get(server + "/metrics", headers=AUTH).text
+    assert 'outcome="cancelled"' in text
+    used, cached = metric(server, "dasllama_kv_pages_used"), metric(server, "dasllama_kv_pages_cached")
+    assert used == cached  # idle: every page in use is the prefix cache's, none held by a stream
+
+
+def test_full_queue_is_503_with_retry_after(smollm: dl.Model) -> None:
+    proc, base = start("--model", str(smollm.path), "--streams", "1", "--queue", "1")
+    try:
+        body = {"prompt": "1, 2, 3, 4,", "max_tokens": 200, "temperature": 0}
+
+        async def flood() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(c.post(base + "/v1/completions", json=body) for _ in range(4)))
+
+        rs = asyncio.run(flood())
+        codes = sorted(r.status_code for r in rs)
+        assert codes.count(200) >= 2 and 503 in codes
+        busy = next(r for r in rs if r.status_code == 503)
+        assert busy.headers["retry-after"] and busy.json()["error"]["code"] == "queue_full"
+        assert httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+    finally:
+        assert stop(proc) == 0
