@@ -181,7 +181,6 @@ impl KvPool {
     pub fn donate(&self, kv: &KvCache, tokens: &[u32]) {
         let r = self.0.geo.page_rows;
         let full = kv.len().min(tokens.len()) / r;
-        let mut evicted = Vec::new();
         {
             let mut st = self.lock();
             st.clock += 1;
@@ -193,11 +192,22 @@ impl KvPool {
                 st.cache.entry(h).and_modify(|e| e.last_used = now).or_insert_with(|| CacheEntry { page: page.clone(), tokens: toks.to_vec(), last_used: now, first: i == 0 });
                 parent = h;
             }
-            if self.0.max_cached > 0 {
-                while st.cache.len() > self.0.max_cached {
-                    let Some(k) = st.cache.iter().filter(|(_, e)| Arc::strong_count(&e.page) == 1).min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k) else { break };
-                    evicted.push(st.cache.remove(&k).expect("victim is in the cache"));
-                }
+        }
+        self.trim();
+    }
+
+    /// Enforce the cache's page limit, evicting least recently used pages no session holds. A page
+    /// a session still holds stays until a later trim.
+    pub fn trim(&self) {
+        if self.0.max_cached == 0 {
+            return;
+        }
+        let mut evicted = Vec::new();
+        {
+            let mut st = self.lock();
+            while st.cache.len() > self.0.max_cached {
+                let Some(k) = st.cache.iter().filter(|(_, e)| Arc::strong_count(&e.page) == 1).min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k) else { break };
+                evicted.push(st.cache.remove(&k).expect("victim is in the cache"));
             }
         }
         drop(evicted);

@@ -357,6 +357,10 @@ impl Scheduler {
                 pool.donate(&s.session.kv, &s.in_kv);
             }
         }
+        s.session.reset();
+        if let Some(pool) = &self.pool {
+            pool.trim();
+        }
         let now = Instant::now();
         let ttft = s.t_first.map_or(0, |t| (t - s.t_submit).as_micros() as u64);
         let gen = s.t_first.map_or(0, |t| (now - t).as_micros() as u64);
