@@ -99,3 +99,26 @@ def test_full_pool_is_a_clear_error(smollm: dl.Model) -> None:
     np.testing.assert_array_equal(dl.eval(smollm, s, [7, 8]), dl.eval(smollm, other, [1, 2, 3, 4, 5, 6, 7, 8]))
     with pytest.raises(ValueError, match="page_rows"):
         dl.create_kv_pool(smollm, page_rows=0)
+
+
+def test_q8_0_kv_codec(smollm: dl.Model) -> None:
+    f16 = dl.create_kv_pool(smollm, page_rows=16, max_pages=64)
+    q8 = dl.create_kv_pool(smollm, page_rows=16, kv_dtype=dl.KVDtype.q8_0, max_pages=64)
+    ids = dl.encode(smollm, "The capital of France is Paris, and the capital of Italy is")
+    a = dl.eval(smollm, dl.create_session(smollm, f16), ids)
+    b = dl.eval(smollm, dl.create_session(smollm, q8), ids)
+    assert not np.array_equal(a, b)  # a different codec really stores different numbers
+    assert int(np.argmax(a)) == int(np.argmax(b)) and np.corrcoef(a, b)[0, 1] > 0.99
+    assert dl.kv_pool_stats(q8)["bytes_per_page"] * 64 == dl.kv_pool_stats(f16)["bytes_per_page"] * 34
+    with pytest.raises(NotImplementedError, match="tq4"):
+        dl.create_kv_pool(smollm, kv_dtype=dl.KVDtype.tq4)
+    # Through the scheduler: greedy output equals a q8_0 session run alone.
+    sch = dl.create_scheduler(smollm, max_streams=2, page_rows=16, kv_dtype=dl.KVDtype.q8_0)
+    s = dl.create_session(smollm, q8)
+    want = dl.generate(smollm, s, ids, dl.SamplingParams(), 8)
+    dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=ids, max_new=8))
+    evs: list[dl.SchedEvent] = []
+    while dl.scheduler_step(smollm, sch, evs):
+        pass
+    got = [e.token for e in evs if e.kind == "piece"] + [e.token for e in evs if e.kind == "finished" and e.finish == "stop"]
+    assert got == want

@@ -74,14 +74,14 @@ def create_scheduler(
     """A scheduler of ``max_streams`` concurrent streams over ``m``. ``page_rows > 0`` gives them a
     paged pool and a prefix cache (of at most ``prefix_groups`` pages; 0: as the pool allows):
     a finished stream donates its full pages and a new request attaches the longest cached prefix."""
-    check_kv_dtype(kv_dtype)
+    codec = check_kv_dtype(kv_dtype)
     if page_rows < 0 or prefix_groups < 0:
         raise ValueError("page_rows and prefix_groups must be >= 0")
     if mtp:
         raise NotImplementedError("speculative decoding (mtp) is not implemented yet; pass mtp=False")
     if max_streams < 1 or chunk_tokens < 1 or max_queue < 0:
         raise ValueError("max_streams and chunk_tokens must be at least 1, max_queue at least 0")
-    return _native.create_scheduler(m._native, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups)
+    return _native.create_scheduler(m._native, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec)
 
 
 def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:

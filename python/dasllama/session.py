@@ -17,17 +17,18 @@ KvPool = _native.KvPool
 
 
 class KVDtype(enum.Enum):
-    """How KV values are stored. f16: values rounded to f16 (as llama.cpp's default cache); q8_0
-    and tq4 are not implemented yet."""
+    """How KV values are stored: f16 (llama.cpp's default cache) or q8_0 (32-value i8 blocks with
+    an f16 scale, about half the bytes; needs a pool). tq4 is not implemented yet."""
 
     f16 = "f16"
     q8_0 = "q8_0"
     tq4 = "tq4"
 
 
-def check_kv_dtype(kv_dtype: KVDtype | str) -> None:
-    if KVDtype(kv_dtype) is not KVDtype.f16:
-        raise NotImplementedError(f"KV codec {KVDtype(kv_dtype).value} is not implemented yet; use KVDtype.f16")
+def check_kv_dtype(kv_dtype: KVDtype | str) -> str:
+    if KVDtype(kv_dtype) is KVDtype.tq4:
+        raise NotImplementedError("the tq4 KV codec is not implemented yet; use KVDtype.f16 or KVDtype.q8_0")
+    return KVDtype(kv_dtype).value
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,14 @@ def create_kv_pool(m: Model, page_rows: int = 64, kv_dtype: KVDtype = KVDtype.f1
     """A paged KV pool: pages of ``page_rows`` positions for every layer, taken on demand by the
     sessions created over it and returned by :func:`release_kv_pages`. ``max_pages`` bounds it
     (default: room for eight full-context sessions); pages are allocated only when first written."""
-    check_kv_dtype(kv_dtype)
+    codec = check_kv_dtype(kv_dtype)
     if page_rows < 1:
         raise ValueError(f"page_rows must be at least 1, got {page_rows}")
     if max_pages is None:
         max_pages = 8 * -(-int(m.config["seq_len"]) // page_rows)
     if max_pages < 1:
         raise ValueError(f"max_pages must be at least 1, got {max_pages}")
-    return _native.create_kv_pool(m._native, page_rows, max_pages)
+    return _native.create_kv_pool(m._native, page_rows, max_pages, codec)
 
 
 def release_kv_pages(s: Session) -> None:

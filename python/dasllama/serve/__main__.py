@@ -44,8 +44,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name} must be at least 1")
     if args.page_rows < 0 or args.ctx < 0:
         ap.error("--page-rows and --ctx must be >= 0")
-    if KVDtype(args.kv_dtype) is not KVDtype.f16:
-        ap.error(f"--kv-dtype {args.kv_dtype} is not implemented yet; use f16")
+    if KVDtype(args.kv_dtype) is KVDtype.tq4:
+        ap.error("--kv-dtype tq4 is not implemented yet; use f16 or q8_0")
+    if KVDtype(args.kv_dtype) is not KVDtype.f16 and args.page_rows == 0:
+        ap.error(f"--kv-dtype {args.kv_dtype} needs the paged pool (--page-rows > 0)")
     return args
 
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.ctx:
                     m.config["seq_len"] = min(int(m.config["seq_len"]), args.ctx)
                 name = args.alias[i] if args.alias else m.path.stem
-                server.engines[name] = Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows)
+                server.engines[name] = Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype)
                 server.default = server.default or name
                 log.info("serving %s as '%s'", m.path.name, name)
             server.ready = True

@@ -25,10 +25,10 @@ class Subscription:
 
 
 class Engine:
-    def __init__(self, m: Model, name: str, streams: int, queue: int, chunk: int, page_rows: int) -> None:
+    def __init__(self, m: Model, name: str, streams: int, queue: int, chunk: int, page_rows: int, kv_dtype: str = "f16") -> None:
         self.m = m
         self.name = name
-        self.sch = sched.create_scheduler(m, max_streams=streams, max_queue=queue, chunk_tokens=chunk, page_rows=page_rows)
+        self.sch = sched.create_scheduler(m, max_streams=streams, max_queue=queue, chunk_tokens=chunk, page_rows=page_rows, kv_dtype=sched.KVDtype(kv_dtype))
         self._lock = threading.Lock()  # guards the scheduler: the engine thread steps, handlers submit/evict
         self._wake = threading.Condition(self._lock)
         self._subs: dict[int, Subscription] = {}

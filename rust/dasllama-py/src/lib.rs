@@ -1,7 +1,7 @@
 //! The only code that knows PyO3: thin wrappers over the core, the GIL released around every
 //! call that runs the model, and one mapping from core errors to Python exceptions.
 
-use dasllama::kv::{Geometry, KvPool, PoolStats};
+use dasllama::kv::{Geometry, KvCodec, KvPool, PoolStats};
 use dasllama::model::{Model, QuantMode, TensorInfo};
 use dasllama::sampling::{self, SamplingParams};
 use dasllama::sched::{EventKind, Finish, PendingReq, SchedEvent, Scheduler};
@@ -213,11 +213,15 @@ struct PyKvPool {
     inner: KvPool,
 }
 
+fn codec(name: &str) -> PyResult<KvCodec> {
+    KvCodec::parse(name).ok_or_else(|| PyValueError::new_err(format!("unknown KV codec '{name}' (use f16 or q8_0)")))
+}
+
 #[pyfunction]
-#[pyo3(signature = (m, page_rows, max_pages))]
-fn create_kv_pool(m: &PyModel, page_rows: usize, max_pages: usize) -> PyResult<PyKvPool> {
-    let geo = Geometry { n_layers: m.inner.config.n_layers, kv_dim: m.inner.config.kv_dim(), page_rows };
-    Ok(PyKvPool { model: m.inner.clone(), inner: KvPool::new(geo, max_pages, 0).map_err(map_err)? })
+#[pyo3(signature = (m, page_rows, max_pages, kv_dtype="f16"))]
+fn create_kv_pool(m: &PyModel, page_rows: usize, max_pages: usize, kv_dtype: &str) -> PyResult<PyKvPool> {
+    let geo = Geometry { n_layers: m.inner.config.n_layers, kv_dim: m.inner.config.kv_dim(), page_rows, codec: codec(kv_dtype)? };
+    Ok(PyKvPool { model: m.inner.clone(), inner: KvPool::for_model(&m.inner, geo, max_pages, 0).map_err(map_err)? })
 }
 
 #[pyfunction]
@@ -453,8 +457,9 @@ fn check_sched(m: &PyModel, sch: &PyScheduler) -> PyResult<()> {
 }
 
 #[pyfunction]
-fn create_scheduler(m: &PyModel, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize) -> PyResult<PyScheduler> {
-    let inner = Scheduler::new(&m.inner, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups).map_err(map_err)?;
+#[pyo3(signature = (m, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, kv_dtype="f16"))]
+fn create_scheduler(m: &PyModel, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize, kv_dtype: &str) -> PyResult<PyScheduler> {
+    let inner = Scheduler::new(&m.inner, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec(kv_dtype)?).map_err(map_err)?;
     Ok(PyScheduler { model: m.inner.clone(), inner })
 }
 

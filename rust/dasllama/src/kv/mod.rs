@@ -3,8 +3,11 @@
 //!
 //! A page is reference-counted by `Arc`: session tables and the prefix cache hold it; when the last
 //! holder lets go, its id returns to the pool. A page held by more than one holder is never written:
-//! a session about to write into a shared page copies it first (copy-on-write). Values are stored
-//! as f32 already rounded to f16 (the f16 codec's numbers, read without conversion).
+//! a session about to write into a shared page copies it first (copy-on-write). Rows are stored in
+//! the pool's codec (`codec.rs`: f16 or q8_0).
+
+mod codec;
+pub use codec::KvCodec;
 
 use crate::{Error, Result};
 use std::cell::UnsafeCell;
@@ -16,7 +19,7 @@ use std::sync::{Arc, Mutex, Weak};
 pub const PRIVATE_PAGE_ROWS: usize = 256;
 
 pub struct Page {
-    buf: UnsafeCell<Box<[f32]>>,
+    buf: UnsafeCell<Box<[u8]>>,
     /// Pool slot, returned to the pool when the page drops.
     slot: Option<(u32, Weak<PoolShared>)>,
 }
@@ -39,10 +42,10 @@ impl Drop for Page {
 
 impl Page {
     fn new(len: usize, slot: Option<(u32, Weak<PoolShared>)>) -> Arc<Page> {
-        Arc::new(Page { buf: UnsafeCell::new(vec![0.0; len].into_boxed_slice()), slot })
+        Arc::new(Page { buf: UnsafeCell::new(vec![0u8; len].into_boxed_slice()), slot })
     }
 
-    fn data(&self) -> &[f32] {
+    fn data(&self) -> &[u8] {
         // SAFETY: see the Sync impl: no write is in progress while a shared reference is read.
         unsafe { &*self.buf.get() }
     }
@@ -50,7 +53,7 @@ impl Page {
     /// # Safety
     /// The caller holds the only reference to this page.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn data_mut(&self) -> &mut [f32] {
+    unsafe fn data_mut(&self) -> &mut [u8] {
         &mut *self.buf.get()
     }
 }
@@ -61,15 +64,19 @@ pub struct Geometry {
     pub n_layers: usize,
     pub kv_dim: usize,
     pub page_rows: usize,
+    pub codec: KvCodec,
 }
 
 impl Geometry {
-    fn page_floats(&self) -> usize {
-        self.n_layers * 2 * self.page_rows * self.kv_dim
+    fn row_bytes(&self) -> usize {
+        self.codec.bytes(self.kv_dim)
     }
-    /// Offset of (layer, K or V, row) inside a page.
+    fn page_bytes(&self) -> usize {
+        self.n_layers * 2 * self.page_rows * self.row_bytes()
+    }
+    /// Byte offset of (layer, K or V, row) inside a page.
     fn at(&self, il: usize, v: bool, row: usize) -> usize {
-        ((il * 2 + v as usize) * self.page_rows + row) * self.kv_dim
+        ((il * 2 + v as usize) * self.page_rows + row) * self.row_bytes()
     }
 }
 
@@ -134,6 +141,17 @@ impl KvPool {
         })))
     }
 
+    /// A pool for `m`'s layers and KV width, checking the codec fits its heads.
+    pub fn for_model(m: &crate::model::Model, geo: Geometry, max_pages: usize, max_cached: usize) -> Result<KvPool> {
+        if geo.n_layers != m.config.n_layers || geo.kv_dim != m.config.kv_dim() {
+            return Err(Error::InvalidArgument("the KV pool geometry does not match the model".into()));
+        }
+        if !geo.codec.supports(m.config.head_dim) {
+            return Err(Error::InvalidArgument(format!("the KV codec {:?} needs a head size that is a multiple of 32; this model's is {}", geo.codec, m.config.head_dim)));
+        }
+        KvPool::new(geo, max_pages, max_cached)
+    }
+
     pub fn geometry(&self) -> Geometry {
         self.0.geo
     }
@@ -158,7 +176,7 @@ impl KvPool {
                 };
                 if let Some(slot) = slot {
                     drop(st);
-                    return Ok(Page::new(self.0.geo.page_floats(), Some((slot, Arc::downgrade(&self.0)))));
+                    return Ok(Page::new(self.0.geo.page_bytes(), Some((slot, Arc::downgrade(&self.0)))));
                 }
                 // Evict the least recently used cached page no session holds; its drop (after
                 // the lock is released) returns its slot.
@@ -249,7 +267,7 @@ impl KvPool {
         let geo = self.0.geo;
         let cached_in_use = st.cache.values().filter(|e| Arc::strong_count(&e.page) > 1).count();
         let live = st.created as usize - st.free.len();
-        let bytes_per_page = geo.page_floats() * 4;
+        let bytes_per_page = geo.page_bytes();
         PoolStats {
             pages_total: self.0.max_pages as usize,
             pages_free: self.0.max_pages as usize - live,
@@ -279,26 +297,30 @@ pub struct LayerView<'a> {
 }
 
 impl LayerView<'_> {
+    /// The bytes of KV head `h` (of `head_dim` values) of K at `pos`.
     #[inline]
-    pub fn k(&self, pos: usize) -> &[f32] {
-        self.row(pos, false)
+    pub fn k(&self, pos: usize, h: usize, head_dim: usize) -> &[u8] {
+        self.row(pos, false, h, head_dim)
     }
     #[inline]
-    pub fn v(&self, pos: usize) -> &[f32] {
-        self.row(pos, true)
+    pub fn v(&self, pos: usize, h: usize, head_dim: usize) -> &[u8] {
+        self.row(pos, true, h, head_dim)
+    }
+    pub fn codec(&self) -> KvCodec {
+        self.cache.geo.codec
     }
     #[inline]
-    fn row(&self, pos: usize, v: bool) -> &[f32] {
+    fn row(&self, pos: usize, v: bool, h: usize, head_dim: usize) -> &[u8] {
         let g = &self.cache.geo;
-        let at = g.at(self.il, v, pos % g.page_rows);
-        &self.cache.pages[pos / g.page_rows].data()[at..at + g.kv_dim]
+        let at = g.at(self.il, v, pos % g.page_rows) + g.codec.bytes(h * head_dim);
+        &self.cache.pages[pos / g.page_rows].data()[at..at + g.codec.bytes(head_dim)]
     }
 }
 
 impl KvCache {
     /// A session's private store (pages of `PRIVATE_PAGE_ROWS`, grown on demand).
     pub fn private(n_layers: usize, kv_dim: usize) -> Self {
-        KvCache { geo: Geometry { n_layers, kv_dim, page_rows: PRIVATE_PAGE_ROWS }, len: 0, pages: Vec::new(), pool: None }
+        KvCache { geo: Geometry { n_layers, kv_dim, page_rows: PRIVATE_PAGE_ROWS, codec: KvCodec::F16 }, len: 0, pages: Vec::new(), pool: None }
     }
 
     pub fn paged(pool: &KvPool) -> Self {
@@ -321,7 +343,7 @@ impl KvCache {
     fn new_page(&self) -> Result<Arc<Page>> {
         match &self.pool {
             Some(p) => p.alloc(),
-            None => Ok(Page::new(self.geo.page_floats(), None)),
+            None => Ok(Page::new(self.geo.page_bytes(), None)),
         }
     }
 
@@ -355,13 +377,9 @@ impl KvCache {
             assert_eq!(Arc::strong_count(page), 1, "writing into a shared KV page");
             // SAFETY: the assert above: this session holds the only reference to the page.
             let data = unsafe { page.data_mut() };
-            let (ka, va) = (g.at(il, false, pos % g.page_rows), g.at(il, true, pos % g.page_rows));
-            for (d, s) in data[ka..ka + g.kv_dim].iter_mut().zip(kr) {
-                *d = crate::cpu::ops::round_f16(*s);
-            }
-            for (d, s) in data[va..va + g.kv_dim].iter_mut().zip(vr) {
-                *d = crate::cpu::ops::round_f16(*s);
-            }
+            let (ka, va, rb) = (g.at(il, false, pos % g.page_rows), g.at(il, true, pos % g.page_rows), g.row_bytes());
+            g.codec.encode(kr, &mut data[ka..ka + rb]);
+            g.codec.encode(vr, &mut data[va..va + rb]);
         }
     }
 
@@ -404,7 +422,7 @@ mod tests {
 
     #[test]
     fn shared_pages_are_copied_before_a_write_and_slots_come_back() {
-        let geo = Geometry { n_layers: 2, kv_dim: 4, page_rows: 4 };
+        let geo = Geometry { n_layers: 2, kv_dim: 4, page_rows: 4, codec: KvCodec::F16 };
         let pool = KvPool::new(geo, 8, 0).unwrap();
         let mut a = KvCache::paged(&pool);
         fill(&mut a, 8, 1.0);
@@ -412,12 +430,17 @@ mod tests {
         pool.donate(&a, &toks);
         let mut b = KvCache::paged(&pool);
         assert_eq!(pool.attach(&mut b, &toks, 7), 4, "one whole page, capped short of the prompt");
-        assert_eq!(b.layer(1).k(2), a.layer(1).k(2));
+        let first = |kv: &KvCache, pos: usize| {
+            let mut v = [0.0f32; 4];
+            KvCodec::F16.decode(kv.layer(0).k(pos, 0, 4), &mut v);
+            v[0]
+        };
+        assert_eq!(b.layer(1).k(2, 0, 4), a.layer(1).k(2, 0, 4));
         b.truncate(2);
         fill(&mut b, 1, 100.0); // position 2 lies in the shared page: copy-on-write
-        assert_eq!(b.layer(0).k(2)[0], 100.0);
-        assert_eq!(a.layer(0).k(2)[0], crate::cpu::ops::round_f16(1.0 + 8.0));
-        assert_eq!(b.layer(0).k(1), a.layer(0).k(1));
+        assert_eq!(first(&b, 2), 100.0);
+        assert_eq!(first(&a, 2), 1.0 + 8.0);
+        assert_eq!(b.layer(0).k(1, 0, 4), a.layer(0).k(1, 0, 4));
         drop(a);
         b.release();
         let st = pool.stats();
@@ -426,7 +449,7 @@ mod tests {
 
     #[test]
     fn a_full_pool_evicts_cached_pages_then_refuses() {
-        let geo = Geometry { n_layers: 1, kv_dim: 2, page_rows: 2 };
+        let geo = Geometry { n_layers: 1, kv_dim: 2, page_rows: 2, codec: KvCodec::F16 };
         let pool = KvPool::new(geo, 2, 0).unwrap();
         let mut a = KvCache::paged(&pool);
         fill(&mut a, 4, 0.0);

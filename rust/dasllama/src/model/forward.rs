@@ -212,13 +212,13 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
         let kvh = h / group;
         let qh: Vec<f32> = q[t * qd + h * hdim..t * qd + (h + 1) * hdim].iter().map(|&v| ops::round_f16(v)).collect();
         let mut sc: Vec<f32> = (start..=pos)
-            .map(|j| ops::dot_f32(&qh, &lv.k(j)[kvh * hdim..(kvh + 1) * hdim]) * c.attn_scale)
+            .map(|j| lv.codec().dot(&qh, lv.k(j, kvh, hdim)) * c.attn_scale)
             .collect();
         ops::softmax(&mut sc);
         o.fill(0.0);
         for (j, p) in (start..=pos).zip(sc) {
             let p = ops::round_f16(p);
-            ops::axpy(o, p, &lv.v(j)[kvh * hdim..(kvh + 1) * hdim]);
+            lv.codec().axpy(o, p, lv.v(j, kvh, hdim));
         }
     };
     let work: usize = rows.iter().map(|r| r.1 + 1).sum::<usize>() * c.n_heads;

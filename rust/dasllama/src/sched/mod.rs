@@ -5,7 +5,7 @@
 //! Rows are computed with the same arithmetic whatever the batch, so a request's output does not
 //! depend on what else runs beside it.
 
-use crate::kv::{Geometry, KvPool};
+use crate::kv::{Geometry, KvCodec, KvPool};
 use crate::model::Model;
 use crate::sampling::{self, Rng, SamplingParams};
 use crate::session::{eval_multi, BatchWorkspace, Session};
@@ -112,7 +112,7 @@ pub struct Scheduler {
 impl Scheduler {
     /// `page_rows > 0` gives the streams a paged pool with a prefix cache of at most
     /// `prefix_groups` pages (0: as many as the pool has room for).
-    pub fn new(m: &Model, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize) -> Result<Self> {
+    pub fn new(m: &Model, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize, codec: KvCodec) -> Result<Self> {
         if max_streams == 0 || chunk_tokens == 0 {
             return Err(Error::InvalidArgument("max_streams and chunk_tokens must be at least 1".into()));
         }
@@ -120,8 +120,10 @@ impl Scheduler {
             let per_stream = m.config.seq_len.div_ceil(page_rows);
             // Room for every stream's whole context plus as much again for the cache; pages are
             // only allocated when written, so this bounds memory rather than reserving it.
-            let geo = Geometry { n_layers: m.config.n_layers, kv_dim: m.config.kv_dim(), page_rows };
-            Some(KvPool::new(geo, 2 * max_streams * per_stream, prefix_groups)?)
+            let geo = Geometry { n_layers: m.config.n_layers, kv_dim: m.config.kv_dim(), page_rows, codec };
+            Some(KvPool::for_model(m, geo, 2 * max_streams * per_stream, prefix_groups)?)
+        } else if codec != KvCodec::F16 {
+            return Err(Error::InvalidArgument("a KV codec other than f16 needs the paged pool (page_rows > 0)".into()));
         } else {
             None
         };

@@ -1,0 +1,204 @@
+//! KV codecs: how one row of K or V (all KV heads of one position) is stored in a page, and the
+//! two operations attention needs on one head of it: q·k and o += p·v.
+//!
+//! - `F16`: IEEE half, what llama.cpp's default cache holds. Reads convert with F16C.
+//! - `Q8_0`: 32-value blocks of i8 with an f16 scale (about half of f16), quantized as ggml's
+//!   reference `quantize_row_q8_0` does.
+
+use crate::quant::{rd_f16, wr_f16};
+use half::f16;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCodec {
+    F16,
+    Q8_0,
+}
+
+impl KvCodec {
+    pub fn parse(name: &str) -> Option<KvCodec> {
+        match name {
+            "f16" => Some(KvCodec::F16),
+            "q8_0" => Some(KvCodec::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// Bytes of `n` values.
+    pub fn bytes(self, n: usize) -> usize {
+        match self {
+            KvCodec::F16 => 2 * n,
+            KvCodec::Q8_0 => n / 32 * 34,
+        }
+    }
+
+    /// Whether rows of `kv_dim` values in heads of `head_dim` fit this codec.
+    pub fn supports(self, head_dim: usize) -> bool {
+        match self {
+            KvCodec::F16 => true,
+            KvCodec::Q8_0 => head_dim % 32 == 0,
+        }
+    }
+
+    pub fn encode(self, src: &[f32], dst: &mut [u8]) {
+        match self {
+            KvCodec::F16 => {
+                for (i, &v) in src.iter().enumerate() {
+                    wr_f16(dst, 2 * i, v);
+                }
+            }
+            KvCodec::Q8_0 => crate::quant::quantize_weights_q8_0(src, dst),
+        }
+    }
+
+    /// q · k for one head (`k` holds that head's bytes). `q` is already rounded to f16.
+    #[inline]
+    pub fn dot(self, q: &[f32], k: &[u8]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if crate::quant::avx2::has_avx2() {
+            // SAFETY: AVX2/FMA/F16C detected; `k` holds `bytes(q.len())` bytes (asserted).
+            assert!(k.len() >= self.bytes(q.len()));
+            return unsafe {
+                match self {
+                    KvCodec::F16 => simd::dot_f16(q, k.as_ptr()),
+                    KvCodec::Q8_0 => simd::dot_q8(q, k.as_ptr()),
+                }
+            };
+        }
+        let mut acc = [0.0f32; 8];
+        let mut tmp = vec![0.0f32; q.len()];
+        self.decode(k, &mut tmp);
+        for (i, (a, b)) in q.iter().zip(&tmp).enumerate() {
+            acc[i % 8] += a * b;
+        }
+        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    }
+
+    /// o += p · v for one head.
+    #[inline]
+    pub fn axpy(self, o: &mut [f32], p: f32, v: &[u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::quant::avx2::has_avx2() {
+            assert!(v.len() >= self.bytes(o.len()));
+            // SAFETY: AVX2/FMA/F16C detected; `v` holds enough bytes (asserted).
+            return unsafe {
+                match self {
+                    KvCodec::F16 => simd::axpy_f16(o, p, v.as_ptr()),
+                    KvCodec::Q8_0 => simd::axpy_q8(o, p, v.as_ptr()),
+                }
+            };
+        }
+        let mut tmp = vec![0.0f32; o.len()];
+        self.decode(v, &mut tmp);
+        o.iter_mut().zip(&tmp).for_each(|(a, b)| *a += p * b);
+    }
+
+    pub fn decode(self, src: &[u8], dst: &mut [f32]) {
+        match self {
+            KvCodec::F16 => {
+                for (i, d) in dst.iter_mut().enumerate() {
+                    *d = f16::from_bits(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])).to_f32();
+                }
+            }
+            KvCodec::Q8_0 => {
+                for (b, out) in dst.chunks_exact_mut(32).enumerate() {
+                    let d = rd_f16(src, 34 * b);
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = src[34 * b + 2 + j] as i8 as f32 * d;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
+    }
+
+    #[inline(always)]
+    unsafe fn f16x8(p: *const u8) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f16(q: &[f32], k: *const u8) -> f32 {
+        let n = q.len();
+        let a = q.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (j, ac) in acc.iter_mut().enumerate() {
+                *ac = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8 * j)), f16x8(k.add(2 * (i + 8 * j))), *ac);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), f16x8(k.add(2 * i)), acc[0]);
+            i += 8;
+        }
+        let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        while i < n {
+            s += *a.add(i) * super::f16::from_bits((k.add(2 * i) as *const u16).read_unaligned()).to_f32();
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_f16(o: &mut [f32], p: f32, v: *const u8) {
+        let n = o.len();
+        let y = o.as_mut_ptr();
+        let pv = _mm256_set1_ps(p);
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(pv, f16x8(v.add(2 * i)), _mm256_loadu_ps(y.add(i))));
+            i += 8;
+        }
+        while i < n {
+            *y.add(i) += p * super::f16::from_bits((v.add(2 * i) as *const u16).read_unaligned()).to_f32();
+            i += 1;
+        }
+    }
+
+    /// 8 i8 at `p` as f32.
+    #[inline(always)]
+    unsafe fn i8x8(p: *const u8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8(q: &[f32], k: *const u8) -> f32 {
+        let a = q.as_ptr();
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..q.len() / 32 {
+            let blk = k.add(34 * b);
+            let d = _mm256_set1_ps(super::f16::from_bits((blk as *const u16).read_unaligned()).to_f32());
+            let mut t = _mm256_mul_ps(_mm256_loadu_ps(a.add(32 * b)), i8x8(blk.add(2)));
+            for j in 1..4 {
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(32 * b + 8 * j)), i8x8(blk.add(2 + 8 * j)), t);
+            }
+            acc = _mm256_fmadd_ps(d, t, acc);
+        }
+        hsum(acc)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_q8(o: &mut [f32], p: f32, v: *const u8) {
+        let y = o.as_mut_ptr();
+        for b in 0..o.len() / 32 {
+            let blk = v.add(34 * b);
+            let pd = _mm256_set1_ps(p * super::f16::from_bits((blk as *const u16).read_unaligned()).to_f32());
+            for j in 0..4 {
+                let at = y.add(32 * b + 8 * j);
+                _mm256_storeu_ps(at, _mm256_fmadd_ps(pd, i8x8(blk.add(2 + 8 * j)), _mm256_loadu_ps(at)));
+            }
+        }
+    }
+}
