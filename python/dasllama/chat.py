@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             fed = []
         out = generate(m, s, ids[len(fed) :], params, args.max_new, lambda _id, text: print(text, end="", flush=True))
         print()
-        fed = ids + out
+        fed = ids + out[:-1]  # the last sampled token was never evaluated into the KV
         messages.append({"role": "assistant", "content": decode(m, [t for t in out if t not in m.eog_ids])})
     return 0
 

@@ -192,6 +192,8 @@ impl Session<'_> {
         let n = data.len().div_ceil(chunk);
         let p = SlicePtr(data.as_mut_ptr(), data.len());
         self.parallel_for(n, &|i| {
+            // Capture the whole (Sync) wrapper, not its raw-pointer field.
+            #[allow(clippy::redundant_locals)]
             let p = p;
             let lo = i * chunk;
             let len = chunk.min(p.1 - lo);

@@ -35,7 +35,7 @@ impl KvCodec {
     pub fn supports(self, head_dim: usize) -> bool {
         match self {
             KvCodec::F16 => true,
-            KvCodec::Q8_0 => head_dim % 32 == 0,
+            KvCodec::Q8_0 => head_dim.is_multiple_of(32),
         }
     }
 

@@ -129,7 +129,7 @@ impl TensorTable<'_> {
         let ty = GgmlType::from_id(t.ty).map_err(|e| Error::Gguf(format!("{}: tensor '{name}': {e}", self.file)))?;
         let cols = t.shape[0] as usize;
         let rows: usize = t.shape[1..].iter().product::<u64>() as usize;
-        if cols % ty.block_len() != 0 {
+        if !cols.is_multiple_of(ty.block_len()) {
             return Err(Error::Gguf(format!("{}: tensor '{name}' has {cols} columns, not a multiple of the {} block", self.file, ty.name())));
         }
         let len = ty.row_bytes(cols) * rows;

@@ -105,7 +105,7 @@ impl Bpe {
                 for i in 0..syms.len().saturating_sub(1) {
                     if let (Some(a), Some(b)) = (syms[i].0, syms[i + 1].0) {
                         if let Some(&(rank, merged)) = self.merges.get(&(a, b)) {
-                            if best.map_or(true, |(r, _, _)| rank < r) {
+                            if best.is_none_or(|(r, _, _)| rank < r) {
                                 best = Some((rank, i, merged));
                             }
                         }

@@ -234,8 +234,7 @@ impl Utf8Stream {
             },
         };
         let rest = self.pending.split_off(valid);
-        let out = String::from_utf8(std::mem::replace(&mut self.pending, rest)).expect("validated above");
-        out
+        String::from_utf8(std::mem::replace(&mut self.pending, rest)).expect("validated above")
     }
 
     /// Whatever is left at the end, replacement characters for an unfinished sequence.
