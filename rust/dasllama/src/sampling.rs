@@ -101,44 +101,65 @@ pub fn argmax(x: &[f32]) -> u32 {
 }
 
 /// Pick the next token from `logits` (modified in place) given the recent tokens.
+///
+/// No step sorts the whole vocabulary: top-k is a linear-time selection, min-p a filter, and top-p
+/// sorts only as many of the most likely tokens as it takes to reach its mass (selected in growing
+/// batches), so sampling from a 262k vocabulary costs about one pass over it.
 pub fn sample(logits: &mut [f32], recent: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {
     apply_penalties(logits, recent, p);
     if p.temp <= 0.0 {
         return argmax(logits);
     }
-    let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temp)).collect();
-    cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let by_logit_desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let mut cand: Vec<u32> = (0..logits.len() as u32).collect();
     if p.top_k > 0 && (p.top_k as usize) < cand.len() {
-        cand.truncate(p.top_k as usize);
+        let k = p.top_k as usize;
+        cand.select_nth_unstable_by(k - 1, by_logit_desc);
+        cand.truncate(k);
     }
-    let max = cand[0].1;
-    let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - max) as f64).exp()).collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|x| *x /= total);
-    let mut keep = probs.len();
+    // Unnormalized probabilities exp((l - max) / temp): the most likely token has weight 1.
+    let max = cand.iter().map(|&t| logits[t as usize]).fold(f32::NEG_INFINITY, f32::max);
+    let weight = |t: u32| (((logits[t as usize] - max) / p.temp) as f64).exp();
+    let total: f64 = cand.iter().map(|&t| weight(t)).sum();
     if p.top_p < 1.0 {
-        let mut acc = 0.0;
-        for (i, &x) in probs.iter().enumerate() {
-            acc += x;
-            if acc >= p.top_p as f64 {
-                keep = i + 1;
+        // The smallest set of most likely tokens holding `top_p` of the mass.
+        let want = p.top_p as f64 * total;
+        let mut k = 64.min(cand.len());
+        loop {
+            if k < cand.len() {
+                cand.select_nth_unstable_by(k - 1, by_logit_desc);
+            }
+            cand[..k].sort_unstable_by(by_logit_desc);
+            let mut acc = 0.0;
+            let reached = cand[..k].iter().position(|&t| {
+                acc += weight(t);
+                acc >= want
+            });
+            if let Some(i) = reached {
+                cand.truncate(i + 1);
                 break;
             }
+            if k == cand.len() {
+                break;
+            }
+            k = (k * 4).min(cand.len());
         }
     }
     if p.min_p > 0.0 {
-        let floor = probs[0] * p.min_p as f64;
-        keep = keep.min(probs.iter().take_while(|&&x| x >= floor).count().max(1));
+        // Relative to the most likely token, whose weight is 1.
+        let floor = p.min_p as f64;
+        let top = cand.iter().copied().max_by(|a, b| by_logit_desc(b, a)).expect("candidates are never empty");
+        cand.retain(|&t| t == top || weight(t) >= floor);
     }
-    let total: f64 = probs[..keep].iter().sum();
-    let mut r = rng.next_f64() * total;
-    for i in 0..keep {
-        r -= probs[i];
+    let kept: f64 = cand.iter().map(|&t| weight(t)).sum();
+    let mut r = rng.next_f64() * kept;
+    for &t in &cand {
+        r -= weight(t);
         if r < 0.0 {
-            return cand[i].0;
+            return t;
         }
     }
-    cand[keep - 1].0
+    *cand.last().expect("candidates are never empty")
 }
 
 fn apply_penalties(logits: &mut [f32], recent: &[u32], p: &SamplingParams) {
@@ -184,6 +205,37 @@ mod tests {
         let p = SamplingParams { penalty: 2.0, frequency_penalty: 0.5, ..Default::default() };
         apply_penalties(&mut l, &[0, 0, 2], &p);
         assert_eq!(l, vec![1.0 / 2.0 - 1.0, 1.0, -2.0 - 0.5]);
+    }
+
+    #[test]
+    fn draws_follow_the_softmax_and_cutoffs_restrict_support() {
+        let logits = vec![2.0f32, 1.0, 0.5, 0.0, -1.0, -3.0];
+        let probs: Vec<f64> = {
+            let e: Vec<f64> = logits.iter().map(|&l| (l as f64).exp()).collect();
+            let t: f64 = e.iter().sum();
+            e.iter().map(|x| x / t).collect()
+        };
+        let mut rng = Rng::new(3);
+        let p = SamplingParams { temp: 1.0, ..Default::default() };
+        let n = 40_000;
+        let mut counts = [0usize; 6];
+        for _ in 0..n {
+            counts[sample(&mut logits.clone(), &[], &p, &mut rng) as usize] += 1;
+        }
+        for (c, want) in counts.iter().zip(&probs) {
+            assert!((*c as f64 / n as f64 - want).abs() < 0.01, "{counts:?} vs {probs:?}");
+        }
+        // top_p 0.8: the two most likely tokens hold 0.77, three hold 0.89.
+        let p = SamplingParams { temp: 1.0, top_p: 0.8, ..Default::default() };
+        let seen: std::collections::HashSet<u32> = (0..2000).map(|_| sample(&mut logits.clone(), &[], &p, &mut rng)).collect();
+        assert_eq!(seen, [0, 1, 2].into_iter().collect());
+        // min_p 0.3: keep tokens at least 0.3x as likely as the best: e^-1 = 0.37 yes, e^-1.5 = 0.22 no.
+        let p = SamplingParams { temp: 1.0, min_p: 0.3, ..Default::default() };
+        let seen: std::collections::HashSet<u32> = (0..2000).map(|_| sample(&mut logits.clone(), &[], &p, &mut rng)).collect();
+        assert_eq!(seen, [0, 1].into_iter().collect());
+        // top_k 2 at a high temperature still never leaves the two best.
+        let p = SamplingParams { temp: 5.0, top_k: 2, ..Default::default() };
+        assert!((0..2000).all(|_| sample(&mut logits.clone(), &[], &p, &mut rng) < 2));
     }
 
     #[test]
