@@ -303,27 +303,34 @@ impl Fmt for Q8_0 {
     }
 }
 
-/// Eight f16 at `p` (fewer at the end of a row, zero-filled) as f32.
+/// Lanes 0..cnt set.
+#[inline(always)]
+unsafe fn lanes(cnt: usize) -> __m256 {
+    _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt as i32), _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0)))
+}
+
+/// Eight f16 at `p` as f32, lanes past `cnt` zeroed. Reads all 16 bytes: a repacked row's scale
+/// regions are always followed by more of the same row, so the read stays inside it. (A stack
+/// copy of a partial group would stall on store forwarding in the hottest loop.)
 #[inline(always)]
 unsafe fn f16x8(p: *const u8, cnt: usize) -> __m256 {
+    let v = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
     if cnt == 8 {
-        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        v
     } else {
-        let mut tmp = [0u16; 8];
-        std::ptr::copy_nonoverlapping(p as *const u16, tmp.as_mut_ptr(), cnt);
-        _mm256_cvtph_ps(_mm_loadu_si128(tmp.as_ptr() as *const __m128i))
+        _mm256_and_ps(v, lanes(cnt))
     }
 }
 
-/// Eight f32 at `p` (fewer at the end, zero-filled).
+/// Eight f32 at `p`, lanes past `cnt` zeroed. Activation rows end with `ACT_PAD` spare bytes, so
+/// reading a whole vector past the last scale stays inside the buffer.
 #[inline(always)]
 unsafe fn f32x8(p: *const f32, cnt: usize) -> __m256 {
+    let v = _mm256_loadu_ps(p);
     if cnt == 8 {
-        _mm256_loadu_ps(p)
+        v
     } else {
-        let mut tmp = [0.0f32; 8];
-        std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), cnt);
-        _mm256_loadu_ps(tmp.as_ptr())
+        _mm256_and_ps(v, lanes(cnt))
     }
 }
 
@@ -422,7 +429,10 @@ fn check<F: Fmt>(w: &[&[u8]], a: &[&[u8]], n: usize) -> usize {
     let nb = n / 32;
     let tail = if F::MIN { 8 } else { 4 };
     assert!(w.iter().all(|r| r.len() >= nb * F::WBYTES), "weight row too short");
-    assert!(a.iter().all(|r| r.len() >= nb * (F::ABYTES + tail)), "activation row too short (size it with act_row_bytes)");
+    assert!(
+        a.iter().all(|r| r.len() >= nb * (F::ABYTES + tail) + super::ACT_PAD),
+        "activation row too short (size it with act_row_bytes)"
+    );
     nb
 }
 

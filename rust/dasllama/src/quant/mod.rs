@@ -290,8 +290,11 @@ fn round_even(x: f32) -> f32 {
 /// Bytes of one row of `n` activations in `ty`: the GGUF blocks, then for q8_0/q8_1 a tail of
 /// the block scales as f32 (`d[nb]`, and `s[nb]` for q8_1) that the SIMD kernels read eight at a time.
 pub fn act_row_bytes(ty: GgmlType, n: usize) -> usize {
-    ty.row_bytes(n) + act_tail_floats(ty) * 4 * (n / ty.block_len())
+    ty.row_bytes(n) + act_tail_floats(ty) * 4 * (n / ty.block_len()) + ACT_PAD
 }
+
+/// Spare bytes after each activation row, so kernels may load a whole vector of scales at its end.
+pub const ACT_PAD: usize = 32;
 
 fn act_tail_floats(ty: GgmlType) -> usize {
     match ty {
