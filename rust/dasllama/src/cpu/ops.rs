@@ -75,3 +75,76 @@ fn gelu_table() -> &'static [f16] {
 pub fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
 }
+
+/// f32 dot product: AVX2+FMA with four 8-wide accumulators where the CPU has it, else eight
+/// partial sums (which the compiler vectorizes for the baseline target).
+#[inline]
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::avx2::has_avx2() {
+        // SAFETY: AVX2 and FMA were detected; both slices hold at least n floats.
+        return unsafe { simd::dot(a.as_ptr(), b.as_ptr(), n) };
+    }
+    let mut acc = [0.0f32; 8];
+    for (i, (x, y)) in a[..n].iter().zip(&b[..n]).enumerate() {
+        acc[i % 8] += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// y += a * x.
+#[inline]
+pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    let n = y.len().min(x.len());
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::avx2::has_avx2() {
+        // SAFETY: AVX2 and FMA were detected; both slices hold at least n floats.
+        return unsafe { simd::axpy(y.as_mut_ptr(), a, x.as_ptr(), n) };
+    }
+    y.iter_mut().zip(x).for_each(|(v, b)| *v += a * b);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= n {
+            for (k, ac) in acc.iter_mut().enumerate() {
+                *ac = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8 * k)), _mm256_loadu_ps(b.add(i + 8 * k)), *ac);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc[0]);
+            i += 8;
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        let mut s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        while i < n {
+            s += *a.add(i) * *b.add(i);
+            i += 1;
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn axpy(y: *mut f32, a: f32, x: *const f32, n: usize) {
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(x.add(i)), _mm256_loadu_ps(y.add(i))));
+            i += 8;
+        }
+        while i < n {
+            *y.add(i) += a * *x.add(i);
+            i += 1;
+        }
+    }
+}

@@ -93,6 +93,17 @@ impl KvCodec {
     }
 
     pub fn decode(self, src: &[u8], dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::quant::avx2::has_avx2() {
+            assert!(src.len() >= self.bytes(dst.len()));
+            // SAFETY: AVX2/F16C detected; `src` holds the bytes of `dst.len()` values (asserted).
+            return unsafe {
+                match self {
+                    KvCodec::F16 => simd::decode_f16(src.as_ptr(), dst),
+                    KvCodec::Q8_0 => simd::decode_q8(src.as_ptr(), dst),
+                }
+            };
+        }
         match self {
             KvCodec::F16 => {
                 for (i, d) in dst.iter_mut().enumerate() {
@@ -164,6 +175,31 @@ mod simd {
         while i < n {
             *y.add(i) += p * super::f16::from_bits((v.add(2 * i) as *const u16).read_unaligned()).to_f32();
             i += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn decode_f16(src: *const u8, dst: &mut [f32]) {
+        let n = dst.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), f16x8(src.add(2 * i)));
+            i += 8;
+        }
+        while i < n {
+            dst[i] = super::f16::from_bits((src.add(2 * i) as *const u16).read_unaligned()).to_f32();
+            i += 1;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn decode_q8(src: *const u8, dst: &mut [f32]) {
+        for b in 0..dst.len() / 32 {
+            let blk = src.add(34 * b);
+            let d = _mm256_set1_ps(super::f16::from_bits((blk as *const u16).read_unaligned()).to_f32());
+            for j in 0..4 {
+                _mm256_storeu_ps(dst.as_mut_ptr().add(32 * b + 8 * j), _mm256_mul_ps(d, i8x8(blk.add(2 + 8 * j))));
+            }
         }
     }
 

@@ -204,27 +204,41 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
     let (hdim, qd) = (c.head_dim, c.q_dim());
     let group = c.n_heads / c.n_kv_heads;
     let n = rows.len();
+    // One task per (row, KV head): the query heads sharing that KV head are contiguous in `q` and
+    // `out`, so each K and V row is decoded once for all of them.
     let one = |idx: usize, o: &mut [f32]| {
-        let (t, h) = (idx / c.n_heads, idx % c.n_heads);
+        let (t, kvh) = (idx / c.n_kv_heads, idx % c.n_kv_heads);
         let (si, pos) = rows[t];
         let lv = kvs[si].layer(il);
+        let codec = lv.codec();
         let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
-        let kvh = h / group;
-        let qh: Vec<f32> = q[t * qd + h * hdim..t * qd + (h + 1) * hdim].iter().map(|&v| ops::round_f16(v)).collect();
-        let mut sc: Vec<f32> = (start..=pos)
-            .map(|j| lv.codec().dot(&qh, lv.k(j, kvh, hdim)) * c.attn_scale)
-            .collect();
-        ops::softmax(&mut sc);
+        let nk = pos + 1 - start;
+        let base = t * qd + kvh * group * hdim;
+        let qs: Vec<f32> = q[base..base + group * hdim].iter().map(|&v| ops::round_f16(v)).collect();
+        let mut sc = vec![0.0f32; group * nk];
+        let mut row = vec![0.0f32; hdim];
+        for (jj, j) in (start..=pos).enumerate() {
+            codec.decode(lv.k(j, kvh, hdim), &mut row);
+            for g in 0..group {
+                sc[g * nk + jj] = ops::dot_f32(&qs[g * hdim..(g + 1) * hdim], &row) * c.attn_scale;
+            }
+        }
+        for g in 0..group {
+            ops::softmax(&mut sc[g * nk..(g + 1) * nk]);
+        }
         o.fill(0.0);
-        for (j, p) in (start..=pos).zip(sc) {
-            let p = ops::round_f16(p);
-            lv.codec().axpy(o, p, lv.v(j, kvh, hdim));
+        for (jj, j) in (start..=pos).enumerate() {
+            codec.decode(lv.v(j, kvh, hdim), &mut row);
+            for g in 0..group {
+                ops::axpy(&mut o[g * hdim..(g + 1) * hdim], ops::round_f16(sc[g * nk + jj]), &row);
+            }
         }
     };
     let work: usize = rows.iter().map(|r| r.1 + 1).sum::<usize>() * c.n_heads;
+    let width = group * hdim;
     if work * hdim > 1 << 16 {
-        team.for_each_chunk_mut(&mut out[..n * qd], hdim, &one);
+        team.for_each_chunk_mut(&mut out[..n * qd], width, &one);
     } else {
-        out[..n * qd].chunks_exact_mut(hdim).enumerate().for_each(|(i, o)| one(i, o));
+        out[..n * qd].chunks_exact_mut(width).enumerate().for_each(|(i, o)| one(i, o));
     }
 }
