@@ -107,6 +107,7 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
+    use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
@@ -123,10 +124,7 @@ mod simd {
             acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc[0]);
             i += 8;
         }
-        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        let mut s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
         while i < n {
             s += *a.add(i) * *b.add(i);
             i += 1;

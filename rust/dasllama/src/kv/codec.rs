@@ -124,14 +124,8 @@ impl KvCodec {
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
+    use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
-    }
 
     #[inline(always)]
     unsafe fn f16x8(p: *const u8) -> __m256 {

@@ -333,12 +333,6 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    pub fn pool(&self) -> Option<&KvPool> {
-        self.pool.as_ref()
-    }
-    pub fn n_pages(&self) -> usize {
-        self.pages.len()
-    }
 
     fn new_page(&self) -> Result<Arc<Page>> {
         match &self.pool {
