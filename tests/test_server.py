@@ -252,3 +252,13 @@ def test_full_queue_is_503_with_retry_after(smollm: dl.Model) -> None:
         assert httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
     finally:
         assert stop(proc) == 0
+
+
+def test_follow_up_turn_attaches_the_cached_conversation(client: openai.OpenAI) -> None:
+    system = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence, always."}
+    first = [system, {"role": "user", "content": "What is the capital of France?"}]
+    r1 = client.chat.completions.create(model="smollm", messages=first, max_tokens=24, temperature=0)
+    follow = [*first, {"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "And of Spain?"}]
+    r2 = client.chat.completions.create(model="smollm", messages=follow, max_tokens=8, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached < r2.usage.prompt_tokens

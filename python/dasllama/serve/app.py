@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .. import scheduler as sched
-from ..chat import render_chat
+from ..chat import ChatRenderer, render_chat, render_close
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..model import decode, encode
 from ..session import SamplingParams
@@ -198,6 +198,9 @@ class Server:
                 rendered.append({"role": role, "content": _content(msg, i)})
             try:
                 text = render_chat(m, rendered)
+                # What closes the reply in the next turn's prompt: evaluated at the end so the
+                # whole turn goes to the prefix cache and a follow-up attaches it.
+                close = render_close(m, ChatRenderer(m, rendered))
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
             prompt = encode(m, text, special=True)
@@ -261,7 +264,9 @@ class Server:
         eng = job.engine
         rid = eng.next_id()
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
-        req = sched.PendingReq(id=rid, prompt=job.prompt, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs)
+        req = sched.PendingReq(
+            id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs
+        )
         sub = Subscription(asyncio.get_running_loop())
         loop = asyncio.get_running_loop()
         try:
