@@ -23,10 +23,6 @@ pub fn n_threads() -> usize {
     })
 }
 
-fn team_threads() -> usize {
-    team().threads()
-}
-
 /// The rayon pool for load-time work (repacking, conversions); the forward pass runs on `team`.
 pub fn pool() -> &'static rayon::ThreadPool {
     static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
@@ -144,7 +140,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
     let arb = act_row_bytes(vt, k);
     act.resize(n * arb, 0);
     if n >= 8 {
-        act.par_chunks_exact_mut(arb).zip(x.par_chunks_exact(k)).for_each(|(a, xr)| quantize_row(vt, xr, a));
+        team.for_each_chunk_mut(&mut act[..n * arb], arb, &|t, a| quantize_row(vt, &x[t * k..(t + 1) * k], a));
     } else {
         for (a, xr) in act.chunks_exact_mut(arb).zip(x.chunks_exact(k)) {
             quantize_row(vt, xr, a);
@@ -152,7 +148,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
     }
     let act = &act[..];
     let total_rows: usize = segs.iter().map(|(w, _)| w.rows).sum();
-    let threads = team_threads();
+    let threads = spin::team().threads();
     // Enough tasks to balance uneven cores, few enough that per-task overhead stays small.
     let per_thread = if n < 4 { 1 } else { 4 };
     let chunk = total_rows.div_ceil(threads * per_thread).next_multiple_of(4).max(16);
@@ -200,7 +196,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
         for t0 in (0..n).step_by(TOKEN_TILE) {
             let t1 = (t0 + TOKEN_TILE).min(n);
             for r in lo..hi {
-                let wr = &wb[r * wrb..(r + 1) * wrb];
+                let wr = wrow(r);
                 let mut t = t0;
                 if let Some(d4) = dot4 {
                     while t + 4 <= t1 {
