@@ -293,9 +293,9 @@ class Server:
                         self.metrics.itl.setdefault(name, Histogram(ITL_BUCKETS)).observe(now - t_last)
                     t_last = now
                     pending += ev.text
-                    hit = min((pending.find(s), s) for s in job.stop if s in pending) if any(s in pending for s in job.stop) else None
-                    if hit:
-                        yield pending[: hit[0]], ev, None
+                    at = min((i for i in (pending.find(s) for s in job.stop) if i >= 0), default=-1)
+                    if at >= 0:
+                        yield pending[:at], ev, None
                         finished = True
                         await loop.run_in_executor(None, eng.evict, rid)
                         yield "", ev, "stop"
