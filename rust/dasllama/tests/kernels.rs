@@ -1,8 +1,9 @@
 //! Every SIMD dot equals its scalar twin, and both equal the dot of the dequantized rows, on
 //! random blocks and on edge values. SIMD kernels read weights in the layout `kernels(ty)` asks
-//! for (repacked or not); the scalar twins read the GGUF rows, so the repack is checked too.
+//! for (GGUF rows or tiles of eight); the scalar twins read the GGUF rows, so tiling is checked too.
 
-use dasllama::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, repack, scalar, GgmlType};
+use dasllama::quant::tile::{tile_bytes, tile_rows, untile_row, TILE_ROWS};
+use dasllama::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, scalar, GgmlType, Kernels};
 
 struct Lcg(u64);
 impl Lcg {
@@ -72,7 +73,7 @@ fn check(ty: GgmlType, edge: bool) {
         let x: Vec<f32> = (0..n).map(|_| if edge { [0.0, 1e-3, -3.0, 7.5][rng.next() as usize % 4] } else { rng.f() * 4.0 }).collect();
         let vt = ty.vec_dot_type();
         let a = act(ty, &x);
-        let simd = (kernels(ty).dot)(&for_kernels(ty, &w), &a, n);
+        let simd = simd_dot(ty, &w, &a, n, rng.next() as usize % TILE_ROWS);
         let sc = scalar::dot_fn(ty)(&w, &a, n);
         let (mut wd, mut ad) = (vec![0.0f32; n], vec![0.0f32; n]);
         dequantize_row(ty, &w, &mut wd);
@@ -117,22 +118,44 @@ fn activation_rounding_is_ggml_x86() {
 #[test]
 fn multi_row_kernels_are_bit_identical_to_single_row() {
     for ty in WEIGHTS.iter().copied().chain([GgmlType::Q6K]) {
-        let k = kernels(ty);
         let mut rng = Lcg(ty as u64 + 99);
         for n in [576, 256, 2048] {
             for _ in 0..10 {
-                let ws: Vec<Vec<u8>> = (0..4).map(|_| for_kernels(ty, &random_weights(ty, n, &mut rng, false))).collect();
+                let ws: Vec<Vec<u8>> = (0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng, false)).collect();
                 let acts: Vec<Vec<u8>> = (0..4).map(|_| act(ty, &(0..n).map(|_| rng.f() * 3.0).collect::<Vec<_>>())).collect();
-                if let Some(d4) = k.dot4 {
-                    let got = d4(&ws[0], [&acts[0], &acts[1], &acts[2], &acts[3]], n);
-                    for j in 0..4 {
-                        assert_eq!(got[j].to_bits(), (k.dot)(&ws[0], &acts[j], n).to_bits(), "{} dot4 row {j}", ty.name());
+                let a: Vec<&[u8]> = acts.iter().map(|v| &v[..]).collect();
+                match kernels(ty) {
+                    Kernels::Rows { dot, dot4: Some(d4) } => {
+                        let got = d4(&ws[0], [a[0], a[1], a[2], a[3]], n);
+                        for j in 0..4 {
+                            assert_eq!(got[j].to_bits(), dot(&ws[0], a[j], n).to_bits(), "{} dot4 row {j}", ty.name());
+                        }
                     }
-                }
-                if let Some(r4) = k.rows4 {
-                    let got = r4([&ws[0], &ws[1], &ws[2], &ws[3]], &acts[0], n);
-                    for j in 0..4 {
-                        assert_eq!(got[j].to_bits(), (k.dot)(&ws[j], &acts[0], n).to_bits(), "{} rows4 row {j}", ty.name());
+                    Kernels::Rows { dot4: None, .. } => {}
+                    Kernels::Tiles(tile_fn) => {
+                        let t = tile(ty, &ws, n);
+                        let mut one = [[0.0f32; TILE_ROWS]; 1];
+                        for r in 1..=4 {
+                            let mut many = vec![[0.0f32; TILE_ROWS]; r];
+                            tile_fn(&t, &a[..r], n, &mut many);
+                            for j in 0..r {
+                                tile_fn(&t, &a[j..j + 1], n, &mut one);
+                                assert_eq!(many[j].map(f32::to_bits), one[0].map(f32::to_bits), "{} tile of {r} rows, row {j}", ty.name());
+                            }
+                        }
+                        // Two tiles at once (decode) against one tile at a time.
+                        let mut rng2 = Lcg(n as u64);
+                        let t2 = [t.clone(), tile(ty, &(0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng2, false)).collect::<Vec<_>>(), n)].concat();
+                        for r in 1..=2 {
+                            let mut two = vec![[0.0f32; TILE_ROWS]; 2 * r];
+                            tile_fn(&t2, &a[..r], n, &mut two);
+                            for k in 0..2 {
+                                for j in 0..r {
+                                    tile_fn(&t2[k * t.len()..], &a[j..j + 1], n, &mut one);
+                                    assert_eq!(two[k * r + j].map(f32::to_bits), one[0].map(f32::to_bits), "{} two tiles, tile {k} row {j}", ty.name());
+                                }
+                            }
+                        }
                     }
                 }
             }
@@ -140,17 +163,42 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
     }
 }
 
-/// A weight row in the layout this CPU's kernels for `ty` read.
-fn for_kernels(ty: GgmlType, w: &[u8]) -> Vec<u8> {
-    if kernels(ty).repacked {
-        let mut r = vec![0u8; w.len()];
-        repack::repack_row(ty, w, &mut r);
-        let mut back = vec![0u8; w.len()];
-        repack::unpack_row(ty, &r, &mut back);
-        assert_eq!(back, w, "{}: repack does not round-trip", ty.name());
-        r
-    } else {
-        w.to_vec()
+#[test]
+fn tiles_round_trip() {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
+        let mut rng = Lcg(ty as u64 + 5);
+        let n = 96;
+        for rows in [1, 5, 8] {
+            let ws: Vec<Vec<u8>> = (0..rows).map(|_| random_weights(ty, n, &mut rng, false)).collect();
+            let t = tile(ty, &ws, n);
+            for (r, w) in ws.iter().enumerate() {
+                let mut back = vec![0u8; w.len()];
+                untile_row(ty, &t, r, &mut back);
+                assert_eq!(&back, w, "{}: row {r} of a tile of {rows} does not round-trip", ty.name());
+            }
+        }
+    }
+}
+
+fn tile(ty: GgmlType, rows: &[Vec<u8>], n: usize) -> Vec<u8> {
+    let mut t = vec![0u8; tile_bytes(ty, n)];
+    tile_rows(ty, &rows.iter().map(|r| &r[..]).collect::<Vec<_>>(), &mut t);
+    t
+}
+
+/// The SIMD kernel's dot of one GGUF row: for tiled formats, as row `lane` of a tile whose
+/// other rows are noise.
+fn simd_dot(ty: GgmlType, w: &[u8], a: &[u8], n: usize, lane: usize) -> f32 {
+    match kernels(ty) {
+        Kernels::Rows { dot, .. } => dot(w, a, n),
+        Kernels::Tiles(tile_fn) => {
+            let mut rng = Lcg(lane as u64);
+            let mut rows: Vec<Vec<u8>> = (0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng, false)).collect();
+            rows[lane] = w.to_vec();
+            let mut out = [[0.0f32; TILE_ROWS]; 1];
+            tile_fn(&tile(ty, &rows, n), &[a], n, &mut out);
+            out[0][lane]
+        }
     }
 }
 
@@ -159,4 +207,32 @@ fn act(ty: GgmlType, x: &[f32]) -> Vec<u8> {
     let mut a = vec![0u8; act_row_bytes(vt, x.len())];
     quantize_row(vt, x, &mut a);
     a
+}
+
+/// The AVX2, AVX-VNNI and AVX-512 tile kernels compute the same exact integer sums and the same
+/// float operations, so whichever this CPU picks, results are bit-identical.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn tile_kernel_variants_agree_bit_for_bit() {
+    use dasllama::quant::avx2::tile_variants;
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
+        let variants = tile_variants(ty);
+        eprintln!("{}: comparing {:?}", ty.name(), variants.iter().map(|v| v.0).collect::<Vec<_>>());
+        let mut rng = Lcg(ty as u64 + 17);
+        for edge in [false, true] {
+            let n = 320;
+            let ws: Vec<Vec<u8>> = (0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng, edge)).collect();
+            let t = tile(ty, &ws, n);
+            let acts: Vec<Vec<u8>> = (0..3).map(|_| act(ty, &(0..n).map(|_| rng.f() * 5.0).collect::<Vec<_>>())).collect();
+            let a: Vec<&[u8]> = acts.iter().map(|v| &v[..]).collect();
+            let run = |f: dasllama::quant::TileFn| {
+                let mut out = vec![[0.0f32; TILE_ROWS]; 3];
+                f(&t, &a, n, &mut out);
+                out.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            for (name, f) in &variants[1..] {
+                assert_eq!(run(*f), run(variants[0].1), "{}: {name} differs from {}", ty.name(), variants[0].0);
+            }
+        }
+    }
 }

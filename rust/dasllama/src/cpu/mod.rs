@@ -7,7 +7,8 @@ pub mod spin;
 
 pub use spin::{team, Session as Team};
 
-use crate::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, repack, GgmlType};
+use crate::quant::tile::{self, TILE_ROWS};
+use crate::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, GgmlType, Kernels};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
@@ -52,47 +53,47 @@ impl Bytes {
 }
 
 /// A 2-D weight matrix of `rows` rows of `cols` values, stored row-major in GGUF blocks, or in
-/// the `repack` layout when this CPU's kernels for its format want that.
+/// tiles of eight interleaved rows (`quant::tile`) when this CPU's kernels for its format read those.
 #[derive(Clone)]
 pub struct Weight {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
     pub data: Bytes,
-    pub repacked: bool,
+    pub tiled: bool,
 }
 
 impl Weight {
-    /// Put the rows in the layout this CPU's kernels read (a copy, when that means repacking).
+    /// Put the rows in the layout this CPU's kernels read (a copy, when that means tiling).
     pub fn for_kernels(self) -> Weight {
-        if self.repacked || !kernels(self.ty).repacked {
+        if self.tiled || !matches!(kernels(self.ty), Kernels::Tiles(_)) {
             return self;
         }
-        let rb = self.row_bytes();
-        let mut data = vec![0u8; rb * self.rows];
+        let (rb, tb) = (self.row_bytes(), tile::tile_bytes(self.ty, self.cols));
+        let mut data = vec![0u8; tb * self.rows.div_ceil(TILE_ROWS)];
         let src = self.data.as_slice();
         pool().install(|| {
-            data.par_chunks_exact_mut(rb).enumerate().for_each(|(r, o)| repack::repack_row(self.ty, &src[r * rb..(r + 1) * rb], o))
+            data.par_chunks_exact_mut(tb).enumerate().for_each(|(ti, o)| {
+                let rows: Vec<&[u8]> = (ti * TILE_ROWS..((ti + 1) * TILE_ROWS).min(self.rows)).map(|r| &src[r * rb..(r + 1) * rb]).collect();
+                tile::tile_rows(self.ty, &rows, o)
+            })
         });
-        Weight { data: Bytes::Owned(Arc::new(data)), repacked: true, ..self }
+        Weight { data: Bytes::Owned(Arc::new(data)), tiled: true, ..self }
     }
 
     pub fn row_bytes(&self) -> usize {
         self.ty.row_bytes(self.cols)
     }
 
-    pub fn row(&self, r: usize) -> &[u8] {
-        let rb = self.row_bytes();
-        &self.data.as_slice()[r * rb..(r + 1) * rb]
-    }
-
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        if self.repacked {
-            let mut gguf = vec![0u8; self.row_bytes()];
-            repack::unpack_row(self.ty, self.row(r), &mut gguf);
+        let rb = self.row_bytes();
+        if self.tiled {
+            let tb = tile::tile_bytes(self.ty, self.cols);
+            let mut gguf = vec![0u8; rb];
+            tile::untile_row(self.ty, &self.data.as_slice()[r / TILE_ROWS * tb..][..tb], r % TILE_ROWS, &mut gguf);
             dequantize_row(self.ty, &gguf, &mut out[..self.cols]);
         } else {
-            dequantize_row(self.ty, self.row(r), &mut out[..self.cols]);
+            dequantize_row(self.ty, &self.data.as_slice()[r * rb..(r + 1) * rb], &mut out[..self.cols]);
         }
     }
 
@@ -151,7 +152,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
     let threads = spin::team().threads();
     // Enough tasks to balance uneven cores, few enough that per-task overhead stays small.
     let per_thread = if n < 4 { 1 } else { 4 };
-    let chunk = total_rows.div_ceil(threads * per_thread).next_multiple_of(4).max(16);
+    let chunk = total_rows.div_ceil(threads * per_thread).next_multiple_of(TILE_ROWS).max(16);
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (si, (w, _)) in segs.iter().enumerate() {
         let mut lo = 0;
@@ -164,54 +165,60 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
     let ptrs: Vec<(&Weight, SharedOut)> = segs.iter_mut().map(|(w, o)| (&**w, SharedOut(o.as_mut_ptr()))).collect();
     let run = |&(si, lo, hi): &(usize, usize, usize)| {
         let (w, dst) = (ptrs[si].0, ptrs[si].1);
-        let (m, wrb) = (w.rows, w.row_bytes());
+        let m = w.rows;
         let wb = w.data.as_slice();
-        let kern = kernels(w.ty);
-        debug_assert_eq!(kern.repacked, w.repacked, "weight layout does not match its kernels");
-        let (dot, dot4) = (kern.dot, kern.dot4);
         let arow = |t: usize| &act[t * arb..(t + 1) * arb];
-        let wrow = |r: usize| &wb[r * wrb..(r + 1) * wrb];
-        if n < 4 {
-            if let Some(r4) = kern.rows4 {
-                // Decode: too few activation rows to share a weight unpack; overlap four rows' chains.
-                for t in 0..n {
-                    let mut r = lo;
-                    while r + 4 <= hi {
-                        let v = r4([wrow(r), wrow(r + 1), wrow(r + 2), wrow(r + 3)], arow(t), k);
-                        for (j, vj) in v.into_iter().enumerate() {
-                            // SAFETY: columns lo..hi of this segment belong to this task alone, and
-                            // t*m + r + j < n*m <= the output's length (asserted above).
-                            unsafe { *dst.0.add(t * m + r + j) = vj };
+        // SAFETY (both writers): columns lo..hi of this segment belong to this task alone, and
+        // t*m + r < n*m <= the output's length (asserted above).
+        let put = |t: usize, r: usize, v: f32| unsafe { *dst.0.add(t * m + r) = v };
+        match kernels(w.ty) {
+            Kernels::Tiles(tile_fn) => {
+                debug_assert!(w.tiled, "weight layout does not match its kernels");
+                let tb = tile::tile_bytes(w.ty, k);
+                let mut out = [[0.0f32; TILE_ROWS]; 4];
+                for t0 in (0..n).step_by(TOKEN_TILE) {
+                    let t1 = (t0 + TOKEN_TILE).min(n);
+                    let mut r0 = lo;
+                    while r0 < hi {
+                        // One or two activation rows (decode): two tiles at once, two memory streams.
+                        let tiles = if t1 - t0 <= 2 && r0 + 2 * TILE_ROWS <= hi { 2 } else { 1 };
+                        let wt = &wb[r0 / TILE_ROWS * tb..][..tiles * tb];
+                        for t in (t0..t1).step_by(4) {
+                            let nt = (t1 - t).min(4);
+                            let acts: [&[u8]; 4] = std::array::from_fn(|j| arow((t + j).min(t1 - 1)));
+                            tile_fn(wt, &acts[..nt], k, &mut out[..tiles * nt]);
+                            for (i, o) in out[..tiles * nt].iter().enumerate() {
+                                let (rt, j) = (r0 + i / nt * TILE_ROWS, i % nt);
+                                for (r, &v) in (rt..hi.min(rt + TILE_ROWS)).zip(o) {
+                                    put(t + j, r, v);
+                                }
+                            }
                         }
-                        r += 4;
-                    }
-                    for r in r..hi {
-                        // SAFETY: as above.
-                        unsafe { *dst.0.add(t * m + r) = dot(wrow(r), arow(t), k) };
+                        r0 += tiles * TILE_ROWS;
                     }
                 }
-                return;
             }
-        }
-        for t0 in (0..n).step_by(TOKEN_TILE) {
-            let t1 = (t0 + TOKEN_TILE).min(n);
-            for r in lo..hi {
-                let wr = wrow(r);
-                let mut t = t0;
-                if let Some(d4) = dot4 {
-                    while t + 4 <= t1 {
-                        let v = d4(wr, [arow(t), arow(t + 1), arow(t + 2), arow(t + 3)], k);
-                        for (j, vj) in v.into_iter().enumerate() {
-                            // SAFETY: column r of this segment belongs to this task alone, and
-                            // (t+j)*m + r < n*m <= the output's length (asserted above).
-                            unsafe { *dst.0.add((t + j) * m + r) = vj };
+            Kernels::Rows { dot, dot4 } => {
+                let wrb = w.row_bytes();
+                let wrow = |r: usize| &wb[r * wrb..(r + 1) * wrb];
+                for t0 in (0..n).step_by(TOKEN_TILE) {
+                    let t1 = (t0 + TOKEN_TILE).min(n);
+                    for r in lo..hi {
+                        let wr = wrow(r);
+                        let mut t = t0;
+                        if let Some(d4) = dot4 {
+                            while t + 4 <= t1 {
+                                let v = d4(wr, [arow(t), arow(t + 1), arow(t + 2), arow(t + 3)], k);
+                                for (j, vj) in v.into_iter().enumerate() {
+                                    put(t + j, r, vj);
+                                }
+                                t += 4;
+                            }
                         }
-                        t += 4;
+                        for t in t..t1 {
+                            put(t, r, dot(wr, arow(t), k));
+                        }
                     }
-                }
-                for t in t..t1 {
-                    // SAFETY: as above.
-                    unsafe { *dst.0.add(t * m + r) = dot(wr, arow(t), k) };
                 }
             }
         }
@@ -238,5 +245,5 @@ pub fn convert_weight(w: &Weight, to: GgmlType) -> Weight {
             }
         })
     });
-    Weight { ty: to, rows: w.rows, cols: w.cols, data: Bytes::Owned(Arc::new(data)), repacked: false }
+    Weight { ty: to, rows: w.rows, cols: w.cols, data: Bytes::Owned(Arc::new(data)), tiled: false }
 }

@@ -142,7 +142,7 @@ impl TensorTable<'_> {
                 self.map.len()
             )));
         }
-        Ok(Weight { ty, rows, cols, data: Bytes::Mapped { map: self.map.clone(), offset, len }, repacked: false })
+        Ok(Weight { ty, rows, cols, data: Bytes::Mapped { map: self.map.clone(), offset, len }, tiled: false })
     }
 
     fn has(&self, name: &str) -> bool {

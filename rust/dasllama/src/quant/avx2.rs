@@ -1,7 +1,7 @@
 //! AVX2+FMA dot products. Each has a scalar twin in `scalar.rs` and a test that they agree.
 //! Integer block sums are exact in both, so the twins differ only in f32 summation order.
 
-use super::{Dot4Fn, DotFn, GgmlType, Kernels, Rows4Fn};
+use super::{GgmlType, Kernels, TileFn};
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
@@ -21,25 +21,31 @@ fn has_vnni() -> bool {
     *HAS.get_or_init(|| std::env::var_os("DASLLAMA_NO_VNNI").is_none() && is_x86_feature_detected!("avxvnni"))
 }
 
+/// AVX-512 VL/BW/VNNI for the tile kernels; `DASLLAMA_NO_AVX512` (or `DASLLAMA_NO_VNNI`) turns it off.
+fn has_avx512() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::env::var_os("DASLLAMA_NO_AVX512").is_none()
+            && std::env::var_os("DASLLAMA_NO_VNNI").is_none()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+    })
+}
+
 /// The AVX2 kernels for `ty`, when this CPU has AVX2+FMA+F16C and they are written for `ty`.
 pub fn kernels(ty: GgmlType) -> Option<Kernels> {
     if !has_avx2() {
         return None;
     }
-    let vnni = has_vnni();
-    let k = |plain: (DotFn, Dot4Fn, Rows4Fn), with_vnni: (DotFn, Dot4Fn, Rows4Fn)| {
-        let (dot, dot4, rows4) = if vnni { with_vnni } else { plain };
-        Kernels { dot, dot4: Some(dot4), rows4: Some(rows4), repacked: true }
-    };
-    let single = |dot: DotFn| Kernels { dot, dot4: None, rows4: None, repacked: false };
+    if let Some(&(_, best)) = tile_variants(ty).last() {
+        return Some(Kernels::Tiles(best));
+    }
     Some(match ty {
-        GgmlType::Q4_0 => k((dot_q4_0, dot4_q4_0, rows4_q4_0), (vnni_dot_q4_0, vnni_dot4_q4_0, vnni_rows4_q4_0)),
-        GgmlType::Q4_1 => k((dot_q4_1, dot4_q4_1, rows4_q4_1), (vnni_dot_q4_1, vnni_dot4_q4_1, vnni_rows4_q4_1)),
-        GgmlType::Q5_0 => k((dot_q5_0, dot4_q5_0, rows4_q5_0), (vnni_dot_q5_0, vnni_dot4_q5_0, vnni_rows4_q5_0)),
-        GgmlType::Q8_0 => k((dot_q8_0, dot4_q8_0, rows4_q8_0), (vnni_dot_q8_0, vnni_dot4_q8_0, vnni_rows4_q8_0)),
-        GgmlType::Q4K => Kernels { dot4: Some(dot4_q4_k), ..single(dot_q4_k) },
-        GgmlType::Q6K => Kernels { dot4: Some(dot4_q6_k), ..single(dot_q6_k) },
-        GgmlType::F32 => single(dot_f32),
+        GgmlType::Q4K => Kernels::Rows { dot: dot_q4_k, dot4: Some(dot4_q4_k) },
+        GgmlType::Q6K => Kernels::Rows { dot: dot_q6_k, dot4: Some(dot4_q6_k) },
+        GgmlType::F32 => Kernels::Rows { dot: dot_f32, dot4: None },
         _ => return None,
     })
 }
@@ -70,15 +76,6 @@ pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
     _mm_cvtss_f32(s)
-}
-
-/// 16 bytes of nibbles -> 32 bytes: low nibbles first, then high nibbles (ggml's order).
-/// One broadcast load, one per-lane variable shift (0 for the low half, 4 for the high), one mask.
-#[inline(always)]
-unsafe fn nibbles(p: *const u8) -> __m256i {
-    let t = _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i));
-    let shifted = _mm256_srlv_epi32(t, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0));
-    _mm256_and_si256(shifted, _mm256_set1_epi8(0xF))
 }
 
 /// 32 bits -> 32 bytes of 0xFF where the bit is set.
@@ -242,21 +239,36 @@ pub fn dot4_q6_k(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
     unsafe { q6_k_x4(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
 }
 
-// ---- The 32-value formats, on repacked weight rows (see `repack`) --------------------------
+// ---- The 32-value formats, on tiles of eight interleaved rows (see `tile`) ----------------
 //
-// Per group of eight blocks the weight scales (and mins) convert with one vcvtph2ps and meet the
-// activation scales (the f32 tail `quantize_row` writes) in one multiply; per block what is left
-// is the integer dot, its conversion, a lane broadcast and one fma. Every variant (1x1, 1x4, 4x1)
-// runs this same per-output arithmetic, so their results are bit-identical.
+// One vpdpbusd multiplies four values of all eight rows by the same four activation bytes
+// (broadcast), so the integer dot of a block lands in eight lanes, one per row, with no
+// horizontal sums. Per block and activation row what is left is one conversion and one fma (two
+// with Q4_1's mins). Every output is the same sequence of fmas over its blocks whatever the
+// number of activation rows, so all batch sizes give bit-identical results.
+//
+// vpdpbusd multiplies unsigned by signed bytes. 4- and 5-bit values are stored unsigned with an
+// implicit zero point z (8 or 16): the block's integer sum starts at -z * sum(activations), exact.
+// Q8_0 is signed: |w| against sign(w) * a.
 
-/// Which 32-value format: how to read block `i` of a repacked row of `nb` blocks.
+/// Which 32-value format, and where its fields live in a tile of `nb` blocks per row.
 trait Fmt {
-    /// Activation block bytes (q8_0: 34, q8_1: 36) and weight block bytes.
+    /// Activation block bytes (q8_0: 34, q8_1: 36) and the offset of their quants.
     const ABYTES: usize;
+    const AQ: usize;
+    /// GGUF block bytes.
     const WBYTES: usize;
-    /// Weights are unsigned (Q4_1) and carry a min applied through the activation sums.
+    /// Q4_1: mins applied through the activation sums `s`.
     const MIN: bool;
-    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i;
+    /// Q8_0: signed weights.
+    const SIGNED: bool;
+    /// log2 of the zero point, 0 for none.
+    const ZSHIFT: i32;
+    /// Offset of the quants in a tile of `nb` blocks, and their bytes per block (eight rows).
+    const QAT: usize;
+    const QBYTES: usize;
+    /// Weights for values 4p..4p+4 and 16+4p..16+4p+4 of block `i`, eight rows each.
+    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i);
 }
 
 struct Q4_0;
@@ -264,215 +276,226 @@ struct Q4_1;
 struct Q5_0;
 struct Q8_0;
 
+/// Low and high nibbles of 32 bytes.
+#[inline(always)]
+unsafe fn nibble_pair(p: *const u8) -> (__m256i, __m256i) {
+    let raw = _mm256_loadu_si256(p as *const __m256i);
+    let m4 = _mm256_set1_epi8(0xF);
+    (_mm256_and_si256(raw, m4), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4))
+}
+
 impl Fmt for Q4_0 {
-    const ABYTES: usize = 34;
     const WBYTES: usize = 18;
+    const QAT: usize = 16;
+    const QBYTES: usize = 128;
+    const ABYTES: usize = 34;
+    const AQ: usize = 2;
     const MIN: bool = false;
+    const SIGNED: bool = false;
+    const ZSHIFT: i32 = 3;
     #[inline(always)]
-    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i {
-        _mm256_sub_epi8(nibbles(row.add(2 * nb + 16 * i)), _mm256_set1_epi8(8))
+    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
+        nibble_pair(t.add(Self::QAT * nb + 128 * i + 32 * p))
     }
 }
 impl Fmt for Q4_1 {
-    const ABYTES: usize = 36;
     const WBYTES: usize = 20;
+    const QAT: usize = 32;
+    const QBYTES: usize = 128;
+    const ABYTES: usize = 36;
+    const AQ: usize = 4;
     const MIN: bool = true;
+    const SIGNED: bool = false;
+    const ZSHIFT: i32 = 0;
     #[inline(always)]
-    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i {
-        nibbles(row.add(4 * nb + 16 * i))
+    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
+        nibble_pair(t.add(Self::QAT * nb + 128 * i + 32 * p))
     }
 }
 impl Fmt for Q5_0 {
-    const ABYTES: usize = 34;
     const WBYTES: usize = 22;
+    const QAT: usize = 48;
+    const QBYTES: usize = 128;
+    const ABYTES: usize = 34;
+    const AQ: usize = 2;
     const MIN: bool = false;
+    const SIGNED: bool = false;
+    const ZSHIFT: i32 = 4;
     #[inline(always)]
-    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i {
-        // (q | h<<4) - 16 as i8 is q where the high bit is set and q|0xF0 where it is not.
-        let hi = _mm256_andnot_si256(bytes_from_bits(row.add(2 * nb + 4 * i)), _mm256_set1_epi8(0xF0u8 as i8));
-        _mm256_or_si256(nibbles(row.add(6 * nb + 16 * i)), hi)
+    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
+        let (lo, hi) = nibble_pair(t.add(Self::QAT * nb + 128 * i + 32 * p));
+        let qh = t.add(16 * nb + 32 * i);
+        let b = _mm256_set1_epi8(0x10);
+        if ISA == AVX512 {
+            let bits = |at: usize| (qh.add(at) as *const u32).read_unaligned();
+            return (_mm256_mask_add_epi8(lo, bits(4 * p), lo, b), _mm256_mask_add_epi8(hi, bits(4 * p + 16), hi, b));
+        }
+        let h0 = _mm256_and_si256(bytes_from_bits(qh.add(4 * p)), b);
+        let h1 = _mm256_and_si256(bytes_from_bits(qh.add(4 * p + 16)), b);
+        (_mm256_or_si256(lo, h0), _mm256_or_si256(hi, h1))
     }
 }
 impl Fmt for Q8_0 {
-    const ABYTES: usize = 34;
     const WBYTES: usize = 34;
+    const QAT: usize = 16;
+    const QBYTES: usize = 256;
+    const ABYTES: usize = 34;
+    const AQ: usize = 2;
     const MIN: bool = false;
+    const SIGNED: bool = true;
+    const ZSHIFT: i32 = 0;
     #[inline(always)]
-    unsafe fn quants(row: *const u8, nb: usize, i: usize) -> __m256i {
-        _mm256_loadu_si256(row.add(2 * nb + 32 * i) as *const __m256i)
+    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
+        let q = t.add(Self::QAT * nb + 256 * i + 32 * p);
+        (_mm256_loadu_si256(q as *const __m256i), _mm256_loadu_si256(q.add(128) as *const __m256i))
     }
 }
 
-/// Lanes 0..cnt set.
-#[inline(always)]
-unsafe fn lanes(cnt: usize) -> __m256 {
-    _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt as i32), _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0)))
-}
+/// Instruction sets of the tile kernels: AVX2+FMA+F16C; plus AVX-VNNI (vpdpbusd); plus
+/// AVX-512 VL/BW/VNNI (sixteen more vector registers, byte masks). All give identical results.
+const AVX2: u8 = 0;
+const VNNI: u8 = 1;
+const AVX512: u8 = 2;
 
-/// Eight f16 at `p` as f32, lanes past `cnt` zeroed. Reads all 16 bytes: a repacked row's scale
-/// regions are always followed by more of the same row, so the read stays inside it. (A stack
-/// copy of a partial group would stall on store forwarding in the hottest loop.)
+/// acc + the u8 x i8 dot of each group of four bytes: one vpdpbusd where AVX-VNNI exists, else
+/// maddubs + madd (no i16 saturation: unsigned weights are < 32, or |w| <= 127 against |a| <= 127).
 #[inline(always)]
-unsafe fn f16x8(p: *const u8, cnt: usize) -> __m256 {
-    let v = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-    if cnt == 8 {
-        v
+unsafe fn dp<const ISA: u8>(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    if ISA == AVX512 {
+        _mm256_dpbusd_epi32(acc, u, s)
+    } else if ISA == VNNI {
+        _mm256_dpbusd_avx_epi32(acc, u, s)
     } else {
-        _mm256_and_ps(v, lanes(cnt))
-    }
-}
-
-/// Eight f32 at `p`, lanes past `cnt` zeroed. Activation rows end with `ACT_PAD` spare bytes, so
-/// reading a whole vector past the last scale stays inside the buffer.
-#[inline(always)]
-unsafe fn f32x8(p: *const f32, cnt: usize) -> __m256 {
-    let v = _mm256_loadu_ps(p);
-    if cnt == 8 {
-        v
-    } else {
-        _mm256_and_ps(v, lanes(cnt))
-    }
-}
-
-/// Activation scales of a row: `d[nb]` then (q8_1) `s[nb]`, after the blocks.
-#[inline(always)]
-unsafe fn act_tail<F: Fmt>(a: *const u8, nb: usize) -> *const f32 {
-    a.add(nb * F::ABYTES) as *const f32
-}
-
-/// u8 x i8 dot of 32 bytes into 8 i32 lanes: one vpdpbusd where AVX-VNNI exists, else
-/// maddubs + madd. The integer results are identical.
-#[inline(always)]
-unsafe fn dot_u8_i8_v<const VNNI: bool>(u: __m256i, s: __m256i) -> __m256i {
-    if VNNI {
-        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
-    } else {
-        dot_u8_i8(u, s)
+        _mm256_add_epi32(acc, dot_u8_i8(u, s))
     }
 }
 
 #[inline(always)]
-unsafe fn block_dot<F: Fmt, const VNNI: bool>(q: __m256i, y: __m256i) -> __m256i {
-    if F::MIN {
-        dot_u8_i8_v::<VNNI>(q, y)
-    } else {
-        dot_u8_i8_v::<VNNI>(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q))
-    }
+unsafe fn bcast4(p: *const u8) -> __m256i {
+    _mm256_set1_epi32((p as *const i32).read_unaligned())
 }
 
-/// R weight rows against one activation row.
+/// Bytes ahead of the block being read that the tile kernels prefetch.
+const PREFETCH: usize = 16384;
+
+/// T consecutive tiles (eight weight rows each) against R activation rows: T x R vectors of
+/// eight outputs. Several tiles at once (decode) read several streams, which keeps more memory
+/// requests in flight than one stream per core can.
 #[inline(always)]
-unsafe fn rows<F: Fmt, const R: usize, const VNNI: bool>(w: [*const u8; R], a: *const u8, nb: usize) -> [f32; R] {
-    let tail = act_tail::<F>(a, nb);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut g = 0;
-    while g < nb {
-        let cnt = (nb - g).min(8);
-        let da = f32x8(tail.add(g), cnt);
-        let mut dp = [_mm256_setzero_ps(); R];
-        for k in 0..R {
-            dp[k] = _mm256_mul_ps(f16x8(w[k].add(2 * g), cnt), da);
+unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(
+    t: *const u8,
+    a: [*const u8; R],
+    nb: usize,
+) -> [[__m256; R]; T] {
+    let tile_bytes = 8 * nb * F::WBYTES;
+    let tiles: [*const u8; T] = std::array::from_fn(|k| t.add(k * tile_bytes));
+    // Activation rows end with d[nb] (f32), then q8_1's s[nb] (f32) or q8_0's block sums (i32).
+    let tails: [*const f32; R] = std::array::from_fn(|r| a[r].add(nb * F::ABYTES) as *const f32);
+    let mut acc = [[_mm256_setzero_ps(); R]; T];
+    for i in 0..nb {
+        let mut start = [_mm256_setzero_si256(); R];
+        if F::ZSHIFT > 0 {
+            for r in 0..R {
+                let s = (tails[r].add(nb + i) as *const i32).read_unaligned();
+                start[r] = _mm256_set1_epi32(-(s << F::ZSHIFT));
+            }
+        }
+        for (k, &t) in tiles.iter().enumerate() {
+            // Hardware prefetchers alone leave DRAM bandwidth unused when the weights do not fit
+            // the caches (decode); ask for the bytes a few blocks ahead.
+            let qs = t.add(F::QAT * nb + F::QBYTES * i + PREFETCH);
+            for line in (0..F::QBYTES).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(qs.add(line) as *const i8);
+            }
+            let mut isum = start;
+            let mut isum2 = [_mm256_setzero_si256(); R];
+            for p in 0..4 {
+                let (w0, w1) = F::pair::<ISA>(t, nb, i, p);
+                let (u0, u1) = if F::SIGNED { (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1)) } else { (w0, w1) };
+                for r in 0..R {
+                    let q = a[r].add(i * F::ABYTES + F::AQ + 4 * p);
+                    let (mut y0, mut y1) = (bcast4(q), bcast4(q.add(16)));
+                    if F::SIGNED {
+                        y0 = _mm256_sign_epi8(y0, w0);
+                        y1 = _mm256_sign_epi8(y1, w1);
+                    }
+                    isum[r] = dp::<ISA>(isum[r], u0, y0);
+                    isum2[r] = dp::<ISA>(isum2[r], u1, y1);
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16 * i) as *const __m128i));
+            for r in 0..R {
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(tails[r].add(i).read_unaligned()));
+                acc[k][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(isum[r], isum2[r])), acc[k][r]);
+            }
             if F::MIN {
-                // The mins' term, m_w * s_a per block, joins the same accumulator.
-                acc[k] = _mm256_fmadd_ps(f16x8(w[k].add(2 * nb + 2 * g), cnt), f32x8(tail.add(nb + g), cnt), acc[k]);
+                let mw = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16 * nb + 16 * i) as *const __m128i));
+                for r in 0..R {
+                    acc[k][r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(tails[r].add(nb + i).read_unaligned()), acc[k][r]);
+                }
             }
         }
-        for j in 0..cnt {
-            let y = _mm256_loadu_si256(a.add((g + j) * F::ABYTES + F::ABYTES - 32) as *const __m256i);
-            let lane = _mm256_set1_epi32(j as i32);
-            for k in 0..R {
-                let q = F::quants(w[k], nb, g + j);
-                let d = _mm256_permutevar8x32_ps(dp[k], lane);
-                acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot::<F, VNNI>(q, y)), acc[k]);
-            }
-        }
-        g += 8;
     }
-    let mut out = [0.0f32; R];
-    for k in 0..R {
-        out[k] = hsum(acc[k]);
-    }
-    out
+    acc
 }
 
-/// One weight row against four activation rows: the weight block is unpacked once.
-#[inline(always)]
-unsafe fn acts4<F: Fmt, const VNNI: bool>(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
-    let tails = [act_tail::<F>(a[0], nb), act_tail::<F>(a[1], nb), act_tail::<F>(a[2], nb), act_tail::<F>(a[3], nb)];
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut g = 0;
-    while g < nb {
-        let cnt = (nb - g).min(8);
-        let dw = f16x8(w.add(2 * g), cnt);
-        let mut dp = [_mm256_setzero_ps(); 4];
-        for k in 0..4 {
-            dp[k] = _mm256_mul_ps(dw, f32x8(tails[k].add(g), cnt));
-            if F::MIN {
-                acc[k] = _mm256_fmadd_ps(f16x8(w.add(2 * nb + 2 * g), cnt), f32x8(tails[k].add(nb + g), cnt), acc[k]);
-            }
-        }
-        for j in 0..cnt {
-            let q = F::quants(w, nb, g + j);
-            let lane = _mm256_set1_epi32(j as i32);
-            for k in 0..4 {
-                let y = _mm256_loadu_si256(a[k].add((g + j) * F::ABYTES + F::ABYTES - 32) as *const __m256i);
-                let d = _mm256_permutevar8x32_ps(dp[k], lane);
-                acc[k] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(block_dot::<F, VNNI>(q, y)), acc[k]);
-            }
-        }
-        g += 8;
-    }
-    [hsum(acc[0]), hsum(acc[1]), hsum(acc[2]), hsum(acc[3])]
-}
-
-fn check<F: Fmt>(w: &[&[u8]], a: &[&[u8]], n: usize) -> usize {
+fn check<F: Fmt>(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
     let nb = n / 32;
-    let tail = if F::MIN { 8 } else { 4 };
-    assert!(w.iter().all(|r| r.len() >= nb * F::WBYTES), "weight row too short");
-    assert!(
-        a.iter().all(|r| r.len() >= nb * (F::ABYTES + tail) + super::ACT_PAD),
-        "activation row too short (size it with act_row_bytes)"
-    );
-    nb
+    let tiles = out.len() / a.len().max(1);
+    assert!((1..=4).contains(&a.len()) && out.len() == tiles * a.len(), "out must hold tiles x activation rows");
+    assert!(matches!((tiles, a.len()), (1, _) | (2, 1 | 2)), "tile kernels take 1 tile x 1..4 rows or 2 tiles x 1..2 rows");
+    assert!(t.len() >= tiles * 8 * nb * F::WBYTES, "weight tile too short");
+    assert!(a.iter().all(|r| r.len() >= nb * (F::ABYTES + 8) + super::ACT_PAD), "activation row too short (size it with act_row_bytes)");
+    (nb, tiles)
 }
 
-macro_rules! repacked_entries {
-    ($fmt:ident, $dot:ident, $dot4:ident, $rows4:ident, $vdot:ident, $vdot4:ident, $vrows4:ident) => {
-        repacked_entries!(@one $fmt, false, "avx2,fma,f16c", $dot, $dot4, $rows4);
-        repacked_entries!(@one $fmt, true, "avx2,fma,f16c,avxvnni", $vdot, $vdot4, $vrows4);
+macro_rules! tile_entries {
+    ($fmt:ident, $avx2:ident, $vnni:ident, $avx512:ident) => {
+        tile_entries!(@one $fmt, AVX2, "avx2,fma,f16c", $avx2);
+        tile_entries!(@one $fmt, VNNI, "avx2,fma,f16c,avxvnni", $vnni);
+        tile_entries!(@one $fmt, AVX512, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni", $avx512);
     };
-    (@one $fmt:ident, $vnni:expr, $features:literal, $dot:ident, $dot4:ident, $rows4:ident) => {
-        pub fn $dot(w: &[u8], a: &[u8], n: usize) -> f32 {
+    (@one $fmt:ident, $isa:expr, $features:literal, $name:ident) => {
+        pub fn $name(t: &[u8], a: &[&[u8]], n: usize, out: &mut [[f32; 8]]) {
             #[target_feature(enable = $features)]
-            unsafe fn k(w: *const u8, a: *const u8, nb: usize) -> f32 {
-                rows::<$fmt, 1, $vnni>([w], a, nb)[0]
+            unsafe fn k<const T: usize, const R: usize>(t: *const u8, a: &[&[u8]], nb: usize, out: &mut [[f32; 8]]) {
+                let acc = tile_kernel::<$fmt, T, R, { $isa }>(t, std::array::from_fn(|r| a[r].as_ptr()), nb);
+                for (k, tile) in acc.iter().enumerate() {
+                    for (r, v) in tile.iter().enumerate() {
+                        _mm256_storeu_ps(out[k * R + r].as_mut_ptr(), *v);
+                    }
+                }
             }
-            let nb = check::<$fmt>(&[w], &[a], n);
+            let (nb, tiles) = check::<$fmt>(t, a, n, out);
             // SAFETY: handed out only after detecting these features; `check` bounds every load.
-            unsafe { k(w.as_ptr(), a.as_ptr(), nb) }
-        }
-        pub fn $dot4(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
-            #[target_feature(enable = $features)]
-            unsafe fn k(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
-                acts4::<$fmt, $vnni>(w, a, nb)
+            unsafe {
+                match (tiles, a.len()) {
+                    (1, 1) => k::<1, 1>(t.as_ptr(), a, nb, out),
+                    (1, 2) => k::<1, 2>(t.as_ptr(), a, nb, out),
+                    (1, 3) => k::<1, 3>(t.as_ptr(), a, nb, out),
+                    (1, _) => k::<1, 4>(t.as_ptr(), a, nb, out),
+                    (_, 1) => k::<2, 1>(t.as_ptr(), a, nb, out),
+                    _ => k::<2, 2>(t.as_ptr(), a, nb, out),
+                }
             }
-            let nb = check::<$fmt>(&[w], &a, n);
-            // SAFETY: as above.
-            unsafe { k(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
-        }
-        pub fn $rows4(w: [&[u8]; 4], a: &[u8], n: usize) -> [f32; 4] {
-            #[target_feature(enable = $features)]
-            unsafe fn k(w: [*const u8; 4], a: *const u8, nb: usize) -> [f32; 4] {
-                rows::<$fmt, 4, $vnni>(w, a, nb)
-            }
-            let nb = check::<$fmt>(&w, &[a], n);
-            // SAFETY: as above.
-            unsafe { k([w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr()], a.as_ptr(), nb) }
         }
     };
 }
 
-repacked_entries!(Q4_0, dot_q4_0, dot4_q4_0, rows4_q4_0, vnni_dot_q4_0, vnni_dot4_q4_0, vnni_rows4_q4_0);
-repacked_entries!(Q4_1, dot_q4_1, dot4_q4_1, rows4_q4_1, vnni_dot_q4_1, vnni_dot4_q4_1, vnni_rows4_q4_1);
-repacked_entries!(Q5_0, dot_q5_0, dot4_q5_0, rows4_q5_0, vnni_dot_q5_0, vnni_dot4_q5_0, vnni_rows4_q5_0);
-repacked_entries!(Q8_0, dot_q8_0, dot4_q8_0, rows4_q8_0, vnni_dot_q8_0, vnni_dot4_q8_0, vnni_rows4_q8_0);
+tile_entries!(Q4_0, tile_q4_0, vnni_tile_q4_0, avx512_tile_q4_0);
+tile_entries!(Q4_1, tile_q4_1, vnni_tile_q4_1, avx512_tile_q4_1);
+tile_entries!(Q5_0, tile_q5_0, vnni_tile_q5_0, avx512_tile_q5_0);
+tile_entries!(Q8_0, tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0);
+
+/// Every tile kernel variant this CPU can run for `ty`, named, best last (tests compare them).
+pub fn tile_variants(ty: GgmlType) -> Vec<(&'static str, TileFn)> {
+    let all: [TileFn; 3] = match ty {
+        GgmlType::Q4_0 => [tile_q4_0, vnni_tile_q4_0, avx512_tile_q4_0],
+        GgmlType::Q4_1 => [tile_q4_1, vnni_tile_q4_1, avx512_tile_q4_1],
+        GgmlType::Q5_0 => [tile_q5_0, vnni_tile_q5_0, avx512_tile_q5_0],
+        GgmlType::Q8_0 => [tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0],
+        _ => return Vec::new(),
+    };
+    let usable = [has_avx2(), has_avx2() && has_vnni(), has_avx2() && has_avx512()];
+    ["avx2", "avx-vnni", "avx512"].into_iter().zip(all).zip(usable).filter(|(_, ok)| *ok).map(|(v, _)| v).collect()
+}

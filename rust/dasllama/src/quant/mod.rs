@@ -5,7 +5,7 @@
 //! f16/bf16 for half-precision weights): that rounding is part of the numbers llama.cpp produces, so
 //! matching it is what lets us agree with llama.cpp to a few hundredths of a nat.
 
-pub mod repack;
+pub mod tile;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -287,19 +287,19 @@ fn round_even(x: f32) -> f32 {
     (x + MAGIC) - MAGIC
 }
 
-/// Bytes of one row of `n` activations in `ty`: the GGUF blocks, then for q8_0/q8_1 a tail of
-/// the block scales as f32 (`d[nb]`, and `s[nb]` for q8_1) that the SIMD kernels read eight at a time.
+/// Bytes of one row of `n` activations in `ty`: the GGUF blocks, then for q8_0/q8_1 a tail the
+/// SIMD kernels read instead of the f16 fields: `d[nb]` as f32, then q8_1's `s[nb]` as f32 or
+/// q8_0's integer block sums `sum(q)[nb]` as i32 (for weights with a zero point).
 pub fn act_row_bytes(ty: GgmlType, n: usize) -> usize {
     ty.row_bytes(n) + act_tail_floats(ty) * 4 * (n / ty.block_len()) + ACT_PAD
 }
 
-/// Spare bytes after each activation row, so kernels may load a whole vector of scales at its end.
+/// Spare bytes after each activation row, so kernels may read a little past its end.
 pub const ACT_PAD: usize = 32;
 
 fn act_tail_floats(ty: GgmlType) -> usize {
     match ty {
-        GgmlType::Q8_0 => 1,
-        GgmlType::Q8_1 => 2,
+        GgmlType::Q8_0 | GgmlType::Q8_1 => 2,
         _ => 0,
     }
 }
@@ -348,9 +348,12 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
             for ib in 0..nb {
                 let b = &blocks[ib * bb..(ib + 1) * bb];
                 tail[4 * ib..4 * ib + 4].copy_from_slice(&rd_f16(b, 0).to_le_bytes());
-                if ty == GgmlType::Q8_1 {
-                    tail[4 * (nb + ib)..4 * (nb + ib) + 4].copy_from_slice(&rd_f16(b, 2).to_le_bytes());
-                }
+                let second = if ty == GgmlType::Q8_1 {
+                    rd_f16(b, 2).to_le_bytes()
+                } else {
+                    b[2..34].iter().map(|&q| q as i8 as i32).sum::<i32>().to_le_bytes()
+                };
+                tail[4 * (nb + ib)..4 * (nb + ib) + 4].copy_from_slice(&second);
             }
         }
         GgmlType::Q8K => {
@@ -397,16 +400,14 @@ pub fn quantize_weights_q8_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// The kernels for one weight format on this CPU, and the row layout they expect.
+/// The kernels for one weight format on this CPU, and the weight layout they read.
 #[derive(Clone, Copy)]
-pub struct Kernels {
-    pub dot: DotFn,
-    /// One weight row against four activation rows (prefill), bit-identical to `dot`.
-    pub dot4: Option<Dot4Fn>,
-    /// Four weight rows against one activation row (decode), bit-identical to `dot`.
-    pub rows4: Option<Rows4Fn>,
-    /// Weights must be in the `repack` layout.
-    pub repacked: bool,
+pub enum Kernels {
+    /// GGUF rows: `dot`, and `dot4` (one weight row against four activation rows, bit-identical
+    /// to four `dot`s) where written.
+    Rows { dot: DotFn, dot4: Option<Dot4Fn> },
+    /// Weights in the `tile` layout: eight rows against one to four activation rows at once.
+    Tiles(TileFn),
 }
 
 pub fn kernels(ty: GgmlType) -> Kernels {
@@ -414,11 +415,12 @@ pub fn kernels(ty: GgmlType) -> Kernels {
     if let Some(k) = avx2::kernels(ty) {
         return k;
     }
-    Kernels { dot: scalar::dot_fn(ty), dot4: None, rows4: None, repacked: false }
+    Kernels::Rows { dot: scalar::dot_fn(ty), dot4: None }
 }
 
 /// `dot(weight_row, activation_row, n)`; the activation row is `act_row_bytes` long.
 pub type DotFn = fn(&[u8], &[u8], usize) -> f32;
 pub type Dot4Fn = fn(&[u8], [&[u8]; 4], usize) -> [f32; 4];
-pub type Rows4Fn = fn([&[u8]; 4], &[u8], usize) -> [f32; 4];
-
+/// `tile(weight_tiles, activation_rows, n, out)` for T = out.len() / activation_rows.len()
+/// consecutive tiles (1, or 2 with at most 2 rows): out[k*R + r][j] = dot(row j of tile k, row r).
+pub type TileFn = fn(&[u8], &[&[u8]], usize, &mut [[f32; 8]]);

@@ -1,0 +1,101 @@
+//! The tiled weight layout the SIMD kernels of the 32-value formats read: eight consecutive rows
+//! interleaved four bytes at a time, so one 256-bit register holds the same four values of all
+//! eight rows and one `vpdpbusd` against four broadcast activation bytes yields eight outputs.
+//! Per block (32 values) a tile stores, region by region:
+//!
+//! - `d[nb][8]` f16 scales (one `vcvtph2ps` converts the eight rows' scales of a block),
+//! - `m[nb][8]` f16 mins (Q4_1),
+//! - `qh[nb][8]` u32 high bits (Q5_0): word `h` bit `4r+e` is row `r`'s bit for value
+//!   `4h+e` (h < 4) or `16+4(h-4)+e` (h >= 4), matching the quant chunks below,
+//! - quants `[nb][chunks][8 rows][4 bytes]`: for 4-bit formats chunk `c` (of 4) holds the GGUF
+//!   bytes `4c..4c+4` of each row, whose low nibbles are values `4c..` and high nibbles `16+4c..`;
+//!   for Q8_0 chunk `c` (of 8) holds values `4c..4c+4`.
+//!
+//! A tile is exactly eight GGUF rows long, so tiling costs no memory beyond padding the last tile.
+
+use super::GgmlType;
+
+/// Rows per tile.
+pub const TILE_ROWS: usize = 8;
+
+/// (bytes of d, of m, of qh, of qs) per block and row, for the formats that have a tiled layout.
+fn parts(ty: GgmlType) -> Option<[usize; 4]> {
+    Some(match ty {
+        GgmlType::Q4_0 => [2, 0, 0, 16],
+        GgmlType::Q4_1 => [2, 2, 0, 16],
+        GgmlType::Q5_0 => [2, 0, 4, 16],
+        GgmlType::Q8_0 => [2, 0, 0, 32],
+        _ => return None,
+    })
+}
+
+pub fn has_layout(ty: GgmlType) -> bool {
+    parts(ty).is_some()
+}
+
+/// Bytes of one tile of rows `cols` long.
+pub fn tile_bytes(ty: GgmlType, cols: usize) -> usize {
+    TILE_ROWS * ty.row_bytes(cols)
+}
+
+/// Up to eight GGUF rows -> one tile (missing rows are zero).
+pub fn tile_rows(ty: GgmlType, rows: &[&[u8]], tile: &mut [u8]) {
+    assert!(rows.len() <= TILE_ROWS);
+    tile.fill(0);
+    for (r, row) in rows.iter().enumerate() {
+        for (row_at, tile_at, len) in byte_fields(ty, row.len(), r) {
+            tile[tile_at..tile_at + len].copy_from_slice(&row[row_at..row_at + len]);
+        }
+        for (row_at, words) in high_bits(ty, row.len()) {
+            let qh = u32::from_le_bytes(row[row_at..row_at + 4].try_into().unwrap());
+            for j in 0..32 {
+                let (w_at, bit) = high_bit_place(words, r, j);
+                tile[w_at + bit / 8] |= (((qh >> j) & 1) as u8) << (bit % 8);
+            }
+        }
+    }
+}
+
+/// Row `r` (0..8) of a tile -> its GGUF bytes.
+pub fn untile_row(ty: GgmlType, tile: &[u8], r: usize, row: &mut [u8]) {
+    for (row_at, tile_at, len) in byte_fields(ty, row.len(), r) {
+        row[row_at..row_at + len].copy_from_slice(&tile[tile_at..tile_at + len]);
+    }
+    for (row_at, words) in high_bits(ty, row.len()) {
+        let mut qh = 0u32;
+        for j in 0..32 {
+            let (w_at, bit) = high_bit_place(words, r, j);
+            qh |= (((tile[w_at + bit / 8] >> (bit % 8)) & 1) as u32) << j;
+        }
+        row[row_at..row_at + 4].copy_from_slice(&qh.to_le_bytes());
+    }
+}
+
+/// (offset in the GGUF row, offset in the tile, length) of every byte field of row `r`.
+fn byte_fields(ty: GgmlType, row_len: usize, r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    let [dw, mw, hw, qw] = parts(ty).expect("format has a tiled layout");
+    let bb = ty.block_bytes();
+    let nb = row_len / bb;
+    let (m_at, q_at) = (dw * TILE_ROWS * nb, (dw + mw + hw) * TILE_ROWS * nb);
+    (0..nb).flat_map(move |i| {
+        let b = i * bb;
+        let scales = [(b, TILE_ROWS * dw * i + dw * r, dw), (b + dw, m_at + TILE_ROWS * mw * i + mw * r, mw)];
+        let quants = (0..qw / 4).map(move |c| (b + dw + mw + hw + 4 * c, q_at + TILE_ROWS * qw * i + 32 * c + 4 * r, 4));
+        scales.into_iter().filter(|f| f.2 > 0).chain(quants)
+    })
+}
+
+/// (offset of the block's qh in the GGUF row, offset of its eight words in the tile) per block.
+fn high_bits(ty: GgmlType, row_len: usize) -> impl Iterator<Item = (usize, usize)> {
+    let [dw, mw, hw, _] = parts(ty).expect("format has a tiled layout");
+    let bb = ty.block_bytes();
+    let nb = row_len / bb;
+    let h_at = (dw + mw) * TILE_ROWS * nb;
+    (0..if hw > 0 { nb } else { 0 }).map(move |i| (i * bb + dw + mw, h_at + 32 * i))
+}
+
+/// Where value `j`'s high bit of row `r` lives: (byte offset of its word, bit in the word).
+fn high_bit_place(words: usize, r: usize, j: usize) -> (usize, usize) {
+    let h = if j < 16 { j / 4 } else { 4 + (j - 16) / 4 };
+    (words + 4 * h, 4 * r + j % 4)
+}
