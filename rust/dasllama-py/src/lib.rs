@@ -220,7 +220,7 @@ fn codec(name: &str) -> PyResult<KvCodec> {
 #[pyfunction]
 #[pyo3(signature = (m, page_rows, max_pages, kv_dtype="f16"))]
 fn create_kv_pool(m: &PyModel, page_rows: usize, max_pages: usize, kv_dtype: &str) -> PyResult<PyKvPool> {
-    let geo = Geometry { n_layers: m.inner.config.n_layers, kv_dim: m.inner.config.kv_dim(), page_rows, codec: codec(kv_dtype)? };
+    let geo = Geometry::for_model(&m.inner.config, page_rows, codec(kv_dtype)?);
     Ok(PyKvPool { model: m.inner.clone(), inner: KvPool::for_model(&m.inner, geo, max_pages, 0).map_err(map_err)? })
 }
 

@@ -1,7 +1,7 @@
 //! Sessions: one conversation's KV store, position, logits, sampling state.
 
 pub use crate::kv::KvCache;
-use crate::kv::KvPool;
+use crate::kv::{Geometry, KvPool};
 use crate::model::forward::{forward, forward_batch, Scratch};
 use crate::model::Model;
 use crate::sampling::Rng;
@@ -19,13 +19,13 @@ pub struct Session {
 impl Session {
     /// A session with a private KV store.
     pub fn new(m: &Model) -> Self {
-        Self::with_kv(KvCache::private(m.config.n_layers, m.config.kv_dim()))
+        Self::with_kv(KvCache::private(&m.config))
     }
 
     /// A session whose KV pages come from `pool`.
     pub fn paged(m: &Model, pool: &KvPool) -> Result<Self> {
         let g = pool.geometry();
-        if g.n_layers != m.config.n_layers || g.kv_dim != m.config.kv_dim() {
+        if g != Geometry::for_model(&m.config, g.page_rows, g.codec) {
             return Err(Error::InvalidArgument("this KV pool was made for a model of another shape".into()));
         }
         Ok(Self::with_kv(KvCache::paged(pool)))

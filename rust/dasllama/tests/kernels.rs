@@ -100,6 +100,25 @@ fn simd_matches_scalar_edges() {
 }
 
 #[test]
+fn simd_q8_activation_blocks_match_scalar() {
+    let mut rng = Lcg(3);
+    for case in 0..2000 {
+        let x: Vec<f32> = (0..32)
+            .map(|_| match case % 4 {
+                0 => rng.f() * 10.0,
+                1 => [0.0, 0.5, -0.5, 1.5, 127.0, -2.5][rng.next() as usize % 6],
+                2 => 0.0,
+                _ => (rng.next() % 255) as f32 - 127.0,
+            })
+            .collect();
+        let (mut a, mut b) = ([0u8; 32], [0u8; 32]);
+        let got = dasllama::quant::q8_block(&x, &mut a);
+        let want = scalar::q8_block(&x, &mut b);
+        assert_eq!((got.0.to_bits(), got.1, a), (want.0.to_bits(), want.1, b), "block {x:?}");
+    }
+}
+
+#[test]
 fn activation_rounding_is_ggml_x86() {
     // Half-way values round to even, as _mm256_round_ps does; q8_1 carries d * sum(q).
     let mut x = vec![0.0f32; 32];

@@ -26,14 +26,12 @@ pub fn rope(x: &mut [f32], n_dims: usize, pos: usize, base: f32, neox: bool) {
     }
 }
 
-/// In-place softmax with an f64 sum.
+/// In-place softmax with an f64 sum (exponentials first, so the sum is not one long chain
+/// through every `exp` call).
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let mut sum = 0.0f64;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
-    }
+    x.iter_mut().for_each(|v| *v = (*v - max).exp());
+    let sum: f64 = x.iter().map(|&v| v as f64).sum();
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {
         *v *= inv;
@@ -76,73 +74,40 @@ pub fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
 }
 
-/// f32 dot product: AVX2+FMA with four 8-wide accumulators where the CPU has it, else eight
-/// partial sums (which the compiler vectorizes for the baseline target).
-#[inline]
-pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
+/// Round every value to f16 precision in place (F16C eight at a time where the CPU has it; both
+/// round to nearest even).
+pub fn round_f16_slice(x: &mut [f32]) {
+    let mut i = 0;
     #[cfg(target_arch = "x86_64")]
     if crate::quant::avx2::has_avx2() {
-        // SAFETY: AVX2 and FMA were detected; both slices hold at least n floats.
-        return unsafe { simd::dot(a.as_ptr(), b.as_ptr(), n) };
+        // SAFETY: F16C was detected; the kernel stays inside `x`.
+        i = unsafe { simd::round_f16(x) };
     }
-    let mut acc = [0.0f32; 8];
-    for (i, (x, y)) in a[..n].iter().zip(&b[..n]).enumerate() {
-        acc[i % 8] += x * y;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+    x[i..].iter_mut().for_each(|v| *v = round_f16(*v));
 }
 
-/// y += a * x.
-#[inline]
-pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    let n = y.len().min(x.len());
+/// Ask for the cache lines of `p` ahead of their use (a hint: no effect on results).
+#[inline(always)]
+pub fn prefetch(p: &[u8]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::quant::avx2::has_avx2() {
-        // SAFETY: AVX2 and FMA were detected; both slices hold at least n floats.
-        return unsafe { simd::axpy(y.as_mut_ptr(), a, x.as_ptr(), n) };
+    for line in (0..p.len()).step_by(64) {
+        // SAFETY: prefetch is a hint that never faults, and the address is inside `p`.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.as_ptr().add(line) as *const i8) };
     }
-    y.iter_mut().zip(x).for_each(|(v, b)| *v += a * b);
 }
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(a: *const f32, b: *const f32, n: usize) -> f32 {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 32 <= n {
-            for (k, ac) in acc.iter_mut().enumerate() {
-                *ac = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8 * k)), _mm256_loadu_ps(b.add(i + 8 * k)), *ac);
-            }
-            i += 32;
+    /// Rounds the whole groups of eight; returns how many values it did.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn round_f16(x: &mut [f32]) -> usize {
+        let n = x.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            let p = x.as_mut_ptr().add(i);
+            _mm256_storeu_ps(p, _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(p))));
         }
-        while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), acc[0]);
-            i += 8;
-        }
-        let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-        while i < n {
-            s += *a.add(i) * *b.add(i);
-            i += 1;
-        }
-        s
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn axpy(y: *mut f32, a: f32, x: *const f32, n: usize) {
-        let av = _mm256_set1_ps(a);
-        let mut i = 0;
-        while i + 8 <= n {
-            _mm256_storeu_ps(y.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(x.add(i)), _mm256_loadu_ps(y.add(i))));
-            i += 8;
-        }
-        while i < n {
-            *y.add(i) += a * *x.add(i);
-            i += 1;
-        }
+        n
     }
 }

@@ -92,18 +92,37 @@ impl KvCodec {
         o.iter_mut().zip(&tmp).for_each(|(a, b)| *a += p * b);
     }
 
-    pub fn decode(self, src: &[u8], dst: &mut [f32]) {
+    /// out[j] = q · k_j for consecutive rows `k` of one head (`q.len()` values each).
+    pub fn dot_rows(self, q: &[f32], k: &[u8], out: &mut [f32]) {
+        let rb = self.bytes(q.len());
+        assert!(k.len() >= out.len() * rb, "KV rows too short");
         #[cfg(target_arch = "x86_64")]
-        if crate::quant::avx2::has_avx2() {
-            assert!(src.len() >= self.bytes(dst.len()));
-            // SAFETY: AVX2/F16C detected; `src` holds the bytes of `dst.len()` values (asserted).
-            return unsafe {
-                match self {
-                    KvCodec::F16 => simd::decode_f16(src.as_ptr(), dst),
-                    KvCodec::Q8_0 => simd::decode_q8(src.as_ptr(), dst),
-                }
-            };
+        if self == KvCodec::F16 && q.len() % 8 == 0 && crate::quant::avx2::has_avx2() {
+            // SAFETY: AVX2/FMA/F16C detected; `k` holds out.len() rows of q.len() halves (asserted).
+            return unsafe { simd::dot_rows_f16(q, k.as_ptr(), out) };
         }
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = self.dot(q, &k[j * rb..(j + 1) * rb]);
+        }
+    }
+
+    /// o += Σ_j p[j] · v_j for consecutive rows `v` of one head (`o.len()` values each).
+    pub fn axpy_rows(self, o: &mut [f32], p: &[f32], v: &[u8]) {
+        let rb = self.bytes(o.len());
+        assert!(v.len() >= p.len() * rb, "KV rows too short");
+        #[cfg(target_arch = "x86_64")]
+        if self == KvCodec::F16 && o.len() % 64 == 0 && crate::quant::avx2::has_avx2() {
+            // SAFETY: AVX2/FMA/F16C detected; `v` holds p.len() rows of o.len() halves (asserted).
+            return unsafe { simd::axpy_rows_f16(o, p, v.as_ptr()) };
+        }
+        for (j, &pj) in p.iter().enumerate() {
+            self.axpy(o, pj, &v[j * rb..(j + 1) * rb]);
+        }
+    }
+
+    /// Values of one head (the scalar path's reference; SIMD paths never materialize rows).
+    pub fn decode(self, src: &[u8], dst: &mut [f32]) {
+        assert!(src.len() >= self.bytes(dst.len()));
         match self {
             KvCodec::F16 => {
                 for (i, d) in dst.iter_mut().enumerate() {
@@ -132,6 +151,7 @@ mod simd {
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_f16(q: &[f32], k: *const u8) -> f32 {
         let n = q.len();
@@ -172,27 +192,31 @@ mod simd {
         }
     }
 
+    /// Row by row with `dot_f16`'s summation order (what attention used before rows came in
+    /// runs), each row inlined rather than called.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn decode_f16(src: *const u8, dst: &mut [f32]) {
-        let n = dst.len();
-        let mut i = 0;
-        while i + 8 <= n {
-            _mm256_storeu_ps(dst.as_mut_ptr().add(i), f16x8(src.add(2 * i)));
-            i += 8;
-        }
-        while i < n {
-            dst[i] = super::f16::from_bits((src.add(2 * i) as *const u16).read_unaligned()).to_f32();
-            i += 1;
+    pub unsafe fn dot_rows_f16(q: &[f32], k: *const u8, out: &mut [f32]) {
+        let rb = 2 * q.len();
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = dot_f16(q, k.add(j * rb));
         }
     }
 
+    /// 64 outputs at a time stay in eight registers while every row adds into them.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn decode_q8(src: *const u8, dst: &mut [f32]) {
-        for b in 0..dst.len() / 32 {
-            let blk = src.add(34 * b);
-            let d = _mm256_set1_ps(super::f16::from_bits((blk as *const u16).read_unaligned()).to_f32());
-            for j in 0..4 {
-                _mm256_storeu_ps(dst.as_mut_ptr().add(32 * b + 8 * j), _mm256_mul_ps(d, i8x8(blk.add(2 + 8 * j))));
+    pub unsafe fn axpy_rows_f16(o: &mut [f32], p: &[f32], v: *const u8) {
+        let rb = 2 * o.len();
+        for c in (0..o.len()).step_by(64) {
+            let y = o.as_mut_ptr().add(c);
+            let mut acc: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(y.add(8 * i)));
+            for (j, &pj) in p.iter().enumerate() {
+                let pv = _mm256_set1_ps(pj);
+                for (i, ac) in acc.iter_mut().enumerate() {
+                    *ac = _mm256_fmadd_ps(pv, f16x8(v.add(j * rb + 2 * (c + 8 * i))), *ac);
+                }
+            }
+            for (i, ac) in acc.iter().enumerate() {
+                _mm256_storeu_ps(y.add(8 * i), *ac);
             }
         }
     }

@@ -63,20 +63,26 @@ impl Page {
 pub struct Geometry {
     pub n_layers: usize,
     pub kv_dim: usize,
+    pub head_dim: usize,
     pub page_rows: usize,
     pub codec: KvCodec,
 }
 
 impl Geometry {
-    fn row_bytes(&self) -> usize {
-        self.codec.bytes(self.kv_dim)
+    pub fn for_model(c: &crate::model::Config, page_rows: usize, codec: KvCodec) -> Geometry {
+        Geometry { n_layers: c.n_layers, kv_dim: c.kv_dim(), head_dim: c.head_dim, page_rows, codec }
+    }
+    fn head_bytes(&self) -> usize {
+        self.codec.bytes(self.head_dim)
     }
     fn page_bytes(&self) -> usize {
-        self.n_layers * 2 * self.page_rows * self.row_bytes()
+        self.n_layers * 2 * self.page_rows * self.codec.bytes(self.kv_dim)
     }
-    /// Byte offset of (layer, K or V, row) inside a page.
-    fn at(&self, il: usize, v: bool, row: usize) -> usize {
-        ((il * 2 + v as usize) * self.page_rows + row) * self.row_bytes()
+    /// Byte offset of (layer, K or V, KV head, row) inside a page. A head's rows are contiguous,
+    /// so attention reads each head as one sequential stream the hardware prefetches.
+    fn at(&self, il: usize, v: bool, h: usize, row: usize) -> usize {
+        let heads = self.kv_dim / self.head_dim;
+        (((il * 2 + v as usize) * heads + h) * self.page_rows + row) * self.head_bytes()
     }
 }
 
@@ -143,7 +149,7 @@ impl KvPool {
 
     /// A pool for `m`'s layers and KV width, checking the codec fits its heads.
     pub fn for_model(m: &crate::model::Model, geo: Geometry, max_pages: usize, max_cached: usize) -> Result<KvPool> {
-        if geo.n_layers != m.config.n_layers || geo.kv_dim != m.config.kv_dim() {
+        if geo != Geometry::for_model(&m.config, geo.page_rows, geo.codec) {
             return Err(Error::InvalidArgument("the KV pool geometry does not match the model".into()));
         }
         if !geo.codec.supports(m.config.head_dim) {
@@ -309,18 +315,35 @@ impl LayerView<'_> {
     pub fn codec(&self) -> KvCodec {
         self.cache.geo.codec
     }
+    /// K (or V) of KV head `h` at positions `from..to`, as runs of consecutive rows that share a
+    /// page: (first position of the run, the run's bytes, contiguous).
+    pub fn rows(&self, v: bool, h: usize, from: usize, to: usize) -> impl Iterator<Item = (usize, &[u8])> + '_ {
+        let g = self.cache.geo;
+        let mut pos = from;
+        std::iter::from_fn(move || {
+            if pos >= to {
+                return None;
+            }
+            let end = to.min((pos / g.page_rows + 1) * g.page_rows);
+            let at = g.at(self.il, v, h, pos % g.page_rows);
+            let run = (pos, &self.cache.pages[pos / g.page_rows].data()[at..at + (end - pos) * g.head_bytes()]);
+            pos = end;
+            Some(run)
+        })
+    }
     #[inline]
     fn row(&self, pos: usize, v: bool, h: usize, head_dim: usize) -> &[u8] {
         let g = &self.cache.geo;
-        let at = g.at(self.il, v, pos % g.page_rows) + g.codec.bytes(h * head_dim);
-        &self.cache.pages[pos / g.page_rows].data()[at..at + g.codec.bytes(head_dim)]
+        debug_assert_eq!(head_dim, g.head_dim);
+        let at = g.at(self.il, v, h, pos % g.page_rows);
+        &self.cache.pages[pos / g.page_rows].data()[at..at + g.head_bytes()]
     }
 }
 
 impl KvCache {
     /// A session's private store (pages of `PRIVATE_PAGE_ROWS`, grown on demand).
-    pub fn private(n_layers: usize, kv_dim: usize) -> Self {
-        KvCache { geo: Geometry { n_layers, kv_dim, page_rows: PRIVATE_PAGE_ROWS, codec: KvCodec::F16 }, len: 0, pages: Vec::new(), pool: None }
+    pub fn private(c: &crate::model::Config) -> Self {
+        KvCache { geo: Geometry::for_model(c, PRIVATE_PAGE_ROWS, KvCodec::F16), len: 0, pages: Vec::new(), pool: None }
     }
 
     pub fn paged(pool: &KvPool) -> Self {
@@ -371,9 +394,12 @@ impl KvCache {
             assert_eq!(Arc::strong_count(page), 1, "writing into a shared KV page");
             // SAFETY: the assert above: this session holds the only reference to the page.
             let data = unsafe { page.data_mut() };
-            let (ka, va, rb) = (g.at(il, false, pos % g.page_rows), g.at(il, true, pos % g.page_rows), g.row_bytes());
-            g.codec.encode(kr, &mut data[ka..ka + rb]);
-            g.codec.encode(vr, &mut data[va..va + rb]);
+            let (row, hb) = (pos % g.page_rows, g.head_bytes());
+            for (h, (kh, vh)) in kr.chunks_exact(g.head_dim).zip(vr.chunks_exact(g.head_dim)).enumerate() {
+                let (ka, va) = (g.at(il, false, h, row), g.at(il, true, h, row));
+                g.codec.encode(kh, &mut data[ka..ka + hb]);
+                g.codec.encode(vh, &mut data[va..va + hb]);
+            }
         }
     }
 
@@ -416,7 +442,7 @@ mod tests {
 
     #[test]
     fn shared_pages_are_copied_before_a_write_and_slots_come_back() {
-        let geo = Geometry { n_layers: 2, kv_dim: 4, page_rows: 4, codec: KvCodec::F16 };
+        let geo = Geometry { n_layers: 2, kv_dim: 4, head_dim: 4, page_rows: 4, codec: KvCodec::F16 };
         let pool = KvPool::new(geo, 8, 0).unwrap();
         let mut a = KvCache::paged(&pool);
         fill(&mut a, 8, 1.0);
@@ -443,7 +469,7 @@ mod tests {
 
     #[test]
     fn a_full_pool_evicts_cached_pages_then_refuses() {
-        let geo = Geometry { n_layers: 1, kv_dim: 2, page_rows: 2, codec: KvCodec::F16 };
+        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 2, codec: KvCodec::F16 };
         let pool = KvPool::new(geo, 2, 0).unwrap();
         let mut a = KvCache::paged(&pool);
         fill(&mut a, 4, 0.0);

@@ -214,23 +214,34 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
         let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
         let nk = pos + 1 - start;
         let base = t * qd + kvh * group * hdim;
-        let qs: Vec<f32> = q[base..base + group * hdim].iter().map(|&v| ops::round_f16(v)).collect();
+        let mut qs = q[base..base + group * hdim].to_vec();
+        ops::round_f16_slice(&mut qs);
         let mut sc = vec![0.0f32; group * nk];
-        let mut row = vec![0.0f32; hdim];
-        for (jj, j) in (start..=pos).enumerate() {
-            codec.decode(lv.k(j, kvh, hdim), &mut row);
-            for g in 0..group {
-                sc[g * nk + jj] = ops::dot_f32(&qs[g * hdim..(g + 1) * hdim], &row) * c.attn_scale;
+        // Rows come in runs that share a page (contiguous per head); a batch's KV outgrows L3,
+        // so fetch the next run's first lines while this one is read.
+        let fetch_next = |v: bool, end: usize| {
+            if let Some((_, run)) = lv.rows(v, kvh, end, pos + 1).next() {
+                ops::prefetch(&run[..run.len().min(1024)]);
             }
-        }
+        };
         for g in 0..group {
-            ops::softmax(&mut sc[g * nk..(g + 1) * nk]);
+            let (qg, sg) = (&qs[g * hdim..(g + 1) * hdim], &mut sc[g * nk..(g + 1) * nk]);
+            for (first, run) in lv.rows(false, kvh, start, pos + 1) {
+                let cnt = run.len() / codec.bytes(hdim);
+                fetch_next(false, first + cnt);
+                codec.dot_rows(qg, run, &mut sg[first - start..first - start + cnt]);
+            }
+            sg.iter_mut().for_each(|v| *v *= c.attn_scale);
+            ops::softmax(sg);
+            ops::round_f16_slice(sg);
         }
         o.fill(0.0);
-        for (jj, j) in (start..=pos).enumerate() {
-            codec.decode(lv.v(j, kvh, hdim), &mut row);
-            for g in 0..group {
-                ops::axpy(&mut o[g * hdim..(g + 1) * hdim], ops::round_f16(sc[g * nk + jj]), &row);
+        for g in 0..group {
+            let (og, pg) = (&mut o[g * hdim..(g + 1) * hdim], &sc[g * nk..(g + 1) * nk]);
+            for (first, run) in lv.rows(true, kvh, start, pos + 1) {
+                let cnt = run.len() / codec.bytes(hdim);
+                fetch_next(true, first + cnt);
+                codec.axpy_rows(og, &pg[first - start..first - start + cnt], run);
             }
         }
     };

@@ -50,6 +50,38 @@ pub fn kernels(ty: GgmlType) -> Option<Kernels> {
     })
 }
 
+/// SIMD twin of `scalar::q8_block`: the same f32 products, rounded half to even by the FPU.
+pub fn q8_block(x: &[f32], q: &mut [u8]) -> (f32, i32) {
+    assert!(x.len() >= 32 && q.len() >= 32);
+    // SAFETY: handed out only after detecting AVX2; the assert bounds the loads and the store.
+    unsafe { q8_block_impl(x.as_ptr(), q.as_mut_ptr()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_block_impl(x: *const f32, q: *mut u8) -> (f32, i32) {
+    let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(x.add(8 * k)));
+    let sign = _mm256_set1_ps(-0.0);
+    let abs = |a: __m256| _mm256_andnot_ps(sign, a);
+    let m = _mm256_max_ps(_mm256_max_ps(abs(v[0]), abs(v[1])), _mm256_max_ps(abs(v[2]), abs(v[3])));
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+    let i: [__m256i; 4] = std::array::from_fn(|k| {
+        _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v[k], id)))
+    });
+    let s = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
+    // Packing works per 128-bit lane; the permute puts the four groups back in order.
+    let packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(q as *mut __m256i, ordered);
+    (d, sum)
+}
+
 macro_rules! safe_entry {
     ($name:ident, $inner:ident, $wb:expr, $ab:expr, $blk:expr) => {
         pub fn $name(w: &[u8], a: &[u8], n: usize) -> f32 {

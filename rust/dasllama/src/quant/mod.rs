@@ -282,7 +282,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
 /// Round half to even for |x| < 2^22 (quantized activations are within ±128): adding and
 /// removing 1.5 * 2^23 leaves the FPU's own round-to-nearest-even, with no libm call.
 #[inline(always)]
-fn round_even(x: f32) -> f32 {
+pub(crate) fn round_even(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     (x + MAGIC) - MAGIC
 }
@@ -302,6 +302,16 @@ fn act_tail_floats(ty: GgmlType) -> usize {
         GgmlType::Q8_0 | GgmlType::Q8_1 => 2,
         _ => 0,
     }
+}
+
+/// 32 activations -> q8 values in `q`: scale amax/127, round half to even. Returns (scale, sum of
+/// the values).
+pub fn q8_block(x: &[f32], q: &mut [u8]) -> (f32, i32) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::has_avx2() {
+        return avx2::q8_block(x, q);
+    }
+    scalar::q8_block(x, q)
 }
 
 /// Round a row of activations to `ty` (a vec_dot_type), exactly as ggml's x86 path does:
@@ -326,33 +336,20 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
         GgmlType::Q8_0 | GgmlType::Q8_1 => {
             let bb = ty.block_bytes();
             let off = if ty == GgmlType::Q8_0 { 2 } else { 4 };
-            for (ib, xb) in x.chunks_exact(32).enumerate() {
-                let b = &mut out[ib * bb..(ib + 1) * bb];
-                let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-                wr_f16(b, 0, d);
-                let mut sum = 0i32;
-                for j in 0..32 {
-                    let q = round_even(xb[j] * id) as i32;
-                    sum += q;
-                    b[off + j] = q as i8 as u8;
-                }
-                if ty == GgmlType::Q8_1 {
-                    wr_f16(b, 2, d * sum as f32);
-                }
-            }
             let nb = x.len() / 32;
             let (blocks, tail) = out.split_at_mut(nb * bb);
             assert!(tail.len() >= act_tail_floats(ty) * 4 * nb, "activation buffer lacks the scale tail (size it with act_row_bytes)");
-            for ib in 0..nb {
-                let b = &blocks[ib * bb..(ib + 1) * bb];
-                tail[4 * ib..4 * ib + 4].copy_from_slice(&rd_f16(b, 0).to_le_bytes());
+            for (ib, xb) in x.chunks_exact(32).enumerate() {
+                let b = &mut blocks[ib * bb..(ib + 1) * bb];
+                let (d, sum) = q8_block(xb, &mut b[off..off + 32]);
+                wr_f16(b, 0, d);
                 let second = if ty == GgmlType::Q8_1 {
+                    wr_f16(b, 2, d * sum as f32);
                     rd_f16(b, 2).to_le_bytes()
                 } else {
-                    b[2..34].iter().map(|&q| q as i8 as i32).sum::<i32>().to_le_bytes()
+                    sum.to_le_bytes()
                 };
+                tail[4 * ib..4 * ib + 4].copy_from_slice(&rd_f16(b, 0).to_le_bytes());
                 tail[4 * (nb + ib)..4 * (nb + ib) + 4].copy_from_slice(&second);
             }
         }

@@ -4,6 +4,20 @@
 use super::{rd_f16, rd_f32, scale_min_k4, GgmlType};
 use half::bf16;
 
+/// The reference of `quant::q8_block`.
+pub fn q8_block(x: &[f32], q: &mut [u8]) -> (f32, i32) {
+    let amax = x[..32].iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut sum = 0i32;
+    for j in 0..32 {
+        let v = super::round_even(x[j] * id) as i32;
+        sum += v;
+        q[j] = v as i8 as u8;
+    }
+    (d, sum)
+}
+
 pub fn dot_fn(ty: GgmlType) -> super::DotFn {
     match ty {
         GgmlType::F32 => dot_f32,

@@ -120,7 +120,7 @@ impl Scheduler {
             let per_stream = m.config.seq_len.div_ceil(page_rows);
             // Room for every stream's whole context plus as much again for the cache; pages are
             // only allocated when written, so this bounds memory rather than reserving it.
-            let geo = Geometry { n_layers: m.config.n_layers, kv_dim: m.config.kv_dim(), page_rows, codec };
+            let geo = Geometry::for_model(&m.config, page_rows, codec);
             Some(KvPool::for_model(m, geo, 2 * max_streams * per_stream, prefix_groups)?)
         } else if codec != KvCodec::F16 {
             return Err(Error::InvalidArgument("a KV codec other than f16 needs the paged pool (page_rows > 0)".into()));
