@@ -26,12 +26,22 @@ pub fn rope(x: &mut [f32], n_dims: usize, pos: usize, base: f32, neox: bool) {
     }
 }
 
-/// In-place softmax with an f64 sum (exponentials first, so the sum is not one long chain
-/// through every `exp` call).
+/// In-place softmax as ggml's CPU path computes it: exponentials eight at a time with ggml's
+/// vector expf where the CPU has AVX2 (each group's f32 sum added to an f64 total), libm's `exp`
+/// for the rest.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    x.iter_mut().for_each(|v| *v = (*v - max).exp());
-    let sum: f64 = x.iter().map(|&v| v as f64).sum();
+    let mut sum = 0.0f64;
+    let mut i = 0;
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::avx2::has_avx2() {
+        // SAFETY: AVX2/FMA detected; the kernel stays inside `x`.
+        (i, sum) = unsafe { simd::exp_sub_sum(x, max) };
+    }
+    for v in &mut x[i..] {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {
         *v *= inv;
@@ -41,6 +51,17 @@ pub fn softmax(x: &mut [f32]) {
 #[inline]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// g[i] = silu(g[i]) * u[i], with ggml's vector expf where the CPU has AVX2 (as its SwiGLU).
+pub fn swiglu(g: &mut [f32], u: &[f32]) {
+    let mut i = 0;
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::avx2::has_avx2() {
+        // SAFETY: AVX2/FMA detected; the kernel stays inside both slices.
+        i = unsafe { simd::swiglu(g, u) };
+    }
+    g[i..].iter_mut().zip(&u[i..]).for_each(|(a, b)| *a = silu(*a) * b);
 }
 
 /// GELU (tanh form) as ggml's CPU path computes it: inputs rounded to f16 and looked up in a
@@ -97,8 +118,72 @@ pub fn prefetch(p: &[u8]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod simd {
+pub(crate) mod simd {
     use std::arch::x86_64::*;
+
+    /// e^x, eight at a time: ggml's AVX2 `ggml_v_expf` (ARM's optimized-routines method: x =
+    /// n ln2 + b, a degree-5 polynomial in b, scaled by 2^n; max error about 1.5 ulp), so
+    /// softmax and SiLU round as llama.cpp's do. Outside +-126 ln2 the scale is split in two.
+    #[inline(always)]
+    pub unsafe fn expf(x: __m256) -> __m256 {
+        let f = _mm256_set1_ps;
+        let r = f(f32::from_bits(0x4b40_0000)); // 0x1.8p23: adding it rounds to an integer
+        let z = _mm256_fmadd_ps(x, f(f32::from_bits(0x3fb8_aa3b)), r); // log2(e)
+        let n = _mm256_sub_ps(z, r);
+        // b = x - n ln2, with ln2 split in a high and a low part
+        let b = _mm256_fnmadd_ps(n, f(f32::from_bits(0x35bf_be8e)), _mm256_fnmadd_ps(n, f(f32::from_bits(0x3f31_7200)), x));
+        let e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+        let k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(f(1.0))));
+        let abs_n = _mm256_andnot_ps(f(-0.0), n);
+        let c = _mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, f(126.0));
+        let u = _mm256_mul_ps(b, b);
+        let j = _mm256_fmadd_ps(
+            _mm256_fmadd_ps(
+                _mm256_fmadd_ps(f(f32::from_bits(0x3c07_2010)), b, f(f32::from_bits(0x3d2b_9f17))),
+                u,
+                _mm256_fmadd_ps(f(f32::from_bits(0x3e2a_af33)), b, f(f32::from_bits(0x3efffedb))),
+            ),
+            u,
+            _mm256_mul_ps(f(f32::from_bits(0x3f7f_fff6)), b),
+        );
+        if _mm256_movemask_ps(c) == 0 {
+            return _mm256_fmadd_ps(j, k, k);
+        }
+        let g = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(n, _mm256_setzero_ps())), _mm256_set1_epi32(0x8200_0000u32 as i32));
+        let s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f00_0000)));
+        let s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+        let d = _mm256_cmp_ps::<_CMP_GT_OQ>(abs_n, f(192.0));
+        let scaled = _mm256_blendv_ps(_mm256_fmadd_ps(k, j, k), _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1), c);
+        _mm256_blendv_ps(scaled, _mm256_mul_ps(s1, s1), d)
+    }
+
+    /// x[i] = e^(x[i] - max) for whole groups of eight; returns (values done, their f64 sum).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> (usize, f64) {
+        let n = x.len() / 8 * 8;
+        let mut sum = 0.0f64;
+        for i in (0..n).step_by(8) {
+            let p = x.as_mut_ptr().add(i);
+            let v = expf(_mm256_sub_ps(_mm256_loadu_ps(p), _mm256_set1_ps(max)));
+            _mm256_storeu_ps(p, v);
+            sum += crate::quant::avx2::hsum(v) as f64;
+        }
+        (n, sum)
+    }
+
+    /// g = g / (1 + e^-g) * u for whole groups of eight; returns how many.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn swiglu(g: &mut [f32], u: &[f32]) -> usize {
+        let n = g.len().min(u.len()) / 8 * 8;
+        for i in (0..n).step_by(8) {
+            let p = g.as_mut_ptr().add(i);
+            let x = _mm256_loadu_ps(p);
+            let e = expf(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            let silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+            _mm256_storeu_ps(p, _mm256_mul_ps(silu, _mm256_loadu_ps(u.as_ptr().add(i))));
+        }
+        n
+    }
 
     /// Rounds the whole groups of eight; returns how many values it did.
     #[target_feature(enable = "avx2,f16c")]
@@ -109,5 +194,54 @@ mod simd {
             _mm256_storeu_ps(p, _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(p))));
         }
         n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vector_exp_is_within_two_ulp_of_exact_and_handles_the_ends() {
+        if !crate::quant::avx2::has_avx2() {
+            eprintln!("skipped: this CPU has no AVX2, so the vector expf is never used");
+            return;
+        }
+        let xs: Vec<f32> = (0..80_000).map(|i| -104.0 + i as f32 * 0.0024).chain([0.0, -0.0, 88.5, -110.0, 1e-30]).collect();
+        let mut y = xs.clone();
+        // softmax's kernel with max 0 is plain exp on whole groups of eight.
+        // SAFETY: AVX2/FMA checked above.
+        let (done, _) = unsafe { simd::exp_sub_sum(&mut y, 0.0) };
+        for (x, got) in xs[..done].iter().zip(&y) {
+            let want = (*x as f64).exp();
+            if want > f32::MAX as f64 {
+                assert!(got.is_infinite(), "exp({x}) = {got}, want inf");
+            } else if want < 1e-38 {
+                assert!(*got < 1e-37, "exp({x}) = {got}, want ~0");
+            } else {
+                let ulp = (want as f32).abs() * f32::EPSILON;
+                assert!(((*got as f64) - want).abs() <= 2.0 * ulp as f64, "exp({x}) = {got}, want {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn swiglu_and_softmax_agree_with_their_scalar_forms() {
+        let g0: Vec<f32> = (0..203).map(|i| (i as f32 - 100.0) * 0.173).collect();
+        let u: Vec<f32> = (0..203).map(|i| (i % 7) as f32 - 3.0).collect();
+        let mut g = g0.clone();
+        swiglu(&mut g, &u);
+        for ((a, x), b) in g.iter().zip(&g0).zip(&u) {
+            let want = silu(*x) * b;
+            assert!((a - want).abs() <= 1e-6 * want.abs().max(1.0), "swiglu({x}, {b}) = {a}, want {want}");
+        }
+        let mut p = g0.clone();
+        softmax(&mut p);
+        let max = g0.iter().fold(f32::MIN, |a, &b| a.max(b)) as f64;
+        let total: f64 = g0.iter().map(|&v| (v as f64 - max).exp()).sum();
+        for (a, x) in p.iter().zip(&g0) {
+            let want = ((*x as f64 - max).exp() / total) as f32;
+            assert!((a - want).abs() <= 1e-6 * want.max(1e-30) + 1e-12, "softmax at {x}: {a}, want {want}");
+        }
     }
 }

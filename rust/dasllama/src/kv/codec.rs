@@ -97,7 +97,7 @@ impl KvCodec {
         let rb = self.bytes(q.len());
         assert!(k.len() >= out.len() * rb, "KV rows too short");
         #[cfg(target_arch = "x86_64")]
-        if self == KvCodec::F16 && q.len() % 8 == 0 && crate::quant::avx2::has_avx2() {
+        if self == KvCodec::F16 && crate::quant::avx2::has_avx2() {
             // SAFETY: AVX2/FMA/F16C detected; `k` holds out.len() rows of q.len() halves (asserted).
             return unsafe { simd::dot_rows_f16(q, k.as_ptr(), out) };
         }
@@ -111,7 +111,7 @@ impl KvCodec {
         let rb = self.bytes(o.len());
         assert!(v.len() >= p.len() * rb, "KV rows too short");
         #[cfg(target_arch = "x86_64")]
-        if self == KvCodec::F16 && o.len() % 64 == 0 && crate::quant::avx2::has_avx2() {
+        if self == KvCodec::F16 && o.len().is_multiple_of(64) && crate::quant::avx2::has_avx2() {
             // SAFETY: AVX2/FMA/F16C detected; `v` holds p.len() rows of o.len() halves (asserted).
             return unsafe { simd::axpy_rows_f16(o, p, v.as_ptr()) };
         }

@@ -160,7 +160,7 @@ fn forward_rows(
         let glu = |t: usize, g: &mut [f32]| {
             let u = &up[t * g.len()..(t + 1) * g.len()];
             match act {
-                Activation::Silu => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::silu(*a) * b),
+                Activation::Silu => ops::swiglu(g, u),
                 Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::gelu_tanh_f16(*a) * b),
             }
         };
