@@ -141,7 +141,7 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
         for n in [576, 256, 2048] {
             for _ in 0..10 {
                 let ws: Vec<Vec<u8>> = (0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng, false)).collect();
-                let acts: Vec<Vec<u8>> = (0..4).map(|_| act(ty, &(0..n).map(|_| rng.f() * 3.0).collect::<Vec<_>>())).collect();
+                let acts: Vec<Vec<u8>> = (0..8).map(|_| act(ty, &(0..n).map(|_| rng.f() * 3.0).collect::<Vec<_>>())).collect();
                 let a: Vec<&[u8]> = acts.iter().map(|v| &v[..]).collect();
                 match kernels(ty) {
                     Kernels::Rows { dot, dot4: Some(d4) } => {
@@ -154,7 +154,7 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
                     Kernels::Tiles(tile_fn) => {
                         let t = tile(ty, &ws, n);
                         let mut one = [[0.0f32; TILE_ROWS]; 1];
-                        for r in 1..=4 {
+                        for r in 1..=8 {
                             let mut many = vec![[0.0f32; TILE_ROWS]; r];
                             tile_fn(&t, &a[..r], n, &mut many);
                             for j in 0..r {
@@ -242,10 +242,10 @@ fn tile_kernel_variants_agree_bit_for_bit() {
             let n = 320;
             let ws: Vec<Vec<u8>> = (0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng, edge)).collect();
             let t = tile(ty, &ws, n);
-            let acts: Vec<Vec<u8>> = (0..3).map(|_| act(ty, &(0..n).map(|_| rng.f() * 5.0).collect::<Vec<_>>())).collect();
+            let acts: Vec<Vec<u8>> = (0..7).map(|_| act(ty, &(0..n).map(|_| rng.f() * 5.0).collect::<Vec<_>>())).collect();
             let a: Vec<&[u8]> = acts.iter().map(|v| &v[..]).collect();
             let run = |f: dasllama::quant::TileFn| {
-                let mut out = vec![[0.0f32; TILE_ROWS]; 3];
+                let mut out = vec![[0.0f32; TILE_ROWS]; 7];
                 f(&t, &a, n, &mut out);
                 out.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>()
             };

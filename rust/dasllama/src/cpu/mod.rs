@@ -118,6 +118,8 @@ unsafe impl Sync for SharedOut {}
 /// Activation rows dotted against one weight row per pass of the inner loop: a tile small enough
 /// to stay in L1 while a task walks its weight rows.
 const TOKEN_TILE: usize = 16;
+/// Activation rows per tile kernel call.
+const MAX_R: usize = 8;
 
 /// out[t][r] = dot(w[r], x[t]) for `n` activation rows x (each `w.cols` long).
 pub fn matmul(w: &Weight, x: &[f32], n: usize, out: &mut [f32], act: &mut Vec<u8>, team: &Team) {
@@ -175,7 +177,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
             Kernels::Tiles(tile_fn) => {
                 debug_assert!(w.tiled, "weight layout does not match its kernels");
                 let tb = tile::tile_bytes(w.ty, k);
-                let mut out = [[0.0f32; TILE_ROWS]; 4];
+                let mut out = [[0.0f32; TILE_ROWS]; MAX_R];
                 for t0 in (0..n).step_by(TOKEN_TILE) {
                     let t1 = (t0 + TOKEN_TILE).min(n);
                     let mut r0 = lo;
@@ -183,9 +185,9 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
                         // One or two activation rows (decode): two tiles at once, two memory streams.
                         let tiles = if t1 - t0 <= 2 && r0 + 2 * TILE_ROWS <= hi { 2 } else { 1 };
                         let wt = &wb[r0 / TILE_ROWS * tb..][..tiles * tb];
-                        for t in (t0..t1).step_by(4) {
-                            let nt = (t1 - t).min(4);
-                            let acts: [&[u8]; 4] = std::array::from_fn(|j| arow((t + j).min(t1 - 1)));
+                        for t in (t0..t1).step_by(MAX_R) {
+                            let nt = (t1 - t).min(MAX_R);
+                            let acts: [&[u8]; MAX_R] = std::array::from_fn(|j| arow((t + j).min(t1 - 1)));
                             tile_fn(wt, &acts[..nt], k, &mut out[..tiles * nt]);
                             for (i, o) in out[..tiles * nt].iter().enumerate() {
                                 let (rt, j) = (r0 + i / nt * TILE_ROWS, i % nt);

@@ -474,8 +474,8 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(
 fn check<F: Fmt>(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
     let nb = n / 32;
     let tiles = out.len() / a.len().max(1);
-    assert!((1..=4).contains(&a.len()) && out.len() == tiles * a.len(), "out must hold tiles x activation rows");
-    assert!(matches!((tiles, a.len()), (1, _) | (2, 1 | 2)), "tile kernels take 1 tile x 1..4 rows or 2 tiles x 1..2 rows");
+    assert!((1..=8).contains(&a.len()) && out.len() == tiles * a.len(), "out must hold tiles x activation rows");
+    assert!(matches!((tiles, a.len()), (1, _) | (2, 1 | 2)), "tile kernels take 1 tile x 1..8 rows or 2 tiles x 1..2 rows");
     assert!(t.len() >= tiles * 8 * nb * F::WBYTES, "weight tile too short");
     assert!(a.iter().all(|r| r.len() >= nb * (F::ABYTES + 8) + super::ACT_PAD), "activation row too short (size it with act_row_bytes)");
     (nb, tiles)
@@ -499,13 +499,23 @@ macro_rules! tile_entries {
                 }
             }
             let (nb, tiles) = check::<$fmt>(t, a, n, out);
+            if $isa != AVX512 && tiles == 1 && a.len() > 4 {
+                // Sixteen vector registers hold the accumulators of at most four rows.
+                let (lo, hi) = out.split_at_mut(4);
+                $name(t, &a[..4], n, lo);
+                return $name(t, &a[4..], n, hi);
+            }
             // SAFETY: handed out only after detecting these features; `check` bounds every load.
             unsafe {
                 match (tiles, a.len()) {
                     (1, 1) => k::<1, 1>(t.as_ptr(), a, nb, out),
                     (1, 2) => k::<1, 2>(t.as_ptr(), a, nb, out),
                     (1, 3) => k::<1, 3>(t.as_ptr(), a, nb, out),
-                    (1, _) => k::<1, 4>(t.as_ptr(), a, nb, out),
+                    (1, 4) => k::<1, 4>(t.as_ptr(), a, nb, out),
+                    (1, 5) => k::<1, 5>(t.as_ptr(), a, nb, out),
+                    (1, 6) => k::<1, 6>(t.as_ptr(), a, nb, out),
+                    (1, 7) => k::<1, 7>(t.as_ptr(), a, nb, out),
+                    (1, _) => k::<1, 8>(t.as_ptr(), a, nb, out),
                     (_, 1) => k::<2, 1>(t.as_ptr(), a, nb, out),
                     _ => k::<2, 2>(t.as_ptr(), a, nb, out),
                 }
