@@ -184,9 +184,9 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
 
 #[test]
 fn tiles_round_trip() {
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
         let mut rng = Lcg(ty as u64 + 5);
-        let n = 96;
+        let n = 512;
         for rows in [1, 5, 8] {
             let ws: Vec<Vec<u8>> = (0..rows).map(|_| random_weights(ty, n, &mut rng, false)).collect();
             let t = tile(ty, &ws, n);
@@ -234,12 +234,12 @@ fn act(ty: GgmlType, x: &[f32]) -> Vec<u8> {
 #[test]
 fn tile_kernel_variants_agree_bit_for_bit() {
     use dasllama::quant::avx2::tile_variants;
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
         let variants = tile_variants(ty);
         eprintln!("{}: comparing {:?}", ty.name(), variants.iter().map(|v| v.0).collect::<Vec<_>>());
         let mut rng = Lcg(ty as u64 + 17);
         for edge in [false, true] {
-            let n = 320;
+            let n = 512;
             let ws: Vec<Vec<u8>> = (0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng, edge)).collect();
             let t = tile(ty, &ws, n);
             let acts: Vec<Vec<u8>> = (0..7).map(|_| act(ty, &(0..n).map(|_| rng.f() * 5.0).collect::<Vec<_>>())).collect();

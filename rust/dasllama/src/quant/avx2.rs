@@ -1,5 +1,7 @@
-//! AVX2+FMA dot products. Each has a scalar twin in `scalar.rs` and a test that they agree.
-//! Integer block sums are exact in both, so the twins differ only in f32 summation order.
+//! x86 kernels: tile kernels (eight weight rows against up to eight activation rows) for the
+//! quantized formats in AVX2, AVX-VNNI and AVX-512 variants, the f32 dot, q8 activation
+//! rounding. Each has a scalar twin in `scalar.rs` and a test that they agree: integer block sums
+//! are exact in both, so the twins differ only in f32 summation order.
 
 use super::{GgmlType, Kernels, TileFn};
 use std::arch::x86_64::*;
@@ -43,8 +45,6 @@ pub fn kernels(ty: GgmlType) -> Option<Kernels> {
         return Some(Kernels::Tiles(best));
     }
     Some(match ty {
-        GgmlType::Q4K => Kernels::Rows { dot: dot_q4_k, dot4: Some(dot4_q4_k) },
-        GgmlType::Q6K => Kernels::Rows { dot: dot_q6_k, dot4: Some(dot4_q6_k) },
         GgmlType::F32 => Kernels::Rows { dot: dot_f32, dot4: None },
         _ => return None,
     })
@@ -93,14 +93,7 @@ macro_rules! safe_entry {
     };
 }
 
-safe_entry!(dot_q4_k, q4_k_impl, 144, 292, 256);
-safe_entry!(dot_q6_k, q6_k_impl, 210, 292, 256);
 safe_entry!(dot_f32, f32_impl, 4, 4, 1);
-
-#[inline(always)]
-unsafe fn f16_at(p: *const u8) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
-}
 
 #[inline(always)]
 pub(crate) unsafe fn hsum(v: __m256) -> f32 {
@@ -146,129 +139,6 @@ unsafe fn f32_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
         i += 1;
     }
     s
-}
-
-/// Q4_K against R activation rows (q8_K); the weight block's scales and nibbles are decoded once.
-#[inline(always)]
-unsafe fn q4_k_acts<const R: usize>(w: *const u8, a: [*const u8; R], nb: usize) -> [f32; R] {
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut accm = [0.0f32; R];
-    let m4 = _mm256_set1_epi8(0xF);
-    for i in 0..nb {
-        let wb = w.add(i * 144);
-        let (dw, dminw) = (f16_at(wb), f16_at(wb.add(2)));
-        let sc = std::slice::from_raw_parts(wb.add(4), 12);
-        let mut sumi = [_mm256_setzero_si256(); R];
-        let mut msum = [0i32; R];
-        for j in 0..4 {
-            let (s1, m1) = super::scale_min_k4(2 * j, sc);
-            let (s2, m2) = super::scale_min_k4(2 * j + 1, sc);
-            let q = _mm256_loadu_si256(wb.add(16 + 32 * j) as *const __m256i);
-            let lo = _mm256_and_si256(q, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            for k in 0..R {
-                let ab = a[k].add(i * 292);
-                let bs = ab.add(260) as *const i16;
-                msum[k] += m1 as i32 * (bs.add(4 * j).read_unaligned() as i32 + bs.add(4 * j + 1).read_unaligned() as i32);
-                msum[k] += m2 as i32 * (bs.add(4 * j + 2).read_unaligned() as i32 + bs.add(4 * j + 3).read_unaligned() as i32);
-                let y1 = _mm256_loadu_si256(ab.add(4 + 64 * j) as *const __m256i);
-                let y2 = _mm256_loadu_si256(ab.add(4 + 64 * j + 32) as *const __m256i);
-                let p1 = _mm256_mullo_epi32(dot_u8_i8(lo, y1), _mm256_set1_epi32(s1 as i32));
-                let p2 = _mm256_mullo_epi32(dot_u8_i8(hi, y2), _mm256_set1_epi32(s2 as i32));
-                sumi[k] = _mm256_add_epi32(sumi[k], _mm256_add_epi32(p1, p2));
-            }
-        }
-        for k in 0..R {
-            let d8 = (a[k].add(i * 292) as *const f32).read_unaligned();
-            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d8 * dw), _mm256_cvtepi32_ps(sumi[k]), acc[k]);
-            accm[k] += d8 * dminw * msum[k] as f32;
-        }
-    }
-    let mut out = [0.0f32; R];
-    for k in 0..R {
-        out[k] = hsum(acc[k]) - accm[k];
-    }
-    out
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
-    q4_k_acts::<1>(w, [a], nb)[0]
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
-    q4_k_acts::<4>(w, a, nb)
-}
-
-/// Q6_K against R activation rows (q8_K); the weight block is decoded once.
-#[inline(always)]
-unsafe fn q6_k_acts<const R: usize>(w: *const u8, a: [*const u8; R], nb: usize) -> [f32; R] {
-    let mut acc = [_mm256_setzero_ps(); R];
-    let m4 = _mm256_set1_epi8(0xF);
-    let m2 = _mm256_set1_epi8(3);
-    let m32 = _mm256_set1_epi8(32);
-    for i in 0..nb {
-        let wb = w.add(i * 210);
-        let dw = f16_at(wb.add(208));
-        let mut sumi = [_mm256_setzero_si256(); R];
-        for half in 0..2 {
-            let ql = wb.add(64 * half);
-            let qh = _mm256_loadu_si256(wb.add(128 + 32 * half) as *const __m256i);
-            let sc = wb.add(192 + 8 * half) as *const i8;
-            let ql0 = _mm256_loadu_si256(ql as *const __m256i);
-            let ql1 = _mm256_loadu_si256(ql.add(32) as *const __m256i);
-            let qs = [
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)),
-            ];
-            for (c, q) in qs.iter().enumerate() {
-                // lanes 0..7 (the low 128 bits) take scale 2c, the high half scale 2c+1.
-                let scv = _mm256_set_m128i(_mm_set1_epi16(*sc.add(2 * c + 1) as i16), _mm_set1_epi16(*sc.add(2 * c) as i16));
-                for k in 0..R {
-                    // q in 0..63 unsigned; (q-32)*y = q*y - 32*y.
-                    let y = _mm256_loadu_si256(a[k].add(i * 292 + 4 + 128 * half + 32 * c) as *const __m256i);
-                    let p = _mm256_sub_epi16(_mm256_maddubs_epi16(*q, y), _mm256_maddubs_epi16(m32, y));
-                    sumi[k] = _mm256_add_epi32(sumi[k], _mm256_madd_epi16(p, scv));
-                }
-            }
-        }
-        for k in 0..R {
-            let d = (a[k].add(i * 292) as *const f32).read_unaligned() * dw;
-            acc[k] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[k]), acc[k]);
-        }
-    }
-    let mut out = [0.0f32; R];
-    for k in 0..R {
-        out[k] = hsum(acc[k]);
-    }
-    out
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
-    q6_k_acts::<1>(w, [a], nb)[0]
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k_x4(w: *const u8, a: [*const u8; 4], nb: usize) -> [f32; 4] {
-    q6_k_acts::<4>(w, a, nb)
-}
-
-pub fn dot4_q4_k(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
-    let nb = n / 256;
-    assert!(w.len() >= nb * 144 && a.iter().all(|r| r.len() >= nb * 292));
-    // SAFETY: handed out only after detecting AVX2, FMA and F16C; the assert bounds every load.
-    unsafe { q4_k_x4(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
-}
-
-pub fn dot4_q6_k(w: &[u8], a: [&[u8]; 4], n: usize) -> [f32; 4] {
-    let nb = n / 256;
-    assert!(w.len() >= nb * 210 && a.iter().all(|r| r.len() >= nb * 292));
-    // SAFETY: as above.
-    unsafe { q6_k_x4(w.as_ptr(), [a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr()], nb) }
 }
 
 // ---- The 32-value formats, on tiles of eight interleaved rows (see `tile`) ----------------
@@ -435,9 +305,9 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(
         for (k, &t) in tiles.iter().enumerate() {
             // Hardware prefetchers alone leave DRAM bandwidth unused when the weights do not fit
             // the caches (decode); ask for the bytes a few blocks ahead.
-            let qs = t.add(F::QAT * nb + F::QBYTES * i + PREFETCH);
+            let qs = t.wrapping_add(F::QAT * nb + F::QBYTES * i + PREFETCH);
             for line in (0..F::QBYTES).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(qs.add(line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(line) as *const i8);
             }
             let mut isum = start;
             let mut isum2 = [_mm256_setzero_si256(); R];
@@ -481,6 +351,166 @@ fn check<F: Fmt>(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, u
     (nb, tiles)
 }
 
+/// What the tile entry points need of a format: its kernel and its bounds check.
+trait TileFormat {
+    /// T consecutive tiles against R activation rows (T x R vectors of eight outputs).
+    unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nb: usize) -> [[__m256; R]; T];
+    /// Asserts every load the kernel will make is in bounds; returns (blocks per row, tiles).
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize);
+}
+
+impl<F: Fmt> TileFormat for F {
+    #[inline(always)]
+    unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nb: usize) -> [[__m256; R]; T] {
+        tile_kernel::<F, T, R, ISA>(t, a, nb)
+    }
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+        check::<F>(t, a, n, out)
+    }
+}
+
+// ---- K-quants on tiles: the same vpdpbusd scheme per 32- (Q4_K) or 16-value (Q6_K)
+// sub-block, whose integer sums are then weighted by the sub-block scales of each row (vpmulld)
+// before one conversion per superblock. Activations are q8_K: d (f32), 256 i8, 16 i16 sums.
+
+struct Q4K;
+struct Q6K;
+
+/// q8_K field offsets.
+const K_QS: usize = 4;
+const K_BSUMS: usize = 260;
+const K_BYTES: usize = 292;
+
+fn check_kquant(sb: usize, t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+    let nsb = n / 256;
+    let tiles = out.len() / a.len().max(1);
+    assert!((1..=8).contains(&a.len()) && out.len() == tiles * a.len(), "out must hold tiles x activation rows");
+    assert!(matches!((tiles, a.len()), (1, _) | (2, 1 | 2)), "tile kernels take 1 tile x 1..8 rows or 2 tiles x 1..2 rows");
+    assert!(t.len() >= tiles * nsb * sb, "weight tile too short");
+    assert!(a.iter().all(|r| r.len() >= nsb * K_BYTES), "activation row too short (size it with act_row_bytes)");
+    (nsb, tiles)
+}
+
+impl TileFormat for Q4K {
+    #[inline(always)]
+    unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
+        const SB: usize = super::tile::Q4K_TILE_BLOCK;
+        let m4 = _mm256_set1_epi8(0xF);
+        let mut acc = [[_mm256_setzero_ps(); R]; T];
+        for i in 0..nsb {
+            let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let sb = t.add((k * nsb + i) * SB);
+                for line in (0..SB).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(SB * T + line) as *const i8);
+                }
+                let mut total = [_mm256_setzero_si256(); R];
+                for sub in 0..8 {
+                    // Sub-block 2j takes the low nibbles of chunks 8j.., 2j+1 the high ones.
+                    let (j, high) = (sub / 2, sub % 2 == 1);
+                    let mut isum = [_mm256_setzero_si256(); R];
+                    for c in 0..8 {
+                        let raw = _mm256_loadu_si256(sb.add(160 + 256 * j + 32 * c) as *const __m256i);
+                        let w = if high { _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) } else { _mm256_and_si256(raw, m4) };
+                        for r in 0..R {
+                            isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 64 * j + 32 * high as usize + 4 * c)));
+                        }
+                    }
+                    let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sb.add(32 + 8 * sub) as *const __m128i));
+                    for r in 0..R {
+                        total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
+                    }
+                }
+                // Mins: sum over sub-blocks of m * (sum of the sub-block's activations), as
+                // i16 pairs (m_s, m_s+1) against (sum_s, sum_s+1).
+                let mut msum = [_mm256_setzero_si256(); R];
+                for p in 0..4 {
+                    let m0 = _mm_loadl_epi64(sb.add(96 + 16 * p) as *const __m128i);
+                    let m1 = _mm_loadl_epi64(sb.add(104 + 16 * p) as *const __m128i);
+                    let mm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m0, m1));
+                    for r in 0..R {
+                        let bs = ab[r].add(K_BSUMS) as *const i16;
+                        let pair = |s: usize| bs.add(2 * s).read_unaligned() as i32 + bs.add(2 * s + 1).read_unaligned() as i32;
+                        let both = (pair(2 * p) & 0xFFFF) | (pair(2 * p + 1) << 16);
+                        msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(mm, _mm256_set1_epi32(both)));
+                    }
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(sb.add(16) as *const __m128i));
+                for r in 0..R {
+                    let da = _mm256_set1_ps((ab[r] as *const f32).read_unaligned());
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(total[r]), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]), acc[r]);
+                }
+            }
+        }
+        acc
+    }
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+        check_kquant(super::tile::Q4K_TILE_BLOCK, t, a, n, out)
+    }
+}
+
+impl TileFormat for Q6K {
+    #[inline(always)]
+    unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
+        const SB: usize = super::tile::Q6K_TILE_BLOCK;
+        let (m4, m30) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
+        let mut acc = [[_mm256_setzero_ps(); R]; T];
+        for i in 0..nsb {
+            let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
+            for (k, acc) in acc.iter_mut().enumerate() {
+                let sb = t.add((k * nsb + i) * SB);
+                for line in (0..SB).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(SB * T + line) as *const i8);
+                }
+                let mut total = [_mm256_setzero_si256(); R];
+                // Value 128h + 32q + l (l = 4c + e) is in sub-block 8h + 2q + c/4.
+                for h in 0..2 {
+                    for q in 0..4 {
+                        for half in 0..2 {
+                            let sub = 8 * h + 2 * q + half;
+                            // The (q - 32) offset: start from -32 * (sum of the sub-block's activations).
+                            let mut isum: [__m256i; R] = std::array::from_fn(|r| {
+                                let bs = (ab[r].add(K_BSUMS + 2 * sub) as *const i16).read_unaligned() as i32;
+                                _mm256_set1_epi32(-32 * bs)
+                            });
+                            for c in 4 * half..4 * half + 4 {
+                                let qh = _mm256_loadu_si256(sb.add(1168 + 256 * h + 32 * c) as *const __m256i);
+                                let ql = _mm256_loadu_si256(sb.add(144 + 512 * h + 32 * (c + 8 * (q % 2))) as *const __m256i);
+                                let lo = if q < 2 { _mm256_and_si256(ql, m4) } else { _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) };
+                                let hi = match q {
+                                    0 => _mm256_slli_epi16(qh, 4),
+                                    1 => _mm256_slli_epi16(qh, 2),
+                                    2 => qh,
+                                    _ => _mm256_srli_epi16(qh, 2),
+                                };
+                                let w = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                                for r in 0..R {
+                                    isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * q + 4 * c)));
+                                }
+                            }
+                            let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sb.add(16 + 8 * sub) as *const __m128i));
+                            for r in 0..R {
+                                total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
+                            }
+                        }
+                    }
+                }
+                let dw = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
+                for r in 0..R {
+                    let da = _mm256_set1_ps((ab[r] as *const f32).read_unaligned());
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(total[r]), acc[r]);
+                }
+            }
+        }
+        acc
+    }
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+        check_kquant(super::tile::Q6K_TILE_BLOCK, t, a, n, out)
+    }
+}
+
 macro_rules! tile_entries {
     ($fmt:ident, $avx2:ident, $vnni:ident, $avx512:ident) => {
         tile_entries!(@one $fmt, AVX2, "avx2,fma,f16c", $avx2);
@@ -491,14 +521,14 @@ macro_rules! tile_entries {
         pub fn $name(t: &[u8], a: &[&[u8]], n: usize, out: &mut [[f32; 8]]) {
             #[target_feature(enable = $features)]
             unsafe fn k<const T: usize, const R: usize>(t: *const u8, a: &[&[u8]], nb: usize, out: &mut [[f32; 8]]) {
-                let acc = tile_kernel::<$fmt, T, R, { $isa }>(t, std::array::from_fn(|r| a[r].as_ptr()), nb);
+                let acc = <$fmt as TileFormat>::kernel::<T, R, { $isa }>(t, std::array::from_fn(|r| a[r].as_ptr()), nb);
                 for (k, tile) in acc.iter().enumerate() {
                     for (r, v) in tile.iter().enumerate() {
                         _mm256_storeu_ps(out[k * R + r].as_mut_ptr(), *v);
                     }
                 }
             }
-            let (nb, tiles) = check::<$fmt>(t, a, n, out);
+            let (nb, tiles) = <$fmt as TileFormat>::check(t, a, n, out);
             if $isa != AVX512 && tiles == 1 && a.len() > 4 {
                 // Sixteen vector registers hold the accumulators of at most four rows.
                 let (lo, hi) = out.split_at_mut(4);
@@ -528,6 +558,8 @@ tile_entries!(Q4_0, tile_q4_0, vnni_tile_q4_0, avx512_tile_q4_0);
 tile_entries!(Q4_1, tile_q4_1, vnni_tile_q4_1, avx512_tile_q4_1);
 tile_entries!(Q5_0, tile_q5_0, vnni_tile_q5_0, avx512_tile_q5_0);
 tile_entries!(Q8_0, tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0);
+tile_entries!(Q4K, tile_q4_k, vnni_tile_q4_k, avx512_tile_q4_k);
+tile_entries!(Q6K, tile_q6_k, vnni_tile_q6_k, avx512_tile_q6_k);
 
 /// Every tile kernel variant this CPU can run for `ty`, named, best last (tests compare them).
 pub fn tile_variants(ty: GgmlType) -> Vec<(&'static str, TileFn)> {
@@ -536,6 +568,8 @@ pub fn tile_variants(ty: GgmlType) -> Vec<(&'static str, TileFn)> {
         GgmlType::Q4_1 => [tile_q4_1, vnni_tile_q4_1, avx512_tile_q4_1],
         GgmlType::Q5_0 => [tile_q5_0, vnni_tile_q5_0, avx512_tile_q5_0],
         GgmlType::Q8_0 => [tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0],
+        GgmlType::Q4K => [tile_q4_k, vnni_tile_q4_k, avx512_tile_q4_k],
+        GgmlType::Q6K => [tile_q6_k, vnni_tile_q6_k, avx512_tile_q6_k],
         _ => return Vec::new(),
     };
     let usable = [has_avx2(), has_avx2() && has_vnni(), has_avx2() && has_avx512()];

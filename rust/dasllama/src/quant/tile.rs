@@ -11,7 +11,15 @@
 //!   bytes `4c..4c+4` of each row, whose low nibbles are values `4c..` and high nibbles `16+4c..`;
 //!   for Q8_0 chunk `c` (of 8) holds values `4c..4c+4`.
 //!
-//! A tile is exactly eight GGUF rows long, so tiling costs no memory beyond padding the last tile.
+//! Such a tile is exactly eight GGUF rows long, so tiling costs no memory beyond padding.
+//!
+//! The K-quants keep each superblock (256 values) of the eight rows together instead:
+//!
+//! - Q4_K (1184 bytes): `d[8]`, `dmin[8]` f16; the 6-bit scales and mins unpacked to bytes,
+//!   `sc[8 sub-blocks][8 rows]`, `m[8][8]`; quants `[32 chunks][8 rows][4 bytes]`, chunk `c`
+//!   holding the GGUF bytes `4c..4c+4` (low nibbles: sub-block `2(c/8)`, high: the next one).
+//! - Q6_K (1680 bytes, eight rows exactly): `d[8]` f16; `sc[16 sub-blocks][8 rows]` i8; `ql` as
+//!   `[32 chunks][8][4]`; `qh` as `[16 chunks][8][4]`.
 
 use super::GgmlType;
 
@@ -29,19 +37,90 @@ fn parts(ty: GgmlType) -> Option<[usize; 4]> {
     })
 }
 
+/// Bytes of one superblock of eight rows in a K-quant tile.
+pub const Q4K_TILE_BLOCK: usize = 1184;
+pub const Q6K_TILE_BLOCK: usize = 1680;
+
 pub fn has_layout(ty: GgmlType) -> bool {
-    parts(ty).is_some()
+    parts(ty).is_some() || matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
 }
 
 /// Bytes of one tile of rows `cols` long.
 pub fn tile_bytes(ty: GgmlType, cols: usize) -> usize {
-    TILE_ROWS * ty.row_bytes(cols)
+    match ty {
+        GgmlType::Q4K => cols / 256 * Q4K_TILE_BLOCK,
+        GgmlType::Q6K => cols / 256 * Q6K_TILE_BLOCK,
+        _ => TILE_ROWS * ty.row_bytes(cols),
+    }
+}
+
+/// K-quants: (offset in the GGUF block, offset in the tile's superblock, length) of every byte
+/// field of row `r` (Q4_K's packed scales excepted).
+fn kquant_moves(ty: GgmlType, r: usize) -> Vec<(usize, usize, usize)> {
+    let mut v = Vec::new();
+    match ty {
+        GgmlType::Q4K => {
+            v.extend([(0, 2 * r, 2), (2, 16 + 2 * r, 2)]);
+            v.extend((0..32).map(|c| (16 + 4 * c, 160 + 32 * c + 4 * r, 4)));
+        }
+        GgmlType::Q6K => {
+            v.push((208, 2 * r, 2));
+            v.extend((0..16).map(|s| (192 + s, 16 + 8 * s + r, 1)));
+            v.extend((0..32).map(|c| (4 * c, 144 + 32 * c + 4 * r, 4)));
+            v.extend((0..16).map(|c| (128 + 4 * c, 1168 + 32 * c + 4 * r, 4)));
+        }
+        _ => unreachable!("not a tiled K-quant"),
+    }
+    v
+}
+
+/// Q4_K's twelve bytes of 6-bit scales and mins, from the sixteen values (`scale_min_k4`'s inverse).
+fn pack_scale_min_k4(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
+    let mut q = [0u8; 12];
+    for j in 0..4 {
+        q[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        q[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+        q[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
+    }
+    q
+}
+
+/// Move row `r` of a K-quant tile between its GGUF bytes and the tile.
+fn kquant_row(ty: GgmlType, row: &mut [u8], tile: &mut [u8], r: usize, to_tile: bool) {
+    let (bb, sb) = (ty.block_bytes(), tile_bytes(ty, 256));
+    let moves = kquant_moves(ty, r);
+    for i in 0..row.len() / bb {
+        let (b, t) = (&mut row[i * bb..(i + 1) * bb], &mut tile[i * sb..(i + 1) * sb]);
+        for &(at, tat, len) in &moves {
+            if to_tile {
+                t[tat..tat + len].copy_from_slice(&b[at..at + len]);
+            } else {
+                b[at..at + len].copy_from_slice(&t[tat..tat + len]);
+            }
+        }
+        if ty == GgmlType::Q4K {
+            if to_tile {
+                for s in 0..8 {
+                    (t[32 + 8 * s + r], t[96 + 8 * s + r]) = super::scale_min_k4(s, &b[4..16]);
+                }
+            } else {
+                let (sc, m) = (std::array::from_fn(|s| t[32 + 8 * s + r]), std::array::from_fn(|s| t[96 + 8 * s + r]));
+                b[4..16].copy_from_slice(&pack_scale_min_k4(&sc, &m));
+            }
+        }
+    }
 }
 
 /// Up to eight GGUF rows -> one tile (missing rows are zero).
 pub fn tile_rows(ty: GgmlType, rows: &[&[u8]], tile: &mut [u8]) {
     assert!(rows.len() <= TILE_ROWS);
     tile.fill(0);
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+        for (r, row) in rows.iter().enumerate() {
+            kquant_row(ty, &mut row.to_vec(), tile, r, true);
+        }
+        return;
+    }
     for (r, row) in rows.iter().enumerate() {
         for (row_at, tile_at, len) in byte_fields(ty, row.len(), r) {
             tile[tile_at..tile_at + len].copy_from_slice(&row[row_at..row_at + len]);
@@ -58,6 +137,11 @@ pub fn tile_rows(ty: GgmlType, rows: &[&[u8]], tile: &mut [u8]) {
 
 /// Row `r` (0..8) of a tile -> its GGUF bytes.
 pub fn untile_row(ty: GgmlType, tile: &[u8], r: usize, row: &mut [u8]) {
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+        // The tile is only read: the direction flag keeps one copy of the field map.
+        let mut t = tile.to_vec();
+        return kquant_row(ty, row, &mut t, r, false);
+    }
     for (row_at, tile_at, len) in byte_fields(ty, row.len(), r) {
         row[row_at..row_at + len].copy_from_slice(&tile[tile_at..tile_at + len]);
     }
