@@ -2,27 +2,48 @@
 
 use half::f16;
 
-/// RMS norm with llama.cpp's f64 sum of squares; `w` multiplies afterwards, as ggml_mul does.
+/// RMS norm with llama.cpp's f64 sum of (f32) squares; `w` multiplies afterwards, as ggml_mul does.
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
-    let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let sum = sum_squares(x);
     let scale = 1.0 / ((sum / x.len() as f64) as f32 + eps).sqrt();
     for (v, g) in x.iter_mut().zip(w) {
         *v = *v * scale * g;
     }
 }
 
-/// Rotary embedding of one head at `pos`. `neox` pairs (i, i+d/2); otherwise (2i, 2i+1).
-/// theta advances by repeated f32 multiplication as in ggml's rope cache.
-pub fn rope(x: &mut [f32], n_dims: usize, pos: usize, base: f32, neox: bool) {
+/// Σ x² with each square rounded in f32 and summed in f64 (four f64 lanes where AVX2 exists:
+/// the order of f64 additions of f32 values moves the result by far less than an f32 ulp).
+fn sum_squares(x: &[f32]) -> f64 {
+    let mut i = 0;
+    let mut sum = 0.0f64;
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::avx2::has_avx2() {
+        // SAFETY: AVX2 detected; the kernel stays inside `x`.
+        (i, sum) = unsafe { simd::sum_squares(x) };
+    }
+    sum + x[i..].iter().map(|&v| (v * v) as f64).sum::<f64>()
+}
+
+/// The sines and cosines of one position's rotary angles, computed once and applied to every
+/// head (as ggml's rope cache): theta advances by repeated f32 multiplication.
+pub fn rope_cache(n_dims: usize, pos: usize, base: f32, out: &mut Vec<(f32, f32)>) {
     let theta_scale = base.powf(-2.0 / n_dims as f32);
     let mut theta = pos as f32;
-    for i in 0..n_dims / 2 {
-        let (s, c) = theta.sin_cos();
-        let (a, b) = if neox { (i, i + n_dims / 2) } else { (2 * i, 2 * i + 1) };
+    out.clear();
+    for _ in 0..n_dims / 2 {
+        out.push(theta.sin_cos());
+        theta *= theta_scale;
+    }
+}
+
+/// Rotary embedding of one head with a `rope_cache`. `neox` pairs (i, i+d/2); otherwise (2i, 2i+1).
+pub fn rope(x: &mut [f32], cache: &[(f32, f32)], neox: bool) {
+    let half = cache.len();
+    for (i, &(s, c)) in cache.iter().enumerate() {
+        let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
         let (x0, x1) = (x[a], x[b]);
         x[a] = x0 * c - x1 * s;
         x[b] = x0 * s + x1 * c;
-        theta *= theta_scale;
     }
 }
 
@@ -185,6 +206,22 @@ pub(crate) mod simd {
         n
     }
 
+    /// Σ x² over whole groups of eight (squares in f32, sums in four f64 lanes); returns (count, sum).
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn sum_squares(x: &[f32]) -> (usize, f64) {
+        let n = x.len() / 8 * 8;
+        let (mut a, mut b) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        for i in (0..n).step_by(8) {
+            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            let sq = _mm256_mul_ps(v, v);
+            a = _mm256_add_pd(a, _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
+            b = _mm256_add_pd(b, _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+        }
+        let mut lanes = [0.0f64; 4];
+        _mm256_storeu_pd(lanes.as_mut_ptr(), _mm256_add_pd(a, b));
+        (n, (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+    }
+
     /// Rounds the whole groups of eight; returns how many values it did.
     #[target_feature(enable = "avx2,f16c")]
     pub unsafe fn round_f16(x: &mut [f32]) -> usize {
@@ -222,6 +259,16 @@ mod tests {
                 let ulp = (want as f32).abs() * f32::EPSILON;
                 assert!(((*got as f64) - want).abs() <= 2.0 * ulp as f64, "exp({x}) = {got}, want {want}");
             }
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_a_sequential_f64_sum() {
+        for n in [64usize, 576, 577, 2048] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 0.0137).collect();
+            let seq: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+            let got = sum_squares(&x);
+            assert!((got - seq).abs() <= 1e-12 * seq, "n={n}: {got} vs {seq}");
         }
     }
 

@@ -120,11 +120,13 @@ fn forward_rows(
         let base = if swa { c.rope_base_swa } else { c.rope_base };
         let heads = |buf: &mut [f32], width: usize, norm: &Option<Vec<f32>>| {
             let each = |t: usize, row: &mut [f32]| {
+                let mut cache = Vec::with_capacity(c.rope_dim / 2);
+                ops::rope_cache(c.rope_dim, rows[t].1, base, &mut cache);
                 for hv in row.chunks_exact_mut(c.head_dim) {
                     if let Some(w) = norm {
                         ops::rms_norm(hv, w, c.norm_eps);
                     }
-                    ops::rope(hv, c.rope_dim, rows[t].1, base, c.rope_neox);
+                    ops::rope(hv, &cache, c.rope_neox);
                 }
             };
             if n >= 16 {
