@@ -99,17 +99,23 @@ impl KvCodec {
         o.iter_mut().zip(&tmp).for_each(|(a, b)| *a += p * b);
     }
 
-    /// out[j] = q · k_j for consecutive rows `k` of one head (`q.len()` values each).
-    pub fn dot_rows(self, q: &[f32], k: &[u8], out: &mut [f32]) {
-        let rb = self.bytes(q.len());
-        assert!(k.len() >= out.len() * rb, "KV rows too short");
+    /// out[g * stride + j] = q_g · k_j for the query heads `q` (`hd` values each) that share one KV
+    /// head, over consecutive rows `k` of it (`n` rows). Each K row is read once for all of them.
+    pub fn dot_rows(self, q: &[f32], hd: usize, k: &[u8], n: usize, out: &mut [f32], stride: usize) {
+        let (rb, heads) = (self.bytes(hd), q.len() / hd);
+        assert!(k.len() >= n * rb && out.len() >= (heads - 1) * stride + n, "KV rows or scores too short");
         #[cfg(target_arch = "x86_64")]
-        if self == KvCodec::F16 && crate::quant::avx2::has_avx2() {
-            // SAFETY: AVX2/FMA/F16C detected; `k` holds out.len() rows of q.len() halves (asserted).
-            return unsafe { simd::dot_rows_f16(q, k.as_ptr(), out) };
+        if self == KvCodec::F16 && hd.is_multiple_of(32) && crate::quant::avx2::has_avx2() {
+            for (g0, qg) in q.chunks(3 * hd).enumerate() {
+                // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
+                unsafe { simd::dot_rows_f16(qg, hd, k.as_ptr(), n, &mut out[3 * g0 * stride..], stride) };
+            }
+            return;
         }
-        for (j, o) in out.iter_mut().enumerate() {
-            *o = self.dot(q, &k[j * rb..(j + 1) * rb]);
+        for (g, qg) in q.chunks_exact(hd).enumerate() {
+            for j in 0..n {
+                out[g * stride + j] = self.dot(qg, &k[j * rb..(j + 1) * rb]);
+            }
         }
     }
 
@@ -199,13 +205,34 @@ mod simd {
         }
     }
 
-    /// Row by row with `dot_f16`'s summation order (what attention used before rows came in
-    /// runs), each row inlined rather than called.
+    /// Up to three query heads against each K row, converted once; per head the summation order
+    /// is `dot_f16`'s (four accumulators, 32 values apart), so scores do not depend on grouping.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_rows_f16(q: &[f32], k: *const u8, out: &mut [f32]) {
-        let rb = 2 * q.len();
-        for (j, o) in out.iter_mut().enumerate() {
-            *o = dot_f16(q, k.add(j * rb));
+    pub unsafe fn dot_rows_f16(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+        match q.len() / hd {
+            1 => heads_f16::<1>(q, hd, k, n, out, stride),
+            2 => heads_f16::<2>(q, hd, k, n, out, stride),
+            _ => heads_f16::<3>(q, hd, k, n, out, stride),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn heads_f16<const G: usize>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+        let a = q.as_ptr();
+        for j in 0..n {
+            let row = k.add(2 * hd * j);
+            let mut acc = [[_mm256_setzero_ps(); 4]; G];
+            for i in (0..hd).step_by(32) {
+                let kv: [__m256; 4] = std::array::from_fn(|m| f16x8(row.add(2 * (i + 8 * m))));
+                for (g, ac) in acc.iter_mut().enumerate() {
+                    for m in 0..4 {
+                        ac[m] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(g * hd + i + 8 * m)), kv[m], ac[m]);
+                    }
+                }
+            }
+            for (g, ac) in acc.iter().enumerate() {
+                out[g * stride + j] = hsum(_mm256_add_ps(_mm256_add_ps(ac[0], ac[1]), _mm256_add_ps(ac[2], ac[3])));
+            }
         }
     }
 

@@ -226,13 +226,12 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
                 ops::prefetch(&run[..run.len().min(1024)]);
             }
         };
-        for g in 0..group {
-            let (qg, sg) = (&qs[g * hdim..(g + 1) * hdim], &mut sc[g * nk..(g + 1) * nk]);
-            for (first, run) in lv.rows(false, kvh, start, pos + 1) {
-                let cnt = run.len() / codec.bytes(hdim);
-                fetch_next(false, first + cnt);
-                codec.dot_rows(qg, run, &mut sg[first - start..first - start + cnt]);
-            }
+        for (first, run) in lv.rows(false, kvh, start, pos + 1) {
+            let cnt = run.len() / codec.bytes(hdim);
+            fetch_next(false, first + cnt);
+            codec.dot_rows(&qs, hdim, run, cnt, &mut sc[first - start..], nk);
+        }
+        for sg in sc.chunks_exact_mut(nk) {
             sg.iter_mut().for_each(|v| *v *= c.attn_scale);
             ops::softmax(sg);
             ops::round_f16_slice(sg);
