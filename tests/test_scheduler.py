@@ -135,8 +135,6 @@ def test_bad_requests_are_refused_and_scheduler_stays_usable(smollm: dl.Model, p
     assert dl.n_queued(sch) == 2
     got = run(smollm, sch)
     assert tokens_of(got[1]) == reference[0] and tokens_of(got[2]) == reference[1]
-    with pytest.raises(NotImplementedError, match="tq4"):
-        dl.create_scheduler(smollm, page_rows=16, kv_dtype=dl.KVDtype.tq4)
     with pytest.raises(ValueError, match="paged pool"):
         dl.create_scheduler(smollm, page_rows=0, kv_dtype=dl.KVDtype.q8_0)
     assert not dl.evict(smollm, sch, 99, [])

@@ -17,8 +17,9 @@ KvPool = _native.KvPool
 
 
 class KVDtype(enum.Enum):
-    """How KV values are stored: f16 (llama.cpp's default cache) or q8_0 (32-value i8 blocks with
-    an f16 scale, about half the bytes; needs a pool). tq4 is not implemented yet."""
+    """How KV values are stored: f16 (llama.cpp's default cache), q8_0 (32-value i8 blocks with an
+    f16 scale, about half the bytes) or tq4 (each head sign-flipped and Walsh-Hadamard rotated,
+    then 4-bit blocks: a quarter of f16; needs a power-of-two head size). q8_0 and tq4 need a pool."""
 
     f16 = "f16"
     q8_0 = "q8_0"
@@ -26,9 +27,10 @@ class KVDtype(enum.Enum):
 
 
 def check_kv_dtype(kv_dtype: KVDtype | str) -> str:
-    if KVDtype(kv_dtype) is KVDtype.tq4:
-        raise NotImplementedError("the tq4 KV codec is not implemented yet; use KVDtype.f16 or KVDtype.q8_0")
-    return KVDtype(kv_dtype).value
+    try:
+        return KVDtype(kv_dtype).value
+    except ValueError:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; use one of {[k.value for k in KVDtype]}") from None
 
 
 @dataclass(frozen=True)

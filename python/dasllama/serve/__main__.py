@@ -44,8 +44,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name} must be at least 1")
     if args.page_rows < 0 or args.ctx < 0:
         ap.error("--page-rows and --ctx must be >= 0")
-    if KVDtype(args.kv_dtype) is KVDtype.tq4:
-        ap.error("--kv-dtype tq4 is not implemented yet; use f16 or q8_0")
     if KVDtype(args.kv_dtype) is not KVDtype.f16 and args.page_rows == 0:
         ap.error(f"--kv-dtype {args.kv_dtype} needs the paged pool (--page-rows > 0)")
     return args

@@ -4,6 +4,12 @@
 //! - `F16`: IEEE half, what llama.cpp's default cache holds. Reads convert with F16C.
 //! - `Q8_0`: 32-value blocks of i8 with an f16 scale (about half of f16), quantized as ggml's
 //!   reference `quantize_row_q8_0` does.
+//! - `Tq4`: a rotated 4-bit cache (18 bytes per 32 values, a quarter of f16). Each head vector is
+//!   multiplied by a fixed ±1 sign vector and rotated by an orthonormal fast Walsh–Hadamard
+//!   transform, which spreads outliers over the whole head so 4-bit blocks (ggml's q4_0 layout and
+//!   rounding) lose little. Rotations preserve dot products, so attention runs in the rotated
+//!   basis: the query is rotated once (`prepare_query`), and the head's output is rotated back
+//!   once (`finish_output`). Needs a power-of-two head size.
 
 use crate::quant::{rd_f16, wr_f16};
 use half::f16;
@@ -12,6 +18,7 @@ use half::f16;
 pub enum KvCodec {
     F16,
     Q8_0,
+    Tq4,
 }
 
 impl KvCodec {
@@ -19,6 +26,7 @@ impl KvCodec {
         match name {
             "f16" => Some(KvCodec::F16),
             "q8_0" => Some(KvCodec::Q8_0),
+            "tq4" => Some(KvCodec::Tq4),
             _ => None,
         }
     }
@@ -28,14 +36,39 @@ impl KvCodec {
         match self {
             KvCodec::F16 => 2 * n,
             KvCodec::Q8_0 => n / 32 * 34,
+            KvCodec::Tq4 => n / 32 * 18,
         }
     }
 
-    /// Whether rows of `kv_dim` values in heads of `head_dim` fit this codec.
+    /// What this codec needs of a head size, for error messages.
+    pub fn requirement(self) -> &'static str {
+        match self {
+            KvCodec::F16 => "any head size",
+            KvCodec::Q8_0 => "a head size that is a multiple of 32",
+            KvCodec::Tq4 => "a head size that is a power of two, at least 32",
+        }
+    }
+
+    /// Whether heads of `head_dim` values fit this codec.
     pub fn supports(self, head_dim: usize) -> bool {
         match self {
             KvCodec::F16 => true,
             KvCodec::Q8_0 => head_dim.is_multiple_of(32),
+            KvCodec::Tq4 => head_dim.is_power_of_two() && head_dim >= 32,
+        }
+    }
+
+    /// Query heads (`hd` values each) into the basis K is stored in.
+    pub fn prepare_query(self, q: &mut [f32], hd: usize) {
+        if self == KvCodec::Tq4 {
+            q.chunks_exact_mut(hd).for_each(rotate);
+        }
+    }
+
+    /// Attention output heads (`hd` values each, summed in the stored basis) back to the model's.
+    pub fn finish_output(self, o: &mut [f32], hd: usize) {
+        if self == KvCodec::Tq4 {
+            o.chunks_exact_mut(hd).for_each(unrotate);
         }
     }
 
@@ -54,6 +87,11 @@ impl KvCodec {
                 }
             }
             KvCodec::Q8_0 => crate::quant::quantize_weights_q8_0(src, dst),
+            KvCodec::Tq4 => {
+                let mut x = src.to_vec();
+                rotate(&mut x);
+                quantize_q4_0(&x, dst);
+            }
         }
     }
 
@@ -68,6 +106,7 @@ impl KvCodec {
                 match self {
                     KvCodec::F16 => simd::dot_f16(q, k.as_ptr()),
                     KvCodec::Q8_0 => simd::dot_q8(q, k.as_ptr()),
+                    KvCodec::Tq4 => simd::dot_q4(q, k.as_ptr()),
                 }
             };
         }
@@ -91,6 +130,7 @@ impl KvCodec {
                 match self {
                     KvCodec::F16 => simd::axpy_f16(o, p, v.as_ptr()),
                     KvCodec::Q8_0 => simd::axpy_q8(o, p, v.as_ptr()),
+                    KvCodec::Tq4 => simd::axpy_q4(o, p, v.as_ptr()),
                 }
             };
         }
@@ -150,6 +190,64 @@ impl KvCodec {
                     }
                 }
             }
+            // Values in the rotated basis (what attention works in).
+            KvCodec::Tq4 => crate::quant::dequantize_row(crate::quant::GgmlType::Q4_0, &src[..self.bytes(dst.len())], dst),
+        }
+    }
+}
+
+/// The fixed ±1 signs of the tq4 rotation (an LCG from seed 0xC0FFEE, one sign per top bit).
+fn tq4_signs(n: usize) -> impl Iterator<Item = f32> {
+    let mut state = 0xC0FFEEu64;
+    (0..n).map(move |_| {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        if state >> 63 == 1 { -1.0 } else { 1.0 }
+    })
+}
+
+/// Orthonormal fast Walsh–Hadamard transform in place (its own inverse).
+fn fwht(x: &mut [f32]) {
+    let n = x.len();
+    let mut len = 1;
+    while len < n {
+        for i in (0..n).step_by(2 * len) {
+            for j in i..i + len {
+                let (a, b) = (x[j], x[j + len]);
+                x[j] = a + b;
+                x[j + len] = a - b;
+            }
+        }
+        len *= 2;
+    }
+    let scale = 1.0 / (n as f32).sqrt();
+    x.iter_mut().for_each(|v| *v *= scale);
+}
+
+/// x -> H (s ⊙ x).
+fn rotate(x: &mut [f32]) {
+    let n = x.len();
+    x.iter_mut().zip(tq4_signs(n)).for_each(|(v, s)| *v *= s);
+    fwht(x);
+}
+
+/// y -> s ⊙ (H y), the inverse of `rotate` (H is symmetric and orthonormal).
+fn unrotate(y: &mut [f32]) {
+    fwht(y);
+    let n = y.len();
+    y.iter_mut().zip(tq4_signs(n)).for_each(|(v, s)| *v *= s);
+}
+
+/// ggml's reference q4_0 rounding: the scale is the signed value of largest magnitude over -8.
+fn quantize_q4_0(x: &[f32], out: &mut [u8]) {
+    for (ib, xb) in x.chunks_exact(32).enumerate() {
+        let b = &mut out[ib * 18..(ib + 1) * 18];
+        let max = xb.iter().fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        wr_f16(b, 0, d);
+        for j in 0..16 {
+            let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+            b[2 + j] = q(xb[j]) | (q(xb[16 + j]) << 4);
         }
     }
 }
@@ -266,6 +364,48 @@ mod simd {
         n
     }
 
+    /// The 32 values of a q4_0 block (nibble - 8) as four vectors of eight f32, unscaled.
+    #[inline(always)]
+    unsafe fn q4_block(blk: *const u8) -> [__m256; 4] {
+        let raw = _mm_loadu_si128(blk.add(2) as *const __m128i);
+        let m4 = _mm_set1_epi8(0xF);
+        let eight = _mm_set1_epi8(8);
+        let lo = _mm_sub_epi8(_mm_and_si128(raw, m4), eight);
+        let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), eight);
+        let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        [f(lo), f(_mm_srli_si128(lo, 8)), f(hi), f(_mm_srli_si128(hi, 8))]
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4(q: &[f32], k: *const u8) -> f32 {
+        let a = q.as_ptr();
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..q.len() / 32 {
+            let blk = k.add(18 * b);
+            let v = q4_block(blk);
+            let mut t = _mm256_mul_ps(_mm256_loadu_ps(a.add(32 * b)), v[0]);
+            for (j, vj) in v.iter().enumerate().skip(1) {
+                t = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(32 * b + 8 * j)), *vj, t);
+            }
+            let d = _mm256_set1_ps(super::f16::from_bits((blk as *const u16).read_unaligned()).to_f32());
+            acc = _mm256_fmadd_ps(d, t, acc);
+        }
+        hsum(acc)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_q4(o: &mut [f32], p: f32, v: *const u8) {
+        let y = o.as_mut_ptr();
+        for b in 0..o.len() / 32 {
+            let blk = v.add(18 * b);
+            let pd = _mm256_set1_ps(p * super::f16::from_bits((blk as *const u16).read_unaligned()).to_f32());
+            for (j, vj) in q4_block(blk).iter().enumerate() {
+                let at = y.add(32 * b + 8 * j);
+                _mm256_storeu_ps(at, _mm256_fmadd_ps(pd, *vj, _mm256_loadu_ps(at)));
+            }
+        }
+    }
+
     /// 8 i8 at `p` as f32.
     #[inline(always)]
     unsafe fn i8x8(p: *const u8) -> __m256 {
@@ -305,6 +445,49 @@ mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tq4_rotation_is_orthonormal_and_its_blocks_are_close() {
+        assert!(KvCodec::Tq4.supports(256) && !KvCodec::Tq4.supports(48) && !KvCodec::Tq4.supports(16));
+        let hd = 64;
+        let x: Vec<f32> = (0..hd).map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.3 + if i == 5 { 9.0 } else { 0.0 }).collect();
+        let y: Vec<f32> = (0..hd).map(|i| ((i * 11 % 13) as f32 - 6.0) * 0.2).collect();
+        let (mut rx, mut ry) = (x.clone(), y.clone());
+        rotate(&mut rx);
+        rotate(&mut ry);
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f32>();
+        assert!((dot(&rx, &ry) - dot(&x, &y)).abs() < 1e-4, "rotation must keep dot products");
+        let mut back = rx.clone();
+        unrotate(&mut back);
+        assert!(back.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-5), "unrotate must invert rotate");
+        // Stored K, a rotated query: the score is close to the exact one; V summed in the rotated
+        // basis comes back close to the original after finish_output.
+        let mut k = vec![0u8; KvCodec::Tq4.bytes(hd)];
+        KvCodec::Tq4.encode(&x, &mut k);
+        let mut q = y.clone();
+        KvCodec::Tq4.prepare_query(&mut q, hd);
+        let score = KvCodec::Tq4.dot(&q, &k);
+        let norm = dot(&x, &x).sqrt() * dot(&y, &y).sqrt();
+        assert!((score - dot(&x, &y)).abs() < 0.05 * norm, "score {score} vs {}", dot(&x, &y));
+        let mut o = vec![0.0f32; hd];
+        KvCodec::Tq4.axpy(&mut o, 1.0, &k);
+        KvCodec::Tq4.finish_output(&mut o, hd);
+        let err = o.iter().zip(&x).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+        assert!(err < 0.1 * dot(&x, &x).sqrt(), "round trip error {err}");
+    }
+
+    #[test]
+    fn tq4_blocks_round_like_ggml_q4_0() {
+        let x: Vec<f32> = (0..32).map(|i| i as f32 - 12.0).collect();
+        let mut b = vec![0u8; 18];
+        quantize_q4_0(&x, &mut b);
+        let mut back = vec![0.0f32; 32];
+        crate::quant::dequantize_row(crate::quant::GgmlType::Q4_0, &b, &mut back);
+        // max = 19 -> d = -19/8; every value within half a step.
+        let d = 19.0f32 / 8.0;
+        assert!(back.iter().zip(&x).all(|(a, v)| (a - v).abs() <= d / 2.0 + 1e-3), "{back:?}");
+        assert_eq!(back[31], 19.0, "the value of largest magnitude is exact");
+    }
 
     #[test]
     fn f16_encoding_rounds_like_half() {

@@ -153,7 +153,12 @@ impl KvPool {
             return Err(Error::InvalidArgument("the KV pool geometry does not match the model".into()));
         }
         if !geo.codec.supports(m.config.head_dim) {
-            return Err(Error::InvalidArgument(format!("the KV codec {:?} needs a head size that is a multiple of 32; this model's is {}", geo.codec, m.config.head_dim)));
+            return Err(Error::InvalidArgument(format!(
+                "the KV codec {:?} needs {}; this model's head size is {}: use f16",
+                geo.codec,
+                geo.codec.requirement(),
+                m.config.head_dim
+            )));
         }
         KvPool::new(geo, max_pages, max_cached)
     }

@@ -218,6 +218,7 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
         let base = t * qd + kvh * group * hdim;
         let mut qs = q[base..base + group * hdim].to_vec();
         ops::round_f16_slice(&mut qs);
+        codec.prepare_query(&mut qs, hdim);
         let mut sc = vec![0.0f32; group * nk];
         // Rows come in runs that share a page (contiguous per head); a batch's KV outgrows L3,
         // so fetch the next run's first lines while this one is read.
@@ -245,6 +246,7 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
                 codec.axpy_rows(og, &pg[first - start..first - start + cnt], run);
             }
         }
+        codec.finish_output(o, hdim);
     };
     let work: usize = rows.iter().map(|r| r.1 + 1).sum::<usize>() * c.n_heads;
     let width = group * hdim;
