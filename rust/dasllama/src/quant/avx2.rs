@@ -391,60 +391,82 @@ fn check_kquant(sb: usize, t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) ->
     (nsb, tiles)
 }
 
-impl TileFormat for Q4K {
-    #[inline(always)]
-    unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
-        const SB: usize = super::tile::Q4K_TILE_BLOCK;
-        let m4 = _mm256_set1_epi8(0xF);
-        let mut acc = [[_mm256_setzero_ps(); R]; T];
-        for i in 0..nsb {
-            let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
-            for (k, acc) in acc.iter_mut().enumerate() {
-                let sb = t.add((k * nsb + i) * SB);
-                for line in (0..SB).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(SB * T + line) as *const i8);
-                }
-                let mut total = [_mm256_setzero_si256(); R];
-                for sub in 0..8 {
-                    // Sub-block 2j takes the low nibbles of chunks 8j.., 2j+1 the high ones.
-                    let (j, high) = (sub / 2, sub % 2 == 1);
-                    let mut isum = [_mm256_setzero_si256(); R];
-                    for c in 0..8 {
-                        let raw = _mm256_loadu_si256(sb.add(160 + 256 * j + 32 * c) as *const __m256i);
-                        let w = if high { _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) } else { _mm256_and_si256(raw, m4) };
-                        for r in 0..R {
-                            isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 64 * j + 32 * high as usize + 4 * c)));
-                        }
-                    }
-                    let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sb.add(32 + 8 * sub) as *const __m128i));
-                    for r in 0..R {
-                        total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
-                    }
-                }
-                // Mins: sum over sub-blocks of m * (sum of the sub-block's activations), as
-                // i16 pairs (m_s, m_s+1) against (sum_s, sum_s+1).
-                let mut msum = [_mm256_setzero_si256(); R];
-                for p in 0..4 {
-                    let m0 = _mm_loadl_epi64(sb.add(96 + 16 * p) as *const __m128i);
-                    let m1 = _mm_loadl_epi64(sb.add(104 + 16 * p) as *const __m128i);
-                    let mm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m0, m1));
-                    for r in 0..R {
-                        let bs = ab[r].add(K_BSUMS) as *const i16;
-                        let pair = |s: usize| bs.add(2 * s).read_unaligned() as i32 + bs.add(2 * s + 1).read_unaligned() as i32;
-                        let both = (pair(2 * p) & 0xFFFF) | (pair(2 * p + 1) << 16);
-                        msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(mm, _mm256_set1_epi32(both)));
-                    }
-                }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
+/// The superblock walk both K-quant kernels share. For each superblock of each tile `body`
+/// returns, per activation row, the scale-weighted integer sum and (Q4_K) the mins' sum; they
+/// land in the accumulators as d_w·d_a·sum − dmin_w·d_a·mins (d_w at the superblock's start,
+/// dmin_w right after it).
+#[inline(always)]
+unsafe fn kquant_tiles<const T: usize, const R: usize>(
+    t: *const u8,
+    a: [*const u8; R],
+    nsb: usize,
+    sb_bytes: usize,
+    body: impl Fn(*const u8, &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>),
+) -> [[__m256; R]; T] {
+    let mut acc = [[_mm256_setzero_ps(); R]; T];
+    for i in 0..nsb {
+        let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let sb = t.add((k * nsb + i) * sb_bytes);
+            for line in (0..sb_bytes).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(sb_bytes * T + line) as *const i8);
+            }
+            let (total, mins) = body(sb, &ab);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
+            for r in 0..R {
+                let da = _mm256_set1_ps((ab[r] as *const f32).read_unaligned());
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(total[r]), acc[r]);
+            }
+            if let Some(mins) = mins {
                 let dmin = _mm256_cvtph_ps(_mm_loadu_si128(sb.add(16) as *const __m128i));
                 for r in 0..R {
                     let da = _mm256_set1_ps((ab[r] as *const f32).read_unaligned());
-                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(total[r]), acc[r]);
-                    acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(mins[r]), acc[r]);
                 }
             }
         }
-        acc
+    }
+    acc
+}
+
+impl TileFormat for Q4K {
+    #[inline(always)]
+    unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
+        let m4 = _mm256_set1_epi8(0xF);
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q4K_TILE_BLOCK, |sb, ab| {
+            let mut total = [_mm256_setzero_si256(); R];
+            for sub in 0..8 {
+                // Sub-block 2j takes the low nibbles of chunks 8j.., 2j+1 the high ones.
+                let (j, high) = (sub / 2, sub % 2 == 1);
+                let mut isum = [_mm256_setzero_si256(); R];
+                for c in 0..8 {
+                    let raw = _mm256_loadu_si256(sb.add(160 + 256 * j + 32 * c) as *const __m256i);
+                    let w = if high { _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) } else { _mm256_and_si256(raw, m4) };
+                    for r in 0..R {
+                        isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 64 * j + 32 * high as usize + 4 * c)));
+                    }
+                }
+                let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sb.add(32 + 8 * sub) as *const __m128i));
+                for r in 0..R {
+                    total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
+                }
+            }
+            // Mins: over sub-blocks, m * (sum of the sub-block's activations), as i16 pairs
+            // (m_s, m_s+1) against (sum_s, sum_s+1).
+            let mut mins = [_mm256_setzero_si256(); R];
+            for p in 0..4 {
+                let m0 = _mm_loadl_epi64(sb.add(96 + 16 * p) as *const __m128i);
+                let m1 = _mm_loadl_epi64(sb.add(104 + 16 * p) as *const __m128i);
+                let mm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m0, m1));
+                for r in 0..R {
+                    let bs = ab[r].add(K_BSUMS) as *const i16;
+                    let pair = |s: usize| bs.add(2 * s).read_unaligned() as i32 + bs.add(2 * s + 1).read_unaligned() as i32;
+                    let both = (pair(2 * p) & 0xFFFF) | (pair(2 * p + 1) << 16);
+                    mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mm, _mm256_set1_epi32(both)));
+                }
+            }
+            (total, Some(mins))
+        })
     }
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
         check_kquant(super::tile::Q4K_TILE_BLOCK, t, a, n, out)
@@ -454,57 +476,43 @@ impl TileFormat for Q4K {
 impl TileFormat for Q6K {
     #[inline(always)]
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
-        const SB: usize = super::tile::Q6K_TILE_BLOCK;
         let (m4, m30) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
-        let mut acc = [[_mm256_setzero_ps(); R]; T];
-        for i in 0..nsb {
-            let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
-            for (k, acc) in acc.iter_mut().enumerate() {
-                let sb = t.add((k * nsb + i) * SB);
-                for line in (0..SB).step_by(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(SB * T + line) as *const i8);
-                }
-                let mut total = [_mm256_setzero_si256(); R];
-                // Value 128h + 32q + l (l = 4c + e) is in sub-block 8h + 2q + c/4.
-                for h in 0..2 {
-                    for q in 0..4 {
-                        for half in 0..2 {
-                            let sub = 8 * h + 2 * q + half;
-                            // The (q - 32) offset: start from -32 * (sum of the sub-block's activations).
-                            let mut isum: [__m256i; R] = std::array::from_fn(|r| {
-                                let bs = (ab[r].add(K_BSUMS + 2 * sub) as *const i16).read_unaligned() as i32;
-                                _mm256_set1_epi32(-32 * bs)
-                            });
-                            for c in 4 * half..4 * half + 4 {
-                                let qh = _mm256_loadu_si256(sb.add(1168 + 256 * h + 32 * c) as *const __m256i);
-                                let ql = _mm256_loadu_si256(sb.add(144 + 512 * h + 32 * (c + 8 * (q % 2))) as *const __m256i);
-                                let lo = if q < 2 { _mm256_and_si256(ql, m4) } else { _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) };
-                                let hi = match q {
-                                    0 => _mm256_slli_epi16(qh, 4),
-                                    1 => _mm256_slli_epi16(qh, 2),
-                                    2 => qh,
-                                    _ => _mm256_srli_epi16(qh, 2),
-                                };
-                                let w = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
-                                for r in 0..R {
-                                    isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * q + 4 * c)));
-                                }
-                            }
-                            let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sb.add(16 + 8 * sub) as *const __m128i));
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q6K_TILE_BLOCK, |sb, ab| {
+            let mut total = [_mm256_setzero_si256(); R];
+            // Value 128h + 32q + l (l = 4c + e) is in sub-block 8h + 2q + c/4.
+            for h in 0..2 {
+                for q in 0..4 {
+                    for half in 0..2 {
+                        let sub = 8 * h + 2 * q + half;
+                        // The (q - 32) offset: start from -32 * (sum of the sub-block's activations).
+                        let mut isum: [__m256i; R] = std::array::from_fn(|r| {
+                            let bs = (ab[r].add(K_BSUMS + 2 * sub) as *const i16).read_unaligned() as i32;
+                            _mm256_set1_epi32(-32 * bs)
+                        });
+                        for c in 4 * half..4 * half + 4 {
+                            let qh = _mm256_loadu_si256(sb.add(1168 + 256 * h + 32 * c) as *const __m256i);
+                            let ql = _mm256_loadu_si256(sb.add(144 + 512 * h + 32 * (c + 8 * (q % 2))) as *const __m256i);
+                            let lo = if q < 2 { _mm256_and_si256(ql, m4) } else { _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) };
+                            let hi = match q {
+                                0 => _mm256_slli_epi16(qh, 4),
+                                1 => _mm256_slli_epi16(qh, 2),
+                                2 => qh,
+                                _ => _mm256_srli_epi16(qh, 2),
+                            };
+                            let w = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
                             for r in 0..R {
-                                total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
+                                isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * q + 4 * c)));
                             }
+                        }
+                        let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sb.add(16 + 8 * sub) as *const __m128i));
+                        for r in 0..R {
+                            total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
                         }
                     }
                 }
-                let dw = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
-                for r in 0..R {
-                    let da = _mm256_set1_ps((ab[r] as *const f32).read_unaligned());
-                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(total[r]), acc[r]);
-                }
             }
-        }
-        acc
+            (total, None)
+        })
     }
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
         check_kquant(super::tile::Q6K_TILE_BLOCK, t, a, n, out)
