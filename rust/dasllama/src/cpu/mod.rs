@@ -24,7 +24,7 @@ pub fn n_threads() -> usize {
     })
 }
 
-/// The rayon pool for load-time work (repacking, conversions); the forward pass runs on `team`.
+/// The rayon pool for load-time work (tiling, conversions); the forward pass runs on `team`.
 pub fn pool() -> &'static rayon::ThreadPool {
     static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
     POOL.get_or_init(|| {
@@ -200,24 +200,12 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
                     }
                 }
             }
-            Kernels::Rows { dot, dot4 } => {
+            Kernels::Rows(dot) => {
                 let wrb = w.row_bytes();
-                let wrow = |r: usize| &wb[r * wrb..(r + 1) * wrb];
                 for t0 in (0..n).step_by(TOKEN_TILE) {
-                    let t1 = (t0 + TOKEN_TILE).min(n);
                     for r in lo..hi {
-                        let wr = wrow(r);
-                        let mut t = t0;
-                        if let Some(d4) = dot4 {
-                            while t + 4 <= t1 {
-                                let v = d4(wr, [arow(t), arow(t + 1), arow(t + 2), arow(t + 3)], k);
-                                for (j, vj) in v.into_iter().enumerate() {
-                                    put(t + j, r, vj);
-                                }
-                                t += 4;
-                            }
-                        }
-                        for t in t..t1 {
+                        let wr = &wb[r * wrb..(r + 1) * wrb];
+                        for t in t0..(t0 + TOKEN_TILE).min(n) {
                             put(t, r, dot(wr, arow(t), k));
                         }
                     }

@@ -45,7 +45,7 @@ pub fn kernels(ty: GgmlType) -> Option<Kernels> {
         return Some(Kernels::Tiles(best));
     }
     Some(match ty {
-        GgmlType::F32 => Kernels::Rows { dot: dot_f32, dot4: None },
+        GgmlType::F32 => Kernels::Rows(dot_f32),
         _ => return None,
     })
 }

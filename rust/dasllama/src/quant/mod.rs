@@ -400,9 +400,8 @@ pub fn quantize_weights_q8_0(x: &[f32], out: &mut [u8]) {
 /// The kernels for one weight format on this CPU, and the weight layout they read.
 #[derive(Clone, Copy)]
 pub enum Kernels {
-    /// GGUF rows: `dot`, and `dot4` (one weight row against four activation rows, bit-identical
-    /// to four `dot`s) where written.
-    Rows { dot: DotFn, dot4: Option<Dot4Fn> },
+    /// GGUF rows, one dot product at a time (the scalar twins, and F32 on AVX2).
+    Rows(DotFn),
     /// Weights in the `tile` layout: eight rows against one to four activation rows at once.
     Tiles(TileFn),
 }
@@ -412,12 +411,11 @@ pub fn kernels(ty: GgmlType) -> Kernels {
     if let Some(k) = avx2::kernels(ty) {
         return k;
     }
-    Kernels::Rows { dot: scalar::dot_fn(ty), dot4: None }
+    Kernels::Rows(scalar::dot_fn(ty))
 }
 
 /// `dot(weight_row, activation_row, n)`; the activation row is `act_row_bytes` long.
 pub type DotFn = fn(&[u8], &[u8], usize) -> f32;
-pub type Dot4Fn = fn(&[u8], [&[u8]; 4], usize) -> [f32; 4];
 /// `tile(weight_tiles, activation_rows, n, out)` for T = out.len() / activation_rows.len()
 /// consecutive tiles (1 with up to 8 rows, or 2 with at most 2): out[k*R + r][j] = dot(row j of tile k, row r).
 pub type TileFn = fn(&[u8], &[&[u8]], usize, &mut [[f32; 8]]);
