@@ -159,17 +159,24 @@ impl KvCodec {
         }
     }
 
-    /// o += Σ_j p[j] · v_j for consecutive rows `v` of one head (`o.len()` values each).
-    pub fn axpy_rows(self, o: &mut [f32], p: &[f32], v: &[u8]) {
-        let rb = self.bytes(o.len());
-        assert!(v.len() >= p.len() * rb, "KV rows too short");
+    /// o_g += Σ_j p[g * stride + j] · v_j for the query heads of one KV head (`o`: heads of `hd`
+    /// values), over `n` consecutive rows `v` of it. Each V row is read once for all heads; per
+    /// output the sum runs over j in order, whatever the grouping.
+    pub fn axpy_rows(self, o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: &[u8], n: usize) {
+        let (rb, heads) = (self.bytes(hd), o.len() / hd);
+        assert!(v.len() >= n * rb && p.len() >= (heads - 1) * stride + n, "KV rows or weights too short");
         #[cfg(target_arch = "x86_64")]
-        if self == KvCodec::F16 && o.len().is_multiple_of(64) && crate::quant::avx2::has_avx2() {
-            // SAFETY: AVX2/FMA/F16C detected; `v` holds p.len() rows of o.len() halves (asserted).
-            return unsafe { simd::axpy_rows_f16(o, p, v.as_ptr()) };
+        if self == KvCodec::F16 && hd.is_multiple_of(32) && crate::quant::avx2::has_avx2() {
+            for (g0, og) in o.chunks_mut(3 * hd).enumerate() {
+                // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
+                unsafe { simd::axpy_rows_f16(og, hd, &p[3 * g0 * stride..], stride, v.as_ptr(), n) };
+            }
+            return;
         }
-        for (j, &pj) in p.iter().enumerate() {
-            self.axpy(o, pj, &v[j * rb..(j + 1) * rb]);
+        for (g, og) in o.chunks_exact_mut(hd).enumerate() {
+            for j in 0..n {
+                self.axpy(og, p[g * stride + j], &v[j * rb..(j + 1) * rb]);
+            }
         }
     }
 
@@ -334,21 +341,36 @@ mod simd {
         }
     }
 
-    /// 64 outputs at a time stay in eight registers while every row adds into them.
+    /// Up to three heads' outputs, 32 values at a time, stay in registers while every V row
+    /// (converted once for all of them) adds into them.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy_rows_f16(o: &mut [f32], p: &[f32], v: *const u8) {
-        let rb = 2 * o.len();
-        for c in (0..o.len()).step_by(64) {
-            let y = o.as_mut_ptr().add(c);
-            let mut acc: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(y.add(8 * i)));
-            for (j, &pj) in p.iter().enumerate() {
-                let pv = _mm256_set1_ps(pj);
-                for (i, ac) in acc.iter_mut().enumerate() {
-                    *ac = _mm256_fmadd_ps(pv, f16x8(v.add(j * rb + 2 * (c + 8 * i))), *ac);
+    pub unsafe fn axpy_rows_f16(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
+        match o.len() / hd {
+            1 => values_f16::<1>(o, hd, p, stride, v, n),
+            2 => values_f16::<2>(o, hd, p, stride, v, n),
+            _ => values_f16::<3>(o, hd, p, stride, v, n),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn values_f16<const G: usize>(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
+        for c in (0..hd).step_by(32) {
+            let y = o.as_mut_ptr();
+            let mut acc: [[__m256; 4]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm256_loadu_ps(y.add(g * hd + c + 8 * m))));
+            for j in 0..n {
+                let row = v.add(2 * (hd * j + c));
+                let vv: [__m256; 4] = std::array::from_fn(|m| f16x8(row.add(16 * m)));
+                for (g, ac) in acc.iter_mut().enumerate() {
+                    let pv = _mm256_set1_ps(p[g * stride + j]);
+                    for m in 0..4 {
+                        ac[m] = _mm256_fmadd_ps(pv, vv[m], ac[m]);
+                    }
                 }
             }
-            for (i, ac) in acc.iter().enumerate() {
-                _mm256_storeu_ps(y.add(8 * i), *ac);
+            for (g, ac) in acc.iter().enumerate() {
+                for m in 0..4 {
+                    _mm256_storeu_ps(y.add(g * hd + c + 8 * m), ac[m]);
+                }
             }
         }
     }

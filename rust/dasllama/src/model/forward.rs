@@ -238,13 +238,10 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
             ops::round_f16_slice(sg);
         }
         o.fill(0.0);
-        for g in 0..group {
-            let (og, pg) = (&mut o[g * hdim..(g + 1) * hdim], &sc[g * nk..(g + 1) * nk]);
-            for (first, run) in lv.rows(true, kvh, start, pos + 1) {
-                let cnt = run.len() / codec.bytes(hdim);
-                fetch_next(true, first + cnt);
-                codec.axpy_rows(og, &pg[first - start..first - start + cnt], run);
-            }
+        for (first, run) in lv.rows(true, kvh, start, pos + 1) {
+            let cnt = run.len() / codec.bytes(hdim);
+            fetch_next(true, first + cnt);
+            codec.axpy_rows(o, hdim, &sc[first - start..], nk, run, cnt);
         }
         codec.finish_output(o, hdim);
     };
