@@ -119,6 +119,25 @@ fn simd_q8_activation_blocks_match_scalar() {
 }
 
 #[test]
+fn simd_q8k_activation_blocks_match_scalar() {
+    let mut rng = Lcg(11);
+    for case in 0..400 {
+        let x: Vec<f32> = (0..256)
+            .map(|_| match case % 4 {
+                0 => rng.f() * 10.0,
+                1 => [0.0, 0.5, -0.5, 1.5, 127.0, -127.0, -2.5][rng.next() as usize % 7],
+                2 => 0.0,
+                _ => (rng.next() % 255) as f32 - 127.0,
+            })
+            .collect();
+        let (mut a, mut b) = (vec![0u8; 292], vec![0u8; 292]);
+        dasllama::quant::q8k_block(&x, &mut a);
+        scalar::q8k_block(&x, &mut b);
+        assert_eq!(a, b, "block {x:?}");
+    }
+}
+
+#[test]
 fn activation_rounding_is_ggml_x86() {
     // Half-way values round to even, as _mm256_round_ps does; q8_1 carries d * sum(q).
     let mut x = vec![0.0f32; 32];

@@ -163,7 +163,7 @@ fn forward_rows(
             let u = &up[t * g.len()..(t + 1) * g.len()];
             match act {
                 Activation::Silu => ops::swiglu(g, u),
-                Activation::GeluTanh => g.iter_mut().zip(u).for_each(|(a, b)| *a = ops::gelu_tanh_f16(*a) * b),
+                Activation::GeluTanh => ops::geglu(g, u),
             }
         };
         if n >= 16 {

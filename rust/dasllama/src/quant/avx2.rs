@@ -82,6 +82,60 @@ unsafe fn q8_block_impl(x: *const f32, q: *mut u8) -> (f32, i32) {
     (d, sum)
 }
 
+/// SIMD twin of `scalar::q8k_block`: the same products and rounding, the same first value of
+/// largest magnitude.
+pub fn q8k_block(x: &[f32], b: &mut [u8]) {
+    assert!(x.len() >= 256 && b.len() >= 292);
+    // SAFETY: handed out only after detecting AVX2; the assert bounds the loads and stores.
+    unsafe { q8k_block_impl(x.as_ptr(), b.as_mut_ptr()) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8k_block_impl(x: *const f32, b: *mut u8) {
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_setzero_ps();
+    for i in (0..256).step_by(8) {
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x.add(i))));
+    }
+    let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    let amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    if amax == 0.0 {
+        std::ptr::write_bytes(b, 0, 292);
+        return;
+    }
+    // The first value whose magnitude is the largest gives the scale its sign.
+    let target = _mm256_set1_ps(amax);
+    let mut max = 0.0f32;
+    for i in (0..256).step_by(8) {
+        let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_andnot_ps(sign, _mm256_loadu_ps(x.add(i))), target));
+        if hit != 0 {
+            max = *x.add(i + hit.trailing_zeros() as usize);
+            break;
+        }
+    }
+    let iscale = -127.0 / max;
+    let (is, cap) = (_mm256_set1_ps(iscale), _mm256_set1_epi32(127));
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for g in 0..8 {
+        // 32 values: four vectors of i32, packed to 32 bytes; two groups of 16 for the sums.
+        let q: [__m256i; 4] = std::array::from_fn(|k| {
+            let v = _mm256_mul_ps(is, _mm256_loadu_ps(x.add(32 * g + 8 * k)));
+            _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)), cap)
+        });
+        let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256(b.add(4 + 32 * g) as *mut __m256i, _mm256_permutevar8x32_epi32(packed, order));
+        for half in 0..2 {
+            let s = _mm256_add_epi32(q[2 * half], q[2 * half + 1]);
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+            let s = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
+            (b.add(260 + 2 * (2 * g + half)) as *mut i16).write_unaligned(s as i16);
+        }
+    }
+    (b as *mut f32).write_unaligned(1.0 / iscale);
+}
+
 macro_rules! safe_entry {
     ($name:ident, $inner:ident, $wb:expr, $ab:expr, $blk:expr) => {
         pub fn $name(w: &[u8], a: &[u8], n: usize) -> f32 {

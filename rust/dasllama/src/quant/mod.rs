@@ -314,6 +314,16 @@ pub fn q8_block(x: &[f32], q: &mut [u8]) -> (f32, i32) {
     scalar::q8_block(x, q)
 }
 
+/// 256 activations -> one q8_K block (d, 256 i8, 16 i16 sums): the scale comes from the signed
+/// value of largest magnitude, as ggml's x86 path does.
+pub fn q8k_block(x: &[f32], b: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2::has_avx2() {
+        return avx2::q8k_block(x, b);
+    }
+    scalar::q8k_block(x, b)
+}
+
 /// Round a row of activations to `ty` (a vec_dot_type), exactly as ggml's x86 path does:
 /// q8_0/q8_1 scale by 127/amax and round half to even, q8_K keeps the sign of the largest value.
 pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
@@ -355,28 +365,7 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
         }
         GgmlType::Q8K => {
             for (ib, xb) in x.chunks_exact(256).enumerate() {
-                let b = &mut out[ib * 292..(ib + 1) * 292];
-                let (mut amax, mut max) = (0.0f32, 0.0f32);
-                for &v in xb {
-                    if v.abs() > amax {
-                        amax = v.abs();
-                        max = v;
-                    }
-                }
-                if amax == 0.0 {
-                    b.fill(0);
-                    continue;
-                }
-                let iscale = -127.0 / max;
-                for j in 0..256 {
-                    let q = (round_even(iscale * xb[j]) as i32).min(127);
-                    b[4 + j] = q as i8 as u8;
-                }
-                for g in 0..16 {
-                    let s: i32 = (0..16).map(|j| b[4 + 16 * g + j] as i8 as i32).sum();
-                    b[260 + 2 * g..262 + 2 * g].copy_from_slice(&(s as i16).to_le_bytes());
-                }
-                b[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+                q8k_block(xb, &mut out[ib * 292..(ib + 1) * 292]);
             }
         }
         other => panic!("{} is not an activation format", other.name()),

@@ -18,6 +18,31 @@ pub fn q8_block(x: &[f32], q: &mut [u8]) -> (f32, i32) {
     (d, sum)
 }
 
+/// The reference of `quant::q8k_block`.
+pub fn q8k_block(xb: &[f32], b: &mut [u8]) {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in &xb[..256] {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        b[..292].fill(0);
+        return;
+    }
+    let iscale = -127.0 / max;
+    for j in 0..256 {
+        let q = (super::round_even(iscale * xb[j]) as i32).min(127);
+        b[4 + j] = q as i8 as u8;
+    }
+    for g in 0..16 {
+        let s: i32 = (0..16).map(|j| b[4 + 16 * g + j] as i8 as i32).sum();
+        b[260 + 2 * g..262 + 2 * g].copy_from_slice(&(s as i16).to_le_bytes());
+    }
+    b[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+}
+
 pub fn dot_fn(ty: GgmlType) -> super::DotFn {
     match ty {
         GgmlType::F32 => dot_f32,
