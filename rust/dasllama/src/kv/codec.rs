@@ -146,9 +146,9 @@ impl KvCodec {
         assert!(k.len() >= n * rb && out.len() >= (heads - 1) * stride + n, "KV rows or scores too short");
         #[cfg(target_arch = "x86_64")]
         if self == KvCodec::F16 && hd.is_multiple_of(32) && crate::quant::avx2::has_avx2() {
-            for (g0, qg) in q.chunks(3 * hd).enumerate() {
+            for (g0, qg) in q.chunks(GROUP * hd).enumerate() {
                 // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
-                unsafe { simd::dot_rows_f16(qg, hd, k.as_ptr(), n, &mut out[3 * g0 * stride..], stride) };
+                unsafe { simd::dot_rows_f16(qg, hd, k.as_ptr(), n, &mut out[GROUP * g0 * stride..], stride) };
             }
             return;
         }
@@ -167,9 +167,9 @@ impl KvCodec {
         assert!(v.len() >= n * rb && p.len() >= (heads - 1) * stride + n, "KV rows or weights too short");
         #[cfg(target_arch = "x86_64")]
         if self == KvCodec::F16 && hd.is_multiple_of(32) && crate::quant::avx2::has_avx2() {
-            for (g0, og) in o.chunks_mut(3 * hd).enumerate() {
+            for (g0, og) in o.chunks_mut(GROUP * hd).enumerate() {
                 // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
-                unsafe { simd::axpy_rows_f16(og, hd, &p[3 * g0 * stride..], stride, v.as_ptr(), n) };
+                unsafe { simd::axpy_rows_f16(og, hd, &p[GROUP * g0 * stride..], stride, v.as_ptr(), n) };
             }
             return;
         }
@@ -259,6 +259,11 @@ fn quantize_q4_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// Query heads the f16 attention kernels take per pass over the K or V rows (Gemma 3 and Llama 3
+/// group four query heads per KV head).
+#[cfg(target_arch = "x86_64")]
+const GROUP: usize = 4;
+
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use crate::quant::avx2::hsum;
@@ -310,14 +315,34 @@ mod simd {
         }
     }
 
-    /// Up to three query heads against each K row, converted once; per head the summation order
+    /// Up to four query heads against each K row, converted once; per head the summation order
     /// is `dot_f16`'s (four accumulators, 32 values apart), so scores do not depend on grouping.
-    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_rows_f16(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+        if crate::quant::avx2::has_avx512() {
+            dot_rows_f16_512(q, hd, k, n, out, stride)
+        } else {
+            dot_rows_f16_256(q, hd, k, n, out, stride)
+        }
+    }
+
+    /// The same code with AVX-512VL's 32 vector registers: four heads' accumulators fit.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    pub(super) unsafe fn dot_rows_f16_512(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+        dot_rows_any(q, hd, k, n, out, stride)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_rows_f16_256(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+        dot_rows_any(q, hd, k, n, out, stride)
+    }
+
+    #[inline(always)]
+    unsafe fn dot_rows_any(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
         match q.len() / hd {
             1 => heads_f16::<1>(q, hd, k, n, out, stride),
             2 => heads_f16::<2>(q, hd, k, n, out, stride),
-            _ => heads_f16::<3>(q, hd, k, n, out, stride),
+            3 => heads_f16::<3>(q, hd, k, n, out, stride),
+            _ => heads_f16::<4>(q, hd, k, n, out, stride),
         }
     }
 
@@ -341,14 +366,33 @@ mod simd {
         }
     }
 
-    /// Up to three heads' outputs, 32 values at a time, stay in registers while every V row
+    /// Up to four heads' outputs, 32 values at a time, stay in registers while every V row
     /// (converted once for all of them) adds into them.
-    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn axpy_rows_f16(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
+        if crate::quant::avx2::has_avx512() {
+            axpy_rows_f16_512(o, hd, p, stride, v, n)
+        } else {
+            axpy_rows_f16_256(o, hd, p, stride, v, n)
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    pub(super) unsafe fn axpy_rows_f16_512(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
+        axpy_rows_any(o, hd, p, stride, v, n)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_rows_f16_256(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
+        axpy_rows_any(o, hd, p, stride, v, n)
+    }
+
+    #[inline(always)]
+    unsafe fn axpy_rows_any(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
         match o.len() / hd {
             1 => values_f16::<1>(o, hd, p, stride, v, n),
             2 => values_f16::<2>(o, hd, p, stride, v, n),
-            _ => values_f16::<3>(o, hd, p, stride, v, n),
+            3 => values_f16::<3>(o, hd, p, stride, v, n),
+            _ => values_f16::<4>(o, hd, p, stride, v, n),
         }
     }
 
@@ -509,6 +553,32 @@ mod tests {
         let d = 19.0f32 / 8.0;
         assert!(back.iter().zip(&x).all(|(a, v)| (a - v).abs() <= d / 2.0 + 1e-3), "{back:?}");
         assert_eq!(back[31], 19.0, "the value of largest magnitude is exact");
+    }
+
+    /// The AVX2 and AVX-512VL builds of the f16 attention kernels run the same operations.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16_attention_kernels_agree_across_instruction_sets() {
+        if !crate::quant::avx2::has_avx512() {
+            eprintln!("skipped: this CPU has no AVX-512VL, so only one build of the kernels runs");
+            return;
+        }
+        let (hd, n, heads) = (128, 37, 4);
+        let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
+        let mut rows = vec![0u8; 2 * n * hd];
+        KvCodec::F16.encode(&vals, &mut rows);
+        let q: Vec<f32> = (0..heads * hd).map(|i| ((i * 31 % 97) as f32 - 48.0) * 0.02).collect();
+        let (mut a, mut b) = (vec![0.0f32; heads * n], vec![0.0f32; heads * n]);
+        let (mut oa, mut ob) = (vec![0.5f32; heads * hd], vec![0.5f32; heads * hd]);
+        // SAFETY: AVX-512VL (and so AVX2/FMA/F16C) detected; buffers sized for n rows and 4 heads.
+        unsafe {
+            simd::dot_rows_f16_512(&q, hd, rows.as_ptr(), n, &mut a, n);
+            simd::dot_rows_f16_256(&q, hd, rows.as_ptr(), n, &mut b, n);
+            simd::axpy_rows_f16_512(&mut oa, hd, &a, n, rows.as_ptr(), n);
+            simd::axpy_rows_f16_256(&mut ob, hd, &a, n, rows.as_ptr(), n);
+        }
+        assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        assert_eq!(oa.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ob.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }
 
     #[test]

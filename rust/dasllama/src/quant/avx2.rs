@@ -24,7 +24,7 @@ fn has_vnni() -> bool {
 }
 
 /// AVX-512 VL/BW/VNNI for the tile kernels; `DASLLAMA_NO_AVX512` (or `DASLLAMA_NO_VNNI`) turns it off.
-fn has_avx512() -> bool {
+pub(crate) fn has_avx512() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         std::env::var_os("DASLLAMA_NO_AVX512").is_none()
