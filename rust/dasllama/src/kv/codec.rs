@@ -406,14 +406,14 @@ mod simd {
                 let vv: [__m256; 4] = std::array::from_fn(|m| f16x8(row.add(16 * m)));
                 for (g, ac) in acc.iter_mut().enumerate() {
                     let pv = _mm256_set1_ps(p[g * stride + j]);
-                    for m in 0..4 {
-                        ac[m] = _mm256_fmadd_ps(pv, vv[m], ac[m]);
+                    for (a, x) in ac.iter_mut().zip(&vv) {
+                        *a = _mm256_fmadd_ps(pv, *x, *a);
                     }
                 }
             }
             for (g, ac) in acc.iter().enumerate() {
-                for m in 0..4 {
-                    _mm256_storeu_ps(y.add(g * hd + c + 8 * m), ac[m]);
+                for (m, a) in ac.iter().enumerate() {
+                    _mm256_storeu_ps(y.add(g * hd + c + 8 * m), *a);
                 }
             }
         }
