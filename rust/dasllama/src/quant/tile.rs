@@ -122,9 +122,7 @@ pub fn tile_rows(ty: GgmlType, rows: &[&[u8]], tile: &mut [u8]) {
         return;
     }
     for (r, row) in rows.iter().enumerate() {
-        for (row_at, tile_at, len) in byte_fields(ty, row.len(), r) {
-            tile[tile_at..tile_at + len].copy_from_slice(&row[row_at..row_at + len]);
-        }
+        for_each_field(ty, row.len(), r, |at, tat, len| tile[tat..tat + len].copy_from_slice(&row[at..at + len]));
         for (row_at, words) in high_bits(ty, row.len()) {
             let qh = u32::from_le_bytes(row[row_at..row_at + 4].try_into().unwrap());
             for j in 0..32 {
@@ -142,9 +140,7 @@ pub fn untile_row(ty: GgmlType, tile: &[u8], r: usize, row: &mut [u8]) {
         let mut t = tile.to_vec();
         return kquant_row(ty, row, &mut t, r, false);
     }
-    for (row_at, tile_at, len) in byte_fields(ty, row.len(), r) {
-        row[row_at..row_at + len].copy_from_slice(&tile[tile_at..tile_at + len]);
-    }
+    for_each_field(ty, row.len(), r, |at, tat, len| row[at..at + len].copy_from_slice(&tile[tat..tat + len]));
     for (row_at, words) in high_bits(ty, row.len()) {
         let mut qh = 0u32;
         for j in 0..32 {
@@ -155,18 +151,24 @@ pub fn untile_row(ty: GgmlType, tile: &[u8], r: usize, row: &mut [u8]) {
     }
 }
 
-/// (offset in the GGUF row, offset in the tile, length) of every byte field of row `r`.
-fn byte_fields(ty: GgmlType, row_len: usize, r: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+/// Calls `f(offset in the GGUF row, offset in the tile, length)` for every byte field of row `r`
+/// (plain loops: this runs over every weight at load).
+#[inline(always)]
+fn for_each_field(ty: GgmlType, row_len: usize, r: usize, mut f: impl FnMut(usize, usize, usize)) {
     let [dw, mw, hw, qw] = parts(ty).expect("format has a tiled layout");
     let bb = ty.block_bytes();
     let nb = row_len / bb;
     let (m_at, q_at) = (dw * TILE_ROWS * nb, (dw + mw + hw) * TILE_ROWS * nb);
-    (0..nb).flat_map(move |i| {
+    for i in 0..nb {
         let b = i * bb;
-        let scales = [(b, TILE_ROWS * dw * i + dw * r, dw), (b + dw, m_at + TILE_ROWS * mw * i + mw * r, mw)];
-        let quants = (0..qw / 4).map(move |c| (b + dw + mw + hw + 4 * c, q_at + TILE_ROWS * qw * i + 32 * c + 4 * r, 4));
-        scales.into_iter().filter(|f| f.2 > 0).chain(quants)
-    })
+        f(b, TILE_ROWS * dw * i + dw * r, dw);
+        if mw > 0 {
+            f(b + dw, m_at + TILE_ROWS * mw * i + mw * r, mw);
+        }
+        for c in 0..qw / 4 {
+            f(b + dw + mw + hw + 4 * c, q_at + TILE_ROWS * qw * i + 32 * c + 4 * r, 4);
+        }
+    }
 }
 
 /// (offset of the block's qh in the GGUF row, offset of its eight words in the tile) per block.
