@@ -332,7 +332,7 @@ unsafe fn bcast4(p: *const u8) -> __m256i {
 }
 
 /// Bytes ahead of the block being read that the tile kernels prefetch.
-const PREFETCH: usize = 16384;
+const PREFETCH: usize = 4096;
 
 /// T consecutive tiles (eight weight rows each) against R activation rows: T x R vectors of
 /// eight outputs. Several tiles at once (decode) read several streams, which keeps more memory
