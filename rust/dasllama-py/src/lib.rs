@@ -214,7 +214,7 @@ struct PyKvPool {
 }
 
 fn codec(name: &str) -> PyResult<KvCodec> {
-    KvCodec::parse(name).ok_or_else(|| PyValueError::new_err(format!("unknown KV codec '{name}' (use f16 or q8_0)")))
+    KvCodec::parse(name).ok_or_else(|| PyValueError::new_err(format!("unknown KV codec '{name}' (use f16, q8_0 or tq4)")))
 }
 
 #[pyfunction]
