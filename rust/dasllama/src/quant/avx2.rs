@@ -230,6 +230,7 @@ trait Fmt {
 struct Q4_0;
 struct Q4_1;
 struct Q5_0;
+struct Q5_1;
 struct Q8_0;
 
 /// Low and high nibbles of 32 bytes.
@@ -268,6 +269,20 @@ impl Fmt for Q4_1 {
         nibble_pair(t.add(Self::QAT * nb + 128 * i + 32 * p))
     }
 }
+/// 5-bit values: nibbles plus a high bit from the tile's qh words at `qh`.
+#[inline(always)]
+unsafe fn five_bit_pair<const ISA: u8>(nibbles: *const u8, qh: *const u8, p: usize) -> (__m256i, __m256i) {
+    let (lo, hi) = nibble_pair(nibbles);
+    let b = _mm256_set1_epi8(0x10);
+    if ISA == AVX512 {
+        let bits = |at: usize| (qh.add(at) as *const u32).read_unaligned();
+        return (_mm256_mask_add_epi8(lo, bits(4 * p), lo, b), _mm256_mask_add_epi8(hi, bits(4 * p + 16), hi, b));
+    }
+    let h0 = _mm256_and_si256(bytes_from_bits(qh.add(4 * p)), b);
+    let h1 = _mm256_and_si256(bytes_from_bits(qh.add(4 * p + 16)), b);
+    (_mm256_or_si256(lo, h0), _mm256_or_si256(hi, h1))
+}
+
 impl Fmt for Q5_0 {
     const WBYTES: usize = 22;
     const QAT: usize = 48;
@@ -279,16 +294,21 @@ impl Fmt for Q5_0 {
     const ZSHIFT: i32 = 4;
     #[inline(always)]
     unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
-        let (lo, hi) = nibble_pair(t.add(Self::QAT * nb + 128 * i + 32 * p));
-        let qh = t.add(16 * nb + 32 * i);
-        let b = _mm256_set1_epi8(0x10);
-        if ISA == AVX512 {
-            let bits = |at: usize| (qh.add(at) as *const u32).read_unaligned();
-            return (_mm256_mask_add_epi8(lo, bits(4 * p), lo, b), _mm256_mask_add_epi8(hi, bits(4 * p + 16), hi, b));
-        }
-        let h0 = _mm256_and_si256(bytes_from_bits(qh.add(4 * p)), b);
-        let h1 = _mm256_and_si256(bytes_from_bits(qh.add(4 * p + 16)), b);
-        (_mm256_or_si256(lo, h0), _mm256_or_si256(hi, h1))
+        five_bit_pair::<ISA>(t.add(Self::QAT * nb + 128 * i + 32 * p), t.add(16 * nb + 32 * i), p)
+    }
+}
+impl Fmt for Q5_1 {
+    const WBYTES: usize = 24;
+    const QAT: usize = 64;
+    const QBYTES: usize = 128;
+    const ABYTES: usize = 36;
+    const AQ: usize = 4;
+    const MIN: bool = true;
+    const SIGNED: bool = false;
+    const ZSHIFT: i32 = 0;
+    #[inline(always)]
+    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
+        five_bit_pair::<ISA>(t.add(Self::QAT * nb + 128 * i + 32 * p), t.add(32 * nb + 32 * i), p)
     }
 }
 impl Fmt for Q8_0 {
@@ -619,6 +639,7 @@ macro_rules! tile_entries {
 tile_entries!(Q4_0, tile_q4_0, vnni_tile_q4_0, avx512_tile_q4_0);
 tile_entries!(Q4_1, tile_q4_1, vnni_tile_q4_1, avx512_tile_q4_1);
 tile_entries!(Q5_0, tile_q5_0, vnni_tile_q5_0, avx512_tile_q5_0);
+tile_entries!(Q5_1, tile_q5_1, vnni_tile_q5_1, avx512_tile_q5_1);
 tile_entries!(Q8_0, tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0);
 tile_entries!(Q4K, tile_q4_k, vnni_tile_q4_k, avx512_tile_q4_k);
 tile_entries!(Q6K, tile_q6_k, vnni_tile_q6_k, avx512_tile_q6_k);
@@ -629,6 +650,7 @@ pub fn tile_variants(ty: GgmlType) -> Vec<(&'static str, TileFn)> {
         GgmlType::Q4_0 => [tile_q4_0, vnni_tile_q4_0, avx512_tile_q4_0],
         GgmlType::Q4_1 => [tile_q4_1, vnni_tile_q4_1, avx512_tile_q4_1],
         GgmlType::Q5_0 => [tile_q5_0, vnni_tile_q5_0, avx512_tile_q5_0],
+        GgmlType::Q5_1 => [tile_q5_1, vnni_tile_q5_1, avx512_tile_q5_1],
         GgmlType::Q8_0 => [tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0],
         GgmlType::Q4K => [tile_q4_k, vnni_tile_q4_k, avx512_tile_q4_k],
         GgmlType::Q6K => [tile_q6_k, vnni_tile_q6_k, avx512_tile_q6_k],

@@ -4,8 +4,8 @@
 //! Per block (32 values) a tile stores, region by region:
 //!
 //! - `d[nb][8]` f16 scales (one `vcvtph2ps` converts the eight rows' scales of a block),
-//! - `m[nb][8]` f16 mins (Q4_1),
-//! - `qh[nb][8]` u32 high bits (Q5_0): word `h` bit `4r+e` is row `r`'s bit for value
+//! - `m[nb][8]` f16 mins (Q4_1, Q5_1),
+//! - `qh[nb][8]` u32 high bits (Q5_0, Q5_1): word `h` bit `4r+e` is row `r`'s bit for value
 //!   `4h+e` (h < 4) or `16+4(h-4)+e` (h >= 4), matching the quant chunks below,
 //! - quants `[nb][chunks][8 rows][4 bytes]`: for 4-bit formats chunk `c` (of 4) holds the GGUF
 //!   bytes `4c..4c+4` of each row, whose low nibbles are values `4c..` and high nibbles `16+4c..`;
@@ -32,6 +32,7 @@ fn parts(ty: GgmlType) -> Option<[usize; 4]> {
         GgmlType::Q4_0 => [2, 0, 0, 16],
         GgmlType::Q4_1 => [2, 2, 0, 16],
         GgmlType::Q5_0 => [2, 0, 4, 16],
+        GgmlType::Q5_1 => [2, 2, 4, 16],
         GgmlType::Q8_0 => [2, 0, 0, 32],
         _ => return None,
     })
