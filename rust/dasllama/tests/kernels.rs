@@ -197,7 +197,7 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
 
 #[test]
 fn tiles_round_trip() {
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
         let mut rng = Lcg(ty as u64 + 5);
         let n = 512;
         for rows in [1, 5, 8] {
@@ -247,7 +247,7 @@ fn act(ty: GgmlType, x: &[f32]) -> Vec<u8> {
 #[test]
 fn tile_kernel_variants_agree_bit_for_bit() {
     use dasllama::quant::avx2::tile_variants;
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
         let variants = tile_variants(ty);
         eprintln!("{}: comparing {:?}", ty.name(), variants.iter().map(|v| v.0).collect::<Vec<_>>());
         let mut rng = Lcg(ty as u64 + 17);

@@ -448,6 +448,7 @@ impl<F: Fmt> TileFormat for F {
 // before one conversion per superblock. Activations are q8_K: d (f32), 256 i8, 16 i16 sums.
 
 struct Q4K;
+struct Q5K;
 struct Q6K;
 
 /// q8_K field offsets.
@@ -503,47 +504,78 @@ unsafe fn kquant_tiles<const T: usize, const R: usize>(
     acc
 }
 
+/// Q4_K and Q5_K (`FIVE`: a fifth bit per value from the tile's qh chunks) share everything but
+/// where the quants start and that bit.
+#[inline(always)]
+unsafe fn q45k_sums<const R: usize, const ISA: u8, const FIVE: bool>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
+    let (m4, b4) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x10));
+    let qs = if FIVE { 416 } else { 160 };
+    let mut total = [_mm256_setzero_si256(); R];
+    for sub in 0..8 {
+        // Sub-block 2j takes the low nibbles of chunks 8j.., 2j+1 the high ones; in Q5_K its
+        // fifth bits are bit `sub` of the qh bytes of the same values.
+        let (j, high) = (sub / 2, sub % 2 == 1);
+        let mut isum = [_mm256_setzero_si256(); R];
+        for c in 0..8 {
+            let raw = _mm256_loadu_si256(sb.add(qs + 256 * j + 32 * c) as *const __m256i);
+            let mut w = if high { _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) } else { _mm256_and_si256(raw, m4) };
+            if FIVE {
+                let qh = _mm256_loadu_si256(sb.add(160 + 32 * c) as *const __m256i);
+                let bit = match sub {
+                    0 => _mm256_slli_epi16(qh, 4),
+                    1 => _mm256_slli_epi16(qh, 3),
+                    2 => _mm256_slli_epi16(qh, 2),
+                    3 => _mm256_slli_epi16(qh, 1),
+                    4 => qh,
+                    5 => _mm256_srli_epi16(qh, 1),
+                    6 => _mm256_srli_epi16(qh, 2),
+                    _ => _mm256_srli_epi16(qh, 3),
+                };
+                w = _mm256_or_si256(w, _mm256_and_si256(bit, b4));
+            }
+            for r in 0..R {
+                isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 64 * j + 32 * high as usize + 4 * c)));
+            }
+        }
+        let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sb.add(32 + 8 * sub) as *const __m128i));
+        for r in 0..R {
+            total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
+        }
+    }
+    // Mins: over sub-blocks, m * (sum of the sub-block's activations), as i16 pairs
+    // (m_s, m_s+1) against (sum_s, sum_s+1).
+    let mut mins = [_mm256_setzero_si256(); R];
+    for p in 0..4 {
+        let m0 = _mm_loadl_epi64(sb.add(96 + 16 * p) as *const __m128i);
+        let m1 = _mm_loadl_epi64(sb.add(104 + 16 * p) as *const __m128i);
+        let mm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m0, m1));
+        for r in 0..R {
+            let bs = ab[r].add(K_BSUMS) as *const i16;
+            let pair = |s: usize| bs.add(2 * s).read_unaligned() as i32 + bs.add(2 * s + 1).read_unaligned() as i32;
+            let both = (pair(2 * p) & 0xFFFF) | (pair(2 * p + 1) << 16);
+            mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mm, _mm256_set1_epi32(both)));
+        }
+    }
+    (total, Some(mins))
+}
+
 impl TileFormat for Q4K {
     #[inline(always)]
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
-        let m4 = _mm256_set1_epi8(0xF);
-        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q4K_TILE_BLOCK, |sb, ab| {
-            let mut total = [_mm256_setzero_si256(); R];
-            for sub in 0..8 {
-                // Sub-block 2j takes the low nibbles of chunks 8j.., 2j+1 the high ones.
-                let (j, high) = (sub / 2, sub % 2 == 1);
-                let mut isum = [_mm256_setzero_si256(); R];
-                for c in 0..8 {
-                    let raw = _mm256_loadu_si256(sb.add(160 + 256 * j + 32 * c) as *const __m256i);
-                    let w = if high { _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) } else { _mm256_and_si256(raw, m4) };
-                    for r in 0..R {
-                        isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 64 * j + 32 * high as usize + 4 * c)));
-                    }
-                }
-                let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sb.add(32 + 8 * sub) as *const __m128i));
-                for r in 0..R {
-                    total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
-                }
-            }
-            // Mins: over sub-blocks, m * (sum of the sub-block's activations), as i16 pairs
-            // (m_s, m_s+1) against (sum_s, sum_s+1).
-            let mut mins = [_mm256_setzero_si256(); R];
-            for p in 0..4 {
-                let m0 = _mm_loadl_epi64(sb.add(96 + 16 * p) as *const __m128i);
-                let m1 = _mm_loadl_epi64(sb.add(104 + 16 * p) as *const __m128i);
-                let mm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m0, m1));
-                for r in 0..R {
-                    let bs = ab[r].add(K_BSUMS) as *const i16;
-                    let pair = |s: usize| bs.add(2 * s).read_unaligned() as i32 + bs.add(2 * s + 1).read_unaligned() as i32;
-                    let both = (pair(2 * p) & 0xFFFF) | (pair(2 * p + 1) << 16);
-                    mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mm, _mm256_set1_epi32(both)));
-                }
-            }
-            (total, Some(mins))
-        })
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q4K_TILE_BLOCK, |sb, ab| q45k_sums::<R, ISA, false>(sb, ab))
     }
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
         check_kquant(super::tile::Q4K_TILE_BLOCK, t, a, n, out)
+    }
+}
+
+impl TileFormat for Q5K {
+    #[inline(always)]
+    unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q5K_TILE_BLOCK, |sb, ab| q45k_sums::<R, ISA, true>(sb, ab))
+    }
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+        check_kquant(super::tile::Q5K_TILE_BLOCK, t, a, n, out)
     }
 }
 
@@ -642,6 +674,7 @@ tile_entries!(Q5_0, tile_q5_0, vnni_tile_q5_0, avx512_tile_q5_0);
 tile_entries!(Q5_1, tile_q5_1, vnni_tile_q5_1, avx512_tile_q5_1);
 tile_entries!(Q8_0, tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0);
 tile_entries!(Q4K, tile_q4_k, vnni_tile_q4_k, avx512_tile_q4_k);
+tile_entries!(Q5K, tile_q5_k, vnni_tile_q5_k, avx512_tile_q5_k);
 tile_entries!(Q6K, tile_q6_k, vnni_tile_q6_k, avx512_tile_q6_k);
 
 /// Every tile kernel variant this CPU can run for `ty`, named, best last (tests compare them).
@@ -653,6 +686,7 @@ pub fn tile_variants(ty: GgmlType) -> Vec<(&'static str, TileFn)> {
         GgmlType::Q5_1 => [tile_q5_1, vnni_tile_q5_1, avx512_tile_q5_1],
         GgmlType::Q8_0 => [tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0],
         GgmlType::Q4K => [tile_q4_k, vnni_tile_q4_k, avx512_tile_q4_k],
+        GgmlType::Q5K => [tile_q5_k, vnni_tile_q5_k, avx512_tile_q5_k],
         GgmlType::Q6K => [tile_q6_k, vnni_tile_q6_k, avx512_tile_q6_k],
         _ => return Vec::new(),
     };

@@ -18,6 +18,8 @@
 //! - Q4_K (1184 bytes): `d[8]`, `dmin[8]` f16; the 6-bit scales and mins unpacked to bytes,
 //!   `sc[8 sub-blocks][8 rows]`, `m[8][8]`; quants `[32 chunks][8 rows][4 bytes]`, chunk `c`
 //!   holding the GGUF bytes `4c..4c+4` (low nibbles: sub-block `2(c/8)`, high: the next one).
+//! - Q5_K (1440 bytes): as Q4_K, plus the high bits `qh` as `[8 chunks][8 rows][4 bytes]` (chunk
+//!   `c`: the GGUF qh bytes `4c..4c+4`, bit `s` for sub-block `s`) before the quants.
 //! - Q6_K (1680 bytes, eight rows exactly): `d[8]` f16; `sc[16 sub-blocks][8 rows]` i8; `ql` as
 //!   `[32 chunks][8][4]`; `qh` as `[16 chunks][8][4]`.
 
@@ -40,16 +42,18 @@ fn parts(ty: GgmlType) -> Option<[usize; 4]> {
 
 /// Bytes of one superblock of eight rows in a K-quant tile.
 pub const Q4K_TILE_BLOCK: usize = 1184;
+pub const Q5K_TILE_BLOCK: usize = 1440;
 pub const Q6K_TILE_BLOCK: usize = 1680;
 
 pub fn has_layout(ty: GgmlType) -> bool {
-    parts(ty).is_some() || matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
+    parts(ty).is_some() || matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
 }
 
 /// Bytes of one tile of rows `cols` long.
 pub fn tile_bytes(ty: GgmlType, cols: usize) -> usize {
     match ty {
         GgmlType::Q4K => cols / 256 * Q4K_TILE_BLOCK,
+        GgmlType::Q5K => cols / 256 * Q5K_TILE_BLOCK,
         GgmlType::Q6K => cols / 256 * Q6K_TILE_BLOCK,
         _ => TILE_ROWS * ty.row_bytes(cols),
     }
@@ -63,6 +67,11 @@ fn kquant_moves(ty: GgmlType, r: usize) -> Vec<(usize, usize, usize)> {
         GgmlType::Q4K => {
             v.extend([(0, 2 * r, 2), (2, 16 + 2 * r, 2)]);
             v.extend((0..32).map(|c| (16 + 4 * c, 160 + 32 * c + 4 * r, 4)));
+        }
+        GgmlType::Q5K => {
+            v.extend([(0, 2 * r, 2), (2, 16 + 2 * r, 2)]);
+            v.extend((0..8).map(|c| (16 + 4 * c, 160 + 32 * c + 4 * r, 4)));
+            v.extend((0..32).map(|c| (48 + 4 * c, 416 + 32 * c + 4 * r, 4)));
         }
         GgmlType::Q6K => {
             v.push((208, 2 * r, 2));
@@ -99,7 +108,7 @@ fn kquant_row(ty: GgmlType, row: &mut [u8], tile: &mut [u8], r: usize, to_tile: 
                 b[at..at + len].copy_from_slice(&t[tat..tat + len]);
             }
         }
-        if ty == GgmlType::Q4K {
+        if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
             if to_tile {
                 for s in 0..8 {
                     (t[32 + 8 * s + r], t[96 + 8 * s + r]) = super::scale_min_k4(s, &b[4..16]);
@@ -116,7 +125,7 @@ fn kquant_row(ty: GgmlType, row: &mut [u8], tile: &mut [u8], r: usize, to_tile: 
 pub fn tile_rows(ty: GgmlType, rows: &[&[u8]], tile: &mut [u8]) {
     assert!(rows.len() <= TILE_ROWS);
     tile.fill(0);
-    if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
         for (r, row) in rows.iter().enumerate() {
             kquant_row(ty, &mut row.to_vec(), tile, r, true);
         }
@@ -136,7 +145,7 @@ pub fn tile_rows(ty: GgmlType, rows: &[&[u8]], tile: &mut [u8]) {
 
 /// Row `r` (0..8) of a tile -> its GGUF bytes.
 pub fn untile_row(ty: GgmlType, tile: &[u8], r: usize, row: &mut [u8]) {
-    if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
         // The tile is only read: the direction flag keeps one copy of the field map.
         let mut t = tile.to_vec();
         return kquant_row(ty, row, &mut t, r, false);
