@@ -46,6 +46,8 @@ pub fn kernels(ty: GgmlType) -> Option<Kernels> {
     }
     Some(match ty {
         GgmlType::F32 => Kernels::Rows(dot_f32),
+        GgmlType::F16 => Kernels::Rows(dot_f16),
+        GgmlType::BF16 => Kernels::Rows(dot_bf16),
         _ => return None,
     })
 }
@@ -148,6 +150,8 @@ macro_rules! safe_entry {
 }
 
 safe_entry!(dot_f32, f32_impl, 4, 4, 1);
+safe_entry!(dot_f16, f16_impl, 2, 2, 1);
+safe_entry!(dot_bf16, bf16_impl, 2, 2, 1);
 
 #[inline(always)]
 pub(crate) unsafe fn hsum(v: __m256) -> f32 {
@@ -178,21 +182,74 @@ unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f32_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
-    let (w, a) = (w as *const f32, a as *const f32);
+/// The float formats: eight values at element `i` as f32, and one.
+trait Floats {
+    unsafe fn eight(p: *const u8, i: usize) -> __m256;
+    unsafe fn one(p: *const u8, i: usize) -> f32;
+}
+struct F32s;
+struct F16s;
+struct BF16s;
+impl Floats for F32s {
+    #[inline(always)]
+    unsafe fn eight(p: *const u8, i: usize) -> __m256 {
+        _mm256_loadu_ps((p as *const f32).add(i))
+    }
+    #[inline(always)]
+    unsafe fn one(p: *const u8, i: usize) -> f32 {
+        (p as *const f32).add(i).read_unaligned()
+    }
+}
+impl Floats for F16s {
+    #[inline(always)]
+    unsafe fn eight(p: *const u8, i: usize) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * i) as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn one(p: *const u8, i: usize) -> f32 {
+        half::f16::from_bits((p.add(2 * i) as *const u16).read_unaligned()).to_f32()
+    }
+}
+impl Floats for BF16s {
+    #[inline(always)]
+    unsafe fn eight(p: *const u8, i: usize) -> __m256 {
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(2 * i) as *const __m128i)), 16))
+    }
+    #[inline(always)]
+    unsafe fn one(p: *const u8, i: usize) -> f32 {
+        half::bf16::from_bits((p.add(2 * i) as *const u16).read_unaligned()).to_f32()
+    }
+}
+
+#[inline(always)]
+unsafe fn float_dot<F: Floats>(w: *const u8, a: *const u8, n: usize) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut i = 0;
     while i + 8 <= n {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w.add(i)), _mm256_loadu_ps(a.add(i)), acc);
+        acc = _mm256_fmadd_ps(F::eight(w, i), F::eight(a, i), acc);
         i += 8;
     }
     let mut s = hsum(acc);
     while i < n {
-        s += w.add(i).read_unaligned() * a.add(i).read_unaligned();
+        s += F::one(w, i) * F::one(a, i);
         i += 1;
     }
     s
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f32_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
+    float_dot::<F32s>(w, a, n)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
+    float_dot::<F16s>(w, a, n)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn bf16_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
+    float_dot::<BF16s>(w, a, n)
 }
 
 // ---- The 32-value formats, on tiles of eight interleaved rows (see `tile`) ----------------
