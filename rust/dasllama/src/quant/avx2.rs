@@ -3,6 +3,7 @@
 //! rounding. Each has a scalar twin in `scalar.rs` and a test that they agree: integer block sums
 //! are exact in both, so the twins differ only in f32 summation order.
 
+use super::tile::{K45_DMIN, K45_M, K45_SC, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_QH, Q6K_QL, Q6K_SC};
 use super::{GgmlType, Kernels, TileFn};
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -52,6 +53,36 @@ pub fn kernels(ty: GgmlType) -> Option<Kernels> {
     })
 }
 
+/// The largest lane.
+#[inline(always)]
+unsafe fn hmax(v: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
+}
+
+/// The sum of the i32 lanes.
+#[inline(always)]
+unsafe fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)))
+}
+
+/// Round half to even (as the scalar path's magic-number rounding does) and convert.
+#[inline(always)]
+unsafe fn round_i32(v: __m256) -> __m256i {
+    _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v))
+}
+
+/// Four vectors of i32 within i8 range -> 32 bytes in order (packing works per 128-bit lane; the
+/// permute puts the four groups back in order).
+#[inline(always)]
+unsafe fn pack_i8(q: &[__m256i; 4]) -> __m256i {
+    let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+}
+
 /// SIMD twin of `scalar::q8_block`: the same f32 products, rounded half to even by the FPU.
 pub fn q8_block(x: &[f32], q: &mut [u8]) -> (f32, i32) {
     assert!(x.len() >= 32 && q.len() >= 32);
@@ -64,23 +95,12 @@ unsafe fn q8_block_impl(x: *const f32, q: *mut u8) -> (f32, i32) {
     let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(x.add(8 * k)));
     let sign = _mm256_set1_ps(-0.0);
     let abs = |a: __m256| _mm256_andnot_ps(sign, a);
-    let m = _mm256_max_ps(_mm256_max_ps(abs(v[0]), abs(v[1])), _mm256_max_ps(abs(v[2]), abs(v[3])));
-    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    let amax = hmax(_mm256_max_ps(_mm256_max_ps(abs(v[0]), abs(v[1])), _mm256_max_ps(abs(v[2]), abs(v[3]))));
     let d = amax / 127.0;
     let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-    let i: [__m256i; 4] = std::array::from_fn(|k| {
-        _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(v[k], id)))
-    });
-    let s = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-    let sum = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
-    // Packing works per 128-bit lane; the permute puts the four groups back in order.
-    let packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(q as *mut __m256i, ordered);
+    let i: [__m256i; 4] = std::array::from_fn(|k| round_i32(_mm256_mul_ps(v[k], id)));
+    let sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3])));
+    _mm256_storeu_si256(q as *mut __m256i, pack_i8(&i));
     (d, sum)
 }
 
@@ -99,9 +119,7 @@ unsafe fn q8k_block_impl(x: *const f32, b: *mut u8) {
     for i in (0..256).step_by(8) {
         m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x.add(i))));
     }
-    let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    let amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    let amax = hmax(m);
     if amax == 0.0 {
         std::ptr::write_bytes(b, 0, 292);
         return;
@@ -118,20 +136,12 @@ unsafe fn q8k_block_impl(x: *const f32, b: *mut u8) {
     }
     let iscale = -127.0 / max;
     let (is, cap) = (_mm256_set1_ps(iscale), _mm256_set1_epi32(127));
-    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for g in 0..8 {
-        // 32 values: four vectors of i32, packed to 32 bytes; two groups of 16 for the sums.
-        let q: [__m256i; 4] = std::array::from_fn(|k| {
-            let v = _mm256_mul_ps(is, _mm256_loadu_ps(x.add(32 * g + 8 * k)));
-            _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)), cap)
-        });
-        let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256(b.add(4 + 32 * g) as *mut __m256i, _mm256_permutevar8x32_epi32(packed, order));
+        // 32 values as four vectors of i32; two groups of 16 for the sums.
+        let q: [__m256i; 4] = std::array::from_fn(|k| _mm256_min_epi32(round_i32(_mm256_mul_ps(is, _mm256_loadu_ps(x.add(32 * g + 8 * k)))), cap));
+        _mm256_storeu_si256(b.add(4 + 32 * g) as *mut __m256i, pack_i8(&q));
         for half in 0..2 {
-            let s = _mm256_add_epi32(q[2 * half], q[2 * half + 1]);
-            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-            let s = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)));
+            let s = hsum_i32(_mm256_add_epi32(q[2 * half], q[2 * half + 1]));
             (b.add(260 + 2 * (2 * g + half)) as *mut i16).write_unaligned(s as i16);
         }
     }
@@ -264,24 +274,25 @@ unsafe fn bf16_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
 // implicit zero point z (8 or 16): the block's integer sum starts at -z * sum(activations), exact.
 // Q8_0 is signed: |w| against sign(w) * a.
 
-/// Which 32-value format, and where its fields live in a tile of `nb` blocks per row.
+/// Which 32-value format. Block bytes, where each field of a tile lives (see `tile`) and the
+/// activation format all follow from these three.
 trait Fmt {
-    /// Activation block bytes (q8_0: 34, q8_1: 36) and the offset of their quants.
-    const ABYTES: usize;
-    const AQ: usize;
-    /// GGUF block bytes.
-    const WBYTES: usize;
-    /// Q4_1: mins applied through the activation sums `s`.
+    /// Q4_1, Q5_1: mins applied through the activation sums `s` (activations are q8_1).
     const MIN: bool;
-    /// Q8_0: signed weights.
+    /// Q5_0, Q5_1: a fifth bit per value from the tile's qh words.
+    const FIVE: bool;
+    /// Q8_0: signed 8-bit weights.
     const SIGNED: bool;
-    /// log2 of the zero point, 0 for none.
-    const ZSHIFT: i32;
-    /// Offset of the quants in a tile of `nb` blocks, and their bytes per block (eight rows).
-    const QAT: usize;
-    const QBYTES: usize;
-    /// Weights for values 4p..4p+4 and 16+4p..16+4p+4 of block `i`, eight rows each.
-    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i);
+    /// Bytes per block and row of the fields before the quants (d, m, qh), and of the quants.
+    const HEAD: usize = 2 + if Self::MIN { 2 } else { 0 } + if Self::FIVE { 4 } else { 0 };
+    const QROW: usize = if Self::SIGNED { 32 } else { 16 };
+    /// GGUF block bytes.
+    const WBYTES: usize = Self::HEAD + Self::QROW;
+    /// log2 of the zero point of unsigned values without mins (Q4_0: 8, Q5_0: 16), 0 for none.
+    const ZSHIFT: i32 = if Self::MIN || Self::SIGNED { 0 } else if Self::FIVE { 4 } else { 3 };
+    /// Activation block bytes (q8_1: 36, q8_0: 34) and the offset of their quants.
+    const ABYTES: usize = if Self::MIN { 36 } else { 34 };
+    const AQ: usize = Self::ABYTES - 32;
 }
 
 struct Q4_0;
@@ -289,6 +300,32 @@ struct Q4_1;
 struct Q5_0;
 struct Q5_1;
 struct Q8_0;
+
+impl Fmt for Q4_0 {
+    const MIN: bool = false;
+    const FIVE: bool = false;
+    const SIGNED: bool = false;
+}
+impl Fmt for Q4_1 {
+    const MIN: bool = true;
+    const FIVE: bool = false;
+    const SIGNED: bool = false;
+}
+impl Fmt for Q5_0 {
+    const MIN: bool = false;
+    const FIVE: bool = true;
+    const SIGNED: bool = false;
+}
+impl Fmt for Q5_1 {
+    const MIN: bool = true;
+    const FIVE: bool = true;
+    const SIGNED: bool = false;
+}
+impl Fmt for Q8_0 {
+    const MIN: bool = false;
+    const FIVE: bool = false;
+    const SIGNED: bool = true;
+}
 
 /// Low and high nibbles of 32 bytes.
 #[inline(always)]
@@ -298,38 +335,20 @@ unsafe fn nibble_pair(p: *const u8) -> (__m256i, __m256i) {
     (_mm256_and_si256(raw, m4), _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4))
 }
 
-impl Fmt for Q4_0 {
-    const WBYTES: usize = 18;
-    const QAT: usize = 16;
-    const QBYTES: usize = 128;
-    const ABYTES: usize = 34;
-    const AQ: usize = 2;
-    const MIN: bool = false;
-    const SIGNED: bool = false;
-    const ZSHIFT: i32 = 3;
-    #[inline(always)]
-    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
-        nibble_pair(t.add(Self::QAT * nb + 128 * i + 32 * p))
-    }
-}
-impl Fmt for Q4_1 {
-    const WBYTES: usize = 20;
-    const QAT: usize = 32;
-    const QBYTES: usize = 128;
-    const ABYTES: usize = 36;
-    const AQ: usize = 4;
-    const MIN: bool = true;
-    const SIGNED: bool = false;
-    const ZSHIFT: i32 = 0;
-    #[inline(always)]
-    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
-        nibble_pair(t.add(Self::QAT * nb + 128 * i + 32 * p))
-    }
-}
-/// 5-bit values: nibbles plus a high bit from the tile's qh words at `qh`.
+/// Weights for values 4p..4p+4 and 16+4p..16+4p+4 of block `i` of a tile of `nb` blocks per
+/// row, eight rows each.
 #[inline(always)]
-unsafe fn five_bit_pair<const ISA: u8>(nibbles: *const u8, qh: *const u8, p: usize) -> (__m256i, __m256i) {
-    let (lo, hi) = nibble_pair(nibbles);
+unsafe fn pair<F: Fmt, const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
+    let qs = t.add(8 * F::HEAD * nb + 8 * F::QROW * i + 32 * p);
+    if F::SIGNED {
+        return (_mm256_loadu_si256(qs as *const __m256i), _mm256_loadu_si256(qs.add(128) as *const __m256i));
+    }
+    let (lo, hi) = nibble_pair(qs);
+    if !F::FIVE {
+        return (lo, hi);
+    }
+    // The fifth bits: the qh words come right before the quants.
+    let qh = t.add(8 * (F::HEAD - 4) * nb + 32 * i);
     let b = _mm256_set1_epi8(0x10);
     if ISA == AVX512 {
         let bits = |at: usize| (qh.add(at) as *const u32).read_unaligned();
@@ -338,50 +357,6 @@ unsafe fn five_bit_pair<const ISA: u8>(nibbles: *const u8, qh: *const u8, p: usi
     let h0 = _mm256_and_si256(bytes_from_bits(qh.add(4 * p)), b);
     let h1 = _mm256_and_si256(bytes_from_bits(qh.add(4 * p + 16)), b);
     (_mm256_or_si256(lo, h0), _mm256_or_si256(hi, h1))
-}
-
-impl Fmt for Q5_0 {
-    const WBYTES: usize = 22;
-    const QAT: usize = 48;
-    const QBYTES: usize = 128;
-    const ABYTES: usize = 34;
-    const AQ: usize = 2;
-    const MIN: bool = false;
-    const SIGNED: bool = false;
-    const ZSHIFT: i32 = 4;
-    #[inline(always)]
-    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
-        five_bit_pair::<ISA>(t.add(Self::QAT * nb + 128 * i + 32 * p), t.add(16 * nb + 32 * i), p)
-    }
-}
-impl Fmt for Q5_1 {
-    const WBYTES: usize = 24;
-    const QAT: usize = 64;
-    const QBYTES: usize = 128;
-    const ABYTES: usize = 36;
-    const AQ: usize = 4;
-    const MIN: bool = true;
-    const SIGNED: bool = false;
-    const ZSHIFT: i32 = 0;
-    #[inline(always)]
-    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
-        five_bit_pair::<ISA>(t.add(Self::QAT * nb + 128 * i + 32 * p), t.add(32 * nb + 32 * i), p)
-    }
-}
-impl Fmt for Q8_0 {
-    const WBYTES: usize = 34;
-    const QAT: usize = 16;
-    const QBYTES: usize = 256;
-    const ABYTES: usize = 34;
-    const AQ: usize = 2;
-    const MIN: bool = false;
-    const SIGNED: bool = true;
-    const ZSHIFT: i32 = 0;
-    #[inline(always)]
-    unsafe fn pair<const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usize) -> (__m256i, __m256i) {
-        let q = t.add(Self::QAT * nb + 256 * i + 32 * p);
-        (_mm256_loadu_si256(q as *const __m256i), _mm256_loadu_si256(q.add(128) as *const __m256i))
-    }
 }
 
 /// Instruction sets of the tile kernels: AVX2+FMA+F16C; plus AVX-VNNI (vpdpbusd); plus
@@ -436,14 +411,14 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(
         for (k, &t) in tiles.iter().enumerate() {
             // Hardware prefetchers alone leave DRAM bandwidth unused when the weights do not fit
             // the caches (decode); ask for the bytes a few blocks ahead.
-            let qs = t.wrapping_add(F::QAT * nb + F::QBYTES * i + PREFETCH);
-            for line in (0..F::QBYTES).step_by(64) {
+            let qs = t.wrapping_add(8 * F::HEAD * nb + 8 * F::QROW * i + PREFETCH);
+            for line in (0..8 * F::QROW).step_by(64) {
                 _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(line) as *const i8);
             }
             let mut isum = start;
             let mut isum2 = [_mm256_setzero_si256(); R];
             for p in 0..4 {
-                let (w0, w1) = F::pair::<ISA>(t, nb, i, p);
+                let (w0, w1) = pair::<F, ISA>(t, nb, i, p);
                 let (u0, u1) = if F::SIGNED { (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1)) } else { (w0, w1) };
                 for r in 0..R {
                     let q = a[r].add(i * F::ABYTES + F::AQ + 4 * p);
@@ -472,14 +447,20 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(
     acc
 }
 
-fn check<F: Fmt>(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
-    let nb = n / 32;
+/// Asserts a tile kernel call is well formed and every load it makes is in bounds: `tile_bytes`
+/// per tile, `act_bytes` per activation row. Returns the number of tiles.
+fn check_call(t: &[u8], tile_bytes: usize, a: &[&[u8]], act_bytes: usize, out: &[[f32; 8]]) -> usize {
     let tiles = out.len() / a.len().max(1);
     assert!((1..=8).contains(&a.len()) && out.len() == tiles * a.len(), "out must hold tiles x activation rows");
     assert!(matches!((tiles, a.len()), (1, _) | (2, 1 | 2)), "tile kernels take 1 tile x 1..8 rows or 2 tiles x 1..2 rows");
-    assert!(t.len() >= tiles * 8 * nb * F::WBYTES, "weight tile too short");
-    assert!(a.iter().all(|r| r.len() >= nb * (F::ABYTES + 8) + super::ACT_PAD), "activation row too short (size it with act_row_bytes)");
-    (nb, tiles)
+    assert!(t.len() >= tiles * tile_bytes, "weight tile too short");
+    assert!(a.iter().all(|r| r.len() >= act_bytes), "activation row too short (size it with act_row_bytes)");
+    tiles
+}
+
+fn check<F: Fmt>(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+    let nb = n / 32;
+    (nb, check_call(t, 8 * nb * F::WBYTES, a, nb * (F::ABYTES + 8) + super::ACT_PAD, out))
 }
 
 /// What the tile entry points need of a format: its kernel and its bounds check.
@@ -515,18 +496,13 @@ const K_BYTES: usize = 292;
 
 fn check_kquant(sb: usize, t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
     let nsb = n / 256;
-    let tiles = out.len() / a.len().max(1);
-    assert!((1..=8).contains(&a.len()) && out.len() == tiles * a.len(), "out must hold tiles x activation rows");
-    assert!(matches!((tiles, a.len()), (1, _) | (2, 1 | 2)), "tile kernels take 1 tile x 1..8 rows or 2 tiles x 1..2 rows");
-    assert!(t.len() >= tiles * nsb * sb, "weight tile too short");
-    assert!(a.iter().all(|r| r.len() >= nsb * K_BYTES), "activation row too short (size it with act_row_bytes)");
-    (nsb, tiles)
+    (nsb, check_call(t, nsb * sb, a, nsb * K_BYTES, out))
 }
 
 /// The superblock walk both K-quant kernels share. For each superblock of each tile `body`
 /// returns, per activation row, the scale-weighted integer sum and (Q4_K) the mins' sum; they
 /// land in the accumulators as d_w·d_a·sum − dmin_w·d_a·mins (d_w at the superblock's start,
-/// dmin_w right after it).
+/// dmin_w at `K45_DMIN`).
 #[inline(always)]
 unsafe fn kquant_tiles<const T: usize, const R: usize>(
     t: *const u8,
@@ -550,7 +526,7 @@ unsafe fn kquant_tiles<const T: usize, const R: usize>(
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(total[r]), acc[r]);
             }
             if let Some(mins) = mins {
-                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(sb.add(16) as *const __m128i));
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(sb.add(K45_DMIN) as *const __m128i));
                 for r in 0..R {
                     let da = _mm256_set1_ps((ab[r] as *const f32).read_unaligned());
                     acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(mins[r]), acc[r]);
@@ -566,7 +542,7 @@ unsafe fn kquant_tiles<const T: usize, const R: usize>(
 #[inline(always)]
 unsafe fn q45k_sums<const R: usize, const ISA: u8, const FIVE: bool>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
     let (m4, b4) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x10));
-    let qs = if FIVE { 416 } else { 160 };
+    let qs = if FIVE { Q5K_QS } else { Q4K_QS };
     let mut total = [_mm256_setzero_si256(); R];
     for sub in 0..8 {
         // Sub-block 2j takes the low nibbles of chunks 8j.., 2j+1 the high ones; in Q5_K its
@@ -577,7 +553,7 @@ unsafe fn q45k_sums<const R: usize, const ISA: u8, const FIVE: bool>(sb: *const 
             let raw = _mm256_loadu_si256(sb.add(qs + 256 * j + 32 * c) as *const __m256i);
             let mut w = if high { _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) } else { _mm256_and_si256(raw, m4) };
             if FIVE {
-                let qh = _mm256_loadu_si256(sb.add(160 + 32 * c) as *const __m256i);
+                let qh = _mm256_loadu_si256(sb.add(Q5K_QH + 32 * c) as *const __m256i);
                 let bit = match sub {
                     0 => _mm256_slli_epi16(qh, 4),
                     1 => _mm256_slli_epi16(qh, 3),
@@ -594,7 +570,7 @@ unsafe fn q45k_sums<const R: usize, const ISA: u8, const FIVE: bool>(sb: *const 
                 isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 64 * j + 32 * high as usize + 4 * c)));
             }
         }
-        let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sb.add(32 + 8 * sub) as *const __m128i));
+        let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sb.add(K45_SC + 8 * sub) as *const __m128i));
         for r in 0..R {
             total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
         }
@@ -603,8 +579,8 @@ unsafe fn q45k_sums<const R: usize, const ISA: u8, const FIVE: bool>(sb: *const 
     // (m_s, m_s+1) against (sum_s, sum_s+1).
     let mut mins = [_mm256_setzero_si256(); R];
     for p in 0..4 {
-        let m0 = _mm_loadl_epi64(sb.add(96 + 16 * p) as *const __m128i);
-        let m1 = _mm_loadl_epi64(sb.add(104 + 16 * p) as *const __m128i);
+        let m0 = _mm_loadl_epi64(sb.add(K45_M + 16 * p) as *const __m128i);
+        let m1 = _mm_loadl_epi64(sb.add(K45_M + 8 + 16 * p) as *const __m128i);
         let mm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m0, m1));
         for r in 0..R {
             let bs = ab[r].add(K_BSUMS) as *const i16;
@@ -653,8 +629,8 @@ impl TileFormat for Q6K {
                             _mm256_set1_epi32(-32 * bs)
                         });
                         for c in 4 * half..4 * half + 4 {
-                            let qh = _mm256_loadu_si256(sb.add(1168 + 256 * h + 32 * c) as *const __m256i);
-                            let ql = _mm256_loadu_si256(sb.add(144 + 512 * h + 32 * (c + 8 * (q % 2))) as *const __m256i);
+                            let qh = _mm256_loadu_si256(sb.add(Q6K_QH + 256 * h + 32 * c) as *const __m256i);
+                            let ql = _mm256_loadu_si256(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (q % 2))) as *const __m256i);
                             let lo = if q < 2 { _mm256_and_si256(ql, m4) } else { _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) };
                             let hi = match q {
                                 0 => _mm256_slli_epi16(qh, 4),
@@ -667,7 +643,7 @@ impl TileFormat for Q6K {
                                 isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * q + 4 * c)));
                             }
                         }
-                        let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sb.add(16 + 8 * sub) as *const __m128i));
+                        let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sb.add(Q6K_SC + 8 * sub) as *const __m128i));
                         for r in 0..R {
                             total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
                         }

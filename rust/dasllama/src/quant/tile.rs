@@ -43,6 +43,17 @@ fn parts(ty: GgmlType) -> Option<[usize; 4]> {
 /// Bytes of one superblock of eight rows in a K-quant tile.
 pub const Q4K_TILE_BLOCK: usize = 1184;
 pub const Q5K_TILE_BLOCK: usize = 1440;
+
+/// Where the fields of a K-quant superblock tile start (bytes from its start; `d[8]` at 0).
+pub const K45_DMIN: usize = 16;
+pub const K45_SC: usize = 32;
+pub const K45_M: usize = 96;
+pub const Q4K_QS: usize = 160;
+pub const Q5K_QH: usize = 160;
+pub const Q5K_QS: usize = 416;
+pub const Q6K_SC: usize = 16;
+pub const Q6K_QL: usize = 144;
+pub const Q6K_QH: usize = 1168;
 pub const Q6K_TILE_BLOCK: usize = 1680;
 
 pub fn has_layout(ty: GgmlType) -> bool {
@@ -65,19 +76,19 @@ fn kquant_moves(ty: GgmlType, r: usize) -> Vec<(usize, usize, usize)> {
     let mut v = Vec::new();
     match ty {
         GgmlType::Q4K => {
-            v.extend([(0, 2 * r, 2), (2, 16 + 2 * r, 2)]);
-            v.extend((0..32).map(|c| (16 + 4 * c, 160 + 32 * c + 4 * r, 4)));
+            v.extend([(0, 2 * r, 2), (2, K45_DMIN + 2 * r, 2)]);
+            v.extend((0..32).map(|c| (16 + 4 * c, Q4K_QS + 32 * c + 4 * r, 4)));
         }
         GgmlType::Q5K => {
-            v.extend([(0, 2 * r, 2), (2, 16 + 2 * r, 2)]);
-            v.extend((0..8).map(|c| (16 + 4 * c, 160 + 32 * c + 4 * r, 4)));
-            v.extend((0..32).map(|c| (48 + 4 * c, 416 + 32 * c + 4 * r, 4)));
+            v.extend([(0, 2 * r, 2), (2, K45_DMIN + 2 * r, 2)]);
+            v.extend((0..8).map(|c| (16 + 4 * c, Q5K_QH + 32 * c + 4 * r, 4)));
+            v.extend((0..32).map(|c| (48 + 4 * c, Q5K_QS + 32 * c + 4 * r, 4)));
         }
         GgmlType::Q6K => {
             v.push((208, 2 * r, 2));
-            v.extend((0..16).map(|s| (192 + s, 16 + 8 * s + r, 1)));
-            v.extend((0..32).map(|c| (4 * c, 144 + 32 * c + 4 * r, 4)));
-            v.extend((0..16).map(|c| (128 + 4 * c, 1168 + 32 * c + 4 * r, 4)));
+            v.extend((0..16).map(|s| (192 + s, Q6K_SC + 8 * s + r, 1)));
+            v.extend((0..32).map(|c| (4 * c, Q6K_QL + 32 * c + 4 * r, 4)));
+            v.extend((0..16).map(|c| (128 + 4 * c, Q6K_QH + 32 * c + 4 * r, 4)));
         }
         _ => unreachable!("not a tiled K-quant"),
     }
@@ -111,10 +122,10 @@ fn kquant_row(ty: GgmlType, row: &mut [u8], tile: &mut [u8], r: usize, to_tile: 
         if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
             if to_tile {
                 for s in 0..8 {
-                    (t[32 + 8 * s + r], t[96 + 8 * s + r]) = super::scale_min_k4(s, &b[4..16]);
+                    (t[K45_SC + 8 * s + r], t[K45_M + 8 * s + r]) = super::scale_min_k4(s, &b[4..16]);
                 }
             } else {
-                let (sc, m) = (std::array::from_fn(|s| t[32 + 8 * s + r]), std::array::from_fn(|s| t[96 + 8 * s + r]));
+                let (sc, m) = (std::array::from_fn(|s| t[K45_SC + 8 * s + r]), std::array::from_fn(|s| t[K45_M + 8 * s + r]));
                 b[4..16].copy_from_slice(&pack_scale_min_k4(&sc, &m));
             }
         }
