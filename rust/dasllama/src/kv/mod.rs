@@ -308,15 +308,6 @@ pub struct LayerView<'a> {
 }
 
 impl LayerView<'_> {
-    /// The bytes of KV head `h` (of `head_dim` values) of K at `pos`.
-    #[inline]
-    pub fn k(&self, pos: usize, h: usize, head_dim: usize) -> &[u8] {
-        self.row(pos, false, h, head_dim)
-    }
-    #[inline]
-    pub fn v(&self, pos: usize, h: usize, head_dim: usize) -> &[u8] {
-        self.row(pos, true, h, head_dim)
-    }
     pub fn codec(&self) -> KvCodec {
         self.cache.geo.codec
     }
@@ -335,13 +326,6 @@ impl LayerView<'_> {
             pos = end;
             Some(run)
         })
-    }
-    #[inline]
-    fn row(&self, pos: usize, v: bool, h: usize, head_dim: usize) -> &[u8] {
-        let g = &self.cache.geo;
-        debug_assert_eq!(head_dim, g.head_dim);
-        let at = g.at(self.il, v, h, pos % g.page_rows);
-        &self.cache.pages[pos / g.page_rows].data()[at..at + g.head_bytes()]
     }
 }
 
@@ -455,17 +439,19 @@ mod tests {
         pool.donate(&a, &toks);
         let mut b = KvCache::paged(&pool);
         assert_eq!(pool.attach(&mut b, &toks, 7), 4, "one whole page, capped short of the prompt");
+        // Layer `il`'s K of head 0 at `pos`.
+        let k = |kv: &KvCache, il: usize, pos: usize| kv.layer(il).rows(false, 0, pos, pos + 1).next().unwrap().1.to_vec();
         let first = |kv: &KvCache, pos: usize| {
             let mut v = [0.0f32; 4];
-            KvCodec::F16.decode(kv.layer(0).k(pos, 0, 4), &mut v);
+            KvCodec::F16.decode(&k(kv, 0, pos), &mut v);
             v[0]
         };
-        assert_eq!(b.layer(1).k(2, 0, 4), a.layer(1).k(2, 0, 4));
+        assert_eq!(k(&b, 1, 2), k(&a, 1, 2));
         b.truncate(2);
         fill(&mut b, 1, 100.0); // position 2 lies in the shared page: copy-on-write
         assert_eq!(first(&b, 2), 100.0);
         assert_eq!(first(&a, 2), 1.0 + 8.0);
-        assert_eq!(b.layer(0).k(1, 0, 4), a.layer(0).k(1, 0, 4));
+        assert_eq!(k(&b, 0, 1), k(&a, 0, 1));
         drop(a);
         b.release();
         let st = pool.stats();

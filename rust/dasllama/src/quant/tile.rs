@@ -71,7 +71,7 @@ pub fn tile_bytes(ty: GgmlType, cols: usize) -> usize {
 }
 
 /// K-quants: (offset in the GGUF block, offset in the tile's superblock, length) of every byte
-/// field of row `r` (Q4_K's packed scales excepted).
+/// field of row `r` (the packed 6-bit scales of Q4_K and Q5_K excepted).
 fn kquant_moves(ty: GgmlType, r: usize) -> Vec<(usize, usize, usize)> {
     let mut v = Vec::new();
     match ty {
@@ -106,42 +106,10 @@ fn pack_scale_min_k4(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
     q
 }
 
-/// Move row `r` of a K-quant tile between its GGUF bytes and the tile.
-fn kquant_row(ty: GgmlType, row: &mut [u8], tile: &mut [u8], r: usize, to_tile: bool) {
-    let (bb, sb) = (ty.block_bytes(), tile_bytes(ty, 256));
-    let moves = kquant_moves(ty, r);
-    for i in 0..row.len() / bb {
-        let (b, t) = (&mut row[i * bb..(i + 1) * bb], &mut tile[i * sb..(i + 1) * sb]);
-        for &(at, tat, len) in &moves {
-            if to_tile {
-                t[tat..tat + len].copy_from_slice(&b[at..at + len]);
-            } else {
-                b[at..at + len].copy_from_slice(&t[tat..tat + len]);
-            }
-        }
-        if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
-            if to_tile {
-                for s in 0..8 {
-                    (t[K45_SC + 8 * s + r], t[K45_M + 8 * s + r]) = super::scale_min_k4(s, &b[4..16]);
-                }
-            } else {
-                let (sc, m) = (std::array::from_fn(|s| t[K45_SC + 8 * s + r]), std::array::from_fn(|s| t[K45_M + 8 * s + r]));
-                b[4..16].copy_from_slice(&pack_scale_min_k4(&sc, &m));
-            }
-        }
-    }
-}
-
 /// Up to eight GGUF rows -> one tile (missing rows are zero).
 pub fn tile_rows(ty: GgmlType, rows: &[&[u8]], tile: &mut [u8]) {
     assert!(rows.len() <= TILE_ROWS);
     tile.fill(0);
-    if matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
-        for (r, row) in rows.iter().enumerate() {
-            kquant_row(ty, &mut row.to_vec(), tile, r, true);
-        }
-        return;
-    }
     for (r, row) in rows.iter().enumerate() {
         for_each_field(ty, row.len(), r, |at, tat, len| tile[tat..tat + len].copy_from_slice(&row[at..at + len]));
         for (row_at, words) in high_bits(ty, row.len()) {
@@ -151,16 +119,16 @@ pub fn tile_rows(ty: GgmlType, rows: &[&[u8]], tile: &mut [u8]) {
                 tile[w_at + bit / 8] |= (((qh >> j) & 1) as u8) << (bit % 8);
             }
         }
+        for (row_at, sb) in packed_scales(ty, row.len()) {
+            for s in 0..8 {
+                (tile[sb + K45_SC + 8 * s + r], tile[sb + K45_M + 8 * s + r]) = super::scale_min_k4(s, &row[row_at..row_at + 12]);
+            }
+        }
     }
 }
 
 /// Row `r` (0..8) of a tile -> its GGUF bytes.
 pub fn untile_row(ty: GgmlType, tile: &[u8], r: usize, row: &mut [u8]) {
-    if matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
-        // The tile is only read: the direction flag keeps one copy of the field map.
-        let mut t = tile.to_vec();
-        return kquant_row(ty, row, &mut t, r, false);
-    }
     for_each_field(ty, row.len(), r, |at, tat, len| row[at..at + len].copy_from_slice(&tile[tat..tat + len]));
     for (row_at, words) in high_bits(ty, row.len()) {
         let mut qh = 0u32;
@@ -170,13 +138,27 @@ pub fn untile_row(ty: GgmlType, tile: &[u8], r: usize, row: &mut [u8]) {
         }
         row[row_at..row_at + 4].copy_from_slice(&qh.to_le_bytes());
     }
+    for (row_at, sb) in packed_scales(ty, row.len()) {
+        let field = |at: usize| std::array::from_fn(|s| tile[sb + at + 8 * s + r]);
+        row[row_at..row_at + 12].copy_from_slice(&pack_scale_min_k4(&field(K45_SC), &field(K45_M)));
+    }
 }
 
 /// Calls `f(offset in the GGUF row, offset in the tile, length)` for every byte field of row `r`
 /// (plain loops: this runs over every weight at load).
 #[inline(always)]
 fn for_each_field(ty: GgmlType, row_len: usize, r: usize, mut f: impl FnMut(usize, usize, usize)) {
-    let [dw, mw, hw, qw] = parts(ty).expect("format has a tiled layout");
+    let bb = ty.block_bytes();
+    let Some([dw, mw, hw, qw]) = parts(ty) else {
+        // K-quants: superblocks stay together.
+        let (moves, sb) = (kquant_moves(ty, r), tile_bytes(ty, 256));
+        for i in 0..row_len / bb {
+            for &(at, tat, len) in &moves {
+                f(i * bb + at, i * sb + tat, len);
+            }
+        }
+        return;
+    };
     let bb = ty.block_bytes();
     let nb = row_len / bb;
     let (m_at, q_at) = (dw * TILE_ROWS * nb, (dw + mw + hw) * TILE_ROWS * nb);
@@ -192,9 +174,18 @@ fn for_each_field(ty: GgmlType, row_len: usize, r: usize, mut f: impl FnMut(usiz
     }
 }
 
-/// (offset of the block's qh in the GGUF row, offset of its eight words in the tile) per block.
+/// Q4_K, Q5_K: (offset of the block's twelve packed scale bytes in the GGUF row, offset of its
+/// superblock in the tile) per block; nothing for other formats.
+fn packed_scales(ty: GgmlType, row_len: usize) -> impl Iterator<Item = (usize, usize)> {
+    let (bb, sb) = (ty.block_bytes(), tile_bytes(ty, 256));
+    let n = if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) { row_len / bb } else { 0 };
+    (0..n).map(move |i| (i * bb + 4, i * sb))
+}
+
+/// Q5_0, Q5_1: (offset of the block's qh in the GGUF row, offset of its eight words in the tile)
+/// per block; nothing for other formats.
 fn high_bits(ty: GgmlType, row_len: usize) -> impl Iterator<Item = (usize, usize)> {
-    let [dw, mw, hw, _] = parts(ty).expect("format has a tiled layout");
+    let [dw, mw, hw, _] = parts(ty).unwrap_or([0; 4]);
     let bb = ty.block_bytes();
     let nb = row_len / bb;
     let h_at = (dw + mw) * TILE_ROWS * nb;
