@@ -1,17 +1,19 @@
 """Logits against llama.cpp's, along llama.cpp's own greedy path.
 
-What holds, and is asserted: tokenization (test_tokenizer.py) is identical; the first step of every
-case (the prompt's own logits, before any divergence can compound) is close on every listed token;
-over all steps the median and 90th percentile errors are small and the argmax agrees wherever
-llama.cpp is decisive; and our fp32 reference lands where the golden README says f32 arithmetic
-lands. The bounds are statistical on purpose: any change of float summation order anywhere moves
-single steps by tenths of a nat (see below), while a real bug moves every step by nats.
+The golden files are the output of llama.cpp's x86 AVX2 CPU build (an AVX2-only build of the
+vendored sources reproduces them to 0.000 nats; the same sources built for AVX-512 differ from them
+by a median 0.17 and up to 0.64 nats on SmolLM2). These small models are chaotic at the level of
+float summation order: a one-ulp difference in a dot product flips q8 activation quants and f16
+casts further on, and by the last layer moves log-probabilities by tenths of a nat. So:
 
-What does not yet hold is the issue's 0.15 nats on *every* step: the computation is chaotic at the
-level of float summation order (our own SIMD and scalar kernels, identical in every integer block
-sum, already differ by p90 0.39 / max 0.97 nats over these 522 steps), so that bound needs
-llama.cpp's exact summation order in every kernel, not only its activation rounding. The test for
-it is an xfail, strict, so it turns red the day it passes.
+- ``Numerics.ggml`` (ggml's AVX2 order in every matmul and attention product) is held to the
+  issue's bound: every listed log-probability within 0.15 nats on every step, the same argmax, and
+  free-running greedy text equal to llama.cpp's.
+- ``Numerics.fast`` (our tiled kernels: the same activation rounding, our own order) is held to
+  statistical bounds: the first step of every case is close, the median and 90th percentile over
+  all steps are small, and the argmax agrees wherever llama.cpp is decisive. A real bug moves every
+  step by nats; a different summation order moves single steps by tenths.
+- Our fp32 reference lands where the golden README says f32 arithmetic lands.
 """
 
 from __future__ import annotations
@@ -70,10 +72,48 @@ def test_all_steps_close(which: str, request: pytest.FixtureRequest) -> None:
     assert flips <= 0.05 * decisive, (flips, decisive)
 
 
-@pytest.mark.xfail(strict=True, reason="needs llama.cpp's float summation order in every kernel; see module docstring")
-def test_every_step_within_015(smollm_errors) -> None:
-    errs, flips, _ = smollm_errors
-    assert max(max(c) for c in errs) <= 0.15 and flips == 0
+@pytest.fixture(scope="module")
+def smollm_ggml() -> dl.Model:
+    return dl.load_model(dl.fetch("smollm2-135m-instruct"), numerics=dl.Numerics.ggml)
+
+
+def test_ggml_numerics_every_step_within_015(smollm_ggml: dl.Model, smollm_golden: dict) -> None:
+    errs, flips, decisive = step_errors(smollm_ggml, smollm_golden)
+    worst = max(max(c) for c in errs)
+    assert worst <= 0.15 and flips == 0, (worst, flips, decisive)
+    # Not merely within tolerance: the same numbers, up to the golden file's rounding.
+    assert worst < 1e-4, worst
+
+
+def test_ggml_numerics_free_running_greedy(smollm_ggml: dl.Model, smollm_golden: dict) -> None:
+    res = greedy_matches(smollm_ggml, smollm_golden, "chat", 32)
+    assert sum(res) >= 9, res
+
+
+def test_ggml_numerics_batched_equals_alone(smollm_ggml: dl.Model, smollm_golden: dict) -> None:
+    # eval_batch in ggml numerics: each session's logits are those it gets alone.
+    cases = smollm_golden["cases"][:3]
+    alone = []
+    for c in cases:
+        s = dl.create_session(smollm_ggml)
+        dl.eval(smollm_ggml, s, c["prompt_ids"])
+        alone.append(dl.eval(smollm_ggml, s, c["greedy_ids"][:1]))
+    sessions = [dl.create_session(smollm_ggml) for _ in cases]
+    for s, c in zip(sessions, cases):
+        dl.eval(smollm_ggml, s, c["prompt_ids"])
+    ws = dl.create_batch_workspace(smollm_ggml)
+    batched = dl.eval_batch(smollm_ggml, ws, sessions, [c["greedy_ids"][0] for c in cases])
+    for a, b in zip(alone, batched):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ggml_numerics_refuses_what_it_does_not_cover(gemma: dl.Model, smollm_ggml: dl.Model) -> None:
+    with pytest.raises(dl.UnsupportedModelError, match="numerics='ggml'.*numerics='fast'"):
+        dl.load_model(gemma.path, numerics="ggml")
+    with pytest.raises(ValueError, match="f16"):
+        dl.create_kv_pool(smollm_ggml, kv_dtype=dl.KVDtype.q8_0)
+    with pytest.raises(ValueError, match="unknown numerics"):
+        dl.load_model(gemma.path, numerics="fastest")
 
 
 def test_fp32_reference_matches_the_readme(smollm_golden: dict) -> None:

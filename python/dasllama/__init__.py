@@ -14,7 +14,7 @@ from ._native import arch_names, n_threads
 from .chat import ChatRenderer, add_assistant, add_user, create_chat_renderer, make_nothink_guard, render_chat, render_close, render_turn, set_thinking, turn_stop_ids
 from .errors import ContextOverflowError, DasllamaError, FetchError, GgufError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
-from .model import Model, QuantMode, decode, encode, load_model, token_piece
+from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
 from .scheduler import PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, submit
 from .session import BatchWorkspace, KvPool, KVDtype, SamplingParams, Session, create_batch_workspace, create_kv_pool, create_session, eval, eval_batch, generate, kv_pool_stats, release_kv_pages, sample
 
@@ -34,6 +34,7 @@ __all__ = [
     "KvPool",
     "Model",
     "PendingReq",
+    "Numerics",
     "QuantMode",
     "SamplingParams",
     "SchedEvent",

@@ -30,6 +30,13 @@ class QuantMode(enum.Enum):
     fp32 = "fp32"  # every matrix dequantized to f32: the exact-arithmetic reference
 
 
+class Numerics(enum.Enum):
+    """How dot products are added up."""
+
+    fast = "fast"  # our tiled SIMD kernels (llama.cpp's activation rounding, our own order)
+    ggml = "ggml"  # llama.cpp's AVX2 CPU order, bit for bit; several times slower (conformance)
+
+
 class Model:
     """A loaded model. Read-only and shareable between sessions and threads."""
 
@@ -104,13 +111,24 @@ def _tokenizer_args(meta: dict[str, Any], path: Path) -> dict[str, Any]:
     )
 
 
-def load_model(path: str | os.PathLike[str], quant: QuantMode | str = QuantMode.native) -> Model:
+def load_model(
+    path: str | os.PathLike[str], quant: QuantMode | str = QuantMode.native, numerics: Numerics | str = Numerics.fast
+) -> Model:
     """Load a GGUF model (a path, or a known name fetched on first use).
+
+    ``numerics=Numerics.ggml`` adds every dot product up in the order of llama.cpp's x86 AVX2 CPU
+    build, so logits equal that build's bit for bit (Q4_1, Q5_0, Q5_1 and Q8_0 weights, f16 KV
+    cache); the default ``fast`` kernels round activations the same way but sum in their own
+    order, which moves single log-probabilities by up to tenths of a nat on small models.
 
     Raises GgufError for a missing, malformed or truncated file and UnsupportedModelError for an
     architecture, tokenizer or tensor type this build does not implement.
     """
     qm = QuantMode(quant) if not isinstance(quant, QuantMode) else quant
+    try:
+        nm = Numerics(numerics)
+    except ValueError:
+        raise ValueError(f"unknown numerics {numerics!r} (use {', '.join(n.value for n in Numerics)})") from None
     t0 = time.perf_counter()
     p = Path(path).expanduser()
     if not p.exists() and not str(path).endswith(".gguf") and os.sep not in str(path):
@@ -123,8 +141,8 @@ def load_model(path: str | os.PathLike[str], quant: QuantMode | str = QuantMode.
     if arch not in _native.arch_names():
         raise UnsupportedModelError(f"{p}: architecture '{arch}' is not supported (supported: {', '.join(_native.arch_names())})")
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
-    native = _native.load_model(str(p), arch, _numeric_meta(meta, arch), tensors, quant=qm.value, **_tokenizer_args(meta, p))
-    log.info("loaded %s (%s, %s) in %.2fs", p.name, arch, qm.value, time.perf_counter() - t0)
+    native = _native.load_model(str(p), arch, _numeric_meta(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
+    log.info("loaded %s (%s, %s, %s numerics) in %.2fs", p.name, arch, qm.value, nm.value, time.perf_counter() - t0)
     return Model(native, meta, p)
 
 

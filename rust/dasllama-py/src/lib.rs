@@ -2,7 +2,7 @@
 //! call that runs the model, and one mapping from core errors to Python exceptions.
 
 use dasllama::kv::{Geometry, KvCodec, KvPool, PoolStats};
-use dasllama::model::{Model, QuantMode, TensorInfo};
+use dasllama::model::{Model, Numerics, QuantMode, TensorInfo};
 use dasllama::sampling::{self, SamplingParams};
 use dasllama::sched::{EventKind, Finish, PendingReq, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
@@ -140,7 +140,7 @@ impl PySession {
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (path, arch, meta, tensors, tokenizer_model, tokenizer_pre, tokens, token_types, scores, merges, bos, eos, eog, add_bos, add_space_prefix, quant))]
+#[pyo3(signature = (path, arch, meta, tensors, tokenizer_model, tokenizer_pre, tokens, token_types, scores, merges, bos, eos, eog, add_bos, add_space_prefix, quant, numerics="fast"))]
 fn load_model(
     py: Python<'_>,
     path: String,
@@ -159,12 +159,18 @@ fn load_model(
     add_bos: bool,
     add_space_prefix: bool,
     quant: &str,
+    numerics: &str,
 ) -> PyResult<PyModel> {
     let quant = match quant {
         "native" => QuantMode::Native,
         "q8" => QuantMode::Q8,
         "fp32" => QuantMode::Fp32,
         other => return Err(PyValueError::new_err(format!("unknown quant mode '{other}' (use native, q8 or fp32)"))),
+    };
+    let numerics = match numerics {
+        "fast" => Numerics::Fast,
+        "ggml" => Numerics::Ggml,
+        other => return Err(PyValueError::new_err(format!("unknown numerics '{other}' (use fast or ggml)"))),
     };
     let tensors: Vec<TensorInfo> =
         tensors.into_iter().map(|(name, ty, shape, offset)| TensorInfo { name, ty, shape, offset }).collect();
@@ -176,7 +182,7 @@ fn load_model(
                     Error::UnsupportedModel(m) | Error::Gguf(m) => Error::UnsupportedModel(format!("{path}: {m}")),
                     other => other,
                 })?;
-            Model::load(std::path::Path::new(&path), &arch, &meta, &tensors, tok, quant)
+            Model::load(std::path::Path::new(&path), &arch, &meta, &tensors, tok, quant, numerics)
         })
         .map_err(map_err)?;
     Ok(PyModel { inner: Arc::new(model), arch, path })

@@ -18,7 +18,7 @@ fn weight(ty: GgmlType, rows: usize, cols: usize) -> Weight {
     for b in data.iter_mut().skip(1).step_by(2) {
         *b &= 0x3B;
     }
-    Weight { ty, rows, cols, data: Bytes::Owned(Arc::new(data)), tiled: false }.for_kernels()
+    Weight { ty, rows, cols, data: Bytes::Owned(Arc::new(data)), tiled: false, ggml_dot: None }.for_kernels()
 }
 
 fn bench(c: &mut Criterion) {

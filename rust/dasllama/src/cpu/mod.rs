@@ -8,7 +8,7 @@ pub mod spin;
 pub use spin::{team, Session as Team};
 
 use crate::quant::tile::{self, TILE_ROWS};
-use crate::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, GgmlType, Kernels};
+use crate::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, DotFn, GgmlType, Kernels};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
@@ -61,6 +61,9 @@ pub struct Weight {
     pub cols: usize,
     pub data: Bytes,
     pub tiled: bool,
+    /// Set for `Numerics::Ggml`: the rows stay as stored and every dot uses this function, which
+    /// adds up in ggml's order.
+    pub ggml_dot: Option<DotFn>,
 }
 
 impl Weight {
@@ -79,6 +82,14 @@ impl Weight {
             })
         });
         Weight { data: Bytes::Owned(Arc::new(data)), tiled: true, ..self }
+    }
+
+    /// Read with ggml's summation order (`Numerics::Ggml`), or None where we do not reproduce it
+    /// for this format.
+    pub fn for_ggml_order(self) -> Option<Weight> {
+        assert!(!self.tiled, "ggml's order reads rows as stored");
+        let dot = crate::quant::ggml::dot_fn(self.ty)?;
+        Some(Weight { ggml_dot: Some(dot), ..self })
     }
 
     pub fn row_bytes(&self) -> usize {
@@ -173,7 +184,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
         // SAFETY (both writers): columns lo..hi of this segment belong to this task alone, and
         // t*m + r < n*m <= the output's length (asserted above).
         let put = |t: usize, r: usize, v: f32| unsafe { *dst.0.add(t * m + r) = v };
-        match kernels(w.ty) {
+        match w.ggml_dot.map_or_else(|| kernels(w.ty), Kernels::Rows) {
             Kernels::Tiles(tile_fn) => {
                 debug_assert!(w.tiled, "weight layout does not match its kernels");
                 let tb = tile::tile_bytes(w.ty, k);
@@ -235,5 +246,5 @@ pub fn convert_weight(w: &Weight, to: GgmlType) -> Weight {
             }
         })
     });
-    Weight { ty: to, rows: w.rows, cols: w.cols, data: Bytes::Owned(Arc::new(data)), tiled: false }
+    Weight { ty: to, rows: w.rows, cols: w.cols, data: Bytes::Owned(Arc::new(data)), tiled: false, ggml_dot: None }
 }

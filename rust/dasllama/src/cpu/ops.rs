@@ -42,14 +42,15 @@ pub fn rope(x: &mut [f32], cache: &[(f32, f32)], neox: bool) {
     for (i, &(s, c)) in cache.iter().enumerate() {
         let (a, b) = if neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
         let (x0, x1) = (x[a], x[b]);
-        x[a] = x0 * c - x1 * s;
-        x[b] = x0 * s + x1 * c;
+        // The fused multiply-adds GCC makes of ggml's `x0*cos - x1*sin` and `x0*sin + x1*cos`.
+        x[a] = x0.mul_add(c, -(x1 * s));
+        x[b] = x0.mul_add(s, x1 * c);
     }
 }
 
 /// In-place softmax as ggml's CPU path computes it: exponentials eight at a time with ggml's
-/// vector expf where the CPU has AVX2 (each group's f32 sum added to an f64 total), libm's `exp`
-/// for the rest.
+/// vector expf where the CPU has AVX2 (each group's f32 sum added to an f64 total); a last
+/// partial group is padded with -inf, as ggml's padded KV rows are. libm's `exp` without AVX2.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     let mut sum = 0.0f64;
@@ -58,6 +59,15 @@ pub fn softmax(x: &mut [f32]) {
     if crate::quant::avx2::has_avx2() {
         // SAFETY: AVX2/FMA detected; the kernel stays inside `x`.
         (i, sum) = unsafe { simd::exp_sub_sum(x, max) };
+        if i < x.len() {
+            let mut tail = [f32::NEG_INFINITY; 8];
+            tail[..x.len() - i].copy_from_slice(&x[i..]);
+            // SAFETY: as above, on an array of exactly eight.
+            let (_, s) = unsafe { simd::exp_sub_sum(&mut tail, max) };
+            let n = x.len() - i;
+            x[i..].copy_from_slice(&tail[..n]);
+            (i, sum) = (x.len(), sum + s);
+        }
     }
     for v in &mut x[i..] {
         *v = (*v - max).exp();

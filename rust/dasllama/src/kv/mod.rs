@@ -160,6 +160,12 @@ impl KvPool {
                 m.config.head_dim
             )));
         }
+        if m.numerics == crate::model::Numerics::Ggml && geo.codec != KvCodec::F16 {
+            return Err(Error::InvalidArgument(format!(
+                "the KV codec {:?} has no counterpart in ggml's order; a model loaded with numerics='ggml' needs an f16 KV cache",
+                geo.codec
+            )));
+        }
         KvPool::new(geo, max_pages, max_cached)
     }
 

@@ -1,7 +1,7 @@
 //! The forward pass shared by every family: embed, N x (attention + GLU FFN), norm, logits.
 //! Multi-token calls (prefill) run every matmul as one weight-stationary GEMM over all rows.
 
-use super::{Activation, Model};
+use super::{Activation, Model, Numerics};
 use crate::cpu::{matmul, matmul_many, ops, team, Team};
 use crate::session::KvCache;
 use crate::{Error, Result};
@@ -143,7 +143,11 @@ fn forward_rows(
             off += cnt;
         }
         let window = if swa { c.sliding_window } else { 0 };
-        attention(m, kvs, il, &rows, window, &s.q[..n * qd], grow(&mut s.att, n * qd), team);
+        let att = grow(&mut s.att, n * qd);
+        match m.numerics {
+            Numerics::Fast => attention(m, kvs, il, &rows, window, &s.q[..n * qd], att, team),
+            Numerics::Ggml => attention_ggml(m, kvs, il, &rows, counts, window, &s.q[..n * qd], att, team),
+        }
         let o = grow(&mut s.o, n * d);
         matmul(&l.wo, &s.att[..n * qd], n, o, &mut s.act, team);
         if let Some(w) = &l.post_attn_norm {
@@ -251,5 +255,67 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
         team.for_each_chunk_mut(&mut out[..n * qd], width, &one);
     } else {
         out[..n * qd].chunks_exact_mut(width).enumerate().for_each(|(i, o)| one(i, o));
+    }
+}
+
+/// Attention in ggml's order (`Numerics::Ggml`), as llama.cpp computes it without flash attention
+/// against an f16 cache: Q and the softmax weights rounded to f16; a session evaluating several
+/// tokens goes through tinyBLAS (lane dots), one evaluating a single token through
+/// `ggml_vec_dot_f16`; softmax over whole groups of eight cells with the masked ones at -inf.
+/// Plain loops over decoded rows: this is the conformance path, not the fast one.
+#[allow(clippy::too_many_arguments)]
+fn attention_ggml(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)], counts: &[usize], window: usize, q: &[f32], out: &mut [f32], team: &Team) {
+    use crate::quant::ggml::{lane_dot, vec_dot_f16};
+    let c = &m.config;
+    let (hdim, qd) = (c.head_dim, c.q_dim());
+    let group = c.n_heads / c.n_kv_heads;
+    let one = |idx: usize, o: &mut [f32]| {
+        let (t, kvh) = (idx / c.n_kv_heads, idx % c.n_kv_heads);
+        let (si, pos) = rows[t];
+        let single = counts[si] == 1;
+        let lv = kvs[si].layer(il);
+        assert_eq!(lv.codec(), crate::kv::KvCodec::F16, "ggml numerics run on an f16 cache (checked at pool creation)");
+        let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        // K and V of cells 0..=pos as f32 (cells before the window stay zero: their weight is 0).
+        let cells = (pos + 1).next_multiple_of(32);
+        let mut kf = vec![0.0f32; cells * hdim];
+        let mut vt = vec![0.0f32; hdim * cells]; // transposed, as llama.cpp stores V
+        for (v, dst) in [(false, &mut kf), (true, &mut vt)] {
+            for (first, run) in lv.rows(v, kvh, start, pos + 1) {
+                for (r, row) in run.chunks_exact(2 * hdim).enumerate() {
+                    for i in 0..hdim {
+                        let x = crate::quant::rd_f16(row, 2 * i);
+                        if v {
+                            dst[i * cells + first + r] = x;
+                        } else {
+                            dst[(first + r) * hdim + i] = x;
+                        }
+                    }
+                }
+            }
+        }
+        let dot = if single { vec_dot_f16 } else { lane_dot };
+        let mut sc = vec![0.0f32; cells];
+        for g in 0..group {
+            let base = t * qd + (kvh * group + g) * hdim;
+            let mut qs = q[base..base + hdim].to_vec();
+            ops::round_f16_slice(&mut qs);
+            sc.fill(f32::NEG_INFINITY);
+            for j in start..=pos {
+                sc[j] = dot(&kf[j * hdim..(j + 1) * hdim], &qs) * c.attn_scale;
+            }
+            let live = (pos + 1).next_multiple_of(8);
+            ops::softmax(&mut sc[..live]);
+            sc[live..].fill(0.0);
+            ops::round_f16_slice(&mut sc);
+            for (i, ov) in o[g * hdim..(g + 1) * hdim].iter_mut().enumerate() {
+                *ov = dot(&vt[i * cells..(i + 1) * cells], &sc);
+            }
+        }
+    };
+    if rows.len() * c.n_kv_heads > 1 {
+        team.for_each_chunk_mut(&mut out[..rows.len() * qd], group * hdim, &one);
+    } else {
+        one(0, &mut out[..qd]);
     }
 }

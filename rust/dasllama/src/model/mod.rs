@@ -35,6 +35,16 @@ pub enum QuantMode {
     Fp32,
 }
 
+/// How dot products are added up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Numerics {
+    /// Our tiled SIMD kernels: the same rounding of activations as llama.cpp, our own order.
+    Fast,
+    /// ggml's x86 AVX2 order in every matmul and attention product (`quant::ggml`): logits equal
+    /// llama.cpp's AVX2 CPU build bit for bit, several times slower. For conformance checks.
+    Ggml,
+}
+
 /// Everything the shared transformer skeleton needs to know about a family.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -101,6 +111,7 @@ pub struct Model {
     pub output_norm: Vec<f32>,
     pub output: Weight,
     pub tokenizer: Tokenizer,
+    pub numerics: Numerics,
 }
 
 /// One entry of the GGUF tensor table, as read by the Python loader.
@@ -119,6 +130,7 @@ struct TensorTable<'a> {
     map: Arc<memmap2::Mmap>,
     by_name: HashMap<&'a str, &'a TensorInfo>,
     quant: QuantMode,
+    numerics: Numerics,
 }
 
 impl TensorTable<'_> {
@@ -142,7 +154,11 @@ impl TensorTable<'_> {
                 self.map.len()
             )));
         }
-        Ok(Weight { ty, rows, cols, data: Bytes::Mapped { map: self.map.clone(), offset, len }, tiled: false })
+        Ok(Weight { ty, rows, cols, data: Bytes::Mapped { map: self.map.clone(), offset, len }, tiled: false, ggml_dot: None })
+    }
+
+    fn ty_name(&self, name: &str) -> &'static str {
+        self.by_name.get(name).and_then(|t| GgmlType::from_id(t.ty).ok()).map_or("?", |t| t.name())
     }
 
     fn has(&self, name: &str) -> bool {
@@ -163,7 +179,16 @@ impl TensorTable<'_> {
             QuantMode::Fp32 if w.ty != GgmlType::F32 => convert_weight(&w, GgmlType::F32),
             _ => w,
         };
-        Ok(w.for_kernels())
+        match self.numerics {
+            Numerics::Fast => Ok(w.for_kernels()),
+            Numerics::Ggml => w.for_ggml_order().ok_or_else(|| {
+                Error::UnsupportedModel(format!(
+                    "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers Q4_1, Q5_0, Q5_1 and Q8_0); load with numerics='fast'",
+                    self.file,
+                    self.ty_name(name)
+                ))
+            }),
+        }
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
@@ -192,6 +217,7 @@ impl Model {
         tensors: &[TensorInfo],
         tokenizer: Tokenizer,
         quant: QuantMode,
+        numerics: Numerics,
     ) -> Result<Model> {
         let desc = lookup_arch(arch).ok_or_else(|| {
             Error::UnsupportedModel(format!(
@@ -209,7 +235,7 @@ impl Model {
         // SAFETY: the file is opened read-only and we never write through the map; a concurrent
         // truncation by another process is outside what any mmap-based loader can guard against.
         let map = Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Gguf(format!("{file}: cannot map: {e}")))?);
-        let table = TensorTable { file: &file, map, by_name: tensors.iter().map(|t| (t.name.as_str(), t)).collect(), quant };
+        let table = TensorTable { file: &file, map, by_name: tensors.iter().map(|t| (t.name.as_str(), t)).collect(), quant, numerics };
 
         let tok_embd = table.raw("token_embd.weight")?;
         if tok_embd.cols != config.dim {
@@ -249,7 +275,13 @@ impl Model {
                 config.vocab_size
             )));
         }
-        Ok(Model { config, tok_embd, layers, output_norm, output, tokenizer })
+        if numerics == Numerics::Ggml && !config.head_dim.is_multiple_of(32) {
+            return Err(Error::UnsupportedModel(format!(
+                "{file}: head size {} is not a multiple of 32, which numerics='ggml' needs; load with numerics='fast'",
+                config.head_dim
+            )));
+        }
+        Ok(Model { config, tok_embd, layers, output_norm, output, tokenizer, numerics })
     }
 }
 

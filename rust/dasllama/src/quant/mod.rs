@@ -7,6 +7,7 @@
 
 pub mod tile;
 pub mod scalar;
+pub mod ggml;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 
