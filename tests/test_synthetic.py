@@ -61,3 +61,30 @@ def test_long_context_attention_against_numpy(tmp_path: Path) -> None:
     # Prefill of the same tokens in one call gives the same last row, bit for bit.
     whole = dl.eval(m, dl.create_session(m), ids)
     assert np.array_equal(whole, got[-1])
+
+
+GGML_ORDER = [QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q6_K]
+
+
+@pytest.mark.parametrize("qt", GGML_ORDER, ids=lambda q: q.name)
+def test_ggml_numerics_against_numpy(tmp_path: Path, qt: QT) -> None:
+    # ggml's summation order (bit-exact against llama.cpp in test_golden) is the fast kernels'
+    # arithmetic in another order: as close to the f32 reference, step by step (ggml's single-row
+    # kernels) and as one nine-token prefill (its batched ones: groups of four, tiled at eight).
+    path = tmp_path / f"tiny-{qt.name}.gguf"
+    ref = reference_logits(write_model(path, qt, "gemma3"), IDS, "gemma3")
+    m = dl.load_model(path, numerics=dl.Numerics.ggml)
+    s = dl.create_session(m)
+    got = np.stack([dl.eval(m, s, [t]) for t in IDS])
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() <= 0.12 * scale
+    pre = dl.eval(m, dl.create_session(m), IDS)
+    assert np.abs(pre - ref[-1]).max() <= 0.12 * scale
+
+
+@pytest.mark.parametrize("qt", [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q5_K], ids=lambda q: q.name)
+def test_ggml_numerics_refuses_other_formats(tmp_path: Path, qt: QT) -> None:
+    path = tmp_path / f"tiny-{qt.name}.gguf"
+    write_model(path, qt)
+    with pytest.raises(dl.UnsupportedModelError, match=f"is {qt.name}.*numerics='fast'"):
+        dl.load_model(path, numerics="ggml")

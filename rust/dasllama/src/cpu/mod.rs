@@ -8,7 +8,7 @@ pub mod spin;
 pub use spin::{team, Session as Team};
 
 use crate::quant::tile::{self, TILE_ROWS};
-use crate::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, DotFn, GgmlType, Kernels};
+use crate::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, GgmlType, Kernels};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
@@ -61,9 +61,8 @@ pub struct Weight {
     pub cols: usize,
     pub data: Bytes,
     pub tiled: bool,
-    /// Set for `Numerics::Ggml`: the rows stay as stored and every dot uses this function, which
-    /// adds up in ggml's order.
-    pub ggml_dot: Option<DotFn>,
+    /// Set for `Numerics::Ggml`: the rows stay as stored and every dot adds up in ggml's order.
+    pub ggml_dot: Option<crate::quant::ggml::Dots>,
 }
 
 impl Weight {
@@ -88,8 +87,8 @@ impl Weight {
     /// for this format.
     pub fn for_ggml_order(self) -> Option<Weight> {
         assert!(!self.tiled, "ggml's order reads rows as stored");
-        let dot = crate::quant::ggml::dot_fn(self.ty)?;
-        Some(Weight { ggml_dot: Some(dot), ..self })
+        let dots = crate::quant::ggml::dots(self.ty)?;
+        Some(Weight { ggml_dot: Some(dots), ..self })
     }
 
     pub fn row_bytes(&self) -> usize {
@@ -134,7 +133,7 @@ const MAX_R: usize = 8;
 
 /// out[t][r] = dot(w[r], x[t]) for `n` activation rows x (each `w.cols` long).
 pub fn matmul(w: &Weight, x: &[f32], n: usize, out: &mut [f32], act: &mut Vec<u8>, team: &Team) {
-    matmul_many(&mut [(w, out)], x, n, act, team);
+    matmul_many(&mut [(w, out)], x, &[n], act, team);
 }
 
 /// Several matmuls of the same input (Q/K/V, gate/up) as one parallel pass.
@@ -143,7 +142,10 @@ pub fn matmul(w: &Weight, x: &[f32], n: usize, out: &mut [f32], act: &mut Vec<u8
 /// `n` activation rows, a tile at a time, while the row is hot in L1, so a batch of any size reads
 /// the weights once. Each output element is computed by the same kernel arithmetic whatever `n`
 /// is (the 4-row kernels are bit-identical to the 1-row ones), so results never depend on it.
-pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act: &mut Vec<u8>, team: &Team) {
+///
+/// `counts` splits the rows into sessions; only ggml's order (`Weight::ggml_dot`) looks at it.
+pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usize], act: &mut Vec<u8>, team: &Team) {
+    let n: usize = counts.iter().sum();
     let k = segs[0].0.cols;
     let vt = segs[0].0.ty.vec_dot_type();
     for (w, out) in segs.iter() {
@@ -161,6 +163,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
         }
     }
     let act = &act[..];
+    let positions = if segs.iter().any(|(w, _)| w.ggml_dot.is_some()) { crate::quant::ggml::row_positions(counts) } else { Vec::new() };
     let total_rows: usize = segs.iter().map(|(w, _)| w.rows).sum();
     let threads = spin::team().threads();
     // Enough tasks to balance uneven cores, few enough that per-task overhead stays small.
@@ -184,7 +187,19 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize, act:
         // SAFETY (both writers): columns lo..hi of this segment belong to this task alone, and
         // t*m + r < n*m <= the output's length (asserted above).
         let put = |t: usize, r: usize, v: f32| unsafe { *dst.0.add(t * m + r) = v };
-        match w.ggml_dot.map_or_else(|| kernels(w.ty), Kernels::Rows) {
+        if let Some(dots) = w.ggml_dot {
+            let wrb = w.row_bytes();
+            for r in lo..hi {
+                let wr = &wb[r * wrb..(r + 1) * wrb];
+                for t in 0..n {
+                    let (j, c) = positions[t];
+                    let dot = if (dots.takes_grouped)(j, c) { dots.grouped } else { dots.single };
+                    put(t, r, dot(wr, arow(t), k));
+                }
+            }
+            return;
+        }
+        match kernels(w.ty) {
             Kernels::Tiles(tile_fn) => {
                 debug_assert!(w.tiled, "weight layout does not match its kernels");
                 let tb = tile::tile_bytes(w.ty, k);

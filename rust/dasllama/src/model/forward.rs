@@ -2,7 +2,7 @@
 //! Multi-token calls (prefill) run every matmul as one weight-stationary GEMM over all rows.
 
 use super::{Activation, Model, Numerics};
-use crate::cpu::{matmul, matmul_many, ops, team, Team};
+use crate::cpu::{matmul_many, ops, team, Team};
 use crate::session::KvCache;
 use crate::{Error, Result};
 
@@ -29,13 +29,14 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 }
 
 /// One parallel pass when the weights share an input format, else one pass each.
-fn matmul_fused(segs: &mut [(&crate::cpu::Weight, &mut [f32])], x: &[f32], n: usize, act: &mut Vec<u8>, t: &Team) {
+/// `counts`: the batch's rows per session.
+fn matmul_fused(segs: &mut [(&crate::cpu::Weight, &mut [f32])], x: &[f32], counts: &[usize], act: &mut Vec<u8>, t: &Team) {
     let vt = segs[0].0.ty.vec_dot_type();
     if segs.iter().all(|(w, _)| w.ty.vec_dot_type() == vt) {
-        matmul_many(segs, x, n, act, t);
+        matmul_many(segs, x, counts, act, t);
     } else {
         for (w, out) in segs.iter_mut() {
-            matmul(w, x, n, out, act, t);
+            matmul_many(&mut [(w, out)], x, counts, act, t);
         }
     }
 }
@@ -112,7 +113,7 @@ fn forward_rows(
         matmul_fused(
             &mut [(&l.wq, &mut s.q[..n * qd]), (&l.wk, &mut s.k[..n * kvd]), (&l.wv, &mut s.v[..n * kvd])],
             &s.h[..n * d],
-            n,
+            counts,
             &mut s.act,
             team,
         );
@@ -149,7 +150,7 @@ fn forward_rows(
             Numerics::Ggml => attention_ggml(m, kvs, il, &rows, counts, window, &s.q[..n * qd], att, team),
         }
         let o = grow(&mut s.o, n * d);
-        matmul(&l.wo, &s.att[..n * qd], n, o, &mut s.act, team);
+        matmul_fused(&mut [(&l.wo, o)], &s.att[..n * qd], counts, &mut s.act, team);
         if let Some(w) = &l.post_attn_norm {
             o.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, w, c.norm_eps));
         }
@@ -160,7 +161,7 @@ fn forward_rows(
         h.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, &l.ffn_norm, c.norm_eps));
         grow(&mut s.gate, n * hd);
         grow(&mut s.up, n * hd);
-        matmul_fused(&mut [(&l.w_gate, &mut s.gate[..n * hd]), (&l.w_up, &mut s.up[..n * hd])], &s.h[..n * d], n, &mut s.act, team);
+        matmul_fused(&mut [(&l.w_gate, &mut s.gate[..n * hd]), (&l.w_up, &mut s.up[..n * hd])], &s.h[..n * d], counts, &mut s.act, team);
         let act = c.activation;
         let up = &s.up[..n * hd];
         let glu = |t: usize, g: &mut [f32]| {
@@ -176,7 +177,7 @@ fn forward_rows(
             glu(0, &mut s.gate[..n * hd]);
         }
         let o = grow(&mut s.o, n * d);
-        matmul(&l.w_down, &s.gate[..n * hd], n, o, &mut s.act, team);
+        matmul_fused(&mut [(&l.w_down, o)], &s.gate[..n * hd], counts, &mut s.act, team);
         if let Some(w) = &l.post_ffn_norm {
             o.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, w, c.norm_eps));
         }
@@ -197,7 +198,8 @@ fn forward_rows(
     last.chunks_exact_mut(d).for_each(|r| ops::rms_norm(r, &m.output_norm, c.norm_eps));
     logits.resize(out_rows * c.vocab_size, 0.0);
     s.x = xbuf;
-    matmul(&m.output, &s.h[..out_rows * d], out_rows, logits, &mut s.act, team);
+    // One row per session: each is a row on its own to ggml's order.
+    matmul_fused(&mut [(&m.output, &mut logits[..])], &s.h[..out_rows * d], &vec![1; out_rows], &mut s.act, team);
     Ok(())
 }
 
@@ -221,6 +223,9 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
         let nk = pos + 1 - start;
         let base = t * qd + kvh * group * hdim;
         let mut qs = q[base..base + group * hdim].to_vec();
+        if c.scale_query {
+            qs.iter_mut().for_each(|v| *v *= c.attn_scale);
+        }
         ops::round_f16_slice(&mut qs);
         codec.prepare_query(&mut qs, hdim);
         let mut sc = vec![0.0f32; group * nk];
@@ -237,7 +242,9 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
             codec.dot_rows(&qs, hdim, run, cnt, &mut sc[first - start..], nk);
         }
         for sg in sc.chunks_exact_mut(nk) {
-            sg.iter_mut().for_each(|v| *v *= c.attn_scale);
+            if !c.scale_query {
+                sg.iter_mut().for_each(|v| *v *= c.attn_scale);
+            }
             ops::softmax(sg);
             ops::round_f16_slice(sg);
         }
@@ -299,10 +306,14 @@ fn attention_ggml(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, us
         for g in 0..group {
             let base = t * qd + (kvh * group + g) * hdim;
             let mut qs = q[base..base + hdim].to_vec();
+            if c.scale_query {
+                qs.iter_mut().for_each(|v| *v *= c.attn_scale);
+            }
             ops::round_f16_slice(&mut qs);
             sc.fill(f32::NEG_INFINITY);
             for j in start..=pos {
-                sc[j] = dot(&kf[j * hdim..(j + 1) * hdim], &qs) * c.attn_scale;
+                let score = dot(&kf[j * hdim..(j + 1) * hdim], &qs);
+                sc[j] = if c.scale_query { score } else { score * c.attn_scale };
             }
             let live = (pos + 1).next_multiple_of(8);
             ops::softmax(&mut sc[..live]);

@@ -17,6 +17,7 @@ pub fn configure(m: &Metadata) -> Result<Config> {
         post_norms: true,
         sliding_window: opt(m, "attention.sliding_window", 0.0) as usize,
         swa_pattern: 6,
+        scale_query: true,
         ..base
     })
 }

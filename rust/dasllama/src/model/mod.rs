@@ -74,6 +74,9 @@ pub struct Config {
     /// Every `swa_pattern`-th layer is global; the others slide (0: all global).
     pub swa_pattern: usize,
     pub attn_scale: f32,
+    /// `attn_scale` multiplies the queries (before their f16 rounding) instead of the scores, as
+    /// llama.cpp's gemma graphs do; it matters where small queries round to f16 subnormals.
+    pub scale_query: bool,
 }
 
 impl Config {
@@ -314,6 +317,7 @@ pub(crate) fn base_config(m: &Metadata, arch: &str) -> crate::Result<Config> {
         sliding_window: 0,
         swa_pattern: 0,
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        scale_query: false,
     })
 }
 

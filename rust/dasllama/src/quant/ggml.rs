@@ -16,7 +16,7 @@
 //! - f16 attention with one query row (`ggml_vec_dot_f16`): four 8-lane accumulators over steps of
 //!   32, reduced pairwise.
 
-use super::{rd_f16, GgmlType};
+use super::{rd_f16, rd_f32, scale_min_k4, GgmlType};
 
 /// `hsum_float_8`: the high half added to the low half, then (0+2) + (1+3).
 fn hsum8(a: [f32; 8]) -> f32 {
@@ -73,16 +73,133 @@ fn dot_q8_0(w: &[u8], a: &[u8], n: usize) -> f32 {
     dot_32(w, a, n, 34, 34, None, |b, j| b[2 + j] as i8 as i32)
 }
 
-/// The row dot in ggml's order for `ty`, where we reproduce it. Q4_0 is left out on purpose:
-/// llama.cpp repacks Q4_0 weights into interleaved blocks with yet another order.
-pub fn dot_fn(ty: GgmlType) -> Option<super::DotFn> {
+/// Q4_K as llama.cpp's x86 build runs it: repacked into 8-row blocks. Integer sums stay exact
+/// and the scaled totals go to two f32 accumulators (scales and minimums, subtracted at the end):
+/// once per superblock in `gemv_q4_K_8x8_q8_K` (single rows), once per 64 values in
+/// `gemm_q4_K_8x8_q8_K` (rows in groups of four).
+fn dot_q4_k<const PER_64: bool>(w: &[u8], a: &[u8], n: usize) -> f32 {
+    let (mut acc, mut acc_min) = (0.0f32, 0.0f32);
+    for ib in 0..n / 256 {
+        let wb = &w[ib * 144..(ib + 1) * 144];
+        let ab = &a[ib * 292..(ib + 1) * 292];
+        let (d, dmin) = (rd_f16(wb, 0) * rd_f32(ab, 0), rd_f16(wb, 2) * rd_f32(ab, 0));
+        let (mut isum, mut msum) = (0i32, 0i32);
+        for sb in 0..8 {
+            let (sc, m) = scale_min_k4(sb, &wb[4..16]);
+            let s: i32 = (0..32).map(|l| nib_k(&wb[16..144], sb, l) * a8k(ab, 32 * sb + l)).sum();
+            isum += sc as i32 * s;
+            msum += m as i32 * (bsum(ab, 2 * sb) + bsum(ab, 2 * sb + 1));
+            if PER_64 && sb % 2 == 1 {
+                acc = (isum as f32).mul_add(d, acc);
+                acc_min = (msum as f32).mul_add(dmin, acc_min);
+                (isum, msum) = (0, 0);
+            }
+        }
+        if !PER_64 {
+            acc = (isum as f32).mul_add(d, acc);
+            acc_min = (msum as f32).mul_add(dmin, acc_min);
+        }
+    }
+    acc - acc_min
+}
+
+/// Q6_K (`ggml_vec_dot_q6_K_q8_K`, not repacked on x86): eight lanes, lane l holding bytes 4l..4l+4
+/// of every 32-value chunk with the unsigned 6-bit values (each with its 16-value scale), minus 32
+/// times the scaled activation sums of chunk l; `fma(d, lane, acc)` per superblock.
+fn dot_q6_k(w: &[u8], a: &[u8], n: usize) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for ib in 0..n / 256 {
+        let wb = &w[ib * 210..(ib + 1) * 210];
+        let ab = &a[ib * 292..(ib + 1) * 292];
+        let mut lanes = [0i32; 8];
+        for (j, (q, sc)) in super::q6_k_values(wb).into_iter().enumerate() {
+            lanes[(j % 32) / 4] += sc * (q + 32) * a8k(ab, j);
+        }
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            let sc = |g: usize| wb[192 + g] as i8 as i32;
+            *lane -= 32 * (bsum(ab, 2 * l) * sc(2 * l) + bsum(ab, 2 * l + 1) * sc(2 * l + 1));
+        }
+        let d = rd_f32(ab, 0) * rd_f16(wb, 208);
+        for (acc, l) in acc.iter_mut().zip(lanes) {
+            *acc = d.mul_add(l as f32, *acc);
+        }
+    }
+    hsum8(acc)
+}
+
+/// Q6_K in a matmul of at least eight activation rows: ggml's tiled K-quant path
+/// (`ggml-cpu/tiled`), one exact integer sum per superblock, `fma(d_w * sum, d_a, acc)`.
+fn dot_q6_k_tiled(w: &[u8], a: &[u8], n: usize) -> f32 {
+    let mut acc = 0.0f32;
+    for ib in 0..n / 256 {
+        let wb = &w[ib * 210..(ib + 1) * 210];
+        let ab = &a[ib * 292..(ib + 1) * 292];
+        let isum: i32 = super::q6_k_values(wb).iter().enumerate().map(|(j, &(q, sc))| sc * q * a8k(ab, j)).sum();
+        acc = (rd_f16(wb, 208) * isum as f32).mul_add(rd_f32(ab, 0), acc);
+    }
+    acc
+}
+
+fn nib_k(qs: &[u8], sb: usize, l: usize) -> i32 {
+    let byte = qs[32 * (sb / 2) + l];
+    if sb % 2 == 1 {
+        (byte >> 4) as i32
+    } else {
+        (byte & 0xF) as i32
+    }
+}
+
+fn a8k(ab: &[u8], j: usize) -> i32 {
+    ab[4 + j] as i8 as i32
+}
+
+fn bsum(ab: &[u8], g: usize) -> i32 {
+    i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]) as i32
+}
+
+/// The row dots of one format in ggml's order. Which one a row gets depends on the batch, as in
+/// ggml: repacked formats run rows in groups of four through their gemm kernel and the rest through
+/// gemv; K-quants that are not repacked go through the tiled path in matmuls of eight rows or more.
+#[derive(Clone, Copy, Debug)]
+pub struct Dots {
+    pub single: super::DotFn,
+    pub grouped: super::DotFn,
+    /// Whether row `j` of a session's `count` rows takes `grouped`.
+    pub takes_grouped: fn(usize, usize) -> bool,
+}
+
+fn never(_: usize, _: usize) -> bool {
+    false
+}
+
+fn in_a_four(j: usize, count: usize) -> bool {
+    j < count - count % 4
+}
+
+fn eight_or_more(_: usize, count: usize) -> bool {
+    count >= 8
+}
+
+/// ggml's row dots for `ty`, where we reproduce them. Q4_0 is left out: llama.cpp repacks it into
+/// interleaved blocks whose order we have not reproduced.
+pub fn dots(ty: GgmlType) -> Option<Dots> {
+    let same = |f: super::DotFn| Dots { single: f, grouped: f, takes_grouped: never };
     Some(match ty {
-        GgmlType::Q4_1 => dot_q4_1,
-        GgmlType::Q5_0 => dot_q5_0,
-        GgmlType::Q5_1 => dot_q5_1,
-        GgmlType::Q8_0 => dot_q8_0,
+        GgmlType::Q4_1 => same(dot_q4_1),
+        GgmlType::Q5_0 => same(dot_q5_0),
+        GgmlType::Q5_1 => same(dot_q5_1),
+        GgmlType::Q8_0 => same(dot_q8_0),
+        GgmlType::Q4K => Dots { single: dot_q4_k::<false>, grouped: dot_q4_k::<true>, takes_grouped: in_a_four },
+        GgmlType::Q6K => Dots { single: dot_q6_k, grouped: dot_q6_k_tiled, takes_grouped: eight_or_more },
         _ => return None,
     })
+}
+
+/// (index within its session, the session's row count) of each row of a batch of sessions with
+/// `counts` rows each. Each session is its own ggml batch, so a row's order never depends on the
+/// other sessions it is evaluated with.
+pub fn row_positions(counts: &[usize]) -> Vec<(usize, usize)> {
+    counts.iter().flat_map(|&c| (0..c).map(move |j| (j, c))).collect()
 }
 
 /// tinyBLAS<8> f16 dot (several query rows): lane l sums elements l, l+8, ... (`a.len()` a
@@ -125,10 +242,14 @@ mod tests {
         let exact: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert_eq!(lane_dot(&a, &b), exact);
         assert_eq!(vec_dot_f16(&a, &b), exact);
-        // Values whose sum depends on the order: the two orders are not interchangeable.
-        let a: Vec<f32> = (0..64).map(|i| 1.0 + (i as f32) * 1e-3).collect();
-        let b: Vec<f32> = (0..64).map(|i| if i % 9 == 0 { 1e4 } else { 1e-4 * i as f32 }).collect();
-        assert_ne!(lane_dot(&a, &b), vec_dot_f16(&a, &b));
+        // 1e8, 1 and -1e8 at elements 0, 8 and 16: tinyBLAS puts all three in lane 0 and loses
+        // the 1 (1e8 + 1 rounds to 1e8); ggml_vec_dot_f16 spreads them over three accumulators
+        // and folds 1e8 with -1e8 first.
+        let mut a = vec![0.0f32; 32];
+        (a[0], a[8], a[16]) = (1e8, 1.0, -1e8);
+        let ones = vec![1.0f32; 32];
+        assert_eq!(lane_dot(&a, &ones), 0.0);
+        assert_eq!(vec_dot_f16(&a, &ones), 1.0);
     }
 
     #[test]
