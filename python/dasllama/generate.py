@@ -28,13 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat-penalty", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--special", action="store_true", help="parse special tokens like <|im_start|> in the prompt")
+    ap.add_argument("--numerics", default="fast", choices=["fast", "ggml"], help="ggml: llama.cpp's AVX2 summation order, bit for bit (slower)")
     ap.add_argument("-v", "--verbose", action="store_true", help="log loading and print timings")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if args.max_new < 1:
         ap.error("--max-new must be at least 1")
     try:
-        m = load_model(args.model)
+        m = load_model(args.model, numerics=args.numerics)
         ids = encode(m, args.prompt, special=args.special)
         if not ids:
             ap.error("the prompt is empty")

@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--page-rows", type=int, default=16, help="KV page size; 0 turns the paged pool and prefix cache off")
     ap.add_argument("--ctx", type=int, default=0, help="cap on the context per request (0: the model's)")
     ap.add_argument("--kv-dtype", default="f16", choices=[k.value for k in KVDtype])
+    ap.add_argument("--numerics", default="fast", choices=["fast", "ggml"], help="ggml: logits bit for bit those of llama.cpp's AVX2 CPU build (slower; f16 KV only)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> None:
         try:
             for i, spec in enumerate(args.model):
-                m = load_model(spec)
+                m = load_model(spec, numerics=args.numerics)
                 if args.ctx:
                     m.config["seq_len"] = min(int(m.config["seq_len"]), args.ctx)
                 name = args.alias[i] if args.alias else m.path.stem

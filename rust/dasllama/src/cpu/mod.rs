@@ -191,8 +191,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
             let wrb = w.row_bytes();
             for r in lo..hi {
                 let wr = &wb[r * wrb..(r + 1) * wrb];
-                for t in 0..n {
-                    let (j, c) = positions[t];
+                for (t, &(j, c)) in positions.iter().enumerate() {
                     let dot = if (dots.takes_grouped)(j, c) { dots.grouped } else { dots.single };
                     put(t, r, dot(wr, arow(t), k));
                 }

@@ -18,6 +18,134 @@
 
 use super::{rd_f16, rd_f32, scale_min_k4, GgmlType};
 
+/// Each loop below is written once, plainly, and compiled twice: as is, and with AVX2 and FMA
+/// enabled, where `mul_add` is one instruction instead of a libm call and the integer sums
+/// vectorize. No float operation is reordered (Rust never reassociates them), so both give the
+/// same bits; the plain one is the scalar twin.
+macro_rules! twice {
+    ($($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $body:path;)*) => {$(
+        $(#[$doc])*
+        $vis fn $name($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            if super::avx2::has_avx2() {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn fast($($arg: $ty),*) -> $ret {
+                    $body($($arg),*)
+                }
+                // SAFETY: AVX2 and FMA were detected.
+                return unsafe { fast($($arg),*) };
+            }
+            $body($($arg),*)
+        }
+    )*};
+}
+
+/// The 32-value formats with AVX2 intrinsics where the CPU has them (ggml's own loops: integer
+/// lane sums, `fmadd` per block, the same horizontal sum), else their scalar twins.
+macro_rules! block32 {
+    ($($name:ident = $fmt:expr, $body:ident;)*) => {$(
+        fn $name(w: &[u8], a: &[u8], n: usize) -> f32 {
+            #[cfg(target_arch = "x86_64")]
+            if super::avx2::has_avx2() {
+                // SAFETY: AVX2 and FMA were detected; the kernel reads n/32 blocks of each row,
+                // which the callers' row lengths guarantee.
+                return unsafe { simd::dot_32::<{ $fmt }>(w, a, n) };
+            }
+            $body(w, a, n)
+        }
+    )*};
+}
+
+block32! {
+    dot_q4_1 = simd::Q4_1, dot_q4_1_body;
+    dot_q5_0 = simd::Q5_0, dot_q5_0_body;
+    dot_q5_1 = simd::Q5_1, dot_q5_1_body;
+    dot_q8_0 = simd::Q8_0, dot_q8_0_body;
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    // The formats, as const parameters so each gets its own loop.
+    pub const Q4_1: u8 = 0;
+    pub const Q5_1: u8 = 1;
+    pub const Q8_0: u8 = 2;
+    pub const Q5_0: u8 = 3;
+
+    #[inline(always)]
+    unsafe fn f16(b: &[u8], at: usize) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([b[at], b[at + 1]]) as i32)))
+    }
+
+    /// 32 bits to 32 bytes of 0xFF (bit set) or 0 (`bytes_from_bits_32`).
+    #[inline(always)]
+    unsafe fn bits_to_bytes(p: *const u8) -> __m256i {
+        let x = _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32));
+        let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+        let bytes = _mm256_or_si256(_mm256_shuffle_epi8(x, shuf), _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+        _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
+    }
+
+    /// 16 bytes of nibbles to 32 bytes: low nibbles first, then high ones (`bytes_from_nibbles_32`).
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        let t = _mm_loadu_si128(p as *const __m128i);
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_32<const F: u8>(w: &[u8], a: &[u8], n: usize) -> f32 {
+        let wbytes = [20, 24, 34, 22][F as usize];
+        let abytes = if F <= Q5_1 { 36 } else { 34 };
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm256_setzero_ps();
+        let mut summs = 0.0f32;
+        for ib in 0..n / 32 {
+            let (wb, ab) = (&w[ib * wbytes..(ib + 1) * wbytes], &a[ib * abytes..(ib + 1) * abytes]);
+            let q = _mm256_loadu_si256(ab[abytes - 32..].as_ptr() as *const __m256i);
+            // Integer lane sums of four products each: exact whatever the instructions.
+            let lanes = match F {
+                Q4_1 | Q5_1 => {
+                    let x = if F == Q4_1 {
+                        nibbles(wb[4..].as_ptr())
+                    } else {
+                        _mm256_or_si256(nibbles(wb[8..].as_ptr()), _mm256_and_si256(bits_to_bytes(wb[4..].as_ptr()), _mm256_set1_epi8(0x10)))
+                    };
+                    summs = f16(wb, 2).mul_add(f16(ab, 2), summs);
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(x, q), ones)
+                }
+                _ => {
+                    let x = match F {
+                        Q8_0 => _mm256_loadu_si256(wb[2..].as_ptr() as *const __m256i),
+                        _ => _mm256_or_si256(nibbles(wb[6..].as_ptr()), _mm256_andnot_si256(bits_to_bytes(wb[2..].as_ptr()), _mm256_set1_epi8(0xF0u8 as i8))),
+                    };
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(q, x)), ones)
+                }
+            };
+            let d = _mm256_set1_ps(f16(wb, 0) * f16(ab, 0));
+            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc);
+        }
+        let r = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        _mm_cvtss_f32(r) + summs
+    }
+}
+
+twice! {
+    fn dot_q4_k_gemv(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q4_k_body::<false>;
+    fn dot_q4_k_gemm(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q4_k_body::<true>;
+    fn dot_q6_k(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q6_k_body;
+    fn dot_q6_k_tiled(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q6_k_tiled_body;
+    /// tinyBLAS<8> f16 dot (several query rows): lane l sums elements l, l+8, ... (`a.len()` a
+    /// multiple of 8).
+    pub fn lane_dot(a: &[f32], b: &[f32]) -> f32 = lane_dot_body;
+    /// `ggml_vec_dot_f16` (one query row): four 8-lane accumulators over steps of 32 (`a.len()` a
+    /// multiple of 32), folded (0+2) + (1+3) lane-wise, halves added, then pairs.
+    pub fn vec_dot_f16(a: &[f32], b: &[f32]) -> f32 = vec_dot_f16_body;
+}
+
 /// `hsum_float_8`: the high half added to the low half, then (0+2) + (1+3).
 fn hsum8(a: [f32; 8]) -> f32 {
     let r: [f32; 4] = std::array::from_fn(|i| a[i + 4] + a[i]);
@@ -57,19 +185,23 @@ fn high5(b: &[u8], at: usize, j: usize) -> i32 {
     (((qh >> j) & 1) << 4) as i32
 }
 
-fn dot_q4_1(w: &[u8], a: &[u8], n: usize) -> f32 {
+#[inline(always)]
+fn dot_q4_1_body(w: &[u8], a: &[u8], n: usize) -> f32 {
     dot_32(w, a, n, 20, 36, Some(2), |b, j| nib(&b[4..], j))
 }
 
-fn dot_q5_0(w: &[u8], a: &[u8], n: usize) -> f32 {
+#[inline(always)]
+fn dot_q5_0_body(w: &[u8], a: &[u8], n: usize) -> f32 {
     dot_32(w, a, n, 22, 34, None, |b, j| (nib(&b[6..], j) | high5(b, 2, j)) - 16)
 }
 
-fn dot_q5_1(w: &[u8], a: &[u8], n: usize) -> f32 {
+#[inline(always)]
+fn dot_q5_1_body(w: &[u8], a: &[u8], n: usize) -> f32 {
     dot_32(w, a, n, 24, 36, Some(2), |b, j| nib(&b[8..], j) | high5(b, 4, j))
 }
 
-fn dot_q8_0(w: &[u8], a: &[u8], n: usize) -> f32 {
+#[inline(always)]
+fn dot_q8_0_body(w: &[u8], a: &[u8], n: usize) -> f32 {
     dot_32(w, a, n, 34, 34, None, |b, j| b[2 + j] as i8 as i32)
 }
 
@@ -77,7 +209,8 @@ fn dot_q8_0(w: &[u8], a: &[u8], n: usize) -> f32 {
 /// and the scaled totals go to two f32 accumulators (scales and minimums, subtracted at the end):
 /// once per superblock in `gemv_q4_K_8x8_q8_K` (single rows), once per 64 values in
 /// `gemm_q4_K_8x8_q8_K` (rows in groups of four).
-fn dot_q4_k<const PER_64: bool>(w: &[u8], a: &[u8], n: usize) -> f32 {
+#[inline(always)]
+fn dot_q4_k_body<const PER_64: bool>(w: &[u8], a: &[u8], n: usize) -> f32 {
     let (mut acc, mut acc_min) = (0.0f32, 0.0f32);
     for ib in 0..n / 256 {
         let wb = &w[ib * 144..(ib + 1) * 144];
@@ -106,7 +239,8 @@ fn dot_q4_k<const PER_64: bool>(w: &[u8], a: &[u8], n: usize) -> f32 {
 /// Q6_K (`ggml_vec_dot_q6_K_q8_K`, not repacked on x86): eight lanes, lane l holding bytes 4l..4l+4
 /// of every 32-value chunk with the unsigned 6-bit values (each with its 16-value scale), minus 32
 /// times the scaled activation sums of chunk l; `fma(d, lane, acc)` per superblock.
-fn dot_q6_k(w: &[u8], a: &[u8], n: usize) -> f32 {
+#[inline(always)]
+fn dot_q6_k_body(w: &[u8], a: &[u8], n: usize) -> f32 {
     let mut acc = [0.0f32; 8];
     for ib in 0..n / 256 {
         let wb = &w[ib * 210..(ib + 1) * 210];
@@ -129,7 +263,8 @@ fn dot_q6_k(w: &[u8], a: &[u8], n: usize) -> f32 {
 
 /// Q6_K in a matmul of at least eight activation rows: ggml's tiled K-quant path
 /// (`ggml-cpu/tiled`), one exact integer sum per superblock, `fma(d_w * sum, d_a, acc)`.
-fn dot_q6_k_tiled(w: &[u8], a: &[u8], n: usize) -> f32 {
+#[inline(always)]
+fn dot_q6_k_tiled_body(w: &[u8], a: &[u8], n: usize) -> f32 {
     let mut acc = 0.0f32;
     for ib in 0..n / 256 {
         let wb = &w[ib * 210..(ib + 1) * 210];
@@ -189,7 +324,7 @@ pub fn dots(ty: GgmlType) -> Option<Dots> {
         GgmlType::Q5_0 => same(dot_q5_0),
         GgmlType::Q5_1 => same(dot_q5_1),
         GgmlType::Q8_0 => same(dot_q8_0),
-        GgmlType::Q4K => Dots { single: dot_q4_k::<false>, grouped: dot_q4_k::<true>, takes_grouped: in_a_four },
+        GgmlType::Q4K => Dots { single: dot_q4_k_gemv, grouped: dot_q4_k_gemm, takes_grouped: in_a_four },
         GgmlType::Q6K => Dots { single: dot_q6_k, grouped: dot_q6_k_tiled, takes_grouped: eight_or_more },
         _ => return None,
     })
@@ -202,9 +337,8 @@ pub fn row_positions(counts: &[usize]) -> Vec<(usize, usize)> {
     counts.iter().flat_map(|&c| (0..c).map(move |j| (j, c))).collect()
 }
 
-/// tinyBLAS<8> f16 dot (several query rows): lane l sums elements l, l+8, ... (`a.len()` a
-/// multiple of 8).
-pub fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+#[inline(always)]
+fn lane_dot_body(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
         for l in 0..8 {
@@ -214,9 +348,8 @@ pub fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
     hsum8(acc)
 }
 
-/// `ggml_vec_dot_f16` (one query row): four 8-lane accumulators over steps of 32 (`a.len()` a
-/// multiple of 32), folded (0+2) + (1+3) lane-wise, halves added, then pairs.
-pub fn vec_dot_f16(a: &[f32], b: &[f32]) -> f32 {
+#[inline(always)]
+fn vec_dot_f16_body(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [[0.0f32; 8]; 4];
     for (ca, cb) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
         for (j, acc) in acc.iter_mut().enumerate() {
@@ -250,6 +383,54 @@ mod tests {
         let ones = vec![1.0f32; 32];
         assert_eq!(lane_dot(&a, &ones), 0.0);
         assert_eq!(vec_dot_f16(&a, &ones), 1.0);
+    }
+
+    #[test]
+    fn both_builds_give_the_same_bits() {
+        let mut rng = 12345u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let a: Vec<f32> = (0..256).map(|_| (next() % 20001) as f32 * 1e-4 - 1.0).collect();
+        let b: Vec<f32> = (0..256).map(|_| (next() % 20001) as f32 * 1e-3 - 10.0).collect();
+        assert_eq!(lane_dot(&a, &b).to_bits(), lane_dot_body(&a, &b).to_bits());
+        assert_eq!(vec_dot_f16(&a, &b).to_bits(), vec_dot_f16_body(&a, &b).to_bits());
+        // Random weight and activation bytes with small, sane scales for every format.
+        for (ty, wb, ab) in [(GgmlType::Q4_1, 20, 36), (GgmlType::Q8_0, 34, 34), (GgmlType::Q5_0, 22, 34), (GgmlType::Q4K, 144, 292), (GgmlType::Q6K, 210, 292)] {
+            let per = if wb >= 144 { 256 } else { 32 };
+            // No -128: ggml's sign trick (as ours) wraps it, and no quantizer produces it.
+            let byte = |v: u64| if v as u8 == 0x80 { 0x81 } else { v as u8 };
+            let mut w: Vec<u8> = (0..wb * 8).map(|_| byte(next())).collect();
+            let mut x: Vec<u8> = (0..ab * 8).map(|_| byte(next())).collect();
+            for blk in 0..8 {
+                let (wd, xd) = (&mut w[blk * wb..], &mut x[blk * ab..]);
+                let h = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+                let at = if ty == GgmlType::Q6K { 208 } else { 0 };
+                wd[at..at + 2].copy_from_slice(&h);
+                if ty == GgmlType::Q4K {
+                    wd[2..4].copy_from_slice(&h);
+                }
+                if per == 256 {
+                    xd[..4].copy_from_slice(&0.02f32.to_le_bytes());
+                } else {
+                    xd[..2].copy_from_slice(&h);
+                }
+            }
+            let d = dots(ty).unwrap();
+            let body: [super::super::DotFn; 2] = match ty {
+                GgmlType::Q4_1 => [dot_q4_1_body, dot_q4_1_body],
+                GgmlType::Q8_0 => [dot_q8_0_body, dot_q8_0_body],
+                GgmlType::Q5_0 => [dot_q5_0_body, dot_q5_0_body],
+                GgmlType::Q4K => [dot_q4_k_body::<false>, dot_q4_k_body::<true>],
+                _ => [dot_q6_k_body, dot_q6_k_tiled_body],
+            };
+            let n = per * 8;
+            assert_eq!((d.single)(&w, &x, n).to_bits(), body[0](&w, &x, n).to_bits(), "{ty:?}");
+            assert_eq!((d.grouped)(&w, &x, n).to_bits(), body[1](&w, &x, n).to_bits(), "{ty:?}");
+        }
     }
 
     #[test]
