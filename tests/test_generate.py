@@ -46,7 +46,7 @@ def test_same_seed_same_tokens(smollm: dl.Model) -> None:
 
 
 def test_generation_stops_at_end_of_turn(smollm: dl.Model) -> None:
-    ids = dl.encode(smollm, "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", special=True)
+    ids = dl.encode(smollm, "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n", special=True)
     out = dl.generate(smollm, dl.create_session(smollm), ids, dl.SamplingParams(), 200)
     assert out[-1] in smollm.eog_ids
     assert not any(t in smollm.eog_ids for t in out[:-1])
