@@ -325,10 +325,42 @@ mod simd {
         }
     }
 
-    /// The same code with AVX-512VL's 32 vector registers: four heads' accumulators fit.
+    /// The AVX-512 build: each 16-wide register holds two of the 8-wide accumulators of the AVX2
+    /// build (the same lanes, the same chains), so a K row and a query take half the loads and
+    /// the scores are bit for bit the same.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
     pub(super) unsafe fn dot_rows_f16_512(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        dot_rows_any(q, hd, k, n, out, stride)
+        if !hd.is_multiple_of(32) {
+            return dot_rows_any(q, hd, k, n, out, stride);
+        }
+        match q.len() / hd {
+            1 => heads_f16_512::<1>(q, hd, k, n, out, stride),
+            2 => heads_f16_512::<2>(q, hd, k, n, out, stride),
+            3 => heads_f16_512::<3>(q, hd, k, n, out, stride),
+            _ => heads_f16_512::<4>(q, hd, k, n, out, stride),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn heads_f16_512<const G: usize>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+        let a = q.as_ptr();
+        for j in 0..n {
+            let row = k.add(2 * hd * j);
+            // acc[g][h]: lanes 0..8 are the AVX2 build's accumulator 2h, lanes 8..16 its 2h+1.
+            let mut acc = [[_mm512_setzero_ps(); 2]; G];
+            for i in (0..hd).step_by(32) {
+                let kv: [__m512; 2] = std::array::from_fn(|h| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * (i + 16 * h)) as *const __m256i)));
+                for (g, ac) in acc.iter_mut().enumerate() {
+                    for h in 0..2 {
+                        ac[h] = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(g * hd + i + 16 * h)), kv[h], ac[h]);
+                    }
+                }
+            }
+            for (g, ac) in acc.iter().enumerate() {
+                let half = |v: __m512| _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))));
+                out[g * stride + j] = hsum(_mm256_add_ps(half(ac[0]), half(ac[1])));
+            }
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
