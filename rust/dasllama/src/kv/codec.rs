@@ -269,6 +269,18 @@ mod simd {
     use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
 
+    /// Calls `$kernel::<G>` for the number of query heads sharing a KV head (1 to 4).
+    macro_rules! per_group {
+        ($kernel:ident, $g:expr, $($arg:expr),*) => {
+            match $g {
+                1 => $kernel::<1>($($arg),*),
+                2 => $kernel::<2>($($arg),*),
+                3 => $kernel::<3>($($arg),*),
+                _ => $kernel::<4>($($arg),*),
+            }
+        };
+    }
+
     #[inline(always)]
     unsafe fn f16x8(p: *const u8) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
@@ -333,12 +345,7 @@ mod simd {
         if !hd.is_multiple_of(32) {
             return dot_rows_any(q, hd, k, n, out, stride);
         }
-        match q.len() / hd {
-            1 => heads_f16_512::<1>(q, hd, k, n, out, stride),
-            2 => heads_f16_512::<2>(q, hd, k, n, out, stride),
-            3 => heads_f16_512::<3>(q, hd, k, n, out, stride),
-            _ => heads_f16_512::<4>(q, hd, k, n, out, stride),
-        }
+        per_group!(heads_f16_512, q.len() / hd, q, hd, k, n, out, stride)
     }
 
     #[inline(always)]
@@ -370,12 +377,7 @@ mod simd {
 
     #[inline(always)]
     unsafe fn dot_rows_any(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        match q.len() / hd {
-            1 => heads_f16::<1>(q, hd, k, n, out, stride),
-            2 => heads_f16::<2>(q, hd, k, n, out, stride),
-            3 => heads_f16::<3>(q, hd, k, n, out, stride),
-            _ => heads_f16::<4>(q, hd, k, n, out, stride),
-        }
+        per_group!(heads_f16, q.len() / hd, q, hd, k, n, out, stride)
     }
 
     #[inline(always)]
@@ -420,12 +422,7 @@ mod simd {
 
     #[inline(always)]
     unsafe fn axpy_rows_any(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
-        match o.len() / hd {
-            1 => values_f16::<1>(o, hd, p, stride, v, n),
-            2 => values_f16::<2>(o, hd, p, stride, v, n),
-            3 => values_f16::<3>(o, hd, p, stride, v, n),
-            _ => values_f16::<4>(o, hd, p, stride, v, n),
-        }
+        per_group!(values_f16, o.len() / hd, o, hd, p, stride, v, n)
     }
 
     #[inline(always)]

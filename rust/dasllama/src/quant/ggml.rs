@@ -16,6 +16,7 @@
 //! - f16 attention with one query row (`ggml_vec_dot_f16`): four 8-lane accumulators over steps of
 //!   32, reduced pairwise.
 
+use super::scalar::{a8k, bsum, high5, nib};
 use super::{rd_f16, rd_f32, scale_min_k4, GgmlType};
 
 /// Each loop below is written once, plainly, and compiled twice: as is, and with AVX2 and FMA
@@ -172,19 +173,6 @@ fn dot_32<F: Fn(&[u8], usize) -> i32>(w: &[u8], a: &[u8], n: usize, wbytes: usiz
     hsum8(acc) + summs
 }
 
-fn nib(qs: &[u8], j: usize) -> i32 {
-    if j < 16 {
-        (qs[j] & 0xF) as i32
-    } else {
-        (qs[j - 16] >> 4) as i32
-    }
-}
-
-fn high5(b: &[u8], at: usize, j: usize) -> i32 {
-    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-    (((qh >> j) & 1) << 4) as i32
-}
-
 #[inline(always)]
 fn dot_q4_1_body(w: &[u8], a: &[u8], n: usize) -> f32 {
     dot_32(w, a, n, 20, 36, Some(2), |b, j| nib(&b[4..], j))
@@ -282,14 +270,6 @@ fn nib_k(qs: &[u8], sb: usize, l: usize) -> i32 {
     } else {
         (byte & 0xF) as i32
     }
-}
-
-fn a8k(ab: &[u8], j: usize) -> i32 {
-    ab[4 + j] as i8 as i32
-}
-
-fn bsum(ab: &[u8], g: usize) -> i32 {
-    i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]) as i32
 }
 
 /// The row dots of one format in ggml's order. Which one a row gets depends on the batch, as in

@@ -99,7 +99,7 @@ fn dot_32<F: Fn(&[u8], usize) -> i32>(
 }
 
 #[inline(always)]
-fn nib(qs: &[u8], j: usize) -> i32 {
+pub(super) fn nib(qs: &[u8], j: usize) -> i32 {
     if j < 16 {
         (qs[j] & 0xF) as i32
     } else {
@@ -108,7 +108,7 @@ fn nib(qs: &[u8], j: usize) -> i32 {
 }
 
 #[inline(always)]
-fn high5(b: &[u8], at: usize, j: usize) -> i32 {
+pub(super) fn high5(b: &[u8], at: usize, j: usize) -> i32 {
     let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
     (((qh >> j) & 1) << 4) as i32
 }
@@ -134,12 +134,12 @@ pub fn dot_q8_0(w: &[u8], a: &[u8], n: usize) -> f32 {
 }
 
 #[inline(always)]
-fn a8k(ab: &[u8], j: usize) -> i32 {
+pub(super) fn a8k(ab: &[u8], j: usize) -> i32 {
     ab[4 + j] as i8 as i32
 }
 
 #[inline(always)]
-fn bsum(ab: &[u8], g: usize) -> i32 {
+pub(super) fn bsum(ab: &[u8], g: usize) -> i32 {
     i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]) as i32
 }
 
