@@ -103,6 +103,17 @@ fn forward_rows(
         let want = kv.len() + cnt;
         kv.reserve(want)?;
     }
+    // RoPE sines and cosines per row, once for every layer (one table per RoPE base).
+    let half = c.rope_dim / 2;
+    let bases = if c.rope_base_swa != c.rope_base { vec![c.rope_base, c.rope_base_swa] } else { vec![c.rope_base] };
+    let mut rope_tab = Vec::with_capacity(bases.len() * n * half);
+    let mut one = Vec::with_capacity(half);
+    for &b in &bases {
+        for &(_, pos) in &rows {
+            ops::rope_cache(c.rope_dim, pos, b, &mut one);
+            rope_tab.extend_from_slice(&one);
+        }
+    }
     for (il, l) in m.layers.iter().enumerate() {
         let h = grow(&mut s.h, n * d);
         h.copy_from_slice(x);
@@ -118,16 +129,15 @@ fn forward_rows(
             team,
         );
         let swa = c.is_swa_layer(il);
-        let base = if swa { c.rope_base_swa } else { c.rope_base };
+        let tab = &rope_tab[if swa && bases.len() > 1 { n * half } else { 0 }..];
         let heads = |buf: &mut [f32], width: usize, norm: &Option<Vec<f32>>| {
             let each = |t: usize, row: &mut [f32]| {
-                let mut cache = Vec::with_capacity(c.rope_dim / 2);
-                ops::rope_cache(c.rope_dim, rows[t].1, base, &mut cache);
+                let cache = &tab[t * half..(t + 1) * half];
                 for hv in row.chunks_exact_mut(c.head_dim) {
                     if let Some(w) = norm {
                         ops::rms_norm(hv, w, c.norm_eps);
                     }
-                    ops::rope(hv, &cache, c.rope_neox);
+                    ops::rope(hv, cache, c.rope_neox);
                 }
             };
             if n >= 16 {
