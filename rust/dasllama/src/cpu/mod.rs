@@ -187,6 +187,8 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
         // SAFETY (both writers): columns lo..hi of this segment belong to this task alone, and
         // t*m + r < n*m <= the output's length (asserted above).
         let put = |t: usize, r: usize, v: f32| unsafe { *dst.0.add(t * m + r) = v };
+        // SAFETY: as `put`, for the eight columns r..r+8 (callers check r + 8 <= hi).
+        let put_tile = |t: usize, r: usize, v: &[f32; TILE_ROWS]| unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), dst.0.add(t * m + r), TILE_ROWS) };
         if let Some(dots) = w.ggml_dot {
             let wrb = w.row_bytes();
             for r in lo..hi {
@@ -216,8 +218,12 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
                             tile_fn(wt, &acts[..nt], k, &mut out[..tiles * nt]);
                             for (i, o) in out[..tiles * nt].iter().enumerate() {
                                 let (rt, j) = (r0 + i / nt * TILE_ROWS, i % nt);
-                                for (r, &v) in (rt..hi.min(rt + TILE_ROWS)).zip(o) {
-                                    put(t + j, r, v);
+                                if rt + TILE_ROWS <= hi {
+                                    put_tile(t + j, rt, o);
+                                } else {
+                                    for (r, &v) in (rt..hi).zip(o) {
+                                        put(t + j, r, v);
+                                    }
                                 }
                             }
                         }
