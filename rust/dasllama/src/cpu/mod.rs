@@ -87,7 +87,7 @@ impl Weight {
     /// for this format.
     pub fn for_ggml_order(self) -> Option<Weight> {
         assert!(!self.tiled, "ggml's order reads rows as stored");
-        let dots = crate::quant::ggml::dots(self.ty)?;
+        let dots = crate::quant::ggml::dots(self.ty, self.rows, self.cols)?;
         Some(Weight { ggml_dot: Some(dots), ..self })
     }
 

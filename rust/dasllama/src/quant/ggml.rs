@@ -58,6 +58,7 @@ macro_rules! block32 {
 }
 
 block32! {
+    dot_q4_0 = simd::Q4_0, dot_q4_0_body;
     dot_q4_1 = simd::Q4_1, dot_q4_1_body;
     dot_q5_0 = simd::Q5_0, dot_q5_0_body;
     dot_q5_1 = simd::Q5_1, dot_q5_1_body;
@@ -73,6 +74,7 @@ mod simd {
     pub const Q5_1: u8 = 1;
     pub const Q8_0: u8 = 2;
     pub const Q5_0: u8 = 3;
+    pub const Q4_0: u8 = 4;
 
     #[inline(always)]
     unsafe fn f16(b: &[u8], at: usize) -> f32 {
@@ -97,7 +99,7 @@ mod simd {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_32<const F: u8>(w: &[u8], a: &[u8], n: usize) -> f32 {
-        let wbytes = [20, 24, 34, 22][F as usize];
+        let wbytes = [20, 24, 34, 22, 18][F as usize];
         let abytes = if F <= Q5_1 { 36 } else { 34 };
         let ones = _mm256_set1_epi16(1);
         let mut acc = _mm256_setzero_ps();
@@ -119,6 +121,7 @@ mod simd {
                 _ => {
                     let x = match F {
                         Q8_0 => _mm256_loadu_si256(wb[2..].as_ptr() as *const __m256i),
+                        Q4_0 => _mm256_sub_epi8(nibbles(wb[2..].as_ptr()), _mm256_set1_epi8(8)),
                         _ => _mm256_or_si256(nibbles(wb[6..].as_ptr()), _mm256_andnot_si256(bits_to_bytes(wb[2..].as_ptr()), _mm256_set1_epi8(0xF0u8 as i8))),
                     };
                     _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(q, x)), ones)
@@ -135,8 +138,15 @@ mod simd {
 }
 
 twice! {
+    fn dot_q4_0_repacked(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q4_0_repacked_body;
     fn dot_q4_k_gemv(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q4_k_body::<false>;
     fn dot_q4_k_gemm(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q4_k_body::<true>;
+    fn dot_f16_batch(w: &[u8], a: &[u8], n: usize) -> f32 = dot_f16_batch_body;
+    fn dot_f16_single(w: &[u8], a: &[u8], n: usize) -> f32 = dot_f16_single_body;
+    fn dot_f32_batch(w: &[u8], a: &[u8], n: usize) -> f32 = dot_f32_batch_body;
+    fn dot_f32_single(w: &[u8], a: &[u8], n: usize) -> f32 = dot_f32_single_body;
+    fn dot_q5_k(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q5_k_body;
+    fn dot_q5_k_tiled(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q5_k_tiled_body;
     fn dot_q6_k(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q6_k_body;
     fn dot_q6_k_tiled(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q6_k_tiled_body;
     /// tinyBLAS<8> f16 dot (several query rows): lane l sums elements l, l+8, ... (`a.len()` a
@@ -174,6 +184,11 @@ fn dot_32<F: Fn(&[u8], usize) -> i32>(w: &[u8], a: &[u8], n: usize, wbytes: usiz
 }
 
 #[inline(always)]
+fn dot_q4_0_body(w: &[u8], a: &[u8], n: usize) -> f32 {
+    dot_32(w, a, n, 18, 34, None, |b, j| nib(&b[2..], j) - 8)
+}
+
+#[inline(always)]
 fn dot_q4_1_body(w: &[u8], a: &[u8], n: usize) -> f32 {
     dot_32(w, a, n, 20, 36, Some(2), |b, j| nib(&b[4..], j))
 }
@@ -191,6 +206,19 @@ fn dot_q5_1_body(w: &[u8], a: &[u8], n: usize) -> f32 {
 #[inline(always)]
 fn dot_q8_0_body(w: &[u8], a: &[u8], n: usize) -> f32 {
     dot_32(w, a, n, 34, 34, None, |b, j| b[2 + j] as i8 as i32)
+}
+
+/// Q4_0 as llama.cpp's x86 build runs it: repacked into 8-row blocks (`gemv/gemm_q4_0_8x8_q8_0`),
+/// each block's exact integer sum scaled and added by one `fma` per row.
+#[inline(always)]
+fn dot_q4_0_repacked_body(w: &[u8], a: &[u8], n: usize) -> f32 {
+    let mut acc = 0.0f32;
+    for ib in 0..n / 32 {
+        let (wb, ab) = (&w[ib * 18..(ib + 1) * 18], &a[ib * 34..(ib + 1) * 34]);
+        let isum: i32 = (0..32).map(|j| (nib(&wb[2..], j) - 8) * ab[2 + j] as i8 as i32).sum();
+        acc = (isum as f32).mul_add(rd_f16(wb, 0) * rd_f16(ab, 0), acc);
+    }
+    acc
 }
 
 /// Q4_K as llama.cpp's x86 build runs it: repacked into 8-row blocks. Integer sums stay exact
@@ -222,6 +250,56 @@ fn dot_q4_k_body<const PER_64: bool>(w: &[u8], a: &[u8], n: usize) -> f32 {
         }
     }
     acc - acc_min
+}
+
+/// A Q5_K value: sub-block `sb`, index `l`: a nibble and a fifth bit from `qh`.
+fn q5k(wb: &[u8], sb: usize, l: usize) -> i32 {
+    nib_k(&wb[48..176], sb, l) | ((((wb[16 + l] >> sb) & 1) as i32) << 4)
+}
+
+/// (scales, minimums) sums of one Q5_K superblock against q8_K activations: the exact integers.
+fn q5k_sums(wb: &[u8], ab: &[u8]) -> ([i32; 8], i32) {
+    let (mut lanes, mut msum) = ([0i32; 8], 0i32);
+    for sb in 0..8 {
+        let (sc, m) = scale_min_k4(sb, &wb[4..16]);
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            *lane += sc as i32 * (4 * l..4 * l + 4).map(|j| q5k(wb, sb, j) * a8k(ab, 32 * sb + j)).sum::<i32>();
+        }
+        msum += m as i32 * (bsum(ab, 2 * sb) + bsum(ab, 2 * sb + 1));
+    }
+    (lanes, msum)
+}
+
+/// Q5_K (`ggml_vec_dot_q5_K_q8_K`, not repacked on x86): eight lanes of bytes 4l..4l+4 of every
+/// 32-value sub-block, `fma(d, lane, acc)` per superblock; the minimums as one scalar `fma`.
+#[inline(always)]
+fn dot_q5_k_body(w: &[u8], a: &[u8], n: usize) -> f32 {
+    let (mut acc, mut summs) = ([0.0f32; 8], 0.0f32);
+    for ib in 0..n / 256 {
+        let (wb, ab) = (&w[ib * 176..(ib + 1) * 176], &a[ib * 292..(ib + 1) * 292]);
+        let (lanes, msum) = q5k_sums(wb, ab);
+        let d = rd_f32(ab, 0) * rd_f16(wb, 0);
+        let dmin = -rd_f32(ab, 0) * rd_f16(wb, 2);
+        summs = dmin.mul_add(msum as f32, summs);
+        for (acc, l) in acc.iter_mut().zip(lanes) {
+            *acc = d.mul_add(l as f32, *acc);
+        }
+    }
+    hsum8(acc) + summs
+}
+
+/// Q5_K in a matmul of at least eight rows (ggml's tiled path): per superblock
+/// `res = fma(-dmin_w, msum, d_w * isum)`, `acc = fma(res, d_a, acc)`.
+#[inline(always)]
+fn dot_q5_k_tiled_body(w: &[u8], a: &[u8], n: usize) -> f32 {
+    let mut acc = 0.0f32;
+    for ib in 0..n / 256 {
+        let (wb, ab) = (&w[ib * 176..(ib + 1) * 176], &a[ib * 292..(ib + 1) * 292]);
+        let (lanes, msum) = q5k_sums(wb, ab);
+        let res = (-rd_f16(wb, 2)).mul_add(msum as f32, rd_f16(wb, 0) * lanes.iter().sum::<i32>() as f32);
+        acc = res.mul_add(rd_f32(ab, 0), acc);
+    }
+    acc
 }
 
 /// Q6_K (`ggml_vec_dot_q6_K_q8_K`, not repacked on x86): eight lanes, lane l holding bytes 4l..4l+4
@@ -291,20 +369,33 @@ fn in_a_four(j: usize, count: usize) -> bool {
     j < count - count % 4
 }
 
+fn two_or_more(_: usize, count: usize) -> bool {
+    count >= 2
+}
+
 fn eight_or_more(_: usize, count: usize) -> bool {
     count >= 8
 }
 
-/// ggml's row dots for `ty`, where we reproduce them. Q4_0 is left out: llama.cpp repacks it into
-/// interleaved blocks whose order we have not reproduced.
-pub fn dots(ty: GgmlType) -> Option<Dots> {
+/// ggml's row dots for a `ty` matrix of `rows` x `cols`, where we reproduce them. ggml repacks Q4_0
+/// and Q4_K matrices whose row count is a multiple of 8 (the others take paths we do not
+/// reproduce); float rows whose length is not a multiple of 32 leave ggml's vector loops.
+pub fn dots(ty: GgmlType, rows: usize, cols: usize) -> Option<Dots> {
+    let repacked = rows.is_multiple_of(8);
+    let whole = cols.is_multiple_of(32);
     let same = |f: super::DotFn| Dots { single: f, grouped: f, takes_grouped: never };
     Some(match ty {
         GgmlType::Q4_1 => same(dot_q4_1),
         GgmlType::Q5_0 => same(dot_q5_0),
         GgmlType::Q5_1 => same(dot_q5_1),
         GgmlType::Q8_0 => same(dot_q8_0),
-        GgmlType::Q4K => Dots { single: dot_q4_k_gemv, grouped: dot_q4_k_gemm, takes_grouped: in_a_four },
+        // tinyBLAS for matmuls of two rows or more, ggml_vec_dot_* for one.
+        GgmlType::F16 if whole => Dots { single: dot_f16_single, grouped: dot_f16_batch, takes_grouped: two_or_more },
+        GgmlType::F32 if whole => Dots { single: dot_f32_single, grouped: dot_f32_batch, takes_grouped: two_or_more },
+        GgmlType::Q4_0 if repacked => same(dot_q4_0_repacked),
+        GgmlType::Q4_0 => same(dot_q4_0),
+        GgmlType::Q4K if repacked => Dots { single: dot_q4_k_gemv, grouped: dot_q4_k_gemm, takes_grouped: in_a_four },
+        GgmlType::Q5K => Dots { single: dot_q5_k, grouped: dot_q5_k_tiled, takes_grouped: eight_or_more },
         GgmlType::Q6K => Dots { single: dot_q6_k, grouped: dot_q6_k_tiled, takes_grouped: eight_or_more },
         _ => return None,
     })
@@ -317,30 +408,62 @@ pub fn row_positions(counts: &[usize]) -> Vec<(usize, usize)> {
     counts.iter().flat_map(|&c| (0..c).map(move |j| (j, c))).collect()
 }
 
+/// tinyBLAS<8>'s float dot of `n` values (a multiple of 8) read by `x` and `y`.
 #[inline(always)]
-fn lane_dot_body(a: &[f32], b: &[f32]) -> f32 {
+fn lanes8(n: usize, x: impl Fn(usize) -> f32, y: impl Fn(usize) -> f32) -> f32 {
     let mut acc = [0.0f32; 8];
-    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for l in 0..8 {
-            acc[l] = ca[l].mul_add(cb[l], acc[l]);
+    for i in (0..n).step_by(8) {
+        for (l, acc) in acc.iter_mut().enumerate() {
+            *acc = x(i + l).mul_add(y(i + l), *acc);
         }
     }
     hsum8(acc)
 }
 
+/// `ggml_vec_dot_f16`/`_f32`'s dot of `n` values (a multiple of 32) read by `x` and `y`.
 #[inline(always)]
-fn vec_dot_f16_body(a: &[f32], b: &[f32]) -> f32 {
+fn four_accumulators(n: usize, x: impl Fn(usize) -> f32, y: impl Fn(usize) -> f32) -> f32 {
     let mut acc = [[0.0f32; 8]; 4];
-    for (ca, cb) in a.chunks_exact(32).zip(b.chunks_exact(32)) {
+    for i in (0..n).step_by(32) {
         for (j, acc) in acc.iter_mut().enumerate() {
-            for l in 0..8 {
-                acc[l] = ca[8 * j + l].mul_add(cb[8 * j + l], acc[l]);
+            for (l, acc) in acc.iter_mut().enumerate() {
+                *acc = x(i + 8 * j + l).mul_add(y(i + 8 * j + l), *acc);
             }
         }
     }
     let x: [f32; 8] = std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]));
     let t: [f32; 4] = std::array::from_fn(|i| x[i] + x[i + 4]);
     (t[0] + t[1]) + (t[2] + t[3])
+}
+
+#[inline(always)]
+fn lane_dot_body(a: &[f32], b: &[f32]) -> f32 {
+    lanes8(a.len(), |i| a[i], |i| b[i])
+}
+
+#[inline(always)]
+fn vec_dot_f16_body(a: &[f32], b: &[f32]) -> f32 {
+    four_accumulators(a.len(), |i| a[i], |i| b[i])
+}
+
+#[inline(always)]
+fn dot_f16_batch_body(w: &[u8], a: &[u8], n: usize) -> f32 {
+    lanes8(n, |i| rd_f16(w, 2 * i), |i| rd_f16(a, 2 * i))
+}
+
+#[inline(always)]
+fn dot_f16_single_body(w: &[u8], a: &[u8], n: usize) -> f32 {
+    four_accumulators(n, |i| rd_f16(w, 2 * i), |i| rd_f16(a, 2 * i))
+}
+
+#[inline(always)]
+fn dot_f32_batch_body(w: &[u8], a: &[u8], n: usize) -> f32 {
+    lanes8(n, |i| rd_f32(w, 4 * i), |i| rd_f32(a, 4 * i))
+}
+
+#[inline(always)]
+fn dot_f32_single_body(w: &[u8], a: &[u8], n: usize) -> f32 {
+    four_accumulators(n, |i| rd_f32(w, 4 * i), |i| rd_f32(a, 4 * i))
 }
 
 #[cfg(test)]
@@ -379,7 +502,7 @@ mod tests {
         assert_eq!(lane_dot(&a, &b).to_bits(), lane_dot_body(&a, &b).to_bits());
         assert_eq!(vec_dot_f16(&a, &b).to_bits(), vec_dot_f16_body(&a, &b).to_bits());
         // Random weight and activation bytes with small, sane scales for every format.
-        for (ty, wb, ab) in [(GgmlType::Q4_1, 20, 36), (GgmlType::Q8_0, 34, 34), (GgmlType::Q5_0, 22, 34), (GgmlType::Q4K, 144, 292), (GgmlType::Q6K, 210, 292)] {
+        for (ty, wb, ab) in [(GgmlType::Q4_0, 18, 34), (GgmlType::Q4_1, 20, 36), (GgmlType::Q8_0, 34, 34), (GgmlType::Q5_0, 22, 34), (GgmlType::Q4K, 144, 292), (GgmlType::Q6K, 210, 292)] {
             let per = if wb >= 144 { 256 } else { 32 };
             // No -128: ggml's sign trick (as ours) wraps it, and no quantizer produces it.
             let byte = |v: u64| if v as u8 == 0x80 { 0x81 } else { v as u8 };
@@ -399,8 +522,9 @@ mod tests {
                     xd[..2].copy_from_slice(&h);
                 }
             }
-            let d = dots(ty).unwrap();
+            let d = dots(ty, 8, 256).unwrap();
             let body: [super::super::DotFn; 2] = match ty {
+                GgmlType::Q4_0 => [dot_q4_0_repacked_body, dot_q4_0_repacked_body],
                 GgmlType::Q4_1 => [dot_q4_1_body, dot_q4_1_body],
                 GgmlType::Q8_0 => [dot_q8_0_body, dot_q8_0_body],
                 GgmlType::Q5_0 => [dot_q5_0_body, dot_q5_0_body],
