@@ -117,8 +117,8 @@ def load_model(
     """Load a GGUF model (a path, or a known name fetched on first use).
 
     ``numerics=Numerics.ggml`` adds every dot product up in the order of llama.cpp's x86 AVX2 CPU
-    build, so logits equal that build's bit for bit (Q4_1, Q5_0, Q5_1 and Q8_0 weights, f16 KV
-    cache); the default ``fast`` kernels round activations the same way but sum in their own
+    build, so logits equal that build's bit for bit (every format but BF16; f16 KV cache); the
+    default ``fast`` kernels round activations the same way but sum in their own
     order, which moves single log-probabilities by up to tenths of a nat on small models.
 
     Raises GgufError for a missing, malformed or truncated file and UnsupportedModelError for an
