@@ -1,8 +1,10 @@
 """Serving: N concurrent SmolLM2 conversations with 128-token replies through the scheduler,
-batched (max_streams=N) against one at a time (max_streams=1). Prints aggregate tokens/s, TTFT
-p50/p99, decode steps and average batch; writes a PNG plot of throughput against streams.
+batched (max_streams=N) against one at a time (max_streams=1), with the paged pool and prefix
+cache as the server runs them (16-row pages). Each configuration runs `--repeat` times,
+alternating, and the median run is reported: aggregate tokens/s, TTFT p50/p99, decode steps and
+average batch. Writes a PNG plot of throughput against streams.
 
-    python benches/bench_serving.py [--streams 1 4 8 16] [--max-new 128] [--plot benches/serving.png]
+    python benches/bench_serving.py [--streams 1 4 8 16] [--max-new 128] [--repeat 3] [--page-rows 16] [--plot benches/serving.png]
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def requests(m: dl.Model, n: int, max_new: int, first_id: int) -> list[dl.Pendin
     return reqs
 
 
-def run(m: dl.Model, reqs: list[dl.PendingReq], streams: int) -> dict[str, float]:
-    sch = dl.create_scheduler(m, max_streams=streams, max_queue=len(reqs), chunk_tokens=64)
+def run(m: dl.Model, reqs: list[dl.PendingReq], streams: int, page_rows: int) -> dict[str, float]:
+    sch = dl.create_scheduler(m, max_streams=streams, max_queue=len(reqs), chunk_tokens=64, page_rows=page_rows)
     t0 = time.perf_counter()
     for r in reqs:
         assert dl.submit(m, sch, r)
@@ -53,15 +55,21 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per configuration; the median is reported")
+    ap.add_argument("--page-rows", type=int, default=16, help="KV page size (0: private KV, no prefix cache)")
     ap.add_argument("--plot", default="benches/serving.png")
     args = ap.parse_args()
     m = dl.load_model(args.model)
     rows = []
+    median = lambda runs: sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]  # noqa: E731
     for n in tqdm(args.streams, desc="concurrency"):
-        batched = run(m, requests(m, n, args.max_new, 0), n)
-        serial = run(m, requests(m, n, args.max_new, 1000), 1)
-        rows.append((n, batched, serial))
-    print(f"\n{m.path.name}, {dl.n_threads()} threads, {args.max_new}-token replies")
+        batched, serial = [], []
+        for k in range(args.repeat):
+            # Fresh ids (and so a cold prefix cache) every run; the box's speed drifts, so alternate.
+            batched.append(run(m, requests(m, n, args.max_new, 10_000 * k), n, args.page_rows))
+            serial.append(run(m, requests(m, n, args.max_new, 10_000 * k + 5000), 1, args.page_rows))
+        rows.append((n, median(batched), median(serial)))
+    print(f"\n{m.path.name}, {dl.n_threads()} threads, {args.max_new}-token replies, page_rows={args.page_rows}, median of {args.repeat}")
     print("| streams | batched tok/s | 1-at-a-time tok/s | wall ratio | TTFT p50 ms | TTFT p99 ms | decode steps | avg batch |")
     print("|--------:|--------------:|------------------:|-----------:|------------:|------------:|-------------:|----------:|")
     for n, b, s in rows:

@@ -181,6 +181,31 @@ def test_random_sequences_finish_each_request_once(smollm: dl.Model, prompts, op
         assert groups == 0 or stats["kv_pages_cached"] <= groups
 
 
+def test_concurrent_requests_share_a_prefix_being_prefilled(smollm: dl.Model) -> None:
+    """Requests admitted together with one system prompt: once the first has prefilled it, the
+    ones that have not started attach its pages instead of prefilling them again, and every
+    reply still equals generate's."""
+    system = "You are a concise assistant. Answer in one short sentence. Be helpful, polite and accurate."
+    prompts = []
+    for q in ["What is the capital of France?", "Name a color.", "What is 2+2?", "Say hello."]:
+        c = dl.create_chat_renderer(smollm, system)
+        dl.add_user(c, q)
+        prompts.append(dl.render_turn(smollm, c))
+    want = [dl.generate(smollm, dl.create_session(smollm), p, dl.SamplingParams(), MAX_NEW) for p in prompts]
+    sch = dl.create_scheduler(smollm, max_streams=4, chunk_tokens=16, page_rows=8)
+    for i, p in enumerate(prompts):
+        assert dl.submit(smollm, sch, dl.PendingReq(id=i, prompt=p, max_new=MAX_NEW))
+    got = run(smollm, sch)
+    for i, w in enumerate(want):
+        assert tokens_of(got[i]) == w, i
+    cached = [got[i][-1].n_cached for i in range(len(prompts))]
+    # The first prefills everything; the second starts in the tick the first completes; the
+    # others attach at least the system prompt's whole pages.
+    assert cached[0] == 0 and min(cached[2:]) >= 16, cached
+    stats = dl.scheduler_stats(sch)
+    assert stats["prefill_tokens"] + stats["cached_tokens"] == sum(len(p) for p in prompts)
+
+
 def test_prefix_cache_hits_give_the_same_output(smollm: dl.Model) -> None:
     """A second round of the same conversations attaches cached pages and still matches generate."""
     system = "You are a concise assistant. Answer in one short sentence. Be helpful, polite and accurate."

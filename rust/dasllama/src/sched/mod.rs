@@ -211,6 +211,21 @@ impl Scheduler {
         let mut prefilling: Vec<usize> =
             (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.fed < s.req.prompt.len())).collect();
         prefilling.sort_by_key(|&i| self.slots[i].as_ref().map(|s| s.order));
+        // A stream that has evaluated nothing yet looks the cache up again: streams admitted with
+        // it may have prefilled the same prefix since (a shared system prompt).
+        if let Some(pool) = &self.pool {
+            for &i in &prefilling {
+                let s = self.slots[i].as_mut().expect("prefilling stream");
+                if s.fed == 0 {
+                    let got = pool.attach(&mut s.session.kv, &s.req.prompt, s.req.prompt.len() - 1);
+                    if got > 0 {
+                        (s.cached, s.fed) = (got, got);
+                        s.in_kv = s.req.prompt[..got].to_vec();
+                        self.stats.cached_tokens += got as u64;
+                    }
+                }
+            }
+        }
         // (slot, token count) of this pass: decode rows first, then the prefill chunk's pieces.
         let mut plan: Vec<(usize, usize)> = decoding.iter().map(|&i| (i, 1)).collect();
         let mut budget = self.chunk_tokens;
@@ -255,6 +270,11 @@ impl Scheduler {
             s.fed += k;
             self.stats.prefill_tokens += k as u64;
             if s.fed == s.req.prompt.len() {
+                // Offer the prompt's full pages now, not only when the stream finishes, so that
+                // the streams behind it with the same prefix skip it.
+                if let Some(pool) = &self.pool {
+                    pool.donate(&s.session.kv, &s.in_kv);
+                }
                 self.sample_and_emit(m, i, events);
             }
         }
