@@ -90,7 +90,17 @@ impl Rng {
     }
 }
 
+/// The first index of the largest value (NaNs never win, unless at index 0).
 pub fn argmax(x: &[f32]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if x.len() >= 8 && !x[0].is_nan() && crate::quant::avx2::has_avx2() {
+        // SAFETY: AVX2 detected; the kernel reads x in bounds.
+        return unsafe { argmax_avx2(x) };
+    }
+    argmax_scalar(x)
+}
+
+fn argmax_scalar(x: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &v) in x.iter().enumerate() {
         if v > x[best] {
@@ -98,6 +108,40 @@ pub fn argmax(x: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// Two passes, eight at a time: the largest value, then its first index.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn argmax_avx2(x: &[f32]) -> u32 {
+    use std::arch::x86_64::*;
+    let n8 = x.len() / 8 * 8;
+    let p = x.as_ptr();
+    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+    for i in (0..n8).step_by(8) {
+        // max_ps returns its second operand when either is NaN: a NaN never replaces the max.
+        m = _mm256_max_ps(_mm256_loadu_ps(p.add(i)), m);
+    }
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+    let max = x[n8..].iter().chain(&lanes).fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    let target = _mm256_set1_ps(max);
+    for i in (0..n8).step_by(8) {
+        let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_loadu_ps(p.add(i)), target));
+        if hit != 0 {
+            return (i + hit.trailing_zeros() as usize) as u32;
+        }
+    }
+    (n8 + x[n8..].iter().position(|&v| v == max).unwrap_or(0)) as u32
+}
+
+/// Whether `sample` is a plain argmax for these settings (it then leaves the logits unchanged).
+pub fn is_plain_greedy(p: &SamplingParams) -> bool {
+    p.temp <= 0.0 && !penalties_active(p)
+}
+
+fn penalties_active(p: &SamplingParams) -> bool {
+    (p.penalty > 0.0 && p.penalty != 1.0) || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
 }
 
 /// Pick the next token from `logits` (modified in place) given the recent tokens.
@@ -163,8 +207,7 @@ pub fn sample(logits: &mut [f32], recent: &[u32], p: &SamplingParams, rng: &mut 
 }
 
 fn apply_penalties(logits: &mut [f32], recent: &[u32], p: &SamplingParams) {
-    let active = (p.penalty > 0.0 && p.penalty != 1.0) || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-    if !active || p.penalty_last_n == 0 || recent.is_empty() {
+    if !penalties_active(p) || p.penalty_last_n == 0 || recent.is_empty() {
         return;
     }
     let n = if p.penalty_last_n < 0 { recent.len() } else { (p.penalty_last_n as usize).min(recent.len()) };
@@ -184,6 +227,22 @@ fn apply_penalties(logits: &mut [f32], recent: &[u32], p: &SamplingParams) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vector_argmax_is_the_scalar_one() {
+        let mut rng = Rng::new(3);
+        for n in [8, 9, 31, 100, 49152] {
+            // Few distinct values, so the maximum repeats; then NaNs, infinities and signed zeros.
+            let mut x: Vec<f32> = (0..n).map(|_| (rng.next_u64() % 13) as f32 - 6.0).collect();
+            assert_eq!(argmax(&x), argmax_scalar(&x), "n={n}");
+            for (k, v) in [(3, f32::NAN), (n / 2, f32::INFINITY), (n - 1, f32::NAN)] {
+                x[k] = v;
+                assert_eq!(argmax(&x), argmax_scalar(&x), "n={n}, x[{k}]={v}");
+            }
+            let z: Vec<f32> = (0..n).map(|i| if i % 3 == 0 { 0.0 } else { -0.0 }).collect();
+            assert_eq!(argmax(&z), argmax_scalar(&z));
+        }
+    }
 
     #[test]
     fn greedy_is_argmax_and_seeds_repeat() {

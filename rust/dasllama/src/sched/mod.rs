@@ -8,7 +8,7 @@
 use crate::kv::{Geometry, KvCodec, KvPool};
 use crate::model::Model;
 use crate::sampling::{self, Rng, SamplingParams};
-use crate::session::{eval_multi, BatchWorkspace, Session};
+use crate::session::{eval_rows, BatchWorkspace, Session};
 use crate::tokenizer::Utf8Stream;
 use crate::{Error, Result};
 use std::collections::VecDeque;
@@ -253,17 +253,21 @@ impl Scheduler {
             let mut by_slot: Vec<Option<&mut Session>> = self.slots.iter_mut().map(|s| s.as_mut().map(|s| &mut s.session)).collect();
             let mut sessions: Vec<&mut Session> = plan.iter().map(|&(i, _)| by_slot[i].take().expect("each slot planned once")).collect();
             let counts: Vec<usize> = plan.iter().map(|p| p.1).collect();
-            eval_multi(m, &mut self.ws, &mut sessions, &counts, &tokens)?;
+            eval_rows(m, &mut self.ws, &mut sessions, &counts, &tokens)?;
         }
         if !decoding.is_empty() {
             self.stats.decode_steps += 1;
             self.stats.decode_rows += decoding.len() as u64;
         }
-        for &(i, k) in &plan {
+        // Row r of the pass's logits belongs to plan[r]; taken out so streams can sample from it.
+        let logits = std::mem::take(&mut self.ws.logits);
+        let v = m.config.vocab_size;
+        for (r, &(i, k)) in plan.iter().enumerate() {
+            let row = &logits[r * v..(r + 1) * v];
             let s = self.slots[i].as_mut().expect("planned stream");
             if let Some(t) = s.next.take() {
                 s.in_kv.push(t);
-                self.sample_and_emit(m, i, events);
+                self.sample_and_emit(m, i, row, events);
                 continue;
             }
             s.in_kv.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
@@ -275,9 +279,10 @@ impl Scheduler {
                 if let Some(pool) = &self.pool {
                     pool.donate(&s.session.kv, &s.in_kv);
                 }
-                self.sample_and_emit(m, i, events);
+                self.sample_and_emit(m, i, row, events);
             }
         }
+        self.ws.logits = logits;
         if plan.len() > decoding.len() {
             self.stats.prefill_chunks += 1;
         }
@@ -321,13 +326,22 @@ impl Scheduler {
     }
 
     /// Sample from the stream's logits and emit its piece, or finish it.
-    fn sample_and_emit(&mut self, m: &Model, i: usize, events: &mut Vec<SchedEvent>) {
+    /// `row`: the stream's logits after its last evaluated token.
+    fn sample_and_emit(&mut self, m: &Model, i: usize, row: &[f32], events: &mut Vec<SchedEvent>) {
         let s = self.slots[i].as_mut().expect("live stream");
-        let mut logits = std::mem::take(&mut s.session.logits);
         // Log-probabilities are the model's own, before penalties and sampling settings.
-        let lp = s.req.logprobs.map(|k| (log_softmax_top(&logits, k), logits.clone()));
-        let tok = sampling::sample(&mut logits, &s.session.recent, &s.req.params, &mut s.rng);
-        s.session.logits = logits;
+        let lp = s.req.logprobs.map(|k| log_softmax_top(row, k));
+        let tok = if sampling::is_plain_greedy(&s.req.params) {
+            sampling::argmax(row)
+        } else {
+            // Sampling rewrites its input: work on the session's own copy.
+            let mut logits = std::mem::take(&mut s.session.logits);
+            logits.clear();
+            logits.extend_from_slice(row);
+            let tok = sampling::sample(&mut logits, &s.session.recent, &s.req.params, &mut s.rng);
+            s.session.logits = logits;
+            tok
+        };
         s.session.recent.push(tok);
         s.generated += 1;
         if s.t_first.is_none() {
@@ -357,8 +371,8 @@ impl Scheduler {
             n_cached: s.cached,
             ttft_us: 0,
             gen_us: 0,
-            logprob: lp.as_ref().map(|((lse, _), raw)| raw[tok as usize] - lse),
-            top: lp.map(|((_, top), _)| top).unwrap_or_default(),
+            logprob: lp.as_ref().map(|(lse, _)| row[tok as usize] - lse),
+            top: lp.map(|(_, top)| top).unwrap_or_default(),
         });
         if done {
             let s = self.slots[i].take().expect("live stream");
