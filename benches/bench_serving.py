@@ -60,15 +60,18 @@ def main() -> None:
     ap.add_argument("--plot", default="benches/serving.png")
     args = ap.parse_args()
     m = dl.load_model(args.model)
-    rows = []
     median = lambda runs: sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]  # noqa: E731
-    for n in tqdm(args.streams, desc="concurrency"):
-        batched, serial = [], []
+    runs: dict[int, tuple[list, list]] = {n: ([], []) for n in args.streams}
+    # Machines drift in speed over minutes: every repeat visits every configuration, batched and
+    # one at a time alternating, so the drift falls on all of them alike. Fresh ids (a cold
+    # prefix cache) every run.
+    with tqdm(total=args.repeat * len(args.streams), desc="runs") as bar:
         for k in range(args.repeat):
-            # Fresh ids (and so a cold prefix cache) every run; the box's speed drifts, so alternate.
-            batched.append(run(m, requests(m, n, args.max_new, 10_000 * k), n, args.page_rows))
-            serial.append(run(m, requests(m, n, args.max_new, 10_000 * k + 5000), 1, args.page_rows))
-        rows.append((n, median(batched), median(serial)))
+            for n in args.streams:
+                runs[n][0].append(run(m, requests(m, n, args.max_new, 10_000 * k), n, args.page_rows))
+                runs[n][1].append(run(m, requests(m, n, args.max_new, 10_000 * k + 5000), 1, args.page_rows))
+                bar.update()
+    rows = [(n, median(b), median(s)) for n, (b, s) in runs.items()]
     print(f"\n{m.path.name}, {dl.n_threads()} threads, {args.max_new}-token replies, page_rows={args.page_rows}, median of {args.repeat}")
     print("| streams | batched tok/s | 1-at-a-time tok/s | wall ratio | TTFT p50 ms | TTFT p99 ms | decode steps | avg batch |")
     print("|--------:|--------------:|------------------:|-----------:|------------:|------------:|-------------:|----------:|")
