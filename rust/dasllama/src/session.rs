@@ -13,7 +13,14 @@ pub struct Session {
     /// Sampled tokens: the repetition-penalty window reads its tail.
     pub recent: Vec<u32>,
     pub rng: Rng,
-    scratch: Scratch,
+}
+
+/// The forward pass's scratch for single-session evals. Forward passes take turns on the thread
+/// team anyway, so one set of buffers serves every session, and a new session's first prompt
+/// does not fault in fresh memory.
+fn shared_scratch() -> std::sync::MutexGuard<'static, Scratch> {
+    static SCRATCH: std::sync::Mutex<Scratch> = std::sync::Mutex::new(Scratch::new());
+    SCRATCH.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Session {
@@ -37,7 +44,6 @@ impl Session {
             logits: Vec::new(),
             recent: Vec::new(),
             rng: Rng::new(crate::sampling::DEFAULT_SEED),
-            scratch: Scratch::default(),
         }
     }
 
@@ -47,7 +53,7 @@ impl Session {
 
     /// Run `tokens` at the current position; logits after the last one land in `self.logits`.
     pub fn eval(&mut self, m: &Model, tokens: &[u32]) -> Result<()> {
-        forward(m, &mut self.kv, tokens, &mut self.scratch, &mut self.logits)
+        forward(m, &mut self.kv, tokens, &mut shared_scratch(), &mut self.logits)
     }
 
     /// Forget everything (KV, logits, penalty window); the KV pages go back to their pool.

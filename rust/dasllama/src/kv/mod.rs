@@ -37,12 +37,36 @@ impl Drop for Page {
                 pool.state.lock().unwrap_or_else(|e| e.into_inner()).free.push(*slot);
             }
         }
+        recycle(std::mem::take(self.buf.get_mut()));
     }
+}
+
+/// Buffers of dropped pages, for the next pages of the same size: a new session then writes to
+/// memory that is already mapped instead of faulting in (and zeroing) fresh pages on the clock of
+/// its first prompt. A recycled buffer keeps its old bytes; no row is read before it is written.
+static RECYCLED: std::sync::Mutex<(usize, Vec<Box<[u8]>>)> = std::sync::Mutex::new((0, Vec::new()));
+/// At most this many bytes wait in `RECYCLED`.
+const RECYCLE_BYTES: usize = 64 << 20;
+
+fn recycle(buf: Box<[u8]>) {
+    let mut bin = RECYCLED.lock().unwrap_or_else(|e| e.into_inner());
+    if !buf.is_empty() && bin.0 + buf.len() <= RECYCLE_BYTES {
+        bin.0 += buf.len();
+        bin.1.push(buf);
+    }
+}
+
+fn reuse(len: usize) -> Option<Box<[u8]>> {
+    let mut bin = RECYCLED.lock().unwrap_or_else(|e| e.into_inner());
+    let i = bin.1.iter().rposition(|b| b.len() == len)?;
+    bin.0 -= len;
+    Some(bin.1.swap_remove(i))
 }
 
 impl Page {
     fn new(len: usize, slot: Option<(u32, Weak<PoolShared>)>) -> Arc<Page> {
-        Arc::new(Page { buf: UnsafeCell::new(vec![0u8; len].into_boxed_slice()), slot })
+        let buf = reuse(len).unwrap_or_else(|| vec![0u8; len].into_boxed_slice());
+        Arc::new(Page { buf: UnsafeCell::new(buf), slot })
     }
 
     fn data(&self) -> &[u8] {

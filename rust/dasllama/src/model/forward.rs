@@ -21,6 +21,12 @@ pub struct Scratch {
     act: Vec<u8>,
 }
 
+impl Scratch {
+    pub const fn new() -> Scratch {
+        Scratch { x: Vec::new(), h: Vec::new(), q: Vec::new(), k: Vec::new(), v: Vec::new(), att: Vec::new(), o: Vec::new(), gate: Vec::new(), up: Vec::new(), act: Vec::new() }
+    }
+}
+
 fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     if v.len() < n {
         v.resize(n, 0.0);
