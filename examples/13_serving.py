@@ -6,6 +6,8 @@
 2. The scheduler: four conversations, one digit (the stream) printed per generated piece.
 3. The batched round against the same four conversations run one at a time.
 4. A warm round: new questions under the same system turn attach its pages from the prefix cache.
+   (In the cold round the streams after the first already attach the system turn the first one
+   prefilled: requests running together share a prompt prefix.)
 """
 
 from __future__ import annotations
