@@ -5,16 +5,19 @@
 //! and f16 casts turn a one-ulp difference in a dot product into different integer quants further
 //! on, and by the last layer into tenths of a nat. llama.cpp's own AVX-512 build differs from its
 //! AVX2 build by that much on the golden prompts. Matching a reference therefore means matching its
-//! summation order exactly; these scalar loops do, at a fraction of the fast kernels' speed.
+//! summation order exactly; these row dots do, at a fraction of the tiled kernels' speed.
 //!
-//! The orders (ggml-cpu `quants.c`, `vec.cpp`, `llamafile/sgemm.cpp`, AVX2 + FMA):
+//! The orders (ggml-cpu `arch/x86/quants.c` and `repack.cpp`, `vec.cpp`, `llamafile/sgemm.cpp`,
+//! `tiled/`; AVX2 + FMA), checked bit for bit by `scripts/ggml_conformance.py`:
 //! - 32-value block formats: eight f32 lanes, lane l holding the integer sum of values 4l..4l+4 of
 //!   each block, accumulated as `fma(d_w * d_a, lane, acc)` block after block, then `hsum8`; the
 //!   Q4_1/Q5_1 minimum terms are a separate scalar `fma(m, s, summs)` added last. tinyBLAS (prefill)
 //!   uses the same arithmetic for the formats it covers.
-//! - f16 attention with several query rows (tinyBLAS<8>): lane l sums elements l, l+8, ... by fma.
-//! - f16 attention with one query row (`ggml_vec_dot_f16`): four 8-lane accumulators over steps of
-//!   32, reduced pairwise.
+//! - Repacked Q4_0 and Q4_K (8-row blocks): exact integer block or superblock sums, one `fma` each.
+//! - Q5_K/Q6_K: lanes as above per superblock below eight rows, ggml's tiled path from eight.
+//! - F32/F16 (weights, and f16 attention): tinyBLAS<8> for two rows or more (lane l sums elements
+//!   l, l+8, ... by fma), `ggml_vec_dot_*` for one (four 8-lane accumulators over steps of 32,
+//!   reduced pairwise).
 
 use super::scalar::{a8k, bsum, high5, nib};
 use super::{rd_f16, rd_f32, scale_min_k4, GgmlType};
@@ -501,8 +504,28 @@ mod tests {
         let b: Vec<f32> = (0..256).map(|_| (next() % 20001) as f32 * 1e-3 - 10.0).collect();
         assert_eq!(lane_dot(&a, &b).to_bits(), lane_dot_body(&a, &b).to_bits());
         assert_eq!(vec_dot_f16(&a, &b).to_bits(), vec_dot_f16_body(&a, &b).to_bits());
+        let as_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        let as_f16 = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes()).collect() };
+        let (wf, af) = (as_bytes(&a), as_bytes(&b));
+        assert_eq!(dot_f32_single(&wf, &af, 256).to_bits(), dot_f32_single_body(&wf, &af, 256).to_bits());
+        assert_eq!(dot_f32_batch(&wf, &af, 256).to_bits(), dot_f32_batch_body(&wf, &af, 256).to_bits());
+        let (wh, ah) = (as_f16(&a), as_f16(&b));
+        assert_eq!(dot_f16_single(&wh, &ah, 256).to_bits(), dot_f16_single_body(&wh, &ah, 256).to_bits());
+        assert_eq!(dot_f16_batch(&wh, &ah, 256).to_bits(), dot_f16_batch_body(&wh, &ah, 256).to_bits());
         // Random weight and activation bytes with small, sane scales for every format.
-        for (ty, wb, ab) in [(GgmlType::Q4_0, 18, 34), (GgmlType::Q4_1, 20, 36), (GgmlType::Q8_0, 34, 34), (GgmlType::Q5_0, 22, 34), (GgmlType::Q4K, 144, 292), (GgmlType::Q6K, 210, 292)] {
+        // (format, weight and activation block bytes, rows: Q4_0 with 7 rows is not repacked)
+        let cases = [
+            (GgmlType::Q4_0, 18, 34, 8),
+            (GgmlType::Q4_0, 18, 34, 7),
+            (GgmlType::Q4_1, 20, 36, 8),
+            (GgmlType::Q5_0, 22, 34, 8),
+            (GgmlType::Q5_1, 24, 36, 8),
+            (GgmlType::Q8_0, 34, 34, 8),
+            (GgmlType::Q4K, 144, 292, 8),
+            (GgmlType::Q5K, 176, 292, 8),
+            (GgmlType::Q6K, 210, 292, 8),
+        ];
+        for (ty, wb, ab, rows) in cases {
             let per = if wb >= 144 { 256 } else { 32 };
             // No -128: ggml's sign trick (as ours) wraps it, and no quantizer produces it.
             let byte = |v: u64| if v as u8 == 0x80 { 0x81 } else { v as u8 };
@@ -513,8 +536,11 @@ mod tests {
                 let h = half::f16::from_f32(0.01).to_bits().to_le_bytes();
                 let at = if ty == GgmlType::Q6K { 208 } else { 0 };
                 wd[at..at + 2].copy_from_slice(&h);
-                if ty == GgmlType::Q4K {
-                    wd[2..4].copy_from_slice(&h);
+                if matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q4_1 | GgmlType::Q5_1) {
+                    wd[2..4].copy_from_slice(&h); // dmin, or the 32-value formats' minimum
+                }
+                if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
+                    xd[2..4].copy_from_slice(&h); // q8_1's sum term
                 }
                 if per == 256 {
                     xd[..4].copy_from_slice(&0.02f32.to_le_bytes());
@@ -522,13 +548,16 @@ mod tests {
                     xd[..2].copy_from_slice(&h);
                 }
             }
-            let d = dots(ty, 8, 256).unwrap();
-            let body: [super::super::DotFn; 2] = match ty {
-                GgmlType::Q4_0 => [dot_q4_0_repacked_body, dot_q4_0_repacked_body],
-                GgmlType::Q4_1 => [dot_q4_1_body, dot_q4_1_body],
-                GgmlType::Q8_0 => [dot_q8_0_body, dot_q8_0_body],
-                GgmlType::Q5_0 => [dot_q5_0_body, dot_q5_0_body],
-                GgmlType::Q4K => [dot_q4_k_body::<false>, dot_q4_k_body::<true>],
+            let d = dots(ty, rows, 256).unwrap();
+            let body: [super::super::DotFn; 2] = match (ty, rows) {
+                (GgmlType::Q4_0, 8) => [dot_q4_0_repacked_body, dot_q4_0_repacked_body],
+                (GgmlType::Q4_0, _) => [dot_q4_0_body, dot_q4_0_body],
+                (GgmlType::Q4_1, _) => [dot_q4_1_body, dot_q4_1_body],
+                (GgmlType::Q5_0, _) => [dot_q5_0_body, dot_q5_0_body],
+                (GgmlType::Q5_1, _) => [dot_q5_1_body, dot_q5_1_body],
+                (GgmlType::Q8_0, _) => [dot_q8_0_body, dot_q8_0_body],
+                (GgmlType::Q4K, _) => [dot_q4_k_body::<false>, dot_q4_k_body::<true>],
+                (GgmlType::Q5K, _) => [dot_q5_k_body, dot_q5_k_tiled_body],
                 _ => [dot_q6_k_body, dot_q6_k_tiled_body],
             };
             let n = per * 8;
