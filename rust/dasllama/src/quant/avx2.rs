@@ -366,7 +366,8 @@ const VNNI: u8 = 1;
 const AVX512: u8 = 2;
 
 /// acc + the u8 x i8 dot of each group of four bytes: one vpdpbusd where AVX-VNNI exists, else
-/// maddubs + madd (no i16 saturation: unsigned weights are < 32, or |w| <= 127 against |a| <= 127).
+/// maddubs + madd (no i16 saturation: unsigned weights are < 32, or |w| <= 127 against |a| <= 127;
+/// the flipped Q8_0 weights, up to 255, only ever meet vpdpbusd).
 #[inline(always)]
 unsafe fn dp<const ISA: u8>(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
     if ISA == AVX512 {
@@ -400,12 +401,17 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(
     // Activation rows end with d[nb] (f32), then q8_1's s[nb] (f32) or q8_0's block sums (i32).
     let tails: [*const f32; R] = std::array::from_fn(|r| a[r].add(nb * F::ABYTES) as *const f32);
     let mut acc = [[_mm256_setzero_ps(); R]; T];
+    // With vpdpbusd, signed weights are flipped to unsigned (w + 128) once per tile and the
+    // 128 x activation block sum taken back, instead of two sign ops per activation row; plain
+    // AVX2's maddubs would saturate on them, so it keeps the sign trick. Same integers either way.
+    let flip = F::SIGNED && ISA != AVX2;
+    let zshift = if flip { 7 } else { F::ZSHIFT };
     for i in 0..nb {
         let mut start = [_mm256_setzero_si256(); R];
-        if F::ZSHIFT > 0 {
+        if zshift > 0 {
             for r in 0..R {
                 let s = (tails[r].add(nb + i) as *const i32).read_unaligned();
-                start[r] = _mm256_set1_epi32(-(s << F::ZSHIFT));
+                start[r] = _mm256_set1_epi32(-(s << zshift));
             }
         }
         for (k, &t) in tiles.iter().enumerate() {
@@ -419,11 +425,18 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(
             let mut isum2 = [_mm256_setzero_si256(); R];
             for p in 0..4 {
                 let (w0, w1) = pair::<F, ISA>(t, nb, i, p);
-                let (u0, u1) = if F::SIGNED { (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1)) } else { (w0, w1) };
+                let (u0, u1) = if flip {
+                    let top = _mm256_set1_epi8(0x80u8 as i8);
+                    (_mm256_xor_si256(w0, top), _mm256_xor_si256(w1, top))
+                } else if F::SIGNED {
+                    (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1))
+                } else {
+                    (w0, w1)
+                };
                 for r in 0..R {
                     let q = a[r].add(i * F::ABYTES + F::AQ + 4 * p);
                     let (mut y0, mut y1) = (bcast4(q), bcast4(q.add(16)));
-                    if F::SIGNED {
+                    if F::SIGNED && !flip {
                         y0 = _mm256_sign_epi8(y0, w0);
                         y1 = _mm256_sign_epi8(y1, w1);
                     }
