@@ -211,8 +211,10 @@ impl Scheduler {
         let mut prefilling: Vec<usize> =
             (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.fed < s.req.prompt.len())).collect();
         prefilling.sort_by_key(|&i| self.slots[i].as_ref().map(|s| s.order));
-        // A stream that has evaluated nothing yet looks the cache up again: streams admitted with
-        // it may have prefilled the same prefix since (a shared system prompt).
+        // A stream that has evaluated nothing yet attaches the longest cached prefix (one token
+        // short of the prompt, so that its last token is evaluated and gives the first logits).
+        // Looking until its first chunk, not only at admission, lets it find what streams admitted
+        // with it have prefilled since (a shared system prompt).
         if let Some(pool) = &self.pool {
             for &i in &prefilling {
                 let s = self.slots[i].as_mut().expect("prefilling stream");
@@ -297,23 +299,17 @@ impl Scheduler {
             let Some((req, t_submit)) = self.queue.pop_front() else { break };
             self.admitted += 1;
             let rng = Rng::new(req.seed);
-            let mut session = match &self.pool {
+            let session = match &self.pool {
                 Some(p) => Session::paged(m, p).expect("the pool was made for this model"),
                 None => Session::new(m),
             };
-            // Attach the longest cached prefix, one token short of the prompt so that its last
-            // token is evaluated here and gives the first logits.
-            let cached = match &self.pool {
-                Some(p) => p.attach(&mut session.kv, &req.prompt, req.prompt.len() - 1),
-                None => 0,
-            };
-            self.stats.cached_tokens += cached as u64;
+            // The prefix cache is looked up in `step`, just before the stream's first chunk.
             self.slots[slot] = Some(Stream {
-                in_kv: req.prompt[..cached].to_vec(),
-                cached,
+                in_kv: Vec::new(),
+                cached: 0,
                 req,
                 session,
-                fed: cached,
+                fed: 0,
                 generated: 0,
                 next: None,
                 utf8: Utf8Stream::default(),
