@@ -219,6 +219,17 @@ fn forward_rows(
     Ok(())
 }
 
+/// Query heads as llama.cpp's attention takes them against an f16 cache: scaled first where the
+/// family scales queries, then rounded to f16.
+fn f16_queries(c: &super::Config, q: &[f32]) -> Vec<f32> {
+    let mut qs = q.to_vec();
+    if c.scale_query {
+        qs.iter_mut().for_each(|v| *v *= c.attn_scale);
+    }
+    ops::round_f16_slice(&mut qs);
+    qs
+}
+
 /// Causal attention of each new query row over its own session's cached K/V (which already holds
 /// the row's own position).
 /// Q and the softmax weights are rounded to f16 as llama.cpp does against its f16 cache.
@@ -238,11 +249,7 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
         let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
         let nk = pos + 1 - start;
         let base = t * qd + kvh * group * hdim;
-        let mut qs = q[base..base + group * hdim].to_vec();
-        if c.scale_query {
-            qs.iter_mut().for_each(|v| *v *= c.attn_scale);
-        }
-        ops::round_f16_slice(&mut qs);
+        let mut qs = f16_queries(c, &q[base..base + group * hdim]);
         codec.prepare_query(&mut qs, hdim);
         let mut sc = vec![0.0f32; group * nk];
         // Rows come in runs that share a page (contiguous per head); a batch's KV outgrows L3,
@@ -258,9 +265,7 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
             codec.dot_rows(&qs, hdim, run, cnt, &mut sc[first - start..], nk);
         }
         for sg in sc.chunks_exact_mut(nk) {
-            if !c.scale_query {
-                sg.iter_mut().for_each(|v| *v *= c.attn_scale);
-            }
+            sg.iter_mut().for_each(|v| *v *= c.score_scale());
             ops::softmax(sg);
             ops::round_f16_slice(sg);
         }
@@ -321,15 +326,10 @@ fn attention_ggml(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, us
         let mut sc = vec![0.0f32; cells];
         for g in 0..group {
             let base = t * qd + (kvh * group + g) * hdim;
-            let mut qs = q[base..base + hdim].to_vec();
-            if c.scale_query {
-                qs.iter_mut().for_each(|v| *v *= c.attn_scale);
-            }
-            ops::round_f16_slice(&mut qs);
+            let qs = f16_queries(c, &q[base..base + hdim]);
             sc.fill(f32::NEG_INFINITY);
             for j in start..=pos {
-                let score = dot(&kf[j * hdim..(j + 1) * hdim], &qs);
-                sc[j] = if c.scale_query { score } else { score * c.attn_scale };
+                sc[j] = dot(&kf[j * hdim..(j + 1) * hdim], &qs) * c.score_scale();
             }
             let live = (pos + 1).next_multiple_of(8);
             ops::softmax(&mut sc[..live]);

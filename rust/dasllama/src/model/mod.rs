@@ -80,6 +80,15 @@ pub struct Config {
 }
 
 impl Config {
+    /// What multiplies a q.k score: `attn_scale`, or 1 where it already scaled the queries.
+    pub fn score_scale(&self) -> f32 {
+        if self.scale_query {
+            1.0
+        } else {
+            self.attn_scale
+        }
+    }
+
     pub fn is_swa_layer(&self, il: usize) -> bool {
         self.sliding_window > 0 && self.swa_pattern > 0 && (il % self.swa_pattern) < self.swa_pattern - 1
     }
