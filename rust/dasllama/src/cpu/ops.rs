@@ -36,19 +36,10 @@ pub fn rope_cache(n_dims: usize, pos: usize, base: f32, out: &mut Vec<(f32, f32)
     }
 }
 
-/// Rotary embedding of one head with a `rope_cache`. `neox` pairs (i, i+d/2); otherwise (2i, 2i+1).
-pub fn rope(x: &mut [f32], cache: &[(f32, f32)], neox: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::quant::avx2::has_avx2() {
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn with_fma(x: &mut [f32], cache: &[(f32, f32)], neox: bool) {
-            rope_body(x, cache, neox)
-        }
-        // SAFETY: AVX2 and FMA detected. The same operations, with `mul_add` one instruction
-        // instead of a libm call.
-        return unsafe { with_fma(x, cache, neox) };
-    }
-    rope_body(x, cache, neox)
+twice! {
+    /// Rotary embedding of one head with a `rope_cache`. `neox` pairs (i, i+d/2); otherwise
+    /// (2i, 2i+1).
+    pub fn rope(x: &mut [f32], cache: &[(f32, f32)], neox: bool) = rope_body;
 }
 
 #[inline(always)]

@@ -22,28 +22,6 @@
 use super::scalar::{a8k, bsum, high5, nib};
 use super::{rd_f16, rd_f32, scale_min_k4, GgmlType};
 
-/// Each loop below is written once, plainly, and compiled twice: as is, and with AVX2 and FMA
-/// enabled, where `mul_add` is one instruction instead of a libm call and the integer sums
-/// vectorize. No float operation is reordered (Rust never reassociates them), so both give the
-/// same bits; the plain one is the scalar twin.
-macro_rules! twice {
-    ($($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty = $body:path;)*) => {$(
-        $(#[$doc])*
-        $vis fn $name($($arg: $ty),*) -> $ret {
-            #[cfg(target_arch = "x86_64")]
-            if super::avx2::has_avx2() {
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn fast($($arg: $ty),*) -> $ret {
-                    $body($($arg),*)
-                }
-                // SAFETY: AVX2 and FMA were detected.
-                return unsafe { fast($($arg),*) };
-            }
-            $body($($arg),*)
-        }
-    )*};
-}
-
 /// The 32-value formats with AVX2 intrinsics where the CPU has them (ggml's own loops: integer
 /// lane sums, `fmadd` per block, the same horizontal sum), else their scalar twins.
 macro_rules! block32 {
