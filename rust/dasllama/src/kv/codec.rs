@@ -350,22 +350,108 @@ mod simd {
 
     #[inline(always)]
     unsafe fn heads_f16_512<const G: usize>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        let a = q.as_ptr();
-        for j in 0..n {
-            let row = k.add(2 * hd * j);
+        scores::<G, Keys512>(q, hd, k, n, out, stride)
+    }
+
+    /// What `hsum` finishes for one key and each of G query heads: the eight lanes of its
+    /// partial sums. The two builds differ only here, in how they get them.
+    trait KeySums {
+        unsafe fn sums<const G: usize>(q: *const f32, hd: usize, row: *const u8) -> [__m256; G];
+    }
+
+    struct Keys512;
+    impl KeySums for Keys512 {
+        #[inline(always)]
+        unsafe fn sums<const G: usize>(q: *const f32, hd: usize, row: *const u8) -> [__m256; G] {
             // acc[g][h]: lanes 0..8 are the AVX2 build's accumulator 2h, lanes 8..16 its 2h+1.
             let mut acc = [[_mm512_setzero_ps(); 2]; G];
             for i in (0..hd).step_by(32) {
                 let kv: [__m512; 2] = std::array::from_fn(|h| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * (i + 16 * h)) as *const __m256i)));
                 for (g, ac) in acc.iter_mut().enumerate() {
                     for h in 0..2 {
-                        ac[h] = _mm512_fmadd_ps(_mm512_loadu_ps(a.add(g * hd + i + 16 * h)), kv[h], ac[h]);
+                        ac[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(g * hd + i + 16 * h)), kv[h], ac[h]);
                     }
                 }
             }
-            for (g, ac) in acc.iter().enumerate() {
-                let half = |v: __m512| _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))));
-                out[g * stride + j] = hsum(_mm256_add_ps(half(ac[0]), half(ac[1])));
+            let mut v = [_mm256_setzero_ps(); G];
+            for g in 0..G {
+                v[g] = _mm256_add_ps(half512(acc[g][0]), half512(acc[g][1]));
+            }
+            v
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn half512(v: __m512) -> __m256 {
+        _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))))
+    }
+
+    struct Keys256;
+    impl KeySums for Keys256 {
+        #[inline(always)]
+        unsafe fn sums<const G: usize>(q: *const f32, hd: usize, row: *const u8) -> [__m256; G] {
+            let mut acc = [[_mm256_setzero_ps(); 4]; G];
+            for i in (0..hd).step_by(32) {
+                let kv: [__m256; 4] = std::array::from_fn(|m| f16x8(row.add(2 * (i + 8 * m))));
+                for (g, ac) in acc.iter_mut().enumerate() {
+                    for m in 0..4 {
+                        ac[m] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(g * hd + i + 8 * m)), kv[m], ac[m]);
+                    }
+                }
+            }
+            let mut v = [_mm256_setzero_ps(); G];
+            for g in 0..G {
+                v[g] = _mm256_add_ps(_mm256_add_ps(acc[g][0], acc[g][1]), _mm256_add_ps(acc[g][2], acc[g][3]));
+            }
+            v
+        }
+    }
+
+    /// Eight keys' lanes, transposed: [a.lo + a.hi | b.lo + b.hi] (`hsum`'s first step for a and b).
+    #[inline(always)]
+    unsafe fn fold_halves(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b))
+    }
+
+    /// Per 128-bit lane [a0 + a2, a1 + a3, b0 + b2, b1 + b3] (its second step).
+    #[inline(always)]
+    unsafe fn fold_pairs(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(a, b), _mm256_shuffle_ps::<0b11_10_11_10>(a, b))
+    }
+
+    /// Per 128-bit lane [a0 + a1, a2 + a3, b0 + b1, b2 + b3] (its last step).
+    #[inline(always)]
+    unsafe fn fold_last(a: __m256, b: __m256) -> __m256 {
+        _mm256_add_ps(_mm256_shuffle_ps::<0b10_00_10_00>(a, b), _mm256_shuffle_ps::<0b11_01_11_01>(a, b))
+    }
+
+    /// out[g * stride + j] = q_g · k_j for keys 0..n. Eight keys at a time are finished together,
+    /// transposed, in `hsum`'s order (lanes i and i+4; then 0+2 and 1+3; then the two): one vector
+    /// op per step for all eight instead of a shuffle chain per key, and the same bits.
+    #[inline(always)]
+    unsafe fn scores<const G: usize, K: KeySums>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+        assert!(G == 0 || out.len() >= (G - 1) * stride + n, "score rows out of bounds");
+        let (a, o) = (q.as_ptr(), out.as_mut_ptr());
+        let mut j = 0;
+        while j + 8 <= n {
+            // Keys p and p + 4 share a vector after the first step, so the last one lands in order.
+            let mut t = [[_mm256_setzero_ps(); G]; 4];
+            for (p, tp) in t.iter_mut().enumerate() {
+                let (x, y) = (K::sums::<G>(a, hd, k.add(2 * hd * (j + p))), K::sums::<G>(a, hd, k.add(2 * hd * (j + p + 4))));
+                for g in 0..G {
+                    tp[g] = fold_halves(x[g], y[g]);
+                }
+            }
+            for g in 0..G {
+                // SAFETY: g * stride + j + 8 <= (G - 1) * stride + n <= out.len() (asserted).
+                _mm256_storeu_ps(o.add(g * stride + j), fold_last(fold_pairs(t[0][g], t[1][g]), fold_pairs(t[2][g], t[3][g])));
+            }
+            j += 8;
+        }
+        for j in j..n {
+            let v = K::sums::<G>(a, hd, k.add(2 * hd * j));
+            for g in 0..G {
+                out[g * stride + j] = hsum(v[g]);
             }
         }
     }
@@ -382,22 +468,7 @@ mod simd {
 
     #[inline(always)]
     unsafe fn heads_f16<const G: usize>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        let a = q.as_ptr();
-        for j in 0..n {
-            let row = k.add(2 * hd * j);
-            let mut acc = [[_mm256_setzero_ps(); 4]; G];
-            for i in (0..hd).step_by(32) {
-                let kv: [__m256; 4] = std::array::from_fn(|m| f16x8(row.add(2 * (i + 8 * m))));
-                for (g, ac) in acc.iter_mut().enumerate() {
-                    for m in 0..4 {
-                        ac[m] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(g * hd + i + 8 * m)), kv[m], ac[m]);
-                    }
-                }
-            }
-            for (g, ac) in acc.iter().enumerate() {
-                out[g * stride + j] = hsum(_mm256_add_ps(_mm256_add_ps(ac[0], ac[1]), _mm256_add_ps(ac[2], ac[3])));
-            }
-        }
+        scores::<G, Keys256>(q, hd, k, n, out, stride)
     }
 
     /// Up to four heads' outputs, 32 values at a time, stay in registers while every V row
@@ -607,6 +678,12 @@ mod tests {
             simd::axpy_rows_f16_256(&mut ob, hd, &a, n, rows.as_ptr(), n);
         }
         assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        // Eight keys finished at once (transposed) or one at a time: the single-query dot's bits.
+        for (g, qg) in q.chunks_exact(hd).enumerate() {
+            for j in 0..n {
+                assert_eq!(a[g * n + j].to_bits(), KvCodec::F16.dot(qg, &rows[2 * hd * j..]).to_bits(), "head {g} key {j}");
+            }
+        }
         assert_eq!(oa.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ob.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }
 

@@ -249,19 +249,21 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
         let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
         let nk = pos + 1 - start;
         let base = t * qd + kvh * group * hdim;
+        // Rows come in runs that share a page (contiguous per head); a batch's KV outgrows L3,
+        // so the next run (after the last K run, the first V run) is fetched while one is read.
+        let fetch = |v: bool, from: usize| {
+            let next = lv.rows(v, kvh, from, pos + 1).next().or_else(|| if v { None } else { lv.rows(true, kvh, start, pos + 1).next() });
+            if let Some((_, run)) = next {
+                ops::prefetch(run);
+            }
+        };
+        fetch(false, start);
         let mut qs = f16_queries(c, &q[base..base + group * hdim]);
         codec.prepare_query(&mut qs, hdim);
         let mut sc = vec![0.0f32; group * nk];
-        // Rows come in runs that share a page (contiguous per head); a batch's KV outgrows L3,
-        // so fetch the next run's first lines while this one is read.
-        let fetch_next = |v: bool, end: usize| {
-            if let Some((_, run)) = lv.rows(v, kvh, end, pos + 1).next() {
-                ops::prefetch(&run[..run.len().min(1024)]);
-            }
-        };
         for (first, run) in lv.rows(false, kvh, start, pos + 1) {
             let cnt = run.len() / codec.bytes(hdim);
-            fetch_next(false, first + cnt);
+            fetch(false, first + cnt);
             codec.dot_rows(&qs, hdim, run, cnt, &mut sc[first - start..], nk);
         }
         for sg in sc.chunks_exact_mut(nk) {
@@ -272,7 +274,7 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
         o.fill(0.0);
         for (first, run) in lv.rows(true, kvh, start, pos + 1) {
             let cnt = run.len() / codec.bytes(hdim);
-            fetch_next(true, first + cnt);
+            fetch(true, first + cnt);
             codec.axpy_rows(o, hdim, &sc[first - start..], nk, run, cnt);
         }
         codec.finish_output(o, hdim);
