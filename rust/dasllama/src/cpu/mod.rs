@@ -156,7 +156,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
     let arb = act_row_bytes(vt, k);
     act.resize(n * arb, 0);
     if n >= 8 {
-        team.for_each_chunk_mut(&mut act[..n * arb], arb, &|t, a| quantize_row(vt, &x[t * k..(t + 1) * k], a));
+        team.for_each_row_mut(&mut act[..n * arb], arb, &|t, a| quantize_row(vt, &x[t * k..(t + 1) * k], a));
     } else {
         for (a, xr) in act.chunks_exact_mut(arb).zip(x.chunks_exact(k)) {
             quantize_row(vt, xr, a);

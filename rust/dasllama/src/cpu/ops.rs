@@ -59,6 +59,32 @@ fn rope_body(x: &mut [f32], cache: &[(f32, f32)], neox: bool) {
 /// partial group is padded with -inf, as ggml's padded KV rows are. libm's `exp` without AVX2.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let inv = exp_normalizer(x, max);
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Attention's weights from raw scores in one call: `x * scale`, `softmax`, each weight rounded
+/// to f16 (as llama.cpp casts them against an f16 cache). The same bits as those three steps
+/// one after another, with the scaling fused into the max and the rounding into the normalizing.
+pub fn attention_weights(x: &mut [f32], scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::avx2::has_avx2() {
+        // SAFETY: AVX2/FMA/F16C detected; the kernels stay inside `x`.
+        let max = unsafe { simd::scale_max(x, scale) };
+        let inv = exp_normalizer(x, max);
+        // SAFETY: as above.
+        unsafe { simd::scale_round_f16(x, inv) };
+        return;
+    }
+    x.iter_mut().for_each(|v| *v *= scale);
+    softmax(x);
+    round_f16_slice(x);
+}
+
+/// x[i] = e^(x[i] - max); returns 1 / Σ x[i] (summed as `softmax` documents).
+fn exp_normalizer(x: &mut [f32], max: f32) -> f32 {
     let mut sum = 0.0f64;
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
@@ -79,10 +105,7 @@ pub fn softmax(x: &mut [f32]) {
         *v = (*v - max).exp();
         sum += *v as f64;
     }
-    let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
+    (1.0 / sum) as f32
 }
 
 #[inline]
@@ -277,6 +300,41 @@ pub(crate) mod simd {
         n
     }
 
+    /// x[i] *= scale; returns the largest (scores hold no NaN).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scale_max(x: &mut [f32], scale: f32) -> f32 {
+        let n = x.len() / 8 * 8;
+        let (sv, mut m) = (_mm256_set1_ps(scale), _mm256_set1_ps(f32::NEG_INFINITY));
+        for i in (0..n).step_by(8) {
+            let p = x.as_mut_ptr().add(i);
+            let v = _mm256_mul_ps(_mm256_loadu_ps(p), sv);
+            _mm256_storeu_ps(p, v);
+            m = _mm256_max_ps(m, v);
+        }
+        let mut lanes = [0.0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        let mut max = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        for v in &mut x[n..] {
+            *v *= scale;
+            max = max.max(*v);
+        }
+        max
+    }
+
+    /// x[i] = f16(x[i] * inv) for all of `x`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub unsafe fn scale_round_f16(x: &mut [f32], inv: f32) {
+        let n = x.len() / 8 * 8;
+        let iv = _mm256_set1_ps(inv);
+        for i in (0..n).step_by(8) {
+            let p = x.as_mut_ptr().add(i);
+            _mm256_storeu_ps(p, _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(_mm256_loadu_ps(p), iv))));
+        }
+        for v in &mut x[n..] {
+            *v = super::round_f16(*v * inv);
+        }
+    }
+
     /// Rounds the whole groups of eight; returns how many values it did.
     #[target_feature(enable = "avx2,f16c")]
     pub unsafe fn round_f16(x: &mut [f32]) -> usize {
@@ -292,6 +350,19 @@ pub(crate) mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_weights_are_the_three_steps_bit_for_bit() {
+        for n in [1usize, 7, 8, 9, 37, 130] {
+            let raw: Vec<f32> = (0..n).map(|i| ((i * 7919 % 211) as f32 - 105.0) * 0.37).collect();
+            let (mut a, mut b) = (raw.clone(), raw.clone());
+            attention_weights(&mut a, 0.125);
+            b.iter_mut().for_each(|v| *v *= 0.125);
+            softmax(&mut b);
+            round_f16_slice(&mut b);
+            assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n = {n}");
+        }
+    }
 
     #[test]
     fn vector_exp_is_within_two_ulp_of_exact_and_handles_the_ends() {

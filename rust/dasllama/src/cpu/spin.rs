@@ -80,13 +80,14 @@ impl Team {
             }
         }
         let _stop = Stop(&self.shared);
-        f(&Session { shared: &self.shared })
+        f(&Session { shared: &self.shared, threads: self.n })
     }
 }
 
 /// A team held spinning for one forward pass.
 pub struct Session<'a> {
     shared: &'a Shared,
+    threads: usize,
 }
 
 impl Session<'_> {
@@ -200,6 +201,18 @@ impl Session<'_> {
             // SAFETY: chunk i covers lo..lo+len, disjoint from every other task's and within the
             // slice, which stays borrowed mutably until parallel_for has joined.
             f(i, unsafe { std::slice::from_raw_parts_mut(p.0.add(lo), len) });
+        });
+    }
+
+    /// As `for_each_chunk_mut`, for many chunks of equal and small cost (a row each of a norm,
+    /// RoPE, quantization): runs of consecutive chunks, two per thread, make the tasks, since
+    /// claiming a task moves a cache line between cores and can cost more than a row's work.
+    pub fn for_each_row_mut<T: Send>(&self, data: &mut [T], chunk: usize, f: &(dyn Fn(usize, &mut [T]) + Sync)) {
+        let per = data.len().div_ceil(chunk).div_ceil(2 * self.threads).max(1);
+        self.for_each_chunk_mut(data, chunk * per, &|i, run| {
+            for (j, c) in run.chunks_mut(chunk).enumerate() {
+                f(i * per + j, c);
+            }
         });
     }
 }

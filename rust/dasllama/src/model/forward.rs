@@ -147,7 +147,7 @@ fn forward_rows(
                 }
             };
             if n >= 16 {
-                team.for_each_chunk_mut(buf, width, &each);
+                team.for_each_row_mut(buf, width, &each);
             } else {
                 buf.chunks_exact_mut(width).enumerate().for_each(|(t, r)| each(t, r));
             }
@@ -188,7 +188,7 @@ fn forward_rows(
             }
         };
         if n >= 16 {
-            team.for_each_chunk_mut(&mut s.gate[..n * hd], hd, &glu);
+            team.for_each_row_mut(&mut s.gate[..n * hd], hd, &glu);
         } else {
             glu(0, &mut s.gate[..n * hd]);
         }
@@ -221,13 +221,19 @@ fn forward_rows(
 
 /// Query heads as llama.cpp's attention takes them against an f16 cache: scaled first where the
 /// family scales queries, then rounded to f16.
-fn f16_queries(c: &super::Config, q: &[f32]) -> Vec<f32> {
-    let mut qs = q.to_vec();
+fn f16_queries(c: &super::Config, q: &[f32], qs: &mut Vec<f32>) {
+    qs.clear();
+    qs.extend_from_slice(q);
     if c.scale_query {
         qs.iter_mut().for_each(|v| *v *= c.attn_scale);
     }
-    ops::round_f16_slice(&mut qs);
-    qs
+    ops::round_f16_slice(qs);
+}
+
+thread_local! {
+    /// Queries and scores of the attention task a thread runs, kept for its next one (a task per
+    /// row, KV head and layer would otherwise allocate both, thousands of times a step).
+    static ATTENTION_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Causal attention of each new query row over its own session's cached K/V (which already holds
@@ -258,26 +264,27 @@ fn attention(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)]
             }
         };
         fetch(false, start);
-        let mut qs = f16_queries(c, &q[base..base + group * hdim]);
-        codec.prepare_query(&mut qs, hdim);
-        let mut sc = vec![0.0f32; group * nk];
-        for (first, run) in lv.rows(false, kvh, start, pos + 1) {
-            let cnt = run.len() / codec.bytes(hdim);
-            fetch(false, first + cnt);
-            codec.dot_rows(&qs, hdim, run, cnt, &mut sc[first - start..], nk);
-        }
-        for sg in sc.chunks_exact_mut(nk) {
-            sg.iter_mut().for_each(|v| *v *= c.score_scale());
-            ops::softmax(sg);
-            ops::round_f16_slice(sg);
-        }
-        o.fill(0.0);
-        for (first, run) in lv.rows(true, kvh, start, pos + 1) {
-            let cnt = run.len() / codec.bytes(hdim);
-            fetch(true, first + cnt);
-            codec.axpy_rows(o, hdim, &sc[first - start..], nk, run, cnt);
-        }
-        codec.finish_output(o, hdim);
+        ATTENTION_SCRATCH.with_borrow_mut(|(qs, sc)| {
+            f16_queries(c, &q[base..base + group * hdim], qs);
+            codec.prepare_query(qs, hdim);
+            sc.clear();
+            sc.resize(group * nk, 0.0);
+            for (first, run) in lv.rows(false, kvh, start, pos + 1) {
+                let cnt = run.len() / codec.bytes(hdim);
+                fetch(false, first + cnt);
+                codec.dot_rows(qs, hdim, run, cnt, &mut sc[first - start..], nk);
+            }
+            for sg in sc.chunks_exact_mut(nk) {
+                ops::attention_weights(sg, c.score_scale());
+            }
+            o.fill(0.0);
+            for (first, run) in lv.rows(true, kvh, start, pos + 1) {
+                let cnt = run.len() / codec.bytes(hdim);
+                fetch(true, first + cnt);
+                codec.axpy_rows(o, hdim, &sc[first - start..], nk, run, cnt);
+            }
+            codec.finish_output(o, hdim);
+        });
     };
     let work: usize = rows.iter().map(|r| r.1 + 1).sum::<usize>() * c.n_heads;
     let width = group * hdim;
@@ -328,7 +335,8 @@ fn attention_ggml(m: &Model, kvs: &[&mut KvCache], il: usize, rows: &[(usize, us
         let mut sc = vec![0.0f32; cells];
         for g in 0..group {
             let base = t * qd + (kvh * group + g) * hdim;
-            let qs = f16_queries(c, &q[base..base + hdim]);
+            let mut qs = Vec::new();
+            f16_queries(c, &q[base..base + hdim], &mut qs);
             sc.fill(f32::NEG_INFINITY);
             for j in start..=pos {
                 sc[j] = dot(&kf[j * hdim..(j + 1) * hdim], &qs) * c.score_scale();
