@@ -2,6 +2,7 @@
 //! pass. Ops that llama.cpp computes in a particular precision (f64 sums in norms and softmax,
 //! f16 rounding of GELU inputs and attention operands) do the same here so results agree.
 
+pub mod arena;
 pub mod ops;
 pub mod spin;
 
@@ -36,11 +37,13 @@ pub fn pool() -> &'static rayon::ThreadPool {
     })
 }
 
-/// Bytes of a weight: a window of the memory-mapped GGUF, or a buffer we converted at load.
+/// Bytes of a weight: a window of the memory-mapped GGUF, a buffer we converted at load, or
+/// tiles laid out at load on huge pages (`arena`).
 #[derive(Clone)]
 pub enum Bytes {
     Mapped { map: Arc<memmap2::Mmap>, offset: usize, len: usize },
     Owned(Arc<Vec<u8>>),
+    Arena(arena::Span),
 }
 
 impl Bytes {
@@ -48,6 +51,7 @@ impl Bytes {
         match self {
             Bytes::Mapped { map, offset, len } => &map[*offset..*offset + *len],
             Bytes::Owned(v) => v,
+            Bytes::Arena(span) => span.as_slice(),
         }
     }
 }
@@ -72,15 +76,15 @@ impl Weight {
             return self;
         }
         let (rb, tb) = (self.row_bytes(), tile::tile_bytes(self.ty, self.cols));
-        let mut data = vec![0u8; tb * self.rows.div_ceil(TILE_ROWS)];
+        let mut data = arena::alloc(tb * self.rows.div_ceil(TILE_ROWS));
         let src = self.data.as_slice();
         pool().install(|| {
-            data.par_chunks_exact_mut(tb).enumerate().for_each(|(ti, o)| {
+            data.as_mut_slice().par_chunks_exact_mut(tb).enumerate().for_each(|(ti, o)| {
                 let rows: Vec<&[u8]> = (ti * TILE_ROWS..((ti + 1) * TILE_ROWS).min(self.rows)).map(|r| &src[r * rb..(r + 1) * rb]).collect();
                 tile::tile_rows(self.ty, &rows, o)
             })
         });
-        Weight { data: Bytes::Owned(Arc::new(data)), tiled: true, ..self }
+        Weight { data: Bytes::Arena(data.freeze()), tiled: true, ..self }
     }
 
     /// Read with ggml's summation order (`Numerics::Ggml`), or None where we do not reproduce it
