@@ -429,6 +429,7 @@ mod simd {
     /// transposed, in `hsum`'s order (lanes i and i+4; then 0+2 and 1+3; then the two): one vector
     /// op per step for all eight instead of a shuffle chain per key, and the same bits.
     #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // g indexes two arrays in step
     unsafe fn scores<const G: usize, K: KeySums>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
         assert!(G == 0 || out.len() >= (G - 1) * stride + n, "score rows out of bounds");
         let (a, o) = (q.as_ptr(), out.as_mut_ptr());
