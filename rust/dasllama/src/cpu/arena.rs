@@ -45,11 +45,11 @@ static CURRENT: Mutex<Option<(Arc<Slab>, usize)>> = Mutex::new(None);
 
 /// `len` zeroed bytes for a weight, to fill and then `freeze`.
 pub fn alloc(len: usize) -> SpanMut {
-    let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
     if len > SLAB / 4 {
         // A big matrix (an output head) gets a slab of its own, leaving the current one be.
         return SpanMut(Span { slab: Arc::new(Slab::new(len.next_multiple_of(HUGE_PAGE))), offset: 0, len });
     }
+    let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
     let fits = matches!(&*cur, Some((slab, used)) if used.next_multiple_of(ALIGN) + len <= slab.len);
     if !fits {
         *cur = Some((Arc::new(Slab::new(SLAB)), 0));

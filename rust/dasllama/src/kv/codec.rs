@@ -431,7 +431,7 @@ mod simd {
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // g indexes two arrays in step
     unsafe fn scores<const G: usize, K: KeySums>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        assert!(G == 0 || out.len() >= (G - 1) * stride + n, "score rows out of bounds");
+        assert!(out.len() >= (G - 1) * stride + n, "score rows out of bounds");
         let (a, o) = (q.as_ptr(), out.as_mut_ptr());
         let mut j = 0;
         while j + 8 <= n {
