@@ -92,7 +92,7 @@ def test_full_pool_is_a_clear_error(smollm: dl.Model) -> None:
     pool = dl.create_kv_pool(smollm, page_rows=4, max_pages=2)
     s = dl.create_session(smollm, pool)
     dl.eval(smollm, s, [1, 2, 3, 4, 5, 6])
-    with pytest.raises(ValueError, match="KV pool is full"):
+    with pytest.raises(dl.KvPoolFullError, match="KV pool is full"):
         dl.eval(smollm, s, [7, 8, 9])
     assert s.n_past == 6  # nothing half-done
     other = dl.create_session(smollm)

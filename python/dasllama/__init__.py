@@ -12,7 +12,7 @@ import logging
 
 from ._native import arch_names, n_threads
 from .chat import ChatRenderer, add_assistant, add_user, create_chat_renderer, make_nothink_guard, render_chat, render_close, render_turn, set_thinking, turn_stop_ids
-from .errors import ContextOverflowError, DasllamaError, FetchError, GgufError, TemplateError, UnsupportedModelError
+from .errors import ContextOverflowError, DasllamaError, EngineError, FetchError, GgufError, KvPoolFullError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
 from .scheduler import PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, submit
@@ -28,8 +28,10 @@ __all__ = [
     "ContextOverflowError",
     "DEFAULT_MODEL",
     "DasllamaError",
+    "EngineError",
     "FetchError",
     "GgufError",
+    "KvPoolFullError",
     "KVDtype",
     "KvPool",
     "Model",

@@ -1,6 +1,6 @@
 """The dasllama exception tree. Every error the package raises on purpose derives from DasllamaError."""
 
-from ._native import ContextOverflowError, DasllamaError, GgufError, UnsupportedModelError
+from ._native import ContextOverflowError, DasllamaError, EngineError, GgufError, KvPoolFullError, UnsupportedModelError
 
 
 class FetchError(DasllamaError):
@@ -11,4 +11,4 @@ class TemplateError(DasllamaError):
     """The model's chat template is missing or failed to render."""
 
 
-__all__ = ["DasllamaError", "GgufError", "UnsupportedModelError", "ContextOverflowError", "FetchError", "TemplateError"]
+__all__ = ["DasllamaError", "GgufError", "UnsupportedModelError", "ContextOverflowError", "KvPoolFullError", "EngineError", "FetchError", "TemplateError"]

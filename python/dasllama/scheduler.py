@@ -41,24 +41,10 @@ class PendingReq:
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
 
 
-@dataclass(frozen=True)
-class SchedEvent:
-    """``kind`` is "piece" (one token's text; never half a UTF-8 character) or "finished"
-    (``finish`` is "stop", "length" or "evicted"). Times are microseconds."""
-
-    stream: int
-    id: int
-    kind: str
-    token: int
-    text: str
-    finish: str
-    n_prompt: int
-    n_gen: int
-    n_cached: int
-    ttft_us: int
-    gen_us: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)
+SchedEvent = _native.SchedEvent
+"""``kind`` is "piece" (one token's text; never half a UTF-8 character) or "finished" (``finish``
+is "stop", "length", "evicted" or "error"; an error names its kind in ``error_type``, e.g.
+"kv_pool_full" or "internal", and says why in ``error``). Times are microseconds."""
 
 
 def create_scheduler(
@@ -97,15 +83,20 @@ def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
 def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:
     """One tick; appends its events to ``events``. Returns whether work remains."""
     more, evs = _native.scheduler_step(m._native, sch)
-    events.extend(SchedEvent(*base, *lp) for base, lp in evs)
+    events.extend(evs)
     return more
 
 
 def evict(m: Model, sch: Scheduler, id: int, events: list[SchedEvent]) -> bool:  # noqa: A002 - the seed's name
     """Drop request ``id`` (queued or running) at once; a finished(evicted) event reports it."""
     found, evs = _native.evict(m._native, sch, int(id))
-    events.extend(SchedEvent(*base, *lp) for base, lp in evs)
+    events.extend(evs)
     return found
+
+
+def _inject_fault(sch: Scheduler, id: int) -> bool:  # noqa: A002
+    """Test hook: the next evaluation that includes request ``id`` fails inside the engine."""
+    return _native._inject_stream_fault(sch, int(id))
 
 
 def n_active(sch: Scheduler) -> int:

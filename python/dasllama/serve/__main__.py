@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ctx", type=int, default=0, help="cap on the context per request (0: the model's)")
     ap.add_argument("--kv-dtype", default="f16", choices=[k.value for k in KVDtype])
     ap.add_argument("--numerics", default="fast", choices=["fast", "ggml"], help="ggml: logits bit for bit those of llama.cpp's AVX2 CPU build (slower; f16 KV only)")
+    ap.add_argument("--max-prompt-bytes", type=int, default=0, help="refuse prompts longer than this many bytes before any tokenizer work (0: 16 per token of context)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
@@ -43,8 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("streams", "queue", "chunk"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
-    if args.page_rows < 0 or args.ctx < 0:
-        ap.error("--page-rows and --ctx must be >= 0")
+    if args.page_rows < 0 or args.ctx < 0 or args.max_prompt_bytes < 0:
+        ap.error("--page-rows, --ctx and --max-prompt-bytes must be >= 0")
     if KVDtype(args.kv_dtype) is not KVDtype.f16 and args.page_rows == 0:
         ap.error(f"--kv-dtype {args.kv_dtype} needs the paged pool (--page-rows > 0)")
     return args
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    server = Server(api_key=args.api_key)
+    server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes)
     app = build_app(server)
     failed: list[BaseException] = []
 

@@ -22,11 +22,15 @@ from ..chat import ChatRenderer, render_chat, render_close
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..model import decode, encode
 from ..session import SamplingParams
-from .engine import Engine, Subscription
+from .engine import Engine, EngineDead, EngineFailure, Subscription
 
 log = logging.getLogger("dasllama.serve")
 
 MAX_BODY = 4 << 20  # 4 MiB: far above any prompt the served models' contexts hold
+# A prompt's text is refused before any template or tokenizer work when it has more than this many
+# bytes per token of context: real text runs at 3-5 bytes a token, so a prompt past it could not
+# fit, and refusing it costs nothing (`--max-prompt-bytes` overrides).
+BYTES_PER_CONTEXT_TOKEN = 16
 
 
 class ApiError(Exception):
@@ -120,6 +124,13 @@ class Job:
     include_usage: bool
 
 
+def _utf8_len(text: str, param: str) -> int:
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{param}' holds a lone surrogate (\\ud800-\\udfff), which is not text", param=param, code="invalid_encoding") from None
+
+
 def _content(msg: dict[str, Any], i: int) -> str:
     c = msg.get("content")
     if c is None:
@@ -140,8 +151,9 @@ def _content(msg: dict[str, Any], i: int) -> str:
 
 
 class Server:
-    def __init__(self, api_key: str | None = None) -> None:
+    def __init__(self, api_key: str | None = None, max_prompt_bytes: int = 0) -> None:
         self.engines: dict[str, Engine] = {}
+        self.max_prompt_bytes = max_prompt_bytes  # 0: BYTES_PER_CONTEXT_TOKEN per context token
         self.default: str | None = None
         self.ready = False
         self.api_key = api_key
@@ -158,28 +170,32 @@ class Server:
         return self.engines[name]
 
     async def body(self, request: Request) -> dict[str, Any]:
+        """Read and parse a JSON body; the parse (up to MAX_BODY) runs off the event loop."""
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > MAX_BODY:
             raise ApiError(413, f"the request body is {int(length)} bytes; the limit is {MAX_BODY}", code="request_too_large")
-        raw = b""
+        chunks: list[bytes] = []
+        size = 0
         async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_BODY:
                 raise ApiError(413, f"the request body exceeds {MAX_BODY} bytes", code="request_too_large")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ApiError(400, "the request body is not valid UTF-8", code="invalid_encoding") from None
-        try:
-            body = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-        unknown = set(body) - KNOWN_FIELDS
-        if unknown:
-            log.info("ignoring unknown request fields: %s", ", ".join(sorted(unknown)))
-        return body
+        return await asyncio.get_running_loop().run_in_executor(None, _parse_body, b"".join(chunks))
+
+    def prompt_limit(self, m: Any) -> int:
+        return self.max_prompt_bytes or BYTES_PER_CONTEXT_TOKEN * int(m.config["seq_len"])
+
+    def check_prompt_bytes(self, m: Any, n_bytes: int, param: str) -> None:
+        limit = self.prompt_limit(m)
+        if n_bytes > limit:
+            raise ApiError(
+                400,
+                f"the prompt is {n_bytes} bytes; this server takes at most {limit} bytes for a context of {int(m.config['seq_len'])} tokens "
+                "(start it with a larger --max-prompt-bytes to raise the limit)",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def job(self, body: dict[str, Any], chat: bool) -> Job:
         eng = self.engine(body.get("model"))
@@ -196,6 +212,8 @@ class Server:
                     raise ApiError(400, f"messages[{i}] needs a role of system, user or assistant", param=f"messages[{i}].role")
                 role = "system" if msg["role"] == "developer" else msg["role"]
                 rendered.append({"role": role, "content": _content(msg, i)})
+            # Bounded before the template and the tokenizer see it: their cost grows with it.
+            self.check_prompt_bytes(m, sum(_utf8_len(r["content"], "messages") for r in rendered), "messages")
             try:
                 text = render_chat(m, rendered)
                 # What closes the reply in the next turn's prompt: evaluated at the end so the
@@ -207,6 +225,7 @@ class Server:
         else:
             p = body.get("prompt")
             if isinstance(p, str):
+                self.check_prompt_bytes(m, _utf8_len(p, "prompt"), "prompt")
                 prompt = encode(m, p)
             elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 bad = [t for t in p if not 0 <= t < m.n_vocab]
@@ -259,8 +278,9 @@ class Server:
             raise ApiError(400, "'stream_options' must be an object", param="stream_options")
         return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")))
 
-    async def run_one(self, job: Job, index: int) -> AsyncIterator[tuple[str, sched.SchedEvent | None, str | None]]:
-        """Yield (text delta, event, finish_reason) for one choice; evicts on cancellation."""
+    async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
+        """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a
+        request that cannot run or a full queue (503)."""
         eng = job.engine
         rid = eng.next_id()
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
@@ -268,27 +288,42 @@ class Server:
             id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs
         )
         sub = Subscription(asyncio.get_running_loop())
-        loop = asyncio.get_running_loop()
         try:
-            ok = await loop.run_in_executor(None, eng.submit, req, sub)
+            ok = await eng.submit(req, sub)
+        except asyncio.CancelledError:
+            eng.cancel(rid)  # it may have been queued just before the client went away
+            raise
         except ContextOverflowError as e:
             raise ApiError(400, str(e), code="context_length_exceeded") from None
+        except EngineDead as e:
+            raise ApiError(503, f"the server cannot serve '{eng.name}': {e}", type_="server_error", code="engine_failure") from None
         except (ValueError, DasllamaError) as e:
             raise ApiError(400, str(e)) from None
         if not ok:
             self.metrics.outcome(eng.name, "rejected")
             raise ApiError(503, "the server is at capacity: its request queue is full; retry shortly", type_="server_error", code="queue_full", headers={"Retry-After": "1"})
+        return rid, sub
+
+    async def events(self, job: Job, rid: int, sub: Subscription) -> AsyncIterator[tuple[str, sched.SchedEvent | None, str | None]]:
+        """Yield (text delta, event, finish_reason) for one started choice. A stream that fails
+        raises ApiError (after the text it produced); leaving early cancels it."""
+        eng = job.engine
         name = eng.name
         pending = ""  # text held back while it could still become a stop string
+        t_start = time.monotonic()
         t_last: float | None = None
         finished = False
         try:
             while True:
-                ev: sched.SchedEvent = await sub.queue.get()
+                ev = await sub.queue.get()
+                if isinstance(ev, EngineFailure):
+                    finished = True
+                    self.metrics.outcome(name, "error")
+                    raise ApiError(500, ev.message, type_="server_error", code="engine_failure")
                 if ev.kind == "piece":
                     now = time.monotonic()
                     if t_last is None:
-                        self.metrics.ttft.setdefault(name, Histogram(TTFT_BUCKETS)).observe(ev.ttft_us / 1e6 if ev.ttft_us else 0.0)
+                        self.metrics.ttft.setdefault(name, Histogram(TTFT_BUCKETS)).observe(now - t_start)
                     else:
                         self.metrics.itl.setdefault(name, Histogram(ITL_BUCKETS)).observe(now - t_last)
                     t_last = now
@@ -297,7 +332,7 @@ class Server:
                     if at >= 0:
                         yield pending[:at], ev, None
                         finished = True
-                        await loop.run_in_executor(None, eng.evict, rid)
+                        eng.cancel(rid)
                         yield "", ev, "stop"
                         self._count(name, ev, "stop")
                         return
@@ -310,6 +345,12 @@ class Server:
                             break
                     out, pending = pending[:cut], pending[cut:]
                     yield out, ev, None
+                elif ev.finish == "error":
+                    finished = True
+                    self.metrics.outcome(name, "error")
+                    if ev.error_type == "kv_pool_full":
+                        raise ApiError(503, f"the server ran out of KV memory for this request: {ev.error}; retry shortly", type_="server_error", code="kv_pool_full", headers={"Retry-After": "1"})
+                    raise ApiError(500, f"the request failed inside the engine: {ev.error}", type_="server_error", code=ev.error_type)
                 else:
                     finished = True
                     reason = "length" if ev.finish == "length" else "stop"
@@ -321,7 +362,7 @@ class Server:
         finally:
             if not finished:
                 self.metrics.outcome(name, "cancelled")
-                await asyncio.shield(loop.run_in_executor(None, eng.evict, rid))
+                eng.cancel(rid)
 
     def _count(self, name: str, ev: sched.SchedEvent, reason: str) -> None:
         self.metrics.outcome(name, reason)
@@ -367,67 +408,78 @@ def build_app(server: Server) -> Starlette:
     async def health(request: Request) -> Response:
         if not server.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
+        dead = {name: eng.dead or "the engine thread is gone" for name, eng in server.engines.items() if not eng.alive}
+        if dead:
+            return JSONResponse({"status": "error", "engines": dead}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def models(request: Request) -> Response:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "dasllama"} for name in server.engines]
         return JSONResponse({"object": "list", "data": data})
 
+    async def disconnected(request: Request) -> None:
+        """Return when the client hangs up."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.1)
+
     async def completions(request: Request, chat: bool) -> Response:
         body = await server.body(request)
-        job = server.job(body, chat)
+        # Rendering the template and tokenizing grow with the prompt: never on the event loop.
+        job = await asyncio.get_running_loop().run_in_executor(None, server.job, body, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         model_name = job.engine.name
         m = job.engine.m
+        # Every choice is queued before answering, so a full queue is a 503, not a broken stream;
+        # the engine takes them between two steps, so the answer (and a stream's headers) go at once.
+        started: list[tuple[int, Subscription]] = []
+        try:
+            for i in range(job.n):
+                started.append(await server.start(job, i))
+        except BaseException:
+            for rid_, _ in started:
+                job.engine.cancel(rid_)
+            raise
+        gens = [server.events(job, r, sub) for r, sub in started]
         if job.stream:
-            # Submit the first choice before answering, so a full queue is a 503, not a broken stream.
-            gens = [server.run_one(job, i) for i in range(job.n)]
-            firsts = []
-            for g in gens:
-                try:
-                    firsts.append(await g.__anext__())
-                except StopAsyncIteration:
-                    firsts.append(None)
 
             async def sse() -> AsyncIterator[bytes]:
                 usage = {"prompt": 0, "completion": 0, "cached": 0}
                 queue: asyncio.Queue = asyncio.Queue()
 
-                async def pump(i: int, first: Any, g: AsyncIterator[Any]) -> None:
+                async def pump(i: int, g: AsyncIterator[Any]) -> None:
                     try:
-                        if first is not None:
-                            await queue.put((i, first))
                         async for item in g:
                             await queue.put((i, item))
+                    except ApiError as e:
+                        await queue.put((i, e))
                     finally:
                         await queue.put((i, None))
 
-                tasks = [asyncio.create_task(pump(i, f, g)) for i, (f, g) in enumerate(zip(firsts, gens))]
+                tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
                 if chat:
                     for i in range(job.n):
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
                 done = 0
-                checked = time.monotonic()
+                watch = asyncio.ensure_future(disconnected(request))
                 try:
                     while done < job.n:
                         getter = asyncio.ensure_future(queue.get())
-                        while True:
-                            await asyncio.wait([getter], timeout=0.1)
-                            # A client that hangs up is evicted within a step or two, not whenever
-                            # a write happens to fail.
-                            if time.monotonic() - checked >= 0.05 or not getter.done():
-                                checked = time.monotonic()
-                                if await request.is_disconnected():
-                                    getter.cancel()
-                                    return
-                            if getter.done():
-                                break
+                        # A client that hangs up is cancelled within a step or two, not whenever
+                        # a write happens to fail.
+                        await asyncio.wait([getter, watch], return_when=asyncio.FIRST_COMPLETED)
+                        if not getter.done():
+                            getter.cancel()
+                            return
                         i, item = getter.result()
                         if item is None:
                             done += 1
                             continue
+                        if isinstance(item, ApiError):
+                            # OpenAI's shape for an error after the stream began: an error event.
+                            yield _sse({"error": {"message": item.message, "type": item.type, "param": item.param, "code": item.code}})
+                            return
                         text, ev, reason = item
                         if reason:
                             usage["prompt"] = ev.n_prompt if ev else usage["prompt"]
@@ -452,7 +504,8 @@ def build_app(server: Server) -> Starlette:
                         yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [], "usage": _usage(usage)})
                     yield b"data: [DONE]\n\n"
                 finally:
-                    # Cancelling a pump raises inside its request's generator, whose cleanup evicts.
+                    watch.cancel()
+                    # Cancelling a pump raises inside its request's generator, whose cleanup cancels.
                     for t in tasks:
                         t.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
@@ -463,7 +516,7 @@ def build_app(server: Server) -> Starlette:
 
         async def collect(i: int) -> dict[str, Any]:
             text, reason, n_prompt, n_gen, cached, lps = "", "stop", 0, 0, 0, []
-            async for t, ev, r in server.run_one(job, i):
+            async for t, ev, r in gens[i]:
                 text += t
                 if job.logprobs is not None and ev is not None and ev.kind == "piece" and t:
                     lps.append(_logprob_entry(m, ev, chat))
@@ -473,7 +526,21 @@ def build_app(server: Server) -> Starlette:
                         n_prompt, n_gen, cached = ev.n_prompt, ev.n_gen, ev.n_cached
             return {"text": text, "reason": reason, "n_prompt": n_prompt or len(job.prompt), "n_gen": n_gen, "cached": cached, "lps": lps}
 
-        results = await asyncio.gather(*(collect(i) for i in range(job.n)))
+        # A client that hangs up before the answer is cancelled like a streaming one.
+        work = asyncio.ensure_future(asyncio.gather(*(collect(i) for i in range(job.n))))
+        watch = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                for g in gens:
+                    await g.aclose()
+        if work.cancelled():
+            return Response(status_code=499)
+        results = work.result()
         usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results)}
         choices = []
         for i, r in enumerate(results):
@@ -502,7 +569,10 @@ def build_app(server: Server) -> Starlette:
         add_special = body.get("add_special", False)
         if not isinstance(add_special, bool):
             raise ApiError(400, "'add_special' must be a boolean", param="add_special")
-        return JSONResponse({"tokens": encode(eng.m, content, add_bos=add_special, special=bool(body.get("parse_special", False)))})
+        server.check_prompt_bytes(eng.m, _utf8_len(content, "content"), "content")
+        special = bool(body.get("parse_special", False))
+        toks = await asyncio.get_running_loop().run_in_executor(None, lambda: encode(eng.m, content, add_bos=add_special, special=special))
+        return JSONResponse({"tokens": toks})
 
     async def detokenize(request: Request) -> Response:
         body = await server.body(request)
@@ -513,12 +583,14 @@ def build_app(server: Server) -> Starlette:
         bad = [t for t in toks if not 0 <= t < eng.m.n_vocab]
         if bad:
             raise ApiError(400, f"token id {bad[0]} is out of range", param="tokens")
+        if len(toks) > int(eng.m.config["seq_len"]):
+            raise ApiError(400, f"'tokens' holds {len(toks)} ids, more than the context of {int(eng.m.config['seq_len'])}", param="tokens")
         return JSONResponse({"content": decode(eng.m, toks)})
 
     async def metrics(request: Request) -> Response:
         mt = server.metrics
         lines = [
-            "# HELP dasllama_requests_total Requests by outcome (stop, length, cancelled, rejected).",
+            "# HELP dasllama_requests_total Requests by outcome (stop, length, cancelled, rejected, error).",
             "# TYPE dasllama_requests_total counter",
         ]
         lines += [f'dasllama_requests_total{{model="{m}",outcome="{o}"}} {c}' for (m, o), c in sorted(mt.requests.items())]
@@ -561,6 +633,23 @@ def build_app(server: Server) -> Starlette:
         Route("/metrics", guarded(metrics), methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed})
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not valid UTF-8", code="invalid_encoding") from None
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    unknown = set(body) - KNOWN_FIELDS
+    if unknown:
+        log.info("ignoring unknown request fields: %s", ", ".join(sorted(unknown)))
+    return body
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -20,6 +20,8 @@ create_exception!(_native, DasllamaError, PyException, "Base of every dasllama e
 create_exception!(_native, GgufError, DasllamaError, "The GGUF file is missing, malformed or truncated.");
 create_exception!(_native, UnsupportedModelError, DasllamaError, "The model uses an architecture, tokenizer or tensor type dasllama does not implement.");
 create_exception!(_native, ContextOverflowError, DasllamaError, "A session would run past the model's context window.");
+create_exception!(_native, KvPoolFullError, DasllamaError, "The paged KV pool has no free page: retry when streams finish, or use a bigger pool.");
+create_exception!(_native, EngineError, DasllamaError, "A bug inside the engine (a caught panic). The call was abandoned; the model and other sessions are intact.");
 
 fn map_err(e: Error) -> PyErr {
     match e {
@@ -27,8 +29,16 @@ fn map_err(e: Error) -> PyErr {
         Error::UnsupportedModel(m) => UnsupportedModelError::new_err(m),
         Error::ContextOverflow(m) => ContextOverflowError::new_err(m),
         Error::InvalidArgument(m) => PyValueError::new_err(m),
+        Error::PoolFull(m) => KvPoolFullError::new_err(m),
+        Error::Internal(m) => EngineError::new_err(m),
         Error::Io(e) => DasllamaError::new_err(e.to_string()),
     }
+}
+
+/// Every call into the core goes through here: the GIL released, a panic turned into
+/// `EngineError` naming `what`, and core errors mapped to their Python classes.
+fn native<T: Send>(py: Python<'_>, what: &str, f: impl FnOnce() -> dasllama::Result<T> + Send) -> PyResult<T> {
+    py.allow_threads(|| dasllama::error::catch(what, f)).map_err(map_err)
 }
 
 /// A loaded model. Shared, immutable: any number of sessions may use it.
@@ -174,8 +184,7 @@ fn load_model(
     };
     let tensors: Vec<TensorInfo> =
         tensors.into_iter().map(|(name, ty, shape, offset)| TensorInfo { name, ty, shape, offset }).collect();
-    let model = py
-        .allow_threads(|| {
+    let model = native(py, "loading the model", || {
             let vocab = Vocab { tokens, types: token_types, scores, merges, bos, eos, eog, add_bos, add_space_prefix };
             let tok = Tokenizer::new(&tokenizer_model, &tokenizer_pre, vocab)
                 .map_err(|e| match e {
@@ -183,25 +192,25 @@ fn load_model(
                     other => other,
                 })?;
             Model::load(std::path::Path::new(&path), &arch, &meta, &tensors, tok, quant, numerics)
-        })
-        .map_err(map_err)?;
+        })?;
     Ok(PyModel { inner: Arc::new(model), arch, path })
 }
 
 #[pyfunction]
 #[pyo3(signature = (m, text, add_bos=None, special=false))]
-fn encode(py: Python<'_>, m: &PyModel, text: &str, add_bos: Option<bool>, special: bool) -> Vec<u32> {
+fn encode(py: Python<'_>, m: &PyModel, text: &str, add_bos: Option<bool>, special: bool) -> PyResult<Vec<u32>> {
     let model = &m.inner;
-    py.allow_threads(|| model.tokenizer.encode(text, add_bos, special))
+    native(py, "encoding text", || Ok(model.tokenizer.encode(text, add_bos, special)))
 }
 
 #[pyfunction]
 #[pyo3(signature = (m, ids, special=false))]
-fn decode(m: &PyModel, ids: Vec<u32>, special: bool) -> PyResult<String> {
+fn decode(py: Python<'_>, m: &PyModel, ids: Vec<u32>, special: bool) -> PyResult<String> {
     for &id in &ids {
         check_id(&m.inner, id)?;
     }
-    Ok(String::from_utf8_lossy(&m.inner.tokenizer.decode(&ids, special)).into_owned())
+    let model = &m.inner;
+    native(py, "decoding tokens", || Ok(String::from_utf8_lossy(&model.tokenizer.decode(&ids, special)).into_owned()))
 }
 
 /// The bytes a token stands for (a token may hold part of a UTF-8 character).
@@ -225,9 +234,10 @@ fn codec(name: &str) -> PyResult<KvCodec> {
 
 #[pyfunction]
 #[pyo3(signature = (m, page_rows, max_pages, kv_dtype="f16"))]
-fn create_kv_pool(m: &PyModel, page_rows: usize, max_pages: usize, kv_dtype: &str) -> PyResult<PyKvPool> {
+fn create_kv_pool(py: Python<'_>, m: &PyModel, page_rows: usize, max_pages: usize, kv_dtype: &str) -> PyResult<PyKvPool> {
     let geo = Geometry::for_model(&m.inner.config, page_rows, codec(kv_dtype)?);
-    Ok(PyKvPool { model: m.inner.clone(), inner: KvPool::for_model(&m.inner, geo, max_pages, 0).map_err(map_err)? })
+    let model = &m.inner;
+    Ok(PyKvPool { model: m.inner.clone(), inner: native(py, "create_kv_pool", || KvPool::for_model(model, geo, max_pages, 0))? })
 }
 
 #[pyfunction]
@@ -286,7 +296,7 @@ fn eval<'py>(py: Python<'py>, m: &PyModel, s: &mut PySession, ids: Vec<u32>) -> 
     same_model(m, s)?;
     let model = &m.inner;
     let sess = &mut s.inner;
-    py.allow_threads(|| sess.eval(model, &ids)).map_err(map_err)?;
+    native(py, "eval", || sess.eval(model, &ids))?;
     Ok(PyArray1::from_slice_bound(py, &s.inner.logits))
 }
 
@@ -326,7 +336,7 @@ fn eval_batch<'py>(
     let model = &m.inner;
     let mut refs: Vec<&mut Session> = guards.iter_mut().map(|g| &mut g.inner).collect();
     let work = &mut ws.inner;
-    py.allow_threads(|| dasllama::session::eval_batch(model, work, &mut refs, &tokens)).map_err(map_err)?;
+    native(py, "eval_batch", || dasllama::session::eval_batch(model, work, &mut refs, &tokens))?;
     let v = model.config.vocab_size;
     let arr = PyArray1::from_slice_bound(py, &ws.inner.logits[..tokens.len() * v]);
     arr.reshape([tokens.len(), v])
@@ -356,26 +366,28 @@ fn make_params(
 #[derive(Clone)]
 struct Params(SamplingParams);
 
-fn sample_next(s: &mut Session, p: &SamplingParams) -> PyResult<u32> {
+fn sample_next(py: Python<'_>, s: &mut Session, p: &SamplingParams) -> PyResult<u32> {
     if s.logits.is_empty() {
         return Err(PyValueError::new_err("the session has no logits yet: eval a prompt first"));
     }
-    let mut logits = std::mem::take(&mut s.logits);
-    let tok = sampling::sample(&mut logits, &s.recent, p, &mut s.rng);
-    s.logits = logits;
-    s.recent.push(tok);
-    Ok(tok)
+    native(py, "sampling", || {
+        let mut logits = std::mem::take(&mut s.logits);
+        let tok = sampling::sample(&mut logits, &s.recent, p, &mut s.rng);
+        s.logits = logits;
+        s.recent.push(tok);
+        Ok(tok)
+    })
 }
 
 /// Sample the next token from the session's logits.
 #[pyfunction]
-fn sample(s: &mut PySession, params: &Params) -> PyResult<u32> {
+fn sample(py: Python<'_>, s: &mut PySession, params: &Params) -> PyResult<u32> {
     if let Some(seed) = params.0.seed {
         if s.inner.recent.is_empty() {
             s.inner.rng = sampling::Rng::new(seed);
         }
     }
-    sample_next(&mut s.inner, &params.0)
+    sample_next(py, &mut s.inner, &params.0)
 }
 
 /// Prefill `ids`, then sample up to `max_new` tokens, stopping at end-of-generation.
@@ -404,12 +416,12 @@ fn generate(
     }
     if !ids.is_empty() {
         let sess = &mut s.inner;
-        py.allow_threads(|| sess.eval(model, &ids)).map_err(map_err)?;
+        native(py, "generate (prompt)", || sess.eval(model, &ids))?;
     }
     let mut out = Vec::new();
     let mut stream = Utf8Stream::default();
     while (out.len() as i64) < max_new {
-        let tok = sample_next(&mut s.inner, &params.0)?;
+        let tok = sample_next(py, &mut s.inner, &params.0)?;
         out.push(tok);
         let eog = model.tokenizer.is_eog(tok);
         if let Some(cb) = &on_piece {
@@ -426,7 +438,7 @@ fn generate(
             break;
         }
         let sess = &mut s.inner;
-        py.allow_threads(|| sess.eval(model, &[tok])).map_err(map_err)?;
+        native(py, "generate (decode)", || sess.eval(model, &[tok]))?;
     }
     Ok(out)
 }
@@ -434,39 +446,97 @@ fn generate(
 /// The continuous-batching scheduler of one model.
 #[pyclass(module = "dasllama._native", name = "Scheduler")]
 struct PyScheduler {
-    model: Arc<Model>,
     inner: Scheduler,
 }
 
-type EventTuple = ((usize, i64, &'static str, i64, String, &'static str, usize, usize, usize, u64, u64), (Option<f32>, Vec<(u32, f32)>));
+/// One scheduler event: a token's text (`kind == "piece"`) or the end of a request
+/// (`kind == "finished"`, `finish` one of stop, length, evicted, error). Times in microseconds.
+#[pyclass(module = "dasllama._native", name = "SchedEvent", frozen, get_all)]
+struct PySchedEvent {
+    /// The slot the request ran in (-1 if it never left the queue).
+    stream: i64,
+    id: i64,
+    kind: &'static str,
+    token: i64,
+    text: String,
+    finish: &'static str,
+    n_prompt: usize,
+    n_gen: usize,
+    n_cached: usize,
+    ttft_us: u64,
+    gen_us: u64,
+    logprob: Option<f32>,
+    top: Vec<(u32, f32)>,
+    /// For finish == "error": the error's kind (e.g. "kv_pool_full", "internal") and message.
+    error_type: Option<&'static str>,
+    error: Option<String>,
+}
 
-fn event_tuple(e: SchedEvent) -> EventTuple {
-    let kind = match e.kind {
-        EventKind::Piece => "piece",
-        EventKind::Finished => "finished",
-    };
-    let finish = match e.finish {
-        Finish::None => "",
-        Finish::Stop => "stop",
-        Finish::Length => "length",
-        Finish::Evicted => "evicted",
-    };
-    ((e.stream, e.id, kind, e.token, e.text, finish, e.n_prompt, e.n_gen, e.n_cached, e.ttft_us, e.gen_us), (e.logprob, e.top))
+#[pymethods]
+impl PySchedEvent {
+    fn __repr__(&self) -> String {
+        match self.kind {
+            "piece" => format!("SchedEvent(piece, id={}, stream={}, token={}, text={:?})", self.id, self.stream, self.token, self.text),
+            _ => format!(
+                "SchedEvent(finished, id={}, finish={}, n_prompt={}, n_gen={}{})",
+                self.id,
+                self.finish,
+                self.n_prompt,
+                self.n_gen,
+                self.error.as_ref().map_or(String::new(), |e| format!(", error={e:?}"))
+            ),
+        }
+    }
+}
+
+impl From<SchedEvent> for PySchedEvent {
+    fn from(e: SchedEvent) -> Self {
+        let kind = match e.kind {
+            EventKind::Piece => "piece",
+            EventKind::Finished => "finished",
+        };
+        let finish = match e.finish {
+            Finish::None => "",
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::Evicted => "evicted",
+            Finish::Error => "error",
+        };
+        let (error_type, error) = e.error.map_or((None, None), |(k, m)| (Some(k), Some(m)));
+        PySchedEvent {
+            stream: if e.stream == usize::MAX { -1 } else { e.stream as i64 },
+            id: e.id,
+            kind,
+            token: e.token,
+            text: e.text,
+            finish,
+            n_prompt: e.n_prompt,
+            n_gen: e.n_gen,
+            n_cached: e.n_cached,
+            ttft_us: e.ttft_us,
+            gen_us: e.gen_us,
+            logprob: e.logprob,
+            top: e.top,
+            error_type,
+            error,
+        }
+    }
 }
 
 fn check_sched(m: &PyModel, sch: &PyScheduler) -> PyResult<()> {
-    if Arc::ptr_eq(&m.inner, &sch.model) {
+    if Arc::ptr_eq(&m.inner, sch.inner.model()) {
         Ok(())
     } else {
         Err(PyValueError::new_err("this scheduler was created for a different model"))
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 #[pyfunction]
 #[pyo3(signature = (m, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, kv_dtype="f16"))]
 fn create_scheduler(m: &PyModel, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize, kv_dtype: &str) -> PyResult<PyScheduler> {
-    let inner = Scheduler::new(&m.inner, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec(kv_dtype)?).map_err(map_err)?;
-    Ok(PyScheduler { model: m.inner.clone(), inner })
+    let inner = Scheduler::new(m.inner.clone(), max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec(kv_dtype)?).map_err(map_err)?;
+    Ok(PyScheduler { inner })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -489,26 +559,38 @@ fn submit(
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
     let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs };
-    sch.inner.submit(&m.inner, req).map_err(map_err)
+    sch.inner.submit(req).map_err(map_err)
 }
 
 /// One tick; returns (work remains, events).
 #[pyfunction]
-fn scheduler_step(py: Python<'_>, m: &PyModel, sch: &mut PyScheduler) -> PyResult<(bool, Vec<EventTuple>)> {
+fn scheduler_step(py: Python<'_>, m: &PyModel, sch: &mut PyScheduler) -> PyResult<(bool, Vec<PySchedEvent>)> {
     check_sched(m, sch)?;
-    let model = &m.inner;
     let inner = &mut sch.inner;
     let mut events = Vec::new();
-    let more = py.allow_threads(|| inner.step(model, &mut events)).map_err(map_err)?;
-    Ok((more, events.into_iter().map(event_tuple).collect()))
+    let more = native(py, "scheduler_step", || inner.step(&mut events))?;
+    Ok((more, events.into_iter().map(PySchedEvent::from).collect()))
 }
 
 #[pyfunction]
-fn evict(m: &PyModel, sch: &mut PyScheduler, id: i64) -> PyResult<(bool, Vec<EventTuple>)> {
+fn evict(py: Python<'_>, m: &PyModel, sch: &mut PyScheduler, id: i64) -> PyResult<(bool, Vec<PySchedEvent>)> {
     check_sched(m, sch)?;
+    let inner = &mut sch.inner;
     let mut events = Vec::new();
-    let found = sch.inner.evict(&m.inner, id, &mut events);
-    Ok((found, events.into_iter().map(event_tuple).collect()))
+    let found = native(py, "evict", || Ok(inner.evict(id, &mut events)))?;
+    Ok((found, events.into_iter().map(PySchedEvent::from).collect()))
+}
+
+/// Test hook: the next evaluation that includes request `id` fails inside the engine.
+#[pyfunction]
+fn _inject_stream_fault(sch: &mut PyScheduler, id: i64) -> bool {
+    sch.inner.inject_fault(id)
+}
+
+/// Test hook: the next kernel task on the thread team panics.
+#[pyfunction]
+fn _inject_kernel_fault() {
+    dasllama::cpu::spin::inject::arm();
 }
 
 #[pyfunction]
@@ -549,6 +631,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GgufError", py.get_type_bound::<GgufError>())?;
     m.add("UnsupportedModelError", py.get_type_bound::<UnsupportedModelError>())?;
     m.add("ContextOverflowError", py.get_type_bound::<ContextOverflowError>())?;
+    m.add("KvPoolFullError", py.get_type_bound::<KvPoolFullError>())?;
+    m.add("EngineError", py.get_type_bound::<EngineError>())?;
+    m.add_class::<PySchedEvent>()?;
+    m.add_function(wrap_pyfunction!(_inject_stream_fault, m)?)?;
+    m.add_function(wrap_pyfunction!(_inject_kernel_fault, m)?)?;
     m.add_class::<PyModel>()?;
     m.add_class::<PySession>()?;
     m.add_class::<Params>()?;

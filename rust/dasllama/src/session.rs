@@ -13,6 +13,9 @@ pub struct Session {
     /// Sampled tokens: the repetition-penalty window reads its tail.
     pub recent: Vec<u32>,
     pub rng: Rng,
+    /// Test hook (`Scheduler::inject_fault`): every evaluation including this session panics in
+    /// a kernel task, as a bug would.
+    pub fault: bool,
 }
 
 /// The forward pass's scratch for single-session evals. Forward passes take turns on the thread
@@ -44,6 +47,7 @@ impl Session {
             logits: Vec::new(),
             recent: Vec::new(),
             rng: Rng::new(crate::sampling::DEFAULT_SEED),
+            fault: false,
         }
     }
 
@@ -87,6 +91,9 @@ pub fn eval_batch(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessi
 pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Session], counts: &[usize], tokens: &[u32]) -> Result<()> {
     if sessions.is_empty() || sessions.len() != counts.len() {
         return Err(Error::InvalidArgument("eval_batch needs at least one session, and one count per session".into()));
+    }
+    if sessions.iter().any(|s| s.fault) {
+        crate::cpu::team().session(|t| t.parallel_for(1, &|_| panic!("injected fault in a session's evaluation")));
     }
     let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
     forward_batch(m, &mut kvs, counts, tokens, &mut ws.scratch, &mut ws.logits)

@@ -5,7 +5,15 @@
 //! One atomic word, `claim`, packs (loop epoch, task count, next task index). A thread owns a task
 //! only through a successful compare-exchange on it, which proves the loop it read the job pointer
 //! for is still the open one, so no thread can run a task with a stale job.
+//!
+//! A task that panics is caught where it ran: a worker that unwound would leave the loop's
+//! publisher spinning forever, and a publisher that unwound would free the job on its stack while
+//! workers still run it. The first panic's payload is kept and re-raised by `parallel_for` once
+//! every task of the loop has finished, so the caller sees an ordinary panic it can catch, and the
+//! team is ready for the next loop.
 
+use std::any::Any;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
@@ -32,6 +40,8 @@ struct Shared {
     spinning: AtomicBool,
     park: Mutex<()>,
     wake: Condvar,
+    /// The first panic of the open loop, re-raised by its publisher when the loop is done.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 pub struct Team {
@@ -50,6 +60,7 @@ impl Team {
             spinning: AtomicBool::new(false),
             park: Mutex::new(()),
             wake: Condvar::new(),
+            panic: Mutex::new(None),
         });
         for i in 1..n {
             let s = shared.clone();
@@ -108,6 +119,9 @@ impl Session<'_> {
         while s.remaining.load(Ordering::Acquire) != 0 {
             std::hint::spin_loop();
         }
+        if let Some(payload) = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            resume_unwind(payload);
+        }
     }
 }
 
@@ -122,11 +136,19 @@ fn drain(s: &Shared) -> bool {
         }
         let job = s.job.load(Ordering::Acquire);
         if s.claim.compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-            // SAFETY: the exchange succeeded on the word of the loop whose job we loaded after it
-            // was published (Acquire on `claim` orders the earlier `job` store before our load),
-            // so that loop is open and its publisher is blocked until `remaining` reaches 0, which
-            // our own decrement below keeps from happening while this call runs.
-            unsafe { (*job)(idx) };
+            // A panic must not unwind past this frame (see the module doc): it is caught, kept,
+            // and the task still counts as done.
+            let run = catch_unwind(AssertUnwindSafe(|| {
+                inject::check();
+                // SAFETY: the exchange succeeded on the word of the loop whose job we loaded after
+                // it was published (Acquire on `claim` orders the earlier `job` store before our
+                // load), so that loop is open and its publisher is blocked until `remaining`
+                // reaches 0, which our own decrement below keeps from happening while this runs.
+                unsafe { (*job)(idx) }
+            }));
+            if let Err(payload) = run {
+                s.panic.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(payload);
+            }
             s.remaining.fetch_sub(1, Ordering::Release);
             ran = true;
         }
@@ -155,10 +177,51 @@ pub fn team() -> &'static Team {
     TEAM.get_or_init(|| Team::new(super::n_threads()))
 }
 
+/// Fault injection, for tests of the paths a panic takes: the next task the team runs panics.
+pub mod inject {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static ARMED: AtomicBool = AtomicBool::new(false);
+
+    /// Make the next task of any parallel loop panic (once).
+    pub fn arm() {
+        ARMED.store(true, Ordering::SeqCst);
+    }
+
+    #[inline]
+    pub(super) fn check() {
+        if ARMED.load(Ordering::Relaxed) && ARMED.swap(false, Ordering::SeqCst) {
+            panic!("injected fault in a kernel task");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn a_panicking_task_is_raised_after_the_loop_and_the_team_goes_on() {
+        let t = Team::new(3);
+        for bad in [0usize, 5, 63] {
+            let hits: Vec<AtomicU32> = (0..64).map(|_| AtomicU32::new(0)).collect();
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                t.session(|s| {
+                    s.parallel_for(64, &|i| {
+                        hits[i].fetch_add(1, Ordering::Relaxed);
+                        assert!(i != bad, "task {i} fails");
+                    })
+                })
+            }));
+            let msg = r.expect_err("the panic reaches the caller");
+            assert_eq!(msg.downcast_ref::<String>().map(String::as_str), Some(format!("task {bad} fails").as_str()));
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "every other task still ran once");
+            let n = AtomicU32::new(0);
+            t.session(|s| s.parallel_for(100, &|_| drop(n.fetch_add(1, Ordering::Relaxed))));
+            assert_eq!(n.load(Ordering::Relaxed), 100);
+        }
+    }
 
     #[test]
     fn every_task_runs_exactly_once() {

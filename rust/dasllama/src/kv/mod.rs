@@ -225,7 +225,7 @@ impl KvPool {
                 match victim {
                     Some(k) => evicted.push(st.cache.remove(&k).expect("victim is in the cache")),
                     None => {
-                        return Err(Error::InvalidArgument(format!(
+                        return Err(Error::PoolFull(format!(
                             "the KV pool is full ({} pages of {} positions, all in use); use fewer streams or a bigger pool",
                             self.0.max_pages, self.0.geo.page_rows
                         )))

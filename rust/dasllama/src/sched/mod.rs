@@ -10,8 +10,9 @@ use crate::model::Model;
 use crate::sampling::{self, Rng, SamplingParams};
 use crate::session::{eval_rows, BatchWorkspace, Session};
 use crate::tokenizer::Utf8Stream;
-use crate::{Error, Result};
+use crate::{error, Error, Result};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// A request: everything needed to run it, and no KV.
@@ -43,6 +44,9 @@ pub enum Finish {
     Stop,
     Length,
     Evicted,
+    /// The stream failed alone (its KV could not grow, or the engine hit a bug evaluating it);
+    /// the event's `error` says why. The other streams go on.
+    Error,
 }
 
 #[derive(Clone, Debug)]
@@ -63,6 +67,8 @@ pub struct SchedEvent {
     /// top alternatives, when the request asked for them.
     pub logprob: Option<f32>,
     pub top: Vec<(u32, f32)>,
+    /// For `Finish::Error`: the error's kind (`Error::kind`) and message.
+    pub error: Option<(&'static str, String)>,
 }
 
 struct Stream {
@@ -98,6 +104,7 @@ pub struct SchedStats {
 }
 
 pub struct Scheduler {
+    model: Arc<Model>,
     /// With page_rows > 0: the paged pool and its prefix cache.
     pool: Option<KvPool>,
     slots: Vec<Option<Stream>>,
@@ -112,10 +119,11 @@ pub struct Scheduler {
 impl Scheduler {
     /// `page_rows > 0` gives the streams a paged pool with a prefix cache of at most
     /// `prefix_groups` pages (0: as many as the pool has room for).
-    pub fn new(m: &Model, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize, codec: KvCodec) -> Result<Self> {
+    pub fn new(model: Arc<Model>, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize, codec: KvCodec) -> Result<Self> {
         if max_streams == 0 || chunk_tokens == 0 {
             return Err(Error::InvalidArgument("max_streams and chunk_tokens must be at least 1".into()));
         }
+        let m = &*model;
         let pool = if page_rows > 0 {
             let per_stream = m.config.seq_len.div_ceil(page_rows);
             // Room for every stream's whole context plus as much again for the cache; pages are
@@ -128,6 +136,7 @@ impl Scheduler {
             None
         };
         Ok(Scheduler {
+            model,
             pool,
             slots: (0..max_streams).map(|_| None).collect(),
             queue: VecDeque::new(),
@@ -151,13 +160,30 @@ impl Scheduler {
         self.pool.as_ref()
     }
 
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Make the next evaluation that includes request `id` fail inside the engine (a test hook
+    /// for the failure paths). False if no such request runs.
+    pub fn inject_fault(&mut self, id: i64) -> bool {
+        match self.slots.iter_mut().flatten().find(|s| s.req.id == id) {
+            Some(s) => {
+                s.session.fault = true;
+                true
+            }
+            None => false,
+        }
+    }
+
     fn known(&self, id: i64) -> bool {
         self.queue.iter().any(|(r, _)| r.id == id) || self.slots.iter().flatten().any(|s| s.req.id == id)
     }
 
     /// Queue a request. Ok(false) when the queue is full; an error (and nothing queued) when the
     /// request cannot run at all.
-    pub fn submit(&mut self, m: &Model, req: PendingReq) -> Result<bool> {
+    pub fn submit(&mut self, req: PendingReq) -> Result<bool> {
+        let m = &*self.model;
         let bad = |msg: String| Err(Error::InvalidArgument(format!("request {}: {msg}", req.id)));
         if req.prompt.is_empty() {
             return bad("the prompt is empty".into());
@@ -188,7 +214,7 @@ impl Scheduler {
     }
 
     /// Remove a request wherever it is; its stream (and KV) is freed at once.
-    pub fn evict(&mut self, m: &Model, id: i64, events: &mut Vec<SchedEvent>) -> bool {
+    pub fn evict(&mut self, id: i64, events: &mut Vec<SchedEvent>) -> bool {
         if let Some(i) = self.queue.iter().position(|(r, _)| r.id == id) {
             let (req, _) = self.queue.remove(i).expect("index from position");
             events.push(finished_event(usize::MAX, &req, Finish::Evicted, -1, 0, 0, 0));
@@ -197,7 +223,7 @@ impl Scheduler {
         }
         if let Some(slot) = self.slots.iter().position(|s| s.as_ref().is_some_and(|s| s.req.id == id)) {
             let s = self.slots[slot].take().expect("slot found above");
-            events.push(self.finish_stream(m, slot, s, Finish::Evicted, -1));
+            events.push(self.finish_stream(slot, s, Finish::Evicted, -1));
             return true;
         }
         false
@@ -205,7 +231,10 @@ impl Scheduler {
 
     /// One tick: admit, then one pass that advances every decoding stream by a token and prefills
     /// at most `chunk_tokens` prompt tokens. Returns whether any request is still queued or running.
-    pub fn step(&mut self, m: &Model, events: &mut Vec<SchedEvent>) -> Result<bool> {
+    /// A stream that cannot be evaluated ends alone with `Finish::Error`; the others go on.
+    pub fn step(&mut self, events: &mut Vec<SchedEvent>) -> Result<bool> {
+        let model = self.model.clone();
+        let m = &*model;
         self.admit(m);
         let decoding: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).collect();
         let mut prefilling: Vec<usize> =
@@ -240,30 +269,34 @@ impl Scheduler {
             plan.push((i, k));
             budget -= k;
         }
+        // Pages first, per stream: a stream the pool cannot grow fails alone, before the pass.
+        plan.retain(|&(i, k)| {
+            let s = self.slots[i].as_mut().expect("planned stream");
+            let want = s.session.n_past() + k;
+            match s.session.kv.reserve(want) {
+                Ok(()) => true,
+                Err(e) => {
+                    let s = self.slots[i].take().expect("planned stream");
+                    events.push(self.fail_stream(i, s, e));
+                    false
+                }
+            }
+        });
         if plan.is_empty() {
             return Ok(self.n_active() > 0 || !self.queue.is_empty());
         }
-        let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
-        for &(i, k) in &plan {
-            let s = self.slots[i].as_ref().expect("planned stream");
-            match s.next {
-                Some(t) => tokens.push(t),
-                None => tokens.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]),
-            }
-        }
-        {
-            let mut by_slot: Vec<Option<&mut Session>> = self.slots.iter_mut().map(|s| s.as_mut().map(|s| &mut s.session)).collect();
-            let mut sessions: Vec<&mut Session> = plan.iter().map(|&(i, _)| by_slot[i].take().expect("each slot planned once")).collect();
-            let counts: Vec<usize> = plan.iter().map(|p| p.1).collect();
-            eval_rows(m, &mut self.ws, &mut sessions, &counts, &tokens)?;
-        }
-        if !decoding.is_empty() {
+        let n_decoding = plan.iter().filter(|&&(i, _)| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).count();
+        let logits = match self.eval_plan(m, &plan) {
+            Ok(()) => std::mem::take(&mut self.ws.logits),
+            Err(_) => self.eval_isolated(m, &mut plan, events),
+        };
+        if n_decoding > 0 {
             self.stats.decode_steps += 1;
-            self.stats.decode_rows += decoding.len() as u64;
+            self.stats.decode_rows += n_decoding as u64;
         }
         // Row r of the pass's logits belongs to plan[r]; taken out so streams can sample from it.
-        let logits = std::mem::take(&mut self.ws.logits);
         let v = m.config.vocab_size;
+        let mut prefilled = false;
         for (r, &(i, k)) in plan.iter().enumerate() {
             let row = &logits[r * v..(r + 1) * v];
             let s = self.slots[i].as_mut().expect("planned stream");
@@ -272,6 +305,7 @@ impl Scheduler {
                 self.sample_and_emit(m, i, row, events);
                 continue;
             }
+            prefilled = true;
             s.in_kv.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
             s.fed += k;
             self.stats.prefill_tokens += k as u64;
@@ -285,10 +319,51 @@ impl Scheduler {
             }
         }
         self.ws.logits = logits;
-        if plan.len() > decoding.len() {
+        if prefilled {
             self.stats.prefill_chunks += 1;
         }
         Ok(self.n_active() > 0 || !self.queue.is_empty())
+    }
+
+    /// Evaluate the planned streams' tokens in one pass; logits land in `self.ws.logits`.
+    fn eval_plan(&mut self, m: &Model, plan: &[(usize, usize)]) -> Result<()> {
+        let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
+        for &(i, k) in plan {
+            let s = self.slots[i].as_ref().expect("planned stream");
+            match s.next {
+                Some(t) => tokens.push(t),
+                None => tokens.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]),
+            }
+        }
+        let mut by_slot: Vec<Option<&mut Session>> = self.slots.iter_mut().map(|s| s.as_mut().map(|s| &mut s.session)).collect();
+        let mut sessions: Vec<&mut Session> = plan.iter().map(|&(i, _)| by_slot[i].take().expect("each slot planned once")).collect();
+        let counts: Vec<usize> = plan.iter().map(|p| p.1).collect();
+        let ws = &mut self.ws;
+        error::catch("a scheduler step", || eval_rows(m, ws, &mut sessions, &counts, &tokens))
+    }
+
+    /// The batched pass failed: find the streams at fault by running each alone (rows compute the
+    /// same whatever the batch, and a failed pass committed no position, so the survivors' results
+    /// are what the batch would have given). Failed streams end with an error and leave `plan`;
+    /// returns the survivors' logits, row r for the new plan[r].
+    fn eval_isolated(&mut self, m: &Model, plan: &mut Vec<(usize, usize)>, events: &mut Vec<SchedEvent>) -> Vec<f32> {
+        let v = m.config.vocab_size;
+        let mut logits = Vec::with_capacity(plan.len() * v);
+        let mut kept = Vec::with_capacity(plan.len());
+        for &(i, k) in plan.iter() {
+            match self.eval_plan(m, &[(i, k)]) {
+                Ok(()) => {
+                    logits.extend_from_slice(&self.ws.logits[..v]);
+                    kept.push((i, k));
+                }
+                Err(e) => {
+                    let s = self.slots[i].take().expect("planned stream");
+                    events.push(self.fail_stream(i, s, e));
+                }
+            }
+        }
+        *plan = kept;
+        logits
     }
 
     fn admit(&mut self, m: &Model) {
@@ -345,7 +420,7 @@ impl Scheduler {
         }
         if m.tokenizer.is_eog(tok) || s.req.stop_ids.contains(&tok) {
             let s = self.slots[i].take().expect("live stream");
-            let ev = self.finish_stream(m, i, s, Finish::Stop, tok as i64);
+            let ev = self.finish_stream(i, s, Finish::Stop, tok as i64);
             events.push(ev);
             return;
         }
@@ -369,22 +444,32 @@ impl Scheduler {
             gen_us: 0,
             logprob: lp.as_ref().map(|(lse, _)| row[tok as usize] - lse),
             top: lp.map(|(_, top)| top).unwrap_or_default(),
+            error: None,
         });
         if done {
             let s = self.slots[i].take().expect("live stream");
-            let ev = self.finish_stream(m, i, s, Finish::Length, -1);
+            let ev = self.finish_stream(i, s, Finish::Length, -1);
             events.push(ev);
         } else {
             s.next = Some(tok);
         }
     }
 
-    fn finish_stream(&mut self, m: &Model, slot: usize, mut s: Stream, finish: Finish, token: i64) -> SchedEvent {
-        if let (Some(pool), true) = (&self.pool, finish != Finish::Evicted) {
+    /// End a stream that failed: its KV is dropped (not donated: it may hold rows of a failed
+    /// pass), and the event carries the error.
+    fn fail_stream(&mut self, slot: usize, s: Stream, e: Error) -> SchedEvent {
+        let mut ev = self.finish_stream(slot, s, Finish::Error, -1);
+        ev.error = Some((e.kind(), e.to_string()));
+        ev
+    }
+
+    fn finish_stream(&mut self, slot: usize, mut s: Stream, finish: Finish, token: i64) -> SchedEvent {
+        let m = &*self.model;
+        if let (Some(pool), true) = (&self.pool, matches!(finish, Finish::Stop | Finish::Length)) {
             // Close the turn in the KV (what the next turn's prompt will hold), then offer the
             // full pages. A close that does not fit the context is simply not donated.
             let close = s.req.close_toks.clone();
-            if close.is_empty() || s.session.eval(m, &close).is_ok() {
+            if close.is_empty() || error::catch("closing a turn", || s.session.eval(m, &close)).is_ok() {
                 s.in_kv.extend_from_slice(&close);
                 pool.donate(&s.session.kv, &s.in_kv);
             }
@@ -419,6 +504,7 @@ fn finished_event(stream: usize, req: &PendingReq, finish: Finish, token: i64, n
         gen_us,
         logprob: None,
         top: Vec::new(),
+        error: None,
     }
 }
 
