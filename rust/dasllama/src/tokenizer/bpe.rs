@@ -4,13 +4,20 @@
 use super::{Tokenizer, Vocab};
 use crate::{Error, Result};
 use fancy_regex::Regex;
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 /// llama.cpp's regex lists per `tokenizer.ggml.pre`; each regex splits the pieces of the one before.
 fn pre_regexes(pre: &str) -> Option<(&'static [&'static str], bool)> {
-    const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
-    const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-    const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    // The lookahead puts these in fancy_regex's backtracking VM, which keeps a stack entry per
+    // char of a repetition and fails past a million (a 1 MB word). Wrapped in an atomic group
+    // their plain alternatives run in the linear regex engine instead; the matches are the same,
+    // as nothing after the group could backtrack into it.
+    const GPT2: &str = r"(?>'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S))";
+    const LLAMA3: &str =
+        r"(?>(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+    const QWEN2: &str =
+        r"(?>(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
     Some(match pre {
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => (&[r"\p{N}", GPT2], false),
         "llama-bpe" | "llama3" | "falcon3" | "pixtral" => (&[LLAMA3], true),
@@ -19,6 +26,15 @@ fn pre_regexes(pre: &str) -> Option<(&'static [&'static str], bool)> {
         "default" | "" => (&[r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"], false),
         _ => return None,
     })
+}
+
+/// The end of a search window from `pos`: far fewer chars than the VM's million-entry stack.
+fn window_end(p: &str, pos: usize) -> usize {
+    let mut end = (pos + (1 << 18)).min(p.len());
+    while !p.is_char_boundary(end) {
+        end += 1;
+    }
+    end
 }
 
 fn bytes_to_unicode() -> [char; 256] {
@@ -36,10 +52,26 @@ fn bytes_to_unicode() -> [char; 256] {
     map
 }
 
+/// One pre-token's symbols as a linked list over its bytes (`next` past the end is the length,
+/// `prev` before the start is usize::MAX); buffers kept across the pre-tokens of one text.
+#[derive(Default)]
+struct Scratch {
+    /// Token id per live symbol; None for a char outside the vocabulary and for merged-away ones.
+    ids: Vec<Option<u32>>,
+    prev: Vec<usize>,
+    next: Vec<usize>,
+    /// (rank, left symbol) of adjacent pairs that merge, some stale: those of the start, sorted,
+    /// and those that merges made.
+    initial: Vec<(u32, usize)>,
+    heap: BinaryHeap<Reverse<(u32, usize)>>,
+}
+
 pub(super) struct Bpe {
     regexes: Vec<Regex>,
     ignore_merges: bool,
     byte_char: [char; 256],
+    /// The token of each byte's char, so a long word needs no string lookup per byte.
+    byte_id: [Option<u32>; 256],
     char_byte: HashMap<char, u8>,
     /// (left id, right id) -> (rank, merged id)
     merges: HashMap<(u32, u32), (u32, u32)>,
@@ -48,13 +80,12 @@ pub(super) struct Bpe {
 impl Bpe {
     pub(super) fn new(pre: &str, vocab: &Vocab, by_text: &HashMap<String, u32>) -> Result<Self> {
         let (pats, ignore_merges) = pre_regexes(pre).ok_or_else(|| {
-            Error::UnsupportedModel(format!(
-                "pre-tokenizer '{pre}' is not supported (supported: smollm, llama-bpe, qwen2, gpt-2, default and their aliases)"
-            ))
+            Error::UnsupportedModel(format!("pre-tokenizer '{pre}' is not supported (supported: smollm, llama-bpe, qwen2, gpt-2, default and their aliases)"))
         })?;
         let regexes = pats.iter().map(|p| Regex::new(p).expect("built-in regex compiles")).collect();
         let byte_char = bytes_to_unicode();
         let char_byte = byte_char.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
+        let byte_id = byte_char.map(|c| by_text.get(c.encode_utf8(&mut [0; 4]) as &str).copied());
         let mut merges = HashMap::with_capacity(vocab.merges.len());
         for (rank, m) in vocab.merges.iter().enumerate() {
             let Some((a, b)) = m.split_once(' ') else { continue };
@@ -62,13 +93,348 @@ impl Bpe {
                 merges.entry((ia, ib)).or_insert((rank as u32, im));
             }
         }
-        Ok(Bpe { regexes, ignore_merges, byte_char, char_byte, merges })
+        Ok(Bpe { regexes, ignore_merges, byte_char, byte_id, char_byte, merges })
     }
 
     fn split<'a>(&self, text: &'a str) -> Vec<&'a str> {
         let mut parts = vec![text];
         for re in &self.regexes {
             let mut next = Vec::with_capacity(parts.len() * 2);
+            for p in parts {
+                // `last`: end of what is already pushed; `pos`: where the next search starts.
+                let (mut last, mut pos) = (0, 0);
+                // Whitespace runs of over a million chars still overflow the VM's stack (the
+                // `\s+(?!\S)` repetition must stay there), and `find_iter` would then yield that
+                // error forever. So such a run is matched a window at a time, until a match ends
+                // inside its window; only where the run is cut differs from an unlimited engine.
+                let mut windowed = false;
+                while pos < p.len() {
+                    let cut = if windowed { window_end(p, pos) } else { p.len() };
+                    let m = match re.find_from_pos(&p[..cut], pos) {
+                        Ok(Some(m)) => m,
+                        Ok(None) if cut == p.len() => break,
+                        Err(_) if !windowed => {
+                            windowed = true;
+                            continue;
+                        }
+                        // Nothing found in the window: it is left to the gap before the next match.
+                        Ok(None) | Err(_) => {
+                            pos = cut;
+                            continue;
+                        }
+                    };
+                    windowed &= m.end() == cut;
+                    if m.start() > last {
+                        next.push(&p[last..m.start()]);
+                    }
+                    if m.end() > m.start() {
+                        next.push(m.as_str());
+                        pos = m.end();
+                    } else {
+                        // None of the patterns matches empty, but the search must move on if one did.
+                        pos = m.end() + p[m.end()..].chars().next().map_or(1, char::len_utf8);
+                    }
+                    last = m.end();
+                }
+                if last < p.len() {
+                    next.push(&p[last..]);
+                }
+            }
+            parts = next;
+        }
+        parts
+    }
+
+    pub(super) fn encode(&self, text: &str, tok: &Tokenizer, out: &mut Vec<u32>) {
+        let mut scratch = Scratch::default();
+        for word in self.split(text) {
+            if self.ignore_merges {
+                let enc: String = word.bytes().map(|b| self.byte_char[b as usize]).collect();
+                if let Some(id) = tok.lookup(&enc) {
+                    out.push(id);
+                    continue;
+                }
+            }
+            let bytes = word.as_bytes();
+            self.merge(bytes, &mut scratch);
+            let s = &scratch;
+            // The first symbol is never the right side of a merge, so the list starts at 0.
+            let mut i = 0;
+            while i < bytes.len() {
+                match s.ids[i] {
+                    Some(id) => out.push(id),
+                    // Chars outside the vocabulary never merge: still the one char of byte i.
+                    None => out.extend(tok.lookup(self.byte_char[bytes[i] as usize].encode_utf8(&mut [0; 4]))),
+                }
+                i = s.next[i];
+            }
+        }
+    }
+
+    /// Merges the symbols of one pre-token (one per byte) in place in `s`, lowest rank first and
+    /// leftmost on ties, as the plain loop "find the best adjacent pair, merge it, repeat" would,
+    /// but in O(n log n): that loop is quadratic, and a single 1 MB word would stall the server.
+    /// A merged pair keeps its left symbol's index, so index order is sequence order, and taking
+    /// candidates in (rank, left index) order picks exactly the pair the plain loop picks.
+    /// Candidates go stale when a neighbour merges; they are skipped when taken, not removed.
+    fn merge(&self, bytes: &[u8], s: &mut Scratch) {
+        let n = bytes.len();
+        s.ids.clear();
+        s.ids.extend(bytes.iter().map(|&b| self.byte_id[b as usize]));
+        s.next.clear();
+        s.next.extend(1..=n);
+        s.prev.clear();
+        s.prev.extend((0..n).map(|i| i.wrapping_sub(1)));
+        // The pairs there at the start, in merge order; pairs that merges make go to the heap.
+        // Taking the smaller head of the two each time keeps one order, and reading most of
+        // the candidates from a sorted list rather than a million-entry heap saves cache misses.
+        s.initial.clear();
+        s.initial.extend((1..n).filter_map(|r| Some((self.pair(&s.ids, r - 1, r)?.0, r - 1))));
+        s.initial.sort_unstable();
+        s.heap.clear();
+        let mut taken = 0;
+        loop {
+            let from_heap = match (s.initial.get(taken), s.heap.peek()) {
+                (Some(a), Some(Reverse(b))) => b < a,
+                (None, Some(_)) => true,
+                (Some(_), None) => false,
+                (None, None) => break,
+            };
+            let (rank, l) = if from_heap {
+                s.heap.pop().expect("peeked").0
+            } else {
+                taken += 1;
+                s.initial[taken - 1]
+            };
+            let r = s.next[l];
+            // A rank is one merge line, so the same rank means the same pair is still there; a
+            // merged-away symbol has no id and fails this too.
+            let merged = match (r < n).then(|| self.pair(&s.ids, l, r)).flatten() {
+                Some((now, merged)) if now == rank => merged,
+                _ => continue,
+            };
+            s.ids[l] = Some(merged);
+            s.ids[r] = None;
+            let rn = s.next[r];
+            s.next[l] = rn;
+            if rn < n {
+                s.prev[rn] = l;
+                s.heap.extend(self.pair(&s.ids, l, rn).map(|(rank, _)| Reverse((rank, l))));
+            }
+            let p = s.prev[l];
+            if p < n {
+                s.heap.extend(self.pair(&s.ids, p, l).map(|(rank, _)| Reverse((rank, p))));
+            }
+        }
+    }
+
+    /// (rank, merged id) of the adjacent symbols `l` and `r`, if they merge.
+    fn pair(&self, ids: &[Option<u32>], l: usize, r: usize) -> Option<(u32, u32)> {
+        self.merges.get(&(ids[l]?, ids[r]?)).copied()
+    }
+
+    pub(super) fn decode_piece(&self, text: &str) -> Vec<u8> {
+        let mut out = Vec::with_capacity(text.len());
+        for c in text.chars() {
+            match self.char_byte.get(&c) {
+                Some(&b) => out.push(b),
+                None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Kind, Tokenizer, Vocab, TYPE_NORMAL};
+    use super::{bytes_to_unicode, pre_regexes, Bpe};
+    use fancy_regex::Regex;
+    use std::collections::HashMap;
+    use std::time::Instant;
+
+    /// Deterministic xorshift64*, so failures reproduce without a rand crate.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    #[derive(Default)]
+    struct Builder {
+        tokens: Vec<String>,
+        index: HashMap<String, usize>,
+        merges: Vec<String>,
+    }
+    impl Builder {
+        fn token(&mut self, t: &str) {
+            if !self.index.contains_key(t) {
+                self.index.insert(t.to_string(), self.tokens.len());
+                self.tokens.push(t.to_string());
+            }
+        }
+        /// Byte-level tokens for the bytes of `s`, one per byte.
+        fn bytes_of(&mut self, s: &str) {
+            let bc = bytes_to_unicode();
+            for b in s.bytes() {
+                self.token(&bc[b as usize].to_string());
+            }
+        }
+        fn merge(&mut self, a: &str, b: &str) {
+            self.token(&format!("{a}{b}"));
+            self.merges.push(format!("{a} {b}"));
+        }
+        fn build(self, pre: &str) -> Tokenizer {
+            let n = self.tokens.len();
+            let vocab = Vocab {
+                tokens: self.tokens,
+                types: vec![TYPE_NORMAL; n],
+                scores: Vec::new(),
+                merges: self.merges,
+                bos: None,
+                eos: None,
+                eog: Vec::new(),
+                add_bos: false,
+                add_space_prefix: false,
+            };
+            Tokenizer::new("gpt2", pre, vocab).unwrap()
+        }
+    }
+
+    fn bpe(tok: &Tokenizer) -> &Bpe {
+        match &tok.kind {
+            Kind::Bpe(b) => b,
+            Kind::Spm => unreachable!(),
+        }
+    }
+
+    /// The quadratic merge loop this module used before, kept as the specification.
+    fn reference_encode(b: &Bpe, text: &str, tok: &Tokenizer) -> Vec<u32> {
+        let mut out = Vec::new();
+        for word in b.split(text) {
+            let enc: String = word.bytes().map(|x| b.byte_char[x as usize]).collect();
+            if b.ignore_merges {
+                if let Some(id) = tok.lookup(&enc) {
+                    out.push(id);
+                    continue;
+                }
+            }
+            let mut syms: Vec<(Option<u32>, String)> = enc.chars().map(|c| (tok.lookup(c.encode_utf8(&mut [0; 4])), c.to_string())).collect();
+            loop {
+                let mut best: Option<(u32, usize, u32)> = None;
+                for i in 0..syms.len().saturating_sub(1) {
+                    if let (Some(x), Some(y)) = (syms[i].0, syms[i + 1].0) {
+                        if let Some(&(rank, merged)) = b.merges.get(&(x, y)) {
+                            if best.is_none_or(|(r, _, _)| rank < r) {
+                                best = Some((rank, i, merged));
+                            }
+                        }
+                    }
+                }
+                let Some((_, i, merged)) = best else { break };
+                let right = syms.remove(i + 1);
+                syms[i].0 = Some(merged);
+                syms[i].1.push_str(&right.1);
+            }
+            for (id, text) in syms {
+                match id {
+                    Some(id) => out.push(id),
+                    None => out.extend(text.chars().filter_map(|c| tok.lookup(c.encode_utf8(&mut [0; 4])))),
+                }
+            }
+        }
+        out
+    }
+
+    fn encode(tok: &Tokenizer, text: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        bpe(tok).encode(text, tok, &mut out);
+        out
+    }
+
+    #[test]
+    fn equal_pairs_merge_leftmost_first() {
+        let mut v = Builder::default();
+        v.bytes_of("a");
+        v.merge("a", "a");
+        let tok = v.build("gpt-2");
+        let (a, aa) = (tok.lookup("a").unwrap(), tok.lookup("aa").unwrap());
+        assert_eq!(encode(&tok, "aaa"), vec![aa, a]);
+        assert_eq!(encode(&tok, "aaaaa"), vec![aa, aa, a]);
+        for n in 0..40 {
+            let s = "a".repeat(n);
+            assert_eq!(encode(&tok, &s), reference_encode(bpe(&tok), &s, &tok), "{n}");
+        }
+    }
+
+    /// A small alphabet (with a two-byte char and a byte outside the vocabulary) and random merge
+    /// tables, including merges whose result another pair also makes, merges of unknown tokens
+    /// and repeated merge lines.
+    fn random_tokenizer(rng: &mut Rng, pre: &str) -> Tokenizer {
+        let mut v = Builder::default();
+        v.bytes_of("abc é\n");
+        let n_merges = 5 + rng.below(60);
+        for _ in 0..n_merges {
+            match rng.below(10) {
+                0 => v.merges.push("z a".into()),
+                1 if !v.merges.is_empty() => {
+                    let m = v.merges[rng.below(v.merges.len())].clone();
+                    v.merges.push(m);
+                }
+                _ => {
+                    // Short tokens are picked more often, so the merges chain and overlap.
+                    let pick = |rng: &mut Rng, v: &Builder| {
+                        let k = rng.below(v.tokens.len()).min(rng.below(v.tokens.len()));
+                        v.tokens[k].clone()
+                    };
+                    let (a, b) = (pick(rng, &v), pick(rng, &v));
+                    v.merge(&a, &b);
+                }
+            }
+        }
+        v.build(pre)
+    }
+
+    fn random_text(rng: &mut Rng, len: usize) -> String {
+        const ALPHABET: [&str; 9] = ["a", "a", "b", "b", "c", "é", "z", " ", "\n"];
+        let spaces = rng.below(2) == 0;
+        let n = if spaces { 9 } else { 7 };
+        (0..len).map(|_| ALPHABET[rng.below(n)]).collect()
+    }
+
+    #[test]
+    fn merges_match_the_reference_on_random_text() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for round in 0..300 {
+            let pre = ["gpt-2", "smollm", "llama3", "qwen2"][round % 4];
+            let tok = random_tokenizer(&mut rng, pre);
+            for _ in 0..30 {
+                let max = if rng.below(4) == 0 { 300 } else { 20 };
+                let len = rng.below(max);
+                let text = random_text(&mut rng, len);
+                assert_eq!(encode(&tok, &text), reference_encode(bpe(&tok), &text, &tok), "round {round} pre {pre} text {text:?}");
+            }
+        }
+    }
+
+    /// The patterns as llama.cpp writes them, without the atomic group.
+    fn plain_regexes(pre: &str) -> Vec<Regex> {
+        let plain = |p: &str| p.strip_prefix("(?>").and_then(|p| p.strip_suffix(')')).unwrap_or(p).to_string();
+        pre_regexes(pre).unwrap().0.iter().map(|p| Regex::new(&plain(p)).unwrap()).collect()
+    }
+
+    /// The split this module used before, for texts far below the VM's limits.
+    fn reference_split<'a>(regexes: &[Regex], text: &'a str) -> Vec<&'a str> {
+        let mut parts = vec![text];
+        for re in regexes {
+            let mut next = Vec::new();
             for p in parts {
                 let mut last = 0;
                 for m in re.find_iter(p).flatten() {
@@ -89,50 +455,107 @@ impl Bpe {
         parts
     }
 
-    pub(super) fn encode(&self, text: &str, tok: &Tokenizer, out: &mut Vec<u32>) {
-        for word in self.split(text) {
-            let enc: String = word.bytes().map(|b| self.byte_char[b as usize]).collect();
-            if self.ignore_merges {
-                if let Some(id) = tok.lookup(&enc) {
-                    out.push(id);
-                    continue;
-                }
-            }
-            // Symbols: (token id or None for a char outside the vocabulary, its text).
-            let mut syms: Vec<(Option<u32>, String)> = enc.chars().map(|c| (tok.lookup(c.encode_utf8(&mut [0; 4])), c.to_string())).collect();
-            loop {
-                let mut best: Option<(u32, usize, u32)> = None;
-                for i in 0..syms.len().saturating_sub(1) {
-                    if let (Some(a), Some(b)) = (syms[i].0, syms[i + 1].0) {
-                        if let Some(&(rank, merged)) = self.merges.get(&(a, b)) {
-                            if best.is_none_or(|(r, _, _)| rank < r) {
-                                best = Some((rank, i, merged));
-                            }
-                        }
-                    }
-                }
-                let Some((_, i, merged)) = best else { break };
-                let right = syms.remove(i + 1);
-                syms[i].0 = Some(merged);
-                syms[i].1.push_str(&right.1);
-            }
-            for (id, text) in syms {
-                match id {
-                    Some(id) => out.push(id),
-                    None => out.extend(text.chars().filter_map(|c| tok.lookup(c.encode_utf8(&mut [0; 4])))),
-                }
+    #[test]
+    fn split_matches_the_plain_patterns() {
+        const ALPHABET: [&str; 26] = [
+            "a", "B", "é", "ß", "中", "\u{301}", "1", "٣", "½", "123", " ", " ", "  ", "\n", "\r", "\t", "\u{a0}", "\u{3000}", "'", "'s", "'S", "'ll", "!",
+            "?.", "$+<", "🙂",
+        ];
+        let mut rng = Rng(0x51ed_2701_c0ff_ee11);
+        for pre in ["gpt-2", "smollm", "llama3", "qwen2", "default"] {
+            let mut v = Builder::default();
+            v.bytes_of("a");
+            let tok = v.build(pre);
+            let plain = plain_regexes(pre);
+            for _ in 0..20_000 {
+                let len = rng.below(24);
+                let text: String = (0..len).map(|_| ALPHABET[rng.below(ALPHABET.len())]).collect();
+                assert_eq!(bpe(&tok).split(&text), reference_split(&plain, &text), "pre {pre} text {text:?}");
             }
         }
     }
 
-    pub(super) fn decode_piece(&self, text: &str) -> Vec<u8> {
-        let mut out = Vec::with_capacity(text.len());
-        for c in text.chars() {
-            match self.char_byte.get(&c) {
-                Some(&b) => out.push(b),
-                None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+    /// Runs past fancy_regex's million-entry backtracking stack used to make `split` loop forever.
+    #[test]
+    fn runs_of_millions_of_chars_split_and_encode() {
+        for pre in ["gpt-2", "llama3", "qwen2", "default"] {
+            let mut v = Builder::default();
+            v.bytes_of("a 1\n'");
+            v.merge("a", "a");
+            let tok = v.build(pre);
+            let long = 1_200_000;
+            for text in [
+                "a".repeat(long),
+                "1".repeat(long),
+                "'".repeat(long),
+                " ".repeat(long) + "a",
+                "\n".repeat(long),
+                "a".to_string() + &" \n".repeat(long / 2) + "a",
+            ] {
+                let parts = bpe(&tok).split(&text);
+                assert_eq!(parts.concat(), text, "pre {pre}");
+                if text.starts_with('a') && !text.contains(' ') {
+                    assert_eq!(parts.len(), 1, "pre {pre}: a letter run is one pre-token");
+                }
+                let ids = encode(&tok, &text);
+                assert!(!ids.is_empty());
             }
         }
-        out
+    }
+
+    /// All byte tokens, all merges of two lowercase letters, and doubling chains for 'a' and 🙂.
+    fn bench_tokenizer() -> Tokenizer {
+        let mut v = Builder::default();
+        let bc = bytes_to_unicode();
+        for c in bc {
+            v.token(&c.to_string());
+        }
+        let letters: Vec<String> = (b'a'..=b'z').map(|c| (c as char).to_string()).collect();
+        for x in &letters {
+            for y in &letters {
+                v.merge(x, y);
+            }
+        }
+        let mut a = "a".to_string();
+        for _ in 0..8 {
+            v.merge(&a, &a);
+            a = a.repeat(2);
+        }
+        let e: Vec<String> = "🙂".bytes().map(|b| bc[b as usize].to_string()).collect();
+        v.merge(&e[0], &e[1]);
+        v.merge(&(e[0].clone() + &e[1]), &e[2]);
+        let mut emoji = e.concat();
+        v.merge(&(e[0].clone() + &e[1] + &e[2]), &e[3]);
+        for _ in 0..4 {
+            v.merge(&emoji, &emoji);
+            emoji = emoji.repeat(2);
+        }
+        v.build("gpt-2")
+    }
+
+    /// Speed is measured, not asserted: `cargo test --release -p dasllama bpe -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn long_single_words_encode_in_near_linear_time() {
+        let bytes: usize = std::env::var("BPE_BENCH_BYTES").ok().and_then(|s| s.parse().ok()).unwrap_or(1 << 20);
+        let tok = bench_tokenizer();
+        let mut rng = Rng(42);
+        let inputs = [
+            ("'a' run", "a".repeat(bytes)),
+            ("emoji run", "🙂".repeat(bytes / 4)),
+            ("200k emoji", "🙂".repeat(200_000)),
+            ("random letters", (0..bytes).map(|_| (b'a' + rng.below(26) as u8) as char).collect::<String>()),
+            ("space run", " ".repeat(bytes) + "a"),
+            ("prose", "the quick brown fox, it's 2024! ".repeat(bytes / 32)),
+        ];
+        for (what, text) in inputs {
+            let t = Instant::now();
+            let words = bpe(&tok).split(&text).len();
+            let split = t.elapsed();
+            let t = Instant::now();
+            let ids = encode(&tok, &text);
+            let total = t.elapsed();
+            println!("{what}: {} bytes, {words} pre-tokens, split {split:?}, encode {total:?}, {} tokens", text.len(), ids.len());
+        }
     }
 }

@@ -28,7 +28,7 @@ pub struct Vocab {
 }
 
 enum Kind {
-    Bpe(bpe::Bpe),
+    Bpe(Box<bpe::Bpe>),
     Spm,
 }
 
@@ -56,7 +56,7 @@ impl Tokenizer {
             by_text.entry(t.clone()).or_insert(i as u32);
         }
         let kind = match model {
-            "gpt2" => Kind::Bpe(bpe::Bpe::new(pre, &vocab, &by_text)?),
+            "gpt2" => Kind::Bpe(Box::new(bpe::Bpe::new(pre, &vocab, &by_text)?)),
             "llama" => Kind::Spm,
             other => {
                 return Err(Error::UnsupportedModel(format!(
@@ -65,10 +65,7 @@ impl Tokenizer {
             }
         };
         let mut specials: Vec<u32> = (0..n as u32)
-            .filter(|&i| {
-                matches!(vocab.types[i as usize], TYPE_CONTROL | TYPE_USER_DEFINED | TYPE_UNKNOWN)
-                    && !vocab.tokens[i as usize].is_empty()
-            })
+            .filter(|&i| matches!(vocab.types[i as usize], TYPE_CONTROL | TYPE_USER_DEFINED | TYPE_UNKNOWN) && !vocab.tokens[i as usize].is_empty())
             .collect();
         specials.sort_by_key(|&i| std::cmp::Reverse(vocab.tokens[i as usize].len()));
         Ok(Tokenizer { kind, vocab, by_text, specials })
@@ -218,6 +215,13 @@ pub struct Utf8Stream {
     pending: Vec<u8>,
 }
 
+/// A `Utf8Stream`'s state, without an allocation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Utf8Mark {
+    bytes: [u8; 4],
+    len: u8,
+}
+
 impl Utf8Stream {
     pub fn push(&mut self, bytes: &[u8]) -> String {
         self.pending.extend_from_slice(bytes);
@@ -235,6 +239,20 @@ impl Utf8Stream {
         };
         let rest = self.pending.split_off(valid);
         String::from_utf8(std::mem::replace(&mut self.pending, rest)).expect("validated above")
+    }
+
+    /// The bytes held back (at most three: an unfinished character), to restore later.
+    pub fn mark(&self) -> Utf8Mark {
+        let mut m = Utf8Mark::default();
+        let n = self.pending.len().min(m.bytes.len());
+        m.bytes[..n].copy_from_slice(&self.pending[..n]);
+        m.len = n as u8;
+        m
+    }
+
+    pub fn restore(&mut self, m: Utf8Mark) {
+        self.pending.clear();
+        self.pending.extend_from_slice(&m.bytes[..m.len as usize]);
     }
 
     /// Whatever is left at the end, replacement characters for an unfinished sequence.

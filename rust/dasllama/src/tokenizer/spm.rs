@@ -90,15 +90,7 @@ pub(super) fn encode(text: &str, tok: &Tokenizer, out: &mut Vec<u32>) {
     }
 }
 
-fn resegment(
-    text: &str,
-    start: usize,
-    n: usize,
-    syms: &[Sym],
-    rev: &HashMap<(usize, usize), (usize, usize)>,
-    tok: &Tokenizer,
-    out: &mut Vec<u32>,
-) {
+fn resegment(text: &str, start: usize, n: usize, syms: &[Sym], rev: &HashMap<(usize, usize), (usize, usize)>, tok: &Tokenizer, out: &mut Vec<u32>) {
     let s = &text[start..start + n];
     if let Some(id) = tok.lookup(s) {
         out.push(id);
