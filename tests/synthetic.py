@@ -4,6 +4,7 @@ gguf.GGUFWriter, and a NumPy float64 reference forward pass to check the engine 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -41,22 +42,41 @@ def encode_weight(w: np.ndarray, qt: QT, rng: np.random.Generator) -> tuple[np.n
     return raw, dequantize(raw, qt).reshape(w.shape).astype(np.float32)
 
 
-def write_model(path: Path, qt: QT = QT.F32, arch: str = "llama", drop: str | None = None, ctx: int = 64) -> dict[str, np.ndarray]:
-    """Write a tiny model; return the exact weights (numpy order: rows x cols) it holds."""
+def write_model(
+    path: Path, qt: QT = QT.F32, arch: str = "llama", drop: str | None = None, ctx: int = 64, meta: dict[str, Any] | None = None, extra: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """Write a tiny model; return the exact weights (numpy order: rows x cols) it holds. ``meta``
+    overrides ``<arch>.`` keys (None drops one); ``extra`` adds tensors as given."""
     rng = np.random.default_rng(1234)
     w = GGUFWriter(str(path), arch)
-    w.add_uint32(f"{arch}.block_count", LAYERS)
-    w.add_uint32(f"{arch}.context_length", ctx)
-    w.add_uint32(f"{arch}.embedding_length", DIM)
-    w.add_uint32(f"{arch}.feed_forward_length", HIDDEN)
-    w.add_uint32(f"{arch}.attention.head_count", HEADS)
-    w.add_uint32(f"{arch}.attention.head_count_kv", KV_HEADS)
-    w.add_uint32(f"{arch}.attention.key_length", HEAD_DIM)
-    w.add_uint32(f"{arch}.attention.value_length", HEAD_DIM)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    keys: dict[str, Any] = {
+        "block_count": LAYERS,
+        "context_length": ctx,
+        "embedding_length": DIM,
+        "feed_forward_length": HIDDEN,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": KV_HEADS,
+        "attention.key_length": HEAD_DIM,
+        "attention.value_length": HEAD_DIM,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 10000.0,
+    }
     if arch == "gemma3":
-        w.add_uint32(f"{arch}.attention.sliding_window", 4)
+        keys["attention.sliding_window"] = 4
+    keys.update(meta or {})
+    for k, v in keys.items():
+        if v is None:
+            continue
+        if isinstance(v, str):
+            w.add_string(f"{arch}.{k}", v)
+        elif isinstance(v, float):
+            w.add_float32(f"{arch}.{k}", v)
+        elif isinstance(v, list):
+            w.add_array(f"{arch}.{k}", v)
+        elif v < 0:
+            w.add_int32(f"{arch}.{k}", v)
+        else:
+            w.add_uint32(f"{arch}.{k}", v)
     w.add_tokenizer_model("llama")
     w.add_token_list(VOCAB)
     w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))])
@@ -98,6 +118,8 @@ def write_model(path: Path, qt: QT = QT.F32, arch: str = "llama", drop: str | No
             vec(p + "post_attention_norm.weight", DIM)
             vec(p + "post_ffw_norm.weight", DIM)
     vec("output_norm.weight", DIM)
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

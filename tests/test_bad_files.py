@@ -5,10 +5,11 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
-from synthetic import write_model
 
 import dasllama as dl
+from synthetic import write_model
 
 
 @pytest.fixture()
@@ -67,7 +68,7 @@ def test_unknown_tensor_type(good: Path) -> None:
 def test_missing_tensor(tmp_path: Path) -> None:
     p = tmp_path / "m.gguf"
     write_model(p, drop="blk.1.ffn_up.weight")
-    with pytest.raises(dl.GgufError, match="blk.1.ffn_up.weight.*missing"):
+    with pytest.raises(dl.GgufError, match=r"blk\.1\.ffn_up\.weight.*missing"):
         dl.load_model(p)
 
 
@@ -84,5 +85,71 @@ def test_bad_quant_mode(good: Path) -> None:
 
 
 def test_exception_tree() -> None:
-    for e in (dl.GgufError, dl.UnsupportedModelError, dl.ContextOverflowError, dl.FetchError, dl.TemplateError):
+    for e in (dl.GgufError, dl.UnsupportedModelError, dl.ContextOverflowError, dl.FetchError, dl.TemplateError, dl.KvPoolFullError, dl.EngineError):
         assert issubclass(e, dl.DasllamaError)
+
+
+# ---- metadata that contradicts itself or the tensors: a GgufError naming the key or tensor ----
+
+
+@pytest.mark.parametrize(
+    ("meta", "match"),
+    [
+        ({"rope.dimension_count": 128}, r"'llama\.rope\.dimension_count' is 128.*head size 64"),
+        ({"rope.dimension_count": 7}, r"'llama\.rope\.dimension_count' is 7"),
+        ({"attention.head_count_kv": 0}, r"'llama\.attention\.head_count_kv' is 0"),
+        ({"attention.head_count_kv": 3}, r"'llama\.attention\.head_count_kv' is 3, which does not divide"),
+        ({"attention.head_count": 0}, r"'llama\.attention\.head_count' is 0"),
+        ({"context_length": 0}, r"'llama\.context_length' is 0"),
+        ({"context_length": None}, r"'llama\.context_length' is missing"),
+        ({"block_count": 6}, r"'llama\.block_count' is 6 but the file holds tensors for 2 blocks"),
+        ({"block_count": 0}, r"'llama\.block_count' is 0"),
+        ({"embedding_length": 128}, r"'llama\.embedding_length' is 128 but token_embd\.weight has rows of 256"),
+        ({"embedding_length": -5}, r"'llama\.embedding_length' must be an integer"),
+        ({"attention.key_length": 0}, r"'llama\.attention\.key_length' is 0"),
+        ({"attention.layer_norm_rms_epsilon": -1.0}, r"'llama\.attention\.layer_norm_rms_epsilon' is -1"),
+        ({"rope.freq_base": 0.0}, r"'llama\.rope\.freq_base' is 0"),
+        ({"feed_forward_length": "wide"}, r"'llama\.feed_forward_length' must be an integer.*the string"),
+        ({"attention.head_count_kv": [2, 2, 2]}, r"'llama\.attention\.head_count_kv' has 3 values but the model has 2 layers"),
+    ],
+)
+def test_inconsistent_metadata(tmp_path: Path, meta: dict, match: str) -> None:
+    p = tmp_path / "m.gguf"
+    write_model(p, meta=meta)
+    with pytest.raises(dl.GgufError, match=match) as e:
+        dl.load_model(p)
+    assert str(p) in str(e.value)
+
+
+def test_head_dim_that_rope_needs_is_checked_before_any_eval(tmp_path: Path) -> None:
+    # Was an index panic inside the thread team at the first eval.
+    p = tmp_path / "m.gguf"
+    write_model(p, meta={"rope.dimension_count": 66})
+    with pytest.raises(dl.GgufError, match=r"rope\.dimension_count"):
+        dl.load_model(p)
+
+
+@pytest.mark.parametrize(("type_id", "name"), [(9, "Q8_1"), (15, "Q8_K")])
+def test_activation_only_tensor_types(good: Path, type_id: int, name: str) -> None:
+    data = bytearray(good.read_bytes())
+    key = b"output_norm.weight"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    data[at + 4 + 8 * n_dims : at + 8 + 8 * n_dims] = struct.pack("<I", type_id)
+    good.write_bytes(bytes(data))
+    with pytest.raises(dl.GgufError, match=f"tensor 'output_norm.weight' is stored as {name}, a format llama.cpp uses only for activations"):
+        dl.load_model(good)
+
+
+def test_zero_dimensional_tensor(tmp_path: Path) -> None:
+    p = tmp_path / "m.gguf"
+    write_model(p, extra={"blk.0.scale": np.array(1.0, dtype=np.float32)})
+    with pytest.raises(dl.GgufError, match=r"tensor 'blk\.0\.scale' has shape \[\]"):
+        dl.load_model(p)
+
+
+def test_expert_stack_is_not_folded_into_a_matrix(tmp_path: Path) -> None:
+    p = tmp_path / "m.gguf"
+    write_model(p, drop="blk.0.ffn_up.weight", extra={"blk.0.ffn_up.weight": np.zeros((4, 512, 256), dtype=np.float32)})
+    with pytest.raises(dl.GgufError, match=r"tensor 'blk\.0\.ffn_up\.weight' has shape \[256, 512, 4\]"):
+        dl.load_model(p)

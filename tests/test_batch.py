@@ -144,3 +144,22 @@ def test_tq4_kv_codec(smollm: dl.Model) -> None:
     assert got == want
     with pytest.raises(ValueError, match="unknown KV dtype"):
         dl.create_kv_pool(smollm, page_rows=16, kv_dtype="q2")
+
+
+def test_eval_all_rows_equal_one_token_at_a_time(smollm: dl.Model) -> None:
+    # A speculative verify chunk: logits after every token of a chunk, each exactly what
+    # decoding the tokens one by one gives, whether the chunk starts the session or follows.
+    ids = dl.encode(smollm, "The quick brown fox jumps over the lazy dog because")
+    one = dl.create_session(smollm)
+    singles = np.stack([dl.eval(smollm, one, [t]) for t in ids])
+    after = dl.eval(smollm, one, [ids[0]])
+    for split in (0, 5):
+        s = dl.create_session(smollm)
+        if split:
+            dl.eval(smollm, s, ids[:split])
+        rows = dl.eval_all(smollm, s, ids[split:])
+        assert rows.shape == (len(ids) - split, smollm.n_vocab)
+        np.testing.assert_array_equal(rows, singles[split:])
+        assert s.n_past == len(ids)
+        # The session goes on from there as after eval.
+        np.testing.assert_array_equal(dl.eval(smollm, s, [ids[0]]), after)

@@ -16,27 +16,43 @@ from .errors import ContextOverflowError, DasllamaError, EngineError, FetchError
 from .fetch import DEFAULT_MODEL, fetch
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
 from .scheduler import PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, submit
-from .session import BatchWorkspace, KvPool, KVDtype, SamplingParams, Session, create_batch_workspace, create_kv_pool, create_session, eval, eval_batch, generate, kv_pool_stats, release_kv_pages, sample
+from .session import (
+    BatchWorkspace,
+    KVDtype,
+    KvPool,
+    SamplingParams,
+    Session,
+    create_batch_workspace,
+    create_kv_pool,
+    create_session,
+    eval,
+    eval_all,
+    eval_batch,
+    generate,
+    kv_pool_stats,
+    release_kv_pages,
+    sample,
+)
 
 logging.getLogger("dasllama").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_MODEL",
     "BatchWorkspace",
     "ChatRenderer",
     "ContextOverflowError",
-    "DEFAULT_MODEL",
     "DasllamaError",
     "EngineError",
     "FetchError",
     "GgufError",
-    "KvPoolFullError",
     "KVDtype",
     "KvPool",
+    "KvPoolFullError",
     "Model",
-    "PendingReq",
     "Numerics",
+    "PendingReq",
     "QuantMode",
     "SamplingParams",
     "SchedEvent",
@@ -55,6 +71,7 @@ __all__ = [
     "decode",
     "encode",
     "eval",
+    "eval_all",
     "eval_batch",
     "evict",
     "fetch",

@@ -68,13 +68,21 @@ class Model:
         return repr(self._native)
 
 
-def _numeric_meta(meta: dict[str, Any], arch: str) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _plain(v: Any) -> Any:
+    """A metadata value as plain Python (numpy arrays and scalars converted)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _arch_meta(meta: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The ``<arch>.`` keys without their prefix, with their types as the file stores them."""
     prefix = arch + "."
-    for k, v in meta.items():
-        if k.startswith(prefix) and isinstance(v, (int, float, bool, np.integer, np.floating)):
-            out[k[len(prefix) :]] = float(v)
-    return out
+    return {k[len(prefix) :]: _plain(v) for k, v in meta.items() if k.startswith(prefix)}
 
 
 def _tokenizer_args(meta: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -141,7 +149,7 @@ def load_model(
     if arch not in _native.arch_names():
         raise UnsupportedModelError(f"{p}: architecture '{arch}' is not supported (supported: {', '.join(_native.arch_names())})")
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
-    native = _native.load_model(str(p), arch, _numeric_meta(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
+    native = _native.load_model(str(p), arch, _arch_meta(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
     log.info("loaded %s (%s, %s, %s numerics) in %.2fs", p.name, arch, qm.value, nm.value, time.perf_counter() - t0)
     return Model(native, meta, p)
 

@@ -92,9 +92,15 @@ def kv_pool_stats(pool: KvPool) -> dict[str, int]:
     return _native.kv_pool_stats(pool)
 
 
-def eval(m: Model, s: Session, ids: list[int]) -> np.ndarray:  # noqa: A001 - the seed's name
+def eval(m: Model, s: Session, ids: list[int]) -> np.ndarray:
     """Run ``ids`` at the session's position; return float32 logits after the last one."""
     return _native.eval(m._native, s, list(ids))
+
+
+def eval_all(m: Model, s: Session, ids: list[int]) -> np.ndarray:
+    """Run ``ids`` and return a ``(len(ids), n_vocab)`` float32 array: row i holds the logits after
+    ``ids[i]``, exactly what evaluating the ids one at a time gives (a speculative verify chunk)."""
+    return _native.eval_all(m._native, s, list(ids))
 
 
 def create_batch_workspace(m: Model) -> BatchWorkspace:

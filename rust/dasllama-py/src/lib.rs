@@ -1,9 +1,13 @@
 //! The only code that knows PyO3: thin wrappers over the core, the GIL released around every
 //! call that runs the model, and one mapping from core errors to Python exceptions.
 
-use dasllama::kv::{Geometry, KvCodec, KvPool, PoolStats};
-use dasllama::model::{Model, Numerics, QuantMode, TensorInfo};
-use dasllama::sampling::{self, SamplingParams};
+// pyo3 0.22's #[pyfunction] expansion converts PyErr into itself, which clippy flags on every
+// function returning PyResult.
+#![allow(clippy::useless_conversion)]
+
+use dasllama::kv::{KvCodec, KvPool, PoolStats};
+use dasllama::model::{Attention, MetaValue, Metadata, Mixer, Model, Numerics, QuantMode, TensorInfo};
+use dasllama::sampling::SamplingParams;
 use dasllama::sched::{EventKind, Finish, PendingReq, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
 use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
@@ -16,12 +20,22 @@ use pyo3::types::{PyBytes, PyDict};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-create_exception!(_native, DasllamaError, PyException, "Base of every dasllama error.");
-create_exception!(_native, GgufError, DasllamaError, "The GGUF file is missing, malformed or truncated.");
-create_exception!(_native, UnsupportedModelError, DasllamaError, "The model uses an architecture, tokenizer or tensor type dasllama does not implement.");
-create_exception!(_native, ContextOverflowError, DasllamaError, "A session would run past the model's context window.");
-create_exception!(_native, KvPoolFullError, DasllamaError, "The paged KV pool has no free page: retry when streams finish, or use a bigger pool.");
-create_exception!(_native, EngineError, DasllamaError, "A bug inside the engine (a caught panic). The call was abandoned; the model and other sessions are intact.");
+create_exception!(dasllama._native, DasllamaError, PyException, "Base of every dasllama error.");
+create_exception!(dasllama._native, GgufError, DasllamaError, "The GGUF file is missing, malformed or truncated.");
+create_exception!(
+    dasllama._native,
+    UnsupportedModelError,
+    DasllamaError,
+    "The model uses an architecture, tokenizer or tensor type dasllama does not implement."
+);
+create_exception!(dasllama._native, ContextOverflowError, DasllamaError, "A session would run past the model's context window.");
+create_exception!(dasllama._native, KvPoolFullError, DasllamaError, "The paged KV pool has no free page: retry when streams finish, or use a bigger pool.");
+create_exception!(
+    dasllama._native,
+    EngineError,
+    DasllamaError,
+    "A bug inside the engine (a caught panic). The call was abandoned; the model and other sessions are intact."
+);
 
 fn map_err(e: Error) -> PyErr {
     match e {
@@ -39,6 +53,28 @@ fn map_err(e: Error) -> PyErr {
 /// `EngineError` naming `what`, and core errors mapped to their Python classes.
 fn native<T: Send>(py: Python<'_>, what: &str, f: impl FnOnce() -> dasllama::Result<T> + Send) -> PyResult<T> {
     py.allow_threads(|| dasllama::error::catch(what, f)).map_err(map_err)
+}
+
+/// A metadata value as the Python loader passes it (numpy arrays and scalars made plain first).
+#[derive(FromPyObject)]
+enum PyMeta {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(String),
+    List(Vec<PyMeta>),
+}
+
+impl From<PyMeta> for MetaValue {
+    fn from(v: PyMeta) -> MetaValue {
+        match v {
+            PyMeta::Bool(b) => MetaValue::Bool(b),
+            PyMeta::Int(i) => MetaValue::Int(i),
+            PyMeta::Float(f) => MetaValue::Float(f),
+            PyMeta::Str(s) => MetaValue::Str(s),
+            PyMeta::List(l) => MetaValue::Array(l.into_iter().map(Into::into).collect()),
+        }
+    }
 }
 
 /// A loaded model. Shared, immutable: any number of sessions may use it.
@@ -60,15 +96,23 @@ impl PyModel {
         let d = PyDict::new_bound(py);
         d.set_item("arch", &c.arch)?;
         d.set_item("dim", c.dim)?;
-        d.set_item("hidden_dim", c.hidden_dim)?;
+        d.set_item("hidden_dim", c.max_hidden())?;
         d.set_item("n_layers", c.n_layers)?;
         d.set_item("n_heads", c.n_heads)?;
         d.set_item("n_kv_heads", c.n_kv_heads)?;
         d.set_item("head_dim", c.head_dim)?;
         d.set_item("vocab_size", c.vocab_size)?;
         d.set_item("seq_len", c.seq_len)?;
-        d.set_item("rope_freq_base", c.rope_base)?;
-        d.set_item("sliding_window", c.sliding_window)?;
+        let attn: Vec<&Attention> = c
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Attention(a) => a,
+            })
+            .collect();
+        // The global layers' base; the widest window of the sliding ones (0: none slide).
+        d.set_item("rope_freq_base", attn.iter().find(|a| a.window == 0).or(attn.first()).map_or(0.0, |a| a.rope.base))?;
+        d.set_item("sliding_window", attn.iter().map(|a| a.window).max().unwrap_or(0))?;
         d.set_item("norm_eps", c.norm_eps)?;
         Ok(d)
     }
@@ -135,7 +179,7 @@ impl PySession {
 
     /// Seed this session's sampling RNG.
     fn set_seed(&mut self, seed: u64) {
-        self.inner.rng = sampling::Rng::new(seed);
+        self.inner.record.reseed(seed);
     }
 
     /// Forget everything (KV, logits, penalty window).
@@ -155,7 +199,7 @@ fn load_model(
     py: Python<'_>,
     path: String,
     arch: String,
-    meta: HashMap<String, f64>,
+    meta: HashMap<String, PyMeta>,
     tensors: Vec<(String, u32, Vec<u64>, u64)>,
     tokenizer_model: String,
     tokenizer_pre: String,
@@ -182,17 +226,16 @@ fn load_model(
         "ggml" => Numerics::Ggml,
         other => return Err(PyValueError::new_err(format!("unknown numerics '{other}' (use fast or ggml)"))),
     };
-    let tensors: Vec<TensorInfo> =
-        tensors.into_iter().map(|(name, ty, shape, offset)| TensorInfo { name, ty, shape, offset }).collect();
+    let meta = Metadata::new(&arch, meta.into_iter().map(|(k, v)| (k, v.into())).collect());
+    let tensors: Vec<TensorInfo> = tensors.into_iter().map(|(name, ty, shape, offset)| TensorInfo { name, ty, shape, offset }).collect();
     let model = native(py, "loading the model", || {
-            let vocab = Vocab { tokens, types: token_types, scores, merges, bos, eos, eog, add_bos, add_space_prefix };
-            let tok = Tokenizer::new(&tokenizer_model, &tokenizer_pre, vocab)
-                .map_err(|e| match e {
-                    Error::UnsupportedModel(m) | Error::Gguf(m) => Error::UnsupportedModel(format!("{path}: {m}")),
-                    other => other,
-                })?;
-            Model::load(std::path::Path::new(&path), &arch, &meta, &tensors, tok, quant, numerics)
+        let vocab = Vocab { tokens, types: token_types, scores, merges, bos, eos, eog, add_bos, add_space_prefix };
+        let tok = Tokenizer::new(&tokenizer_model, &tokenizer_pre, vocab).map_err(|e| match e {
+            Error::UnsupportedModel(m) | Error::Gguf(m) => Error::UnsupportedModel(format!("{path}: {m}")),
+            other => other,
         })?;
+        Model::load(std::path::Path::new(&path), &arch, &meta, &tensors, tok, quant, numerics)
+    })?;
     Ok(PyModel { inner: Arc::new(model), arch, path })
 }
 
@@ -235,9 +278,13 @@ fn codec(name: &str) -> PyResult<KvCodec> {
 #[pyfunction]
 #[pyo3(signature = (m, page_rows, max_pages, kv_dtype="f16"))]
 fn create_kv_pool(py: Python<'_>, m: &PyModel, page_rows: usize, max_pages: usize, kv_dtype: &str) -> PyResult<PyKvPool> {
-    let geo = Geometry::for_model(&m.inner.config, page_rows, codec(kv_dtype)?);
+    let geo = m.inner.kv_geometry(page_rows, codec(kv_dtype)?);
     let model = &m.inner;
-    Ok(PyKvPool { model: m.inner.clone(), inner: native(py, "create_kv_pool", || KvPool::for_model(model, geo, max_pages, 0))? })
+    let inner = native(py, "create_kv_pool", || {
+        model.check_kv(geo)?;
+        KvPool::new(geo, max_pages, 0)
+    })?;
+    Ok(PyKvPool { model: m.inner.clone(), inner })
 }
 
 #[pyfunction]
@@ -271,6 +318,13 @@ fn stats_dict<'py>(py: Python<'py>, st: PoolStats) -> PyResult<Bound<'py, PyDict
     Ok(d)
 }
 
+/// Bytes one KV page of `page_rows` positions takes for this model.
+#[pyfunction]
+#[pyo3(signature = (m, page_rows, kv_dtype="f16"))]
+fn kv_page_bytes(m: &PyModel, page_rows: usize, kv_dtype: &str) -> PyResult<usize> {
+    Ok(m.inner.kv_geometry(page_rows, codec(kv_dtype)?).page_bytes())
+}
+
 #[pyfunction]
 fn kv_pool_stats<'py>(py: Python<'py>, pool: &PyKvPool) -> PyResult<Bound<'py, PyDict>> {
     stats_dict(py, pool.inner.stats())
@@ -300,6 +354,20 @@ fn eval<'py>(py: Python<'py>, m: &PyModel, s: &mut PySession, ids: Vec<u32>) -> 
     Ok(PyArray1::from_slice_bound(py, &s.inner.logits))
 }
 
+/// Run `ids` at the session's position; returns a (len(ids), vocab) float32 array: row i holds
+/// the logits after ids[i] (a speculative verify chunk's rows). The session keeps the last row.
+#[pyfunction]
+fn eval_all<'py>(py: Python<'py>, m: &PyModel, s: &mut PySession, ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    same_model(m, s)?;
+    let model = &m.inner;
+    let sess = &mut s.inner;
+    native(py, "eval_all", || sess.eval_all(model, &ids))?;
+    let v = model.config.vocab_size;
+    let arr = PyArray1::from_slice_bound(py, &s.inner.logits).reshape([ids.len(), v])?;
+    s.inner.logits.drain(..(ids.len() - 1) * v);
+    Ok(arr)
+}
+
 /// Scratch buffers for `eval_batch`, reused across steps.
 #[pyclass(module = "dasllama._native", name = "BatchWorkspace")]
 struct PyBatchWorkspace {
@@ -327,9 +395,9 @@ fn eval_batch<'py>(
     }
     let mut guards = Vec::with_capacity(sessions.len());
     for (i, s) in sessions.iter().enumerate() {
-        let g = s.try_borrow_mut().map_err(|_| {
-            PyValueError::new_err(format!("session {i} appears twice in the batch (or is in use elsewhere); pass each session once"))
-        })?;
+        let g = s
+            .try_borrow_mut()
+            .map_err(|_| PyValueError::new_err(format!("session {i} appears twice in the batch (or is in use elsewhere); pass each session once")))?;
         same_model(m, &g)?;
         guards.push(g);
     }
@@ -372,9 +440,8 @@ fn sample_next(py: Python<'_>, s: &mut Session, p: &SamplingParams) -> PyResult<
     }
     native(py, "sampling", || {
         let mut logits = std::mem::take(&mut s.logits);
-        let tok = sampling::sample(&mut logits, &s.recent, p, &mut s.rng);
+        let tok = s.record.sample(&mut logits, p);
         s.logits = logits;
-        s.recent.push(tok);
         Ok(tok)
     })
 }
@@ -383,8 +450,8 @@ fn sample_next(py: Python<'_>, s: &mut Session, p: &SamplingParams) -> PyResult<
 #[pyfunction]
 fn sample(py: Python<'_>, s: &mut PySession, params: &Params) -> PyResult<u32> {
     if let Some(seed) = params.0.seed {
-        if s.inner.recent.is_empty() {
-            s.inner.rng = sampling::Rng::new(seed);
+        if s.inner.record.is_empty() {
+            s.inner.record.reseed(seed);
         }
     }
     sample_next(py, &mut s.inner, &params.0)
@@ -394,15 +461,7 @@ fn sample(py: Python<'_>, s: &mut PySession, params: &Params) -> PyResult<u32> {
 /// `on_piece(id, text)` sees each token's text (never half a UTF-8 character); returning False stops.
 #[pyfunction]
 #[pyo3(signature = (m, s, ids, params, max_new, on_piece=None))]
-fn generate(
-    py: Python<'_>,
-    m: &PyModel,
-    s: &mut PySession,
-    ids: Vec<u32>,
-    params: &Params,
-    max_new: i64,
-    on_piece: Option<PyObject>,
-) -> PyResult<Vec<u32>> {
+fn generate(py: Python<'_>, m: &PyModel, s: &mut PySession, ids: Vec<u32>, params: &Params, max_new: i64, on_piece: Option<PyObject>) -> PyResult<Vec<u32>> {
     same_model(m, s)?;
     if max_new < 0 {
         return Err(PyValueError::new_err("max_new must be >= 0"));
@@ -412,7 +471,7 @@ fn generate(
     }
     let model = &m.inner;
     if let Some(seed) = params.0.seed {
-        s.inner.rng = sampling::Rng::new(seed);
+        s.inner.record.reseed(seed);
     }
     if !ids.is_empty() {
         let sess = &mut s.inner;
@@ -534,7 +593,15 @@ fn check_sched(m: &PyModel, sch: &PyScheduler) -> PyResult<()> {
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
 #[pyo3(signature = (m, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, kv_dtype="f16"))]
-fn create_scheduler(m: &PyModel, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize, kv_dtype: &str) -> PyResult<PyScheduler> {
+fn create_scheduler(
+    m: &PyModel,
+    max_streams: usize,
+    max_queue: usize,
+    chunk_tokens: usize,
+    page_rows: usize,
+    prefix_groups: usize,
+    kv_dtype: &str,
+) -> PyResult<PyScheduler> {
     let inner = Scheduler::new(m.inner.clone(), max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec(kv_dtype)?).map_err(map_err)?;
     Ok(PyScheduler { inner })
 }
@@ -648,8 +715,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(create_kv_pool, m)?)?;
     m.add_function(wrap_pyfunction!(release_kv_pages, m)?)?;
     m.add_function(wrap_pyfunction!(kv_pool_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_page_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(eval, m)?)?;
+    m.add_function(wrap_pyfunction!(eval_all, m)?)?;
     m.add_class::<PyBatchWorkspace>()?;
     m.add_function(wrap_pyfunction!(create_batch_workspace, m)?)?;
     m.add_function(wrap_pyfunction!(eval_batch, m)?)?;

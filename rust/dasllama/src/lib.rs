@@ -23,11 +23,13 @@ macro_rules! twice {
     )*};
 }
 
+pub mod backend;
 pub mod cpu;
 pub mod error;
 pub mod kv;
 pub mod model;
 pub mod quant;
+pub mod record;
 pub mod sampling;
 pub mod sched;
 pub mod session;

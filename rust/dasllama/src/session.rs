@@ -1,18 +1,17 @@
 //! Sessions: one conversation's KV store, position, logits, sampling state.
 
 pub use crate::kv::KvCache;
-use crate::kv::{Geometry, KvPool};
-use crate::model::forward::{forward, forward_batch, Scratch};
+use crate::kv::{KvCodec, KvPool, PRIVATE_PAGE_ROWS};
+use crate::model::forward::{forward_batch, LogitRows, Scratch};
 use crate::model::Model;
-use crate::sampling::Rng;
+use crate::record::TokenRecord;
 use crate::{Error, Result};
 
 pub struct Session {
     pub kv: KvCache,
     pub logits: Vec<f32>,
-    /// Sampled tokens: the repetition-penalty window reads its tail.
-    pub recent: Vec<u32>,
-    pub rng: Rng,
+    /// What this session sampled, with the sampler state to take it back.
+    pub record: TokenRecord,
     /// Test hook (`Scheduler::inject_fault`): every evaluation including this session panics in
     /// a kernel task, as a bug would.
     pub fault: bool,
@@ -29,26 +28,17 @@ fn shared_scratch() -> std::sync::MutexGuard<'static, Scratch> {
 impl Session {
     /// A session with a private KV store.
     pub fn new(m: &Model) -> Self {
-        Self::with_kv(KvCache::private(&m.config))
+        Self::with_kv(KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)))
     }
 
     /// A session whose KV pages come from `pool`.
     pub fn paged(m: &Model, pool: &KvPool) -> Result<Self> {
-        let g = pool.geometry();
-        if g != Geometry::for_model(&m.config, g.page_rows, g.codec) {
-            return Err(Error::InvalidArgument("this KV pool was made for a model of another shape".into()));
-        }
+        m.check_kv(pool.geometry())?;
         Ok(Self::with_kv(KvCache::paged(pool)))
     }
 
     fn with_kv(kv: KvCache) -> Self {
-        Session {
-            kv,
-            logits: Vec::new(),
-            recent: Vec::new(),
-            rng: Rng::new(crate::sampling::DEFAULT_SEED),
-            fault: false,
-        }
+        Session { kv, logits: Vec::new(), record: TokenRecord::new(crate::sampling::DEFAULT_SEED), fault: false }
     }
 
     pub fn n_past(&self) -> usize {
@@ -57,13 +47,24 @@ impl Session {
 
     /// Run `tokens` at the current position; logits after the last one land in `self.logits`.
     pub fn eval(&mut self, m: &Model, tokens: &[u32]) -> Result<()> {
-        forward(m, &mut self.kv, tokens, &mut shared_scratch(), &mut self.logits)
+        self.eval_rows(m, tokens, LogitRows::Last)
+    }
+
+    /// Run `tokens` and put the logits after every one of them in `self.logits` (row i after
+    /// token i): what a speculative verify chunk needs. Row i equals what evaluating the tokens
+    /// one at a time gives after token i.
+    pub fn eval_all(&mut self, m: &Model, tokens: &[u32]) -> Result<()> {
+        self.eval_rows(m, tokens, LogitRows::All)
+    }
+
+    fn eval_rows(&mut self, m: &Model, tokens: &[u32], want: LogitRows) -> Result<()> {
+        forward_batch(m, &mut [&mut self.kv], &[tokens.len()], tokens, want, &mut shared_scratch(), &mut self.logits)
     }
 
     /// Forget everything (KV, logits, penalty window); the KV pages go back to their pool.
     pub fn reset(&mut self) {
         self.kv.release();
-        self.recent.clear();
+        self.record.clear();
         self.logits.clear();
     }
 }
@@ -96,7 +97,7 @@ pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessio
         crate::cpu::team().session(|t| t.parallel_for(1, &|_| panic!("injected fault in a session's evaluation")));
     }
     let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
-    forward_batch(m, &mut kvs, counts, tokens, &mut ws.scratch, &mut ws.logits)
+    forward_batch(m, &mut kvs, counts, tokens, LogitRows::Last, &mut ws.scratch, &mut ws.logits)
 }
 
 /// Advance `sessions[i]` by `counts[i]` tokens taken in order from `tokens` (decode steps and

@@ -3,6 +3,7 @@
 //! f16 rounding of GELU inputs and attention operands) do the same here so results agree.
 
 pub mod arena;
+pub mod backend;
 pub mod ops;
 pub mod spin;
 
@@ -16,13 +17,7 @@ use std::sync::{Arc, OnceLock};
 /// Threads to use: `DASLLAMA_THREADS`, else the number of physical cores.
 pub fn n_threads() -> usize {
     static N: OnceLock<usize> = OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("DASLLAMA_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or_else(num_cpus::get_physical)
-    })
+    *N.get_or_init(|| std::env::var("DASLLAMA_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or_else(num_cpus::get_physical))
 }
 
 /// The rayon pool for load-time work (tiling, conversions); the forward pass runs on `team`.

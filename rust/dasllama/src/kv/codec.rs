@@ -208,7 +208,11 @@ fn tq4_signs(n: usize) -> impl Iterator<Item = f32> {
     let mut state = 0xC0FFEEu64;
     (0..n).map(move |_| {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        if state >> 63 == 1 { -1.0 } else { 1.0 }
+        if state >> 63 == 1 {
+            -1.0
+        } else {
+            1.0
+        }
     })
 }
 

@@ -93,13 +93,11 @@ pub struct Geometry {
 }
 
 impl Geometry {
-    pub fn for_model(c: &crate::model::Config, page_rows: usize, codec: KvCodec) -> Geometry {
-        Geometry { n_layers: c.n_layers, kv_dim: c.kv_dim(), head_dim: c.head_dim, page_rows, codec }
-    }
     fn head_bytes(&self) -> usize {
         self.codec.bytes(self.head_dim)
     }
-    fn page_bytes(&self) -> usize {
+    /// Bytes of one page: every layer's K and V rows.
+    pub fn page_bytes(&self) -> usize {
         self.n_layers * 2 * self.page_rows * self.codec.bytes(self.kv_dim)
     }
     /// Byte offset of (layer, K or V, KV head, row) inside a page. A head's rows are contiguous,
@@ -171,28 +169,6 @@ impl KvPool {
         })))
     }
 
-    /// A pool for `m`'s layers and KV width, checking the codec fits its heads.
-    pub fn for_model(m: &crate::model::Model, geo: Geometry, max_pages: usize, max_cached: usize) -> Result<KvPool> {
-        if geo != Geometry::for_model(&m.config, geo.page_rows, geo.codec) {
-            return Err(Error::InvalidArgument("the KV pool geometry does not match the model".into()));
-        }
-        if !geo.codec.supports(m.config.head_dim) {
-            return Err(Error::InvalidArgument(format!(
-                "the KV codec {:?} needs {}; this model's head size is {}: use f16",
-                geo.codec,
-                geo.codec.requirement(),
-                m.config.head_dim
-            )));
-        }
-        if m.numerics == crate::model::Numerics::Ggml && geo.codec != KvCodec::F16 {
-            return Err(Error::InvalidArgument(format!(
-                "the KV codec {:?} has no counterpart in ggml's order; a model loaded with numerics='ggml' needs an f16 KV cache",
-                geo.codec
-            )));
-        }
-        KvPool::new(geo, max_pages, max_cached)
-    }
-
     pub fn geometry(&self) -> Geometry {
         self.0.geo
     }
@@ -248,7 +224,12 @@ impl KvPool {
             for (i, page) in kv.pages.iter().take(full).enumerate() {
                 let toks = &tokens[i * r..(i + 1) * r];
                 let h = chain_hash(parent, toks);
-                st.cache.entry(h).and_modify(|e| e.last_used = now).or_insert_with(|| CacheEntry { page: page.clone(), tokens: toks.to_vec(), last_used: now, first: i == 0 });
+                st.cache.entry(h).and_modify(|e| e.last_used = now).or_insert_with(|| CacheEntry {
+                    page: page.clone(),
+                    tokens: toks.to_vec(),
+                    last_used: now,
+                    first: i == 0,
+                });
                 parent = h;
             }
         }
@@ -360,9 +341,9 @@ impl LayerView<'_> {
 }
 
 impl KvCache {
-    /// A session's private store (pages of `PRIVATE_PAGE_ROWS`, grown on demand).
-    pub fn private(c: &crate::model::Config) -> Self {
-        KvCache { geo: Geometry::for_model(c, PRIVATE_PAGE_ROWS, KvCodec::F16), len: 0, pages: Vec::new(), pool: None }
+    /// A session's private store of `geo` (its pages grown on demand).
+    pub fn private(geo: Geometry) -> Self {
+        KvCache { geo, len: 0, pages: Vec::new(), pool: None }
     }
 
     pub fn paged(pool: &KvPool) -> Self {

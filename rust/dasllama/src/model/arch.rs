@@ -1,7 +1,8 @@
-//! The architecture registry: `general.architecture` -> how to configure the shared skeleton.
+//! The architecture registry: `general.architecture` -> how to describe its layers.
 //! A new family is one file with a `configure` function and one line here.
 
-use super::{Config, Metadata};
+use super::config::Config;
+use super::meta::Metadata;
 use crate::Result;
 
 pub struct ArchDesc {
@@ -9,10 +10,8 @@ pub struct ArchDesc {
     pub configure: fn(&Metadata) -> Result<Config>,
 }
 
-static REGISTRY: &[ArchDesc] = &[
-    ArchDesc { name: "llama", configure: super::llama::configure },
-    ArchDesc { name: "gemma3", configure: super::gemma3::configure },
-];
+static REGISTRY: &[ArchDesc] =
+    &[ArchDesc { name: "llama", configure: super::llama::configure }, ArchDesc { name: "gemma3", configure: super::gemma3::configure }];
 
 pub fn lookup(name: &str) -> Option<&'static ArchDesc> {
     REGISTRY.iter().find(|a| a.name == name)

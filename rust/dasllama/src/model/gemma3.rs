@@ -1,23 +1,30 @@
 //! gemma3: GELU-tanh GLU, QK-norm, post-norms, scaled embeddings, NEOX RoPE, and five
-//! sliding-window layers (RoPE base 10k) for every global one (the file's base, 1M).
+//! sliding-window layers (RoPE base 10k) for every global one (the file's base, 1M by default).
 
-use super::{base_config, opt, Activation, Config, Metadata};
+use super::config::{base_config, Activation, Attention, Config, Ffn, LayerDesc, Mixer, Rope};
+use super::meta::Metadata;
 use crate::Result;
 
+/// Every sixth layer is global; the others slide.
+const SWA_PATTERN: usize = 6;
+
 pub fn configure(m: &Metadata) -> Result<Config> {
-    let base = base_config(m, "gemma3")?;
-    Ok(Config {
-        rope_base: opt(m, "rope.freq_base", 1_000_000.0) as f32,
-        rope_base_swa: 10_000.0,
-        rope_neox: true,
-        norm_eps: opt(m, "attention.layer_norm_rms_epsilon", 1e-6) as f32,
-        activation: Activation::GeluTanh,
-        embed_scale: Some((base.dim as f32).sqrt()),
-        qk_norm: true,
-        post_norms: true,
-        sliding_window: opt(m, "attention.sliding_window", 0.0) as usize,
-        swa_pattern: 6,
-        scale_query: true,
-        ..base
-    })
+    let global_base = m.positive_or("rope.freq_base", 1_000_000.0)? as f32;
+    let mut c = base_config(m, "gemma3", |il, s| {
+        let swa = s.window > 0 && il % SWA_PATTERN < SWA_PATTERN - 1;
+        LayerDesc {
+            mixer: Mixer::Attention(Attention {
+                rope: Rope { base: if swa { 10_000.0 } else { global_base }, neox: true, ..s.rope },
+                window: if swa { s.window } else { 0 },
+                qk_norm: true,
+                scale: s.scale,
+                scale_query: true,
+            }),
+            ffn: Ffn::Dense { hidden: s.hidden, act: Activation::GeluTanh },
+            post_norms: true,
+        }
+    })?;
+    c.norm_eps = m.positive_or("attention.layer_norm_rms_epsilon", 1e-6)? as f32;
+    c.embed_scale = Some((c.dim as f32).sqrt());
+    Ok(c)
 }

@@ -1,9 +1,14 @@
-//! llama family (Llama 2/3, Mistral, SmolLM2): pre-norm, SwiGLU, interleaved RoPE. The shared
-//! skeleton's defaults are llama's, so there is nothing to override.
+//! llama family (Llama 2/3, Mistral, SmolLM2): pre-norm, SwiGLU, interleaved RoPE, every layer
+//! global attention and a dense FFN.
 
-use super::{base_config, Config, Metadata};
+use super::config::{base_config, Activation, Attention, Config, Ffn, LayerDesc, Mixer};
+use super::meta::Metadata;
 use crate::Result;
 
 pub fn configure(m: &Metadata) -> Result<Config> {
-    base_config(m, "llama")
+    base_config(m, "llama", |_, s| LayerDesc {
+        mixer: Mixer::Attention(Attention { rope: s.rope, window: 0, qk_norm: false, scale: s.scale, scale_query: false }),
+        ffn: Ffn::Dense { hidden: s.hidden, act: Activation::Silu },
+        post_norms: false,
+    })
 }

@@ -1,28 +1,25 @@
 //! The model: configuration, the architecture registry, weights and the forward pass.
 
 mod arch;
+mod config;
 pub mod forward;
 mod gemma3;
 mod llama;
+mod meta;
 
+pub use crate::backend::{Activation, Numerics};
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
+pub use config::{Attention, Config, Ffn, LayerDesc, Mixer, Rope};
+pub use meta::{MetaValue, Metadata};
 
 use crate::cpu::{convert_weight, Bytes, Weight};
+use crate::kv::{Geometry, KvCodec};
 use crate::quant::GgmlType;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-
-/// Numeric GGUF metadata with the `<arch>.` prefix removed (`block_count`, `rope.freq_base`, ...).
-pub type Metadata = HashMap<String, f64>;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Activation {
-    Silu,
-    GeluTanh,
-}
 
 /// How to store weights after loading.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,71 +30,6 @@ pub enum QuantMode {
     Q8,
     /// Every matrix dequantized to f32: the exact-arithmetic reference.
     Fp32,
-}
-
-/// How dot products are added up.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Numerics {
-    /// Our tiled SIMD kernels: the same rounding of activations as llama.cpp, our own order.
-    Fast,
-    /// ggml's x86 AVX2 order in every matmul and attention product (`quant::ggml`): logits equal
-    /// llama.cpp's AVX2 CPU build bit for bit, several times slower. For conformance checks.
-    Ggml,
-}
-
-/// Everything the shared transformer skeleton needs to know about a family.
-#[derive(Clone, Debug)]
-pub struct Config {
-    pub arch: String,
-    pub dim: usize,
-    pub hidden_dim: usize,
-    pub n_layers: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub vocab_size: usize,
-    pub seq_len: usize,
-    pub rope_dim: usize,
-    pub rope_base: f32,
-    /// RoPE base of the sliding-window layers (gemma3 uses 10k there, 1M on global layers).
-    pub rope_base_swa: f32,
-    pub rope_neox: bool,
-    pub norm_eps: f32,
-    pub activation: Activation,
-    /// Multiply token embeddings by this (gemma: sqrt(dim)).
-    pub embed_scale: Option<f32>,
-    pub qk_norm: bool,
-    /// RMS-norm the attention and FFN outputs before the residual add (gemma2/3).
-    pub post_norms: bool,
-    /// Window of the sliding-window layers, 0 for none.
-    pub sliding_window: usize,
-    /// Every `swa_pattern`-th layer is global; the others slide (0: all global).
-    pub swa_pattern: usize,
-    pub attn_scale: f32,
-    /// `attn_scale` multiplies the queries (before their f16 rounding) instead of the scores, as
-    /// llama.cpp's gemma graphs do; it matters where small queries round to f16 subnormals.
-    pub scale_query: bool,
-}
-
-impl Config {
-    /// What multiplies a q.k score: `attn_scale`, or 1 where it already scaled the queries.
-    pub fn score_scale(&self) -> f32 {
-        if self.scale_query {
-            1.0
-        } else {
-            self.attn_scale
-        }
-    }
-
-    pub fn is_swa_layer(&self, il: usize) -> bool {
-        self.sliding_window > 0 && self.swa_pattern > 0 && (il % self.swa_pattern) < self.swa_pattern - 1
-    }
-    pub fn q_dim(&self) -> usize {
-        self.n_heads * self.head_dim
-    }
-    pub fn kv_dim(&self) -> usize {
-        self.n_kv_heads * self.head_dim
-    }
 }
 
 pub struct Layer {
@@ -145,24 +77,55 @@ struct TensorTable<'a> {
     numerics: Numerics,
 }
 
-impl TensorTable<'_> {
+impl<'a> TensorTable<'a> {
+    /// Index the table, refusing what no model file can hold: 0-D tensors, and the block formats
+    /// that exist only for activations (Q8_1, Q8_K).
+    fn new(file: &'a str, map: Arc<memmap2::Mmap>, tensors: &'a [TensorInfo], quant: QuantMode, numerics: Numerics) -> Result<Self> {
+        for t in tensors {
+            if t.shape.is_empty() || t.shape.contains(&0) {
+                return Err(Error::Gguf(format!(
+                    "{file}: tensor '{}' has shape {:?}; a weight needs at least one dimension and no empty one",
+                    t.name, t.shape
+                )));
+            }
+            if let Ok(ty @ (GgmlType::Q8_1 | GgmlType::Q8K)) = GgmlType::from_id(t.ty) {
+                return Err(Error::Gguf(format!(
+                    "{file}: tensor '{}' is stored as {}, a format llama.cpp uses only for activations, never for weights: the file is corrupt",
+                    t.name,
+                    ty.name()
+                )));
+            }
+        }
+        Ok(TensorTable { file, map, by_name: tensors.iter().map(|t| (t.name.as_str(), t)).collect(), quant, numerics })
+    }
+
+    /// How many transformer blocks the table holds tensors for (`blk.N.*`, N < blocks).
+    fn blocks(&self) -> usize {
+        self.by_name.keys().filter_map(|n| n.strip_prefix("blk.")?.split('.').next()?.parse::<usize>().ok()).map(|i| i + 1).max().unwrap_or(0)
+    }
+
     fn raw(&self, name: &str) -> Result<Weight> {
-        let t = self.by_name.get(name).ok_or_else(|| {
-            Error::Gguf(format!("{}: tensor '{name}' is missing; the file is incomplete or not a model of this architecture", self.file))
-        })?;
+        let t = self
+            .by_name
+            .get(name)
+            .ok_or_else(|| Error::Gguf(format!("{}: tensor '{name}' is missing; the file is incomplete or not a model of this architecture", self.file)))?;
         let ty = GgmlType::from_id(t.ty).map_err(|e| Error::Gguf(format!("{}: tensor '{name}': {e}", self.file)))?;
+        if t.shape.iter().skip(2).any(|&d| d > 1) {
+            // Expert stacks stay 3-D: a family that has them reads them as such.
+            return Err(Error::Gguf(format!("{}: tensor '{name}' has shape {:?} where a 2-D matrix belongs", self.file, t.shape)));
+        }
         let cols = t.shape[0] as usize;
-        let rows: usize = t.shape[1..].iter().product::<u64>() as usize;
+        let rows = t.shape.get(1).map_or(1, |&r| r as usize);
         if !cols.is_multiple_of(ty.block_len()) {
             return Err(Error::Gguf(format!("{}: tensor '{name}' has {cols} columns, not a multiple of the {} block", self.file, ty.name())));
         }
-        let len = ty.row_bytes(cols) * rows;
+        let len = ty.row_bytes(cols).saturating_mul(rows);
         let offset = t.offset as usize;
-        if offset + len > self.map.len() {
+        if offset.saturating_add(len) > self.map.len() {
             return Err(Error::Gguf(format!(
                 "{}: tensor '{name}' ends at byte {} but the file has {} bytes: the file is truncated (download it again)",
                 self.file,
-                offset + len,
+                offset.saturating_add(len),
                 self.map.len()
             )));
         }
@@ -181,10 +144,7 @@ impl TensorTable<'_> {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
         let w = self.raw(name)?;
         if w.rows != rows || w.cols != cols {
-            return Err(Error::Gguf(format!(
-                "{}: tensor '{name}' is {}x{} but the model's metadata implies {rows}x{cols}",
-                self.file, w.rows, w.cols
-            )));
+            return Err(Error::Gguf(format!("{}: tensor '{name}' is {}x{} but the model's metadata implies {rows}x{cols}", self.file, w.rows, w.cols)));
         }
         let w = match self.quant {
             QuantMode::Q8 if w.cols % 32 == 0 && w.ty != GgmlType::Q8_0 => convert_weight(&w, GgmlType::Q8_0),
@@ -222,56 +182,59 @@ impl TensorTable<'_> {
 
 impl Model {
     /// Map `path` and build the model from the tensor table and metadata the Python loader read.
-    pub fn load(
-        path: &Path,
-        arch: &str,
-        meta: &Metadata,
-        tensors: &[TensorInfo],
-        tokenizer: Tokenizer,
-        quant: QuantMode,
-        numerics: Numerics,
-    ) -> Result<Model> {
+    pub fn load(path: &Path, arch: &str, meta: &Metadata, tensors: &[TensorInfo], tokenizer: Tokenizer, quant: QuantMode, numerics: Numerics) -> Result<Model> {
         let desc = lookup_arch(arch).ok_or_else(|| {
-            Error::UnsupportedModel(format!(
-                "{}: architecture '{arch}' is not supported (supported: {})",
-                path.display(),
-                arch_names().join(", ")
-            ))
+            Error::UnsupportedModel(format!("{}: architecture '{arch}' is not supported (supported: {})", path.display(), arch_names().join(", ")))
         })?;
         let file = path.display().to_string();
-        let mut config = (desc.configure)(meta).map_err(|e| match e {
+        let in_file = |e: Error| match e {
             Error::Gguf(m) => Error::Gguf(format!("{file}: {m}")),
+            Error::UnsupportedModel(m) => Error::UnsupportedModel(format!("{file}: {m}")),
             other => other,
-        })?;
+        };
+        let mut config = (desc.configure)(meta).map_err(in_file)?;
         let f = std::fs::File::open(path).map_err(|e| Error::Gguf(format!("{file}: cannot open: {e}")))?;
         // SAFETY: the file is opened read-only and we never write through the map; a concurrent
         // truncation by another process is outside what any mmap-based loader can guard against.
         let map = Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Gguf(format!("{file}: cannot map: {e}")))?);
-        let table = TensorTable { file: &file, map, by_name: tensors.iter().map(|t| (t.name.as_str(), t)).collect(), quant, numerics };
+        let table = TensorTable::new(&file, map, tensors, quant, numerics)?;
+        config.validate(meta, table.blocks()).map_err(in_file)?;
 
         let tok_embd = table.raw("token_embd.weight")?;
         if tok_embd.cols != config.dim {
-            return Err(Error::Gguf(format!("{file}: token_embd.weight has width {} but embedding_length is {}", tok_embd.cols, config.dim)));
+            return Err(Error::Gguf(format!(
+                "{file}: metadata key '{}' is {} but token_embd.weight has rows of {} values",
+                meta.key("embedding_length"),
+                config.dim,
+                tok_embd.cols
+            )));
         }
         config.vocab_size = tok_embd.rows;
-        let (d, qd, kvd, hd) = (config.dim, config.q_dim(), config.kv_dim(), config.hidden_dim);
+        let (d, qd, kvd) = (config.dim, config.q_dim(), config.kv_dim());
         let mut layers = Vec::with_capacity(config.n_layers);
-        for il in 0..config.n_layers {
+        for (il, desc) in config.layers.iter().enumerate() {
             let n = |s: &str| format!("blk.{il}.{s}.weight");
+            let Mixer::Attention(a) = &desc.mixer;
+            let Ffn::Dense { hidden: hd, .. } = desc.ffn;
+            let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
             layers.push(Layer {
                 attn_norm: table.vector(&n("attn_norm"), d)?,
                 wq: table.matrix(&n("attn_q"), qd, d)?,
                 wk: table.matrix(&n("attn_k"), kvd, d)?,
                 wv: table.matrix(&n("attn_v"), kvd, d)?,
                 wo: table.matrix(&n("attn_output"), d, qd)?,
-                q_norm: if config.qk_norm { Some(table.vector(&n("attn_q_norm"), config.head_dim)?) } else { None },
-                k_norm: if config.qk_norm { Some(table.vector(&n("attn_k_norm"), config.head_dim)?) } else { None },
-                post_attn_norm: if config.post_norms { Some(table.vector(&n("post_attention_norm"), d)?) } else { table.opt_vector(&n("post_attention_norm"), d)? },
+                q_norm: norm(a.qk_norm, "attn_q_norm", config.head_dim)?,
+                k_norm: norm(a.qk_norm, "attn_k_norm", config.head_dim)?,
+                post_attn_norm: if desc.post_norms {
+                    Some(table.vector(&n("post_attention_norm"), d)?)
+                } else {
+                    table.opt_vector(&n("post_attention_norm"), d)?
+                },
                 ffn_norm: table.vector(&n("ffn_norm"), d)?,
                 w_gate: table.matrix(&n("ffn_gate"), hd, d)?,
                 w_up: table.matrix(&n("ffn_up"), hd, d)?,
                 w_down: table.matrix(&n("ffn_down"), d, hd)?,
-                post_ffn_norm: if config.post_norms { Some(table.vector(&n("post_ffw_norm"), d)?) } else { None },
+                post_ffn_norm: norm(desc.post_norms, "post_ffw_norm", d)?,
             });
         }
         let output_norm = table.vector("output_norm.weight", d)?;
@@ -281,11 +244,7 @@ impl Model {
             table.matrix("token_embd.weight", config.vocab_size, d)?
         };
         if tokenizer.n_vocab() != config.vocab_size {
-            return Err(Error::Gguf(format!(
-                "{file}: the tokenizer has {} tokens but token_embd.weight has {} rows",
-                tokenizer.n_vocab(),
-                config.vocab_size
-            )));
+            return Err(Error::Gguf(format!("{file}: the tokenizer has {} tokens but token_embd.weight has {} rows", tokenizer.n_vocab(), config.vocab_size)));
         }
         if numerics == Numerics::Ggml && !config.head_dim.is_multiple_of(32) {
             return Err(Error::UnsupportedModel(format!(
@@ -297,44 +256,31 @@ impl Model {
     }
 }
 
-/// The fields every family reads the same way, with llama's conventions for the rest; a family's
-/// `configure` starts from this and overrides what differs.
-pub(crate) fn base_config(m: &Metadata, arch: &str) -> crate::Result<Config> {
-    let dim = req(m, "embedding_length")? as usize;
-    let n_heads = req(m, "attention.head_count")? as usize;
-    let head_dim = opt(m, "attention.key_length", (dim / n_heads.max(1)) as f64) as usize;
-    let rope_base = opt(m, "rope.freq_base", 10000.0) as f32;
-    Ok(Config {
-        arch: arch.into(),
-        dim,
-        hidden_dim: req(m, "feed_forward_length")? as usize,
-        n_layers: req(m, "block_count")? as usize,
-        n_heads,
-        n_kv_heads: opt(m, "attention.head_count_kv", n_heads as f64) as usize,
-        head_dim,
-        vocab_size: 0,
-        seq_len: req(m, "context_length")? as usize,
-        rope_dim: opt(m, "rope.dimension_count", head_dim as f64) as usize,
-        rope_base,
-        rope_base_swa: rope_base,
-        rope_neox: false,
-        norm_eps: opt(m, "attention.layer_norm_rms_epsilon", 1e-5) as f32,
-        activation: Activation::Silu,
-        embed_scale: None,
-        qk_norm: false,
-        post_norms: false,
-        sliding_window: 0,
-        swa_pattern: 0,
-        attn_scale: 1.0 / (head_dim as f32).sqrt(),
-        scale_query: false,
-    })
-}
+impl Model {
+    /// The KV page layout of this model's attention layers.
+    pub fn kv_geometry(&self, page_rows: usize, codec: KvCodec) -> Geometry {
+        Geometry { n_layers: self.config.n_layers, kv_dim: self.config.kv_dim(), head_dim: self.config.head_dim, page_rows, codec }
+    }
 
-/// Read a required metadata key, with a message naming it when it is missing.
-pub(crate) fn req(meta: &Metadata, key: &str) -> Result<f64> {
-    meta.get(key).copied().ok_or_else(|| Error::Gguf(format!("metadata key '{key}' is missing")))
-}
-
-pub(crate) fn opt(meta: &Metadata, key: &str, default: f64) -> f64 {
-    meta.get(key).copied().unwrap_or(default)
+    /// Check that a pool of `geo` can hold this model's K/V.
+    pub fn check_kv(&self, geo: Geometry) -> Result<()> {
+        if geo != self.kv_geometry(geo.page_rows, geo.codec) {
+            return Err(Error::InvalidArgument("this KV pool was made for a model of another shape".into()));
+        }
+        if !geo.codec.supports(self.config.head_dim) {
+            return Err(Error::InvalidArgument(format!(
+                "the KV codec {:?} needs {}; this model's head size is {}: use f16",
+                geo.codec,
+                geo.codec.requirement(),
+                self.config.head_dim
+            )));
+        }
+        if self.numerics == Numerics::Ggml && geo.codec != KvCodec::F16 {
+            return Err(Error::InvalidArgument(format!(
+                "the KV codec {:?} has no counterpart in ggml's order; a model loaded with numerics='ggml' needs an f16 KV cache",
+                geo.codec
+            )));
+        }
+        Ok(())
+    }
 }

@@ -5,11 +5,10 @@
 //! Rows are computed with the same arithmetic whatever the batch, so a request's output does not
 //! depend on what else runs beside it.
 
-use crate::kv::{Geometry, KvCodec, KvPool};
+use crate::kv::{KvCodec, KvPool};
 use crate::model::Model;
-use crate::sampling::{self, Rng, SamplingParams};
+use crate::sampling::{self, SamplingParams};
 use crate::session::{eval_rows, BatchWorkspace, Session};
-use crate::tokenizer::Utf8Stream;
 use crate::{error, Error, Result};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -83,8 +82,6 @@ struct Stream {
     generated: usize,
     /// The last sampled token, to be fed by the next decode step.
     next: Option<u32>,
-    utf8: Utf8Stream,
-    rng: Rng,
     t_submit: Instant,
     t_first: Option<Instant>,
     /// Admission order: prefill chunks go to the oldest admitted stream first.
@@ -119,7 +116,15 @@ pub struct Scheduler {
 impl Scheduler {
     /// `page_rows > 0` gives the streams a paged pool with a prefix cache of at most
     /// `prefix_groups` pages (0: as many as the pool has room for).
-    pub fn new(model: Arc<Model>, max_streams: usize, max_queue: usize, chunk_tokens: usize, page_rows: usize, prefix_groups: usize, codec: KvCodec) -> Result<Self> {
+    pub fn new(
+        model: Arc<Model>,
+        max_streams: usize,
+        max_queue: usize,
+        chunk_tokens: usize,
+        page_rows: usize,
+        prefix_groups: usize,
+        codec: KvCodec,
+    ) -> Result<Self> {
         if max_streams == 0 || chunk_tokens == 0 {
             return Err(Error::InvalidArgument("max_streams and chunk_tokens must be at least 1".into()));
         }
@@ -128,8 +133,9 @@ impl Scheduler {
             let per_stream = m.config.seq_len.div_ceil(page_rows);
             // Room for every stream's whole context plus as much again for the cache; pages are
             // only allocated when written, so this bounds memory rather than reserving it.
-            let geo = Geometry::for_model(&m.config, page_rows, codec);
-            Some(KvPool::for_model(m, geo, 2 * max_streams * per_stream, prefix_groups)?)
+            let geo = m.kv_geometry(page_rows, codec);
+            m.check_kv(geo)?;
+            Some(KvPool::new(geo, 2 * max_streams * per_stream, prefix_groups)?)
         } else if codec != KvCodec::F16 {
             return Err(Error::InvalidArgument("a KV codec other than f16 needs the paged pool (page_rows > 0)".into()));
         } else {
@@ -237,8 +243,7 @@ impl Scheduler {
         let m = &*model;
         self.admit(m);
         let decoding: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).collect();
-        let mut prefilling: Vec<usize> =
-            (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.fed < s.req.prompt.len())).collect();
+        let mut prefilling: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.fed < s.req.prompt.len())).collect();
         prefilling.sort_by_key(|&i| self.slots[i].as_ref().map(|s| s.order));
         // A stream that has evaluated nothing yet attaches the longest cached prefix (one token
         // short of the prompt, so that its last token is evaluated and gives the first logits).
@@ -373,26 +378,14 @@ impl Scheduler {
             }
             let Some((req, t_submit)) = self.queue.pop_front() else { break };
             self.admitted += 1;
-            let rng = Rng::new(req.seed);
-            let session = match &self.pool {
+            let mut session = match &self.pool {
                 Some(p) => Session::paged(m, p).expect("the pool was made for this model"),
                 None => Session::new(m),
             };
+            session.record.reseed(req.seed);
             // The prefix cache is looked up in `step`, just before the stream's first chunk.
-            self.slots[slot] = Some(Stream {
-                in_kv: Vec::new(),
-                cached: 0,
-                req,
-                session,
-                fed: 0,
-                generated: 0,
-                next: None,
-                utf8: Utf8Stream::default(),
-                rng,
-                t_submit,
-                t_first: None,
-                order: self.admitted,
-            });
+            self.slots[slot] =
+                Some(Stream { in_kv: Vec::new(), cached: 0, req, session, fed: 0, generated: 0, next: None, t_submit, t_first: None, order: self.admitted });
         }
     }
 
@@ -403,17 +396,18 @@ impl Scheduler {
         // Log-probabilities are the model's own, before penalties and sampling settings.
         let lp = s.req.logprobs.map(|k| log_softmax_top(row, k));
         let tok = if sampling::is_plain_greedy(&s.req.params) {
-            sampling::argmax(row)
+            let tok = sampling::argmax(row);
+            s.session.record.push(tok);
+            tok
         } else {
             // Sampling rewrites its input: work on the session's own copy.
             let mut logits = std::mem::take(&mut s.session.logits);
             logits.clear();
             logits.extend_from_slice(row);
-            let tok = sampling::sample(&mut logits, &s.session.recent, &s.req.params, &mut s.rng);
+            let tok = s.session.record.sample(&mut logits, &s.req.params);
             s.session.logits = logits;
             tok
         };
-        s.session.recent.push(tok);
         s.generated += 1;
         if s.t_first.is_none() {
             s.t_first = Some(Instant::now());
@@ -424,11 +418,11 @@ impl Scheduler {
             events.push(ev);
             return;
         }
-        let mut text = s.utf8.push(&m.tokenizer.piece(tok, false));
+        let mut text = s.session.record.text(&m.tokenizer.piece(tok, false));
         // The next decode step would evaluate `tok` at position n_past: stop where that would overflow.
         let done = s.generated >= s.req.max_new || s.session.n_past() >= m.config.seq_len;
         if done {
-            text.push_str(&s.utf8.finish());
+            text.push_str(&s.session.record.finish_text());
         }
         events.push(SchedEvent {
             stream: i,

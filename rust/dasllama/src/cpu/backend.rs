@@ -1,0 +1,213 @@
+//! The CPU implementation of the backend boundary: the forward pass's ops on the thread team.
+//! Attention reads each session's K/V pages in place, decoding rows in the pool's codec.
+
+use super::{matmul_many, ops, Team, Weight};
+use crate::backend::{Activation, AttnShape, Numerics, Ops, RopeTable};
+use crate::kv::KvCache;
+
+/// The CPU ops of one forward pass: the team held spinning for it, and the activation buffer its
+/// matmuls quantize into.
+pub struct CpuOps<'a> {
+    pub team: &'a Team<'a>,
+    pub act: &'a mut Vec<u8>,
+    pub numerics: Numerics,
+}
+
+impl Ops for CpuOps<'_> {
+    fn matmul(&mut self, segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usize]) {
+        // One parallel pass when the weights share an input format, else one pass each.
+        let vt = segs[0].0.ty.vec_dot_type();
+        if segs.iter().all(|(w, _)| w.ty.vec_dot_type() == vt) {
+            matmul_many(segs, x, counts, self.act, self.team);
+        } else {
+            for (w, out) in segs.iter_mut() {
+                matmul_many(&mut [(w, out)], x, counts, self.act, self.team);
+            }
+        }
+    }
+
+    fn rms_norm(&mut self, x: &mut [f32], w: &[f32], eps: f32) {
+        x.chunks_exact_mut(w.len()).for_each(|r| ops::rms_norm(r, w, eps));
+    }
+
+    fn norm_rope(&mut self, x: &mut [f32], width: usize, head_dim: usize, norm: Option<&[f32]>, eps: f32, rope: &RopeTable) {
+        let each = |t: usize, row: &mut [f32]| {
+            let cache = rope.row(t);
+            for hv in row.chunks_exact_mut(head_dim) {
+                if let Some(w) = norm {
+                    ops::rms_norm(hv, w, eps);
+                }
+                ops::rope(hv, cache, rope.neox);
+            }
+        };
+        if x.len() / width >= 16 {
+            self.team.for_each_row_mut(x, width, &each);
+        } else {
+            x.chunks_exact_mut(width).enumerate().for_each(|(t, r)| each(t, r));
+        }
+    }
+
+    fn glu(&mut self, gate: &mut [f32], up: &[f32], width: usize, act: Activation) {
+        let glu = |t: usize, g: &mut [f32]| {
+            let u = &up[t * g.len()..(t + 1) * g.len()];
+            match act {
+                Activation::Silu => ops::swiglu(g, u),
+                Activation::GeluTanh => ops::geglu(g, u),
+            }
+        };
+        if gate.len() / width >= 16 {
+            self.team.for_each_row_mut(gate, width, &glu);
+        } else {
+            glu(0, gate);
+        }
+    }
+
+    fn add(&mut self, x: &mut [f32], y: &[f32]) {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+    }
+
+    fn attention(&mut self, a: &AttnShape, il: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]) {
+        match self.numerics {
+            Numerics::Fast => attention(a, kvs, il, rows, q, out, self.team),
+            Numerics::Ggml => attention_ggml(a, kvs, il, rows, counts, q, out, self.team),
+        }
+    }
+}
+
+/// Query heads as llama.cpp's attention takes them against an f16 cache: scaled first where the
+/// family scales queries, then rounded to f16.
+fn f16_queries(a: &AttnShape, q: &[f32], qs: &mut Vec<f32>) {
+    qs.clear();
+    qs.extend_from_slice(q);
+    if a.scale_query {
+        qs.iter_mut().for_each(|v| *v *= a.scale);
+    }
+    ops::round_f16_slice(qs);
+}
+
+thread_local! {
+    /// Queries and scores of the attention task a thread runs, kept for its next one (a task per
+    /// row, KV head and layer would otherwise allocate both, thousands of times a step).
+    static ATTENTION_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Causal attention of each new query row over its own session's cached K/V (which already holds
+/// the row's own position).
+/// Q and the softmax weights are rounded to f16 as llama.cpp does against its f16 cache.
+#[allow(clippy::too_many_arguments)]
+fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)], q: &[f32], out: &mut [f32], team: &Team) {
+    let window = a.window;
+    let (hdim, qd) = (a.head_dim, a.q_dim());
+    let group = a.n_heads / a.n_kv_heads;
+    let n = rows.len();
+    // One task per (row, KV head): the query heads sharing that KV head are contiguous in `q` and
+    // `out`, so each K and V row is decoded once for all of them.
+    let one = |idx: usize, o: &mut [f32]| {
+        let (t, kvh) = (idx / a.n_kv_heads, idx % a.n_kv_heads);
+        let (si, pos) = rows[t];
+        let lv = kvs[si].layer(il);
+        let codec = lv.codec();
+        let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        let nk = pos + 1 - start;
+        let base = t * qd + kvh * group * hdim;
+        // Rows come in runs that share a page (contiguous per head); a batch's KV outgrows L3,
+        // so the next run (after the last K run, the first V run) is fetched while one is read.
+        let fetch = |v: bool, from: usize| {
+            let next = lv.rows(v, kvh, from, pos + 1).next().or_else(|| if v { None } else { lv.rows(true, kvh, start, pos + 1).next() });
+            if let Some((_, run)) = next {
+                ops::prefetch(run);
+            }
+        };
+        fetch(false, start);
+        ATTENTION_SCRATCH.with_borrow_mut(|(qs, sc)| {
+            f16_queries(a, &q[base..base + group * hdim], qs);
+            codec.prepare_query(qs, hdim);
+            sc.clear();
+            sc.resize(group * nk, 0.0);
+            for (first, run) in lv.rows(false, kvh, start, pos + 1) {
+                let cnt = run.len() / codec.bytes(hdim);
+                fetch(false, first + cnt);
+                codec.dot_rows(qs, hdim, run, cnt, &mut sc[first - start..], nk);
+            }
+            for sg in sc.chunks_exact_mut(nk) {
+                ops::attention_weights(sg, a.score_scale());
+            }
+            o.fill(0.0);
+            for (first, run) in lv.rows(true, kvh, start, pos + 1) {
+                let cnt = run.len() / codec.bytes(hdim);
+                fetch(true, first + cnt);
+                codec.axpy_rows(o, hdim, &sc[first - start..], nk, run, cnt);
+            }
+            codec.finish_output(o, hdim);
+        });
+    };
+    let work: usize = rows.iter().map(|r| r.1 + 1).sum::<usize>() * a.n_heads;
+    let width = group * hdim;
+    if work * hdim > 1 << 16 {
+        team.for_each_chunk_mut(&mut out[..n * qd], width, &one);
+    } else {
+        out[..n * qd].chunks_exact_mut(width).enumerate().for_each(|(i, o)| one(i, o));
+    }
+}
+
+/// Attention in ggml's order (`Numerics::Ggml`), as llama.cpp computes it without flash attention
+/// against an f16 cache: Q and the softmax weights rounded to f16; a session evaluating several
+/// tokens goes through tinyBLAS (lane dots), one evaluating a single token through
+/// `ggml_vec_dot_f16`; softmax over whole groups of eight cells with the masked ones at -inf.
+/// Plain loops over decoded rows: this is the conformance path, not the fast one.
+#[allow(clippy::too_many_arguments)]
+fn attention_ggml(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32], team: &Team) {
+    use crate::quant::ggml::{lane_dot, vec_dot_f16};
+    let window = a.window;
+    let (hdim, qd) = (a.head_dim, a.q_dim());
+    let group = a.n_heads / a.n_kv_heads;
+    let one = |idx: usize, o: &mut [f32]| {
+        let (t, kvh) = (idx / a.n_kv_heads, idx % a.n_kv_heads);
+        let (si, pos) = rows[t];
+        let single = counts[si] == 1;
+        let lv = kvs[si].layer(il);
+        assert_eq!(lv.codec(), crate::kv::KvCodec::F16, "ggml numerics run on an f16 cache (checked at pool creation)");
+        let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        // K and V of cells 0..=pos as f32 (cells before the window stay zero: their weight is 0).
+        let cells = (pos + 1).next_multiple_of(32);
+        let mut kf = vec![0.0f32; cells * hdim];
+        let mut vt = vec![0.0f32; hdim * cells]; // transposed, as llama.cpp stores V
+        for (v, dst) in [(false, &mut kf), (true, &mut vt)] {
+            for (first, run) in lv.rows(v, kvh, start, pos + 1) {
+                for (r, row) in run.chunks_exact(2 * hdim).enumerate() {
+                    for i in 0..hdim {
+                        let x = crate::quant::rd_f16(row, 2 * i);
+                        if v {
+                            dst[i * cells + first + r] = x;
+                        } else {
+                            dst[(first + r) * hdim + i] = x;
+                        }
+                    }
+                }
+            }
+        }
+        let dot = if single { vec_dot_f16 } else { lane_dot };
+        let mut sc = vec![0.0f32; cells];
+        for g in 0..group {
+            let base = t * qd + (kvh * group + g) * hdim;
+            let mut qs = Vec::new();
+            f16_queries(a, &q[base..base + hdim], &mut qs);
+            sc.fill(f32::NEG_INFINITY);
+            for j in start..=pos {
+                sc[j] = dot(&kf[j * hdim..(j + 1) * hdim], &qs) * a.score_scale();
+            }
+            let live = (pos + 1).next_multiple_of(8);
+            ops::softmax(&mut sc[..live]);
+            sc[live..].fill(0.0);
+            ops::round_f16_slice(&mut sc);
+            for (i, ov) in o[g * hdim..(g + 1) * hdim].iter_mut().enumerate() {
+                *ov = dot(&vt[i * cells..(i + 1) * cells], &sc);
+            }
+        }
+    };
+    if rows.len() * a.n_kv_heads > 1 {
+        team.for_each_chunk_mut(&mut out[..rows.len() * qd], group * hdim, &one);
+    } else {
+        one(0, &mut out[..qd]);
+    }
+}

@@ -1,0 +1,206 @@
+//! What the forward pass needs to know about a model: the sizes every layer shares, and one
+//! description per layer (its token mixer and its FFN), built by the family's file from typed
+//! metadata. The skeleton walks the layer list; it never tests a family name.
+
+use super::meta::Metadata;
+pub use crate::backend::Activation;
+use crate::backend::AttnShape;
+use crate::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// Leading values of each head that rotate (the rest pass through).
+    pub dim: usize,
+    pub base: f32,
+    /// NEOX pairing (i, i + dim/2) instead of adjacent pairs (2i, 2i + 1).
+    pub neox: bool,
+}
+
+/// Causal self-attention over the session's K/V pages of this layer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Attention {
+    pub rope: Rope,
+    /// Keys older than this many positions are not attended (0: the whole context).
+    pub window: usize,
+    /// RMS-norm each query and key head (weights `attn_q_norm`, `attn_k_norm`).
+    pub qk_norm: bool,
+    pub scale: f32,
+    /// `scale` multiplies the queries (before their f16 rounding) instead of the scores, as
+    /// llama.cpp's gemma graphs do; it matters where small queries round to f16 subnormals.
+    pub scale_query: bool,
+}
+
+impl Attention {
+    /// What the backend needs to know of this layer's attention.
+    pub fn shape(&self, c: &Config) -> AttnShape {
+        AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, window: self.window, scale: self.scale, scale_query: self.scale_query }
+    }
+}
+
+/// How a layer mixes positions. Recurrent mixers (DeltaNet) go here beside attention, with
+/// their state in the session's per-layer state.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mixer {
+    Attention(Attention),
+}
+
+/// The position-wise network of a layer. Routed experts go here beside the dense GLU.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Ffn {
+    /// down(act(gate(x)) * up(x))
+    Dense { hidden: usize, act: Activation },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerDesc {
+    pub mixer: Mixer,
+    pub ffn: Ffn,
+    /// RMS-norm the mixer's and the FFN's outputs before the residual add (gemma2/3).
+    pub post_norms: bool,
+}
+
+/// Sizes every layer shares, and the layers.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub arch: String,
+    pub dim: usize,
+    pub n_layers: usize,
+    /// Attention geometry, shared by every attention layer (their K/V share one page layout).
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub seq_len: usize,
+    pub norm_eps: f32,
+    /// Multiply token embeddings by this (gemma: sqrt(dim)).
+    pub embed_scale: Option<f32>,
+    pub layers: Vec<LayerDesc>,
+}
+
+impl Config {
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Every distinct RoPE of the attention layers (the forward pass tabulates each once).
+    pub fn ropes(&self) -> Vec<Rope> {
+        let mut out: Vec<Rope> = Vec::new();
+        for l in &self.layers {
+            let Mixer::Attention(a) = &l.mixer;
+            if !out.contains(&a.rope) {
+                out.push(a.rope);
+            }
+        }
+        out
+    }
+
+    /// The largest FFN width (scratch sizing).
+    pub fn max_hidden(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l.ffn {
+                Ffn::Dense { hidden, .. } => hidden,
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Check the sizes against each other, naming the metadata key that is wrong. `blocks`: how
+    /// many `blk.N.` blocks the tensor table holds.
+    pub fn validate(&self, meta: &Metadata, blocks: usize) -> Result<()> {
+        let bad = |key: &str, msg: String| Err(Error::Gguf(format!("metadata key '{}' {msg}", meta.key(key))));
+        if self.n_layers > blocks {
+            return bad("block_count", format!("is {} but the file holds tensors for {blocks} blocks", self.n_layers));
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return bad("attention.head_count_kv", format!("is {}, which does not divide attention.head_count ({})", self.n_kv_heads, self.n_heads));
+        }
+        if self.head_dim < 2 || !self.head_dim.is_multiple_of(2) {
+            return bad("attention.key_length", format!("is {}; a head needs an even size of at least 2", self.head_dim));
+        }
+        if let Some(v) = meta.size("attention.value_length")? {
+            if v != self.head_dim {
+                return Err(Error::UnsupportedModel(format!(
+                    "metadata key '{}' is {v} but attention.key_length is {}: heads with different K and V sizes are not supported",
+                    meta.key("attention.value_length"),
+                    self.head_dim
+                )));
+            }
+        }
+        for l in &self.layers {
+            let Mixer::Attention(a) = &l.mixer;
+            if a.rope.dim > self.head_dim || a.rope.dim < 2 || !a.rope.dim.is_multiple_of(2) {
+                return bad("rope.dimension_count", format!("is {}; it must be even, at least 2 and at most the head size {}", a.rope.dim, self.head_dim));
+            }
+            if !(a.rope.base.is_finite() && a.rope.base > 0.0) {
+                return bad("rope.freq_base", format!("gives a RoPE base of {}", a.rope.base));
+            }
+        }
+        if self.layers.len() != self.n_layers {
+            return Err(Error::Internal(format!("the {} family described {} layers of {}", self.arch, self.layers.len(), self.n_layers)));
+        }
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return bad("attention.layer_norm_rms_epsilon", format!("is {}; it must be a small positive number", self.norm_eps));
+        }
+        Ok(())
+    }
+}
+
+/// The fields every family reads the same way, with llama's conventions for the rest; a family
+/// starts from this and overrides what differs.
+pub(crate) fn base_config(m: &Metadata, arch: &str, layer: impl Fn(usize, &Shared) -> LayerDesc) -> Result<Config> {
+    let dim = m.req_positive("embedding_length")?;
+    let n_heads = m.req_positive("attention.head_count")?;
+    let n_layers = m.req_positive("block_count")?;
+    let n_kv_heads = match m.sizes_per_layer("attention.head_count_kv", n_layers)? {
+        None => n_heads,
+        Some(v) if v.iter().all(|&x| x == v[0]) && v[0] > 0 => v[0],
+        Some(v) if v.contains(&0) => {
+            return Err(Error::Gguf(format!("metadata key '{}' is 0; it must be at least 1", m.key("attention.head_count_kv"))));
+        }
+        Some(_) => return Err(Error::UnsupportedModel(format!("metadata key '{}' varies by layer, which is not supported", m.key("attention.head_count_kv")))),
+    };
+    let head_dim = match m.size("attention.key_length")? {
+        Some(h) => h,
+        None if dim.is_multiple_of(n_heads) => dim / n_heads,
+        None => {
+            return Err(Error::Gguf(format!(
+                "metadata key '{}' ({dim}) is not a multiple of '{}' ({n_heads}) and attention.key_length is absent",
+                m.key("embedding_length"),
+                m.key("attention.head_count")
+            )))
+        }
+    };
+    let hidden = m.req_positive("feed_forward_length")?;
+    let shared = Shared {
+        hidden,
+        rope: Rope { dim: m.size("rope.dimension_count")?.unwrap_or(head_dim), base: m.positive_or("rope.freq_base", 10000.0)? as f32, neox: false },
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        window: m.size("attention.sliding_window")?.unwrap_or(0),
+    };
+    Ok(Config {
+        arch: arch.into(),
+        dim,
+        n_layers,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        vocab_size: 0,
+        seq_len: m.req_positive("context_length")?,
+        norm_eps: m.positive_or("attention.layer_norm_rms_epsilon", 1e-5)? as f32,
+        embed_scale: None,
+        layers: (0..n_layers).map(|il| layer(il, &shared)).collect(),
+    })
+}
+
+/// Per-layer values read once by `base_config`, for the family's layer builder.
+pub(crate) struct Shared {
+    pub hidden: usize,
+    pub rope: Rope,
+    pub scale: f32,
+    /// `attention.sliding_window` (0 if absent).
+    pub window: usize,
+}
