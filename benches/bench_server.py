@@ -85,7 +85,7 @@ async def load(base: str, conc: int, n_req: int, max_tokens: int) -> dict[str, f
     ttfts = sorted(r[0] for r in results if r[0] == r[0]) or [float("nan")]
     itls = sorted(x for r in results for x in r[1]) or [float("nan")]
     toks = sum(r[2] for r in results)
-    pct = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+    pct = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]
     return {"failed": failed, "rps": (n_req - failed) / wall, "tok_s": toks / wall, "ttft50": statistics.median(ttfts), "ttft99": pct(ttfts, 0.99), "itl50": statistics.median(itls), "itl99": pct(itls, 0.99)}
 
 

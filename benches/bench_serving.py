@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--plot", default="benches/serving.png")
     args = ap.parse_args()
     m = dl.load_model(args.model)
-    median = lambda runs: sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]  # noqa: E731
+    median = lambda runs: sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
     runs: dict[int, tuple[list, list]] = {n: ([], []) for n in args.streams}
     # Machines drift in speed over minutes: every repeat visits every configuration, batched and
     # one at a time alternating, so the drift falls on all of them alike. Fresh ids (a cold

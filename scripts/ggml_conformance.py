@@ -25,10 +25,10 @@ FORMATS = ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K",
 IDS = [1, 261, 262, 263, 5, 70, 80, 90, 100]
 STEPS = [110, 120, 130]
 
-CHILD = """
+CHILD = f"""
 import sys, numpy as np
 path, engine, out = sys.argv[1:4]
-ids, steps = {ids}, {steps}
+ids, steps = {IDS}, {STEPS}
 if engine == "llama.cpp":
     from llama_cpp import Llama
     llm = Llama(model_path=path, n_ctx=64, n_threads=2, logits_all=True, verbose=False)
@@ -43,12 +43,13 @@ else:
     s = dl.create_session(m)
     rows = [dl.eval(m, s, ids)] + [dl.eval(m, s, [t]) for t in steps]
 np.save(out, np.stack(rows))
-""".format(ids=IDS, steps=STEPS)
+"""
 
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from gguf import GGMLQuantizationType as QT
+
     from synthetic import write_model
 
     failed = 0

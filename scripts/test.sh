@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole test suite: Rust unit and kernel tests, then pytest against the real models
-# (fetched through dasllama's own fetcher on first use). Works on a fresh machine with Rust and
-# Python 3.9+; everything else it installs into .venv.
+# The whole test suite: lints (rustfmt, clippy, ruff), Rust unit and kernel tests, the type stubs
+# against the built module, then pytest against the real models (fetched through dasllama's own
+# fetcher on first use), and the golden subset once more on the scalar kernels. Works on a fresh
+# machine with Rust and Python 3.9+; everything else it installs into .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,5 +13,13 @@ fi
 python -m pip install -q --upgrade pip
 python -m pip install -q -e '.[test]'
 
+cargo fmt --all --check
+cargo clippy --release --all-targets -p dasllama -p dasllama-py -- -D warnings
+ruff check python tests benches examples scripts
+python -m mypy.stubtest dasllama._native --allowlist scripts/stubtest-allowlist.txt
+
 cargo test --release -p dasllama
 python -m pytest -q tests "$@"
+# The scalar twins end to end: every SIMD kernel off (read once per process, hence a process of
+# its own), the golden comparisons must still hold.
+DASLLAMA_NO_SIMD=1 DASLLAMA_GOLDEN_STEPS=6 python -m pytest -q tests/test_golden.py -k "first_step_matches or all_steps_close"

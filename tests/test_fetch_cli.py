@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import dasllama as dl
+
 fetch_mod = importlib.import_module("dasllama.fetch")  # the package re-exports the function under the same name
 
 
@@ -20,7 +21,7 @@ def test_existing_path_passes_through(tmp_path: Path) -> None:
 
 
 def test_unknown_name_says_what_to_do() -> None:
-    with pytest.raises(dl.FetchError, match="unknown model 'nonesuch'.*smollm2-135m-instruct"):
+    with pytest.raises(dl.FetchError, match=r"unknown model 'nonesuch'.*smollm2-135m-instruct"):
         dl.fetch("nonesuch")
 
 
@@ -55,17 +56,17 @@ def test_bad_checksum_deletes_the_download(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_generate_cli(smollm: dl.Model) -> None:
-    r = subprocess.run([sys.executable, "-m", "dasllama.generate", "-n", "8", "The capital of France is"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "dasllama.generate", "-n", "8", "The capital of France is"], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The capital of France is") and len(r.stdout) > len("The capital of France is") + 3
 
 
 def test_chat_cli(smollm: dl.Model) -> None:
-    r = subprocess.run([sys.executable, "-m", "dasllama.chat", "--temp", "0", "--max-new", "16"], input="What is 2+2?\n\n", capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "dasllama.chat", "--temp", "0", "--max-new", "16"], input="What is 2+2?\n\n", capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert "4" in r.stdout
 
 
 def test_generate_cli_bad_model() -> None:
-    r = subprocess.run([sys.executable, "-m", "dasllama.generate", "-m", "/no/such.gguf", "hi"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "dasllama.generate", "-m", "/no/such.gguf", "hi"], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 1 and "no such file" in r.stderr

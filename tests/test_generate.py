@@ -39,8 +39,8 @@ def test_greedy_is_argmax(smollm: dl.Model) -> None:
 
 def test_same_seed_same_tokens(smollm: dl.Model) -> None:
     ids = dl.encode(smollm, PROMPT)
-    p = lambda seed: dl.SamplingParams(temp=0.8, top_k=40, top_p=0.95, penalty=1.1, seed=seed)  # noqa: E731
-    run = lambda seed: dl.generate(smollm, dl.create_session(smollm), ids, p(seed), 24)  # noqa: E731
+    p = lambda seed: dl.SamplingParams(temp=0.8, top_k=40, top_p=0.95, penalty=1.1, seed=seed)
+    run = lambda seed: dl.generate(smollm, dl.create_session(smollm), ids, p(seed), 24)
     assert run(7) == run(7)
     assert run(7) != run(8)
 

@@ -214,7 +214,7 @@ def test_prefix_cache_hits_give_the_same_output(smollm: dl.Model) -> None:
         c = dl.create_chat_renderer(smollm, system)
         dl.add_user(c, q)
         chats.append(c)
-    reqs = lambda base: [  # noqa: E731
+    reqs = lambda base: [
         dl.PendingReq(id=base + i, prompt=dl.render_turn(smollm, c), close_toks=dl.render_close(smollm, c), stop_ids=dl.turn_stop_ids(c), max_new=MAX_NEW)
         for i, c in enumerate(chats)
     ]

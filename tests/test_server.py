@@ -119,7 +119,7 @@ def test_stop_strings_are_never_emitted(client: openai.OpenAI) -> None:
 
 
 def test_seed_reproducibility_and_n(client: openai.OpenAI) -> None:
-    ask = lambda seed: client.completions.create(model="smollm", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed, n=2)  # noqa: E731
+    ask = lambda seed: client.completions.create(model="smollm", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed, n=2)
     a, b, c = ask(7), ask(7), ask(8)
     assert [x.text for x in a.choices] == [x.text for x in b.choices]
     assert [x.text for x in a.choices] != [x.text for x in c.choices]

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
-from synthetic import reference_logits, write_model
 
 import dasllama as dl
+from synthetic import reference_logits, write_model
 
 IDS = [1, 261, 262, 263, 5, 70, 80, 90, 100]
 FORMATS = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]

@@ -11,4 +11,4 @@ class TemplateError(DasllamaError):
     """The model's chat template is missing or failed to render."""
 
 
-__all__ = ["DasllamaError", "GgufError", "UnsupportedModelError", "ContextOverflowError", "KvPoolFullError", "EngineError", "FetchError", "TemplateError"]
+__all__ = ["ContextOverflowError", "DasllamaError", "EngineError", "FetchError", "GgufError", "KvPoolFullError", "TemplateError", "UnsupportedModelError"]

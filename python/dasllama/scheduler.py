@@ -87,14 +87,19 @@ def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:
     return more
 
 
-def evict(m: Model, sch: Scheduler, id: int, events: list[SchedEvent]) -> bool:  # noqa: A002 - the seed's name
+def evict(m: Model, sch: Scheduler, id: int, events: list[SchedEvent]) -> bool:
     """Drop request ``id`` (queued or running) at once; a finished(evicted) event reports it."""
     found, evs = _native.evict(m._native, sch, int(id))
     events.extend(evs)
     return found
 
 
-def _inject_fault(sch: Scheduler, id: int) -> bool:  # noqa: A002
+def kv_page_bytes(m: Model, page_rows: int, kv_dtype: KVDtype | str = KVDtype.f16) -> int:
+    """Bytes one KV page of ``page_rows`` positions takes for ``m`` (every layer's K and V)."""
+    return _native.kv_page_bytes(m._native, page_rows, check_kv_dtype(kv_dtype))
+
+
+def _inject_fault(sch: Scheduler, id: int) -> bool:
     """Test hook: the next evaluation that includes request ``id`` fails inside the engine."""
     return _native._inject_stream_fault(sch, int(id))
 

@@ -23,7 +23,7 @@ log = logging.getLogger("dasllama.serve")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m dasllama.serve", description="OpenAI-compatible server for GGUF models.")
-    ap.add_argument("--model", action="append", help="a .gguf path or known model name; repeat to serve several (default: %s)" % DEFAULT_MODEL)
+    ap.add_argument("--model", action="append", help=f"a .gguf path or known model name; repeat to serve several (default: {DEFAULT_MODEL})")
     ap.add_argument("--alias", action="append", help="the name clients use for the matching --model (default: the model's name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--page-rows", type=int, default=16, help="KV page size; 0 turns the paged pool and prefix cache off")
     ap.add_argument("--ctx", type=int, default=0, help="cap on the context per request (0: the model's)")
     ap.add_argument("--kv-dtype", default="f16", choices=[k.value for k in KVDtype])
+    ap.add_argument("--prefix-cache-mb", type=float, default=256, help="memory the prefix cache may keep per model, in MiB")
     ap.add_argument("--numerics", default="fast", choices=["fast", "ggml"], help="ggml: logits bit for bit those of llama.cpp's AVX2 CPU build (slower; f16 KV only)")
     ap.add_argument("--max-prompt-bytes", type=int, default=0, help="refuse prompts longer than this many bytes before any tokenizer work (0: 16 per token of context)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
@@ -44,8 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("streams", "queue", "chunk"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
-    if args.page_rows < 0 or args.ctx < 0 or args.max_prompt_bytes < 0:
-        ap.error("--page-rows, --ctx and --max-prompt-bytes must be >= 0")
+    if args.page_rows < 0 or args.ctx < 0 or args.max_prompt_bytes < 0 or args.prefix_cache_mb <= 0:
+        ap.error("--page-rows, --ctx and --max-prompt-bytes must be >= 0, --prefix-cache-mb > 0")
     if KVDtype(args.kv_dtype) is not KVDtype.f16 and args.page_rows == 0:
         ap.error(f"--kv-dtype {args.kv_dtype} needs the paged pool (--page-rows > 0)")
     return args
@@ -67,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.ctx:
                     m.config["seq_len"] = min(int(m.config["seq_len"]), args.ctx)
                 name = args.alias[i] if args.alias else m.path.stem
-                server.engines[name] = Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype)
+                server.engines[name] = Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb)
                 server.default = server.default or name
                 log.info("serving %s as '%s'", m.path.name, name)
             server.ready = True
-        except BaseException as e:  # surfaced below: the server exits non-zero
+        except BaseException as e:  # noqa: BLE001 - surfaced below: the server exits non-zero
             failed.append(e)
             log.error("could not load the model: %s", e)
             os_kill()
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGINT/SIGTERM are ours: stop admitting, let running requests finish, exit 0. (uvicorn's
         # own handler re-raises the signal after shutdown, which would exit non-zero.)
         @contextlib.contextmanager
-        def capture_signals(self):  # noqa: ANN202
+        def capture_signals(self):
             yield
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)

@@ -93,7 +93,7 @@ def _num(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, kind):
-        raise ApiError(400, f"'{key}' must be a {'number' if kind != int else 'integer'}, got {type(v).__name__}", param=key, code="invalid_type")
+        raise ApiError(400, f"'{key}' must be a {'number' if kind is not int else 'integer'}, got {type(v).__name__}", param=key, code="invalid_type")
     if isinstance(v, float) and not math.isfinite(v):
         raise ApiError(400, f"'{key}' must be finite", param=key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -393,7 +393,7 @@ def build_app(server: Server) -> Starlette:
         if auth != f"Bearer {server.api_key}":
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
-    def guarded(handler):  # noqa: ANN001, ANN202
+    def guarded(handler):
         async def wrapped(request: Request) -> Response:
             try:
                 if not server.ready:
@@ -533,13 +533,14 @@ def build_app(server: Server) -> Starlette:
             await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
-            if not work.done():
+            hung_up = not work.done()
+            if hung_up:
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
                 for g in gens:
                     await g.aclose()
-        if work.cancelled():
-            return Response(status_code=499)
+        if hung_up:
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         results = work.result()
         usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results)}
         choices = []

@@ -60,10 +60,15 @@ class EngineDead(RuntimeError):
 
 
 class Engine:
-    def __init__(self, m: Model, name: str, streams: int, queue: int, chunk: int, page_rows: int, kv_dtype: str = "f16") -> None:
+    def __init__(self, m: Model, name: str, streams: int, queue: int, chunk: int, page_rows: int, kv_dtype: str = "f16", prefix_cache_mb: float = 256) -> None:
         self.m = m
         self.name = name
-        self.sch = sched.create_scheduler(m, max_streams=streams, max_queue=queue, chunk_tokens=chunk, page_rows=page_rows, kv_dtype=sched.KVDtype(kv_dtype))
+        # The prefix cache keeps what finished streams leave behind: bounded, or a long-running
+        # server's memory would grow with every new conversation until the pool is full.
+        groups = max(1, int(prefix_cache_mb * 2**20 // sched.kv_page_bytes(m, page_rows, kv_dtype))) if page_rows else 0
+        self.sch = sched.create_scheduler(
+            m, max_streams=streams, max_queue=queue, chunk_tokens=chunk, page_rows=page_rows, prefix_groups=groups, kv_dtype=sched.KVDtype(kv_dtype)
+        )
         # Handlers append (op, ...) tuples; deque appends and pops are atomic, so no lock is held
         # across a step.
         self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -118,7 +123,7 @@ class Engine:
                 _, req, sub, fut = op
                 try:
                     ok = self.admitting and sched.submit(self.m, self.sch, req)
-                except Exception as e:  # the request's fault (bad ids, too long): its handler says so
+                except Exception as e:  # noqa: BLE001 - the request's fault (bad ids, too long): its handler says so
                     _resolve(sub.loop, fut, exc=e)
                     continue
                 if ok:
@@ -138,7 +143,7 @@ class Engine:
     def _main(self) -> None:
         try:
             self._run()
-        except BaseException as e:  # noqa: BLE001 - the thread must report any death, then end
+        except BaseException as e:
             self.dead = f"the engine thread of '{self.name}' died: {type(e).__name__}: {e}"
             log.exception("%s", self.dead)
             for sub in self._subs.values():

@@ -64,10 +64,7 @@ impl Team {
         });
         for i in 1..n {
             let s = shared.clone();
-            std::thread::Builder::new()
-                .name(format!("dasllama-team-{i}"))
-                .spawn(move || worker(&s))
-                .expect("failed to start a dasllama worker thread");
+            std::thread::Builder::new().name(format!("dasllama-team-{i}")).spawn(move || worker(&s)).expect("failed to start a dasllama worker thread");
         }
         Team { shared, lock: Mutex::new(()), n }
     }
@@ -196,48 +193,6 @@ pub mod inject {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::AtomicU32;
-
-    #[test]
-    fn a_panicking_task_is_raised_after_the_loop_and_the_team_goes_on() {
-        let t = Team::new(3);
-        for bad in [0usize, 5, 63] {
-            let hits: Vec<AtomicU32> = (0..64).map(|_| AtomicU32::new(0)).collect();
-            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                t.session(|s| {
-                    s.parallel_for(64, &|i| {
-                        hits[i].fetch_add(1, Ordering::Relaxed);
-                        assert!(i != bad, "task {i} fails");
-                    })
-                })
-            }));
-            let msg = r.expect_err("the panic reaches the caller");
-            assert_eq!(msg.downcast_ref::<String>().map(String::as_str), Some(format!("task {bad} fails").as_str()));
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "every other task still ran once");
-            let n = AtomicU32::new(0);
-            t.session(|s| s.parallel_for(100, &|_| drop(n.fetch_add(1, Ordering::Relaxed))));
-            assert_eq!(n.load(Ordering::Relaxed), 100);
-        }
-    }
-
-    #[test]
-    fn every_task_runs_exactly_once() {
-        let t = Team::new(3);
-        t.session(|s| {
-            for n in [1usize, 2, 7, 64, 1000] {
-                let hits: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
-                s.parallel_for(n, &|i| {
-                    hits[i].fetch_add(1, Ordering::Relaxed);
-                });
-                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
-            }
-        });
-    }
-}
-
 /// Chunks of one slice handed to different tasks.
 struct SlicePtr<T>(*mut T, usize);
 impl<T> Clone for SlicePtr<T> {
@@ -275,6 +230,52 @@ impl Session<'_> {
         self.for_each_chunk_mut(data, chunk * per, &|i, run| {
             for (j, c) in run.chunks_mut(chunk).enumerate() {
                 f(i * per + j, c);
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn a_panicking_task_is_raised_after_the_loop_and_the_team_goes_on() {
+        let t = Team::new(3);
+        for bad in [0usize, 5, 63] {
+            let hits: Vec<AtomicU32> = (0..64).map(|_| AtomicU32::new(0)).collect();
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                t.session(|s| {
+                    s.parallel_for(64, &|i| {
+                        hits[i].fetch_add(1, Ordering::Relaxed);
+                        assert!(i != bad, "task {i} fails");
+                    })
+                })
+            }));
+            let msg = r.expect_err("the panic reaches the caller");
+            assert_eq!(msg.downcast_ref::<String>().map(String::as_str), Some(format!("task {bad} fails").as_str()));
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "every other task still ran once");
+            let n = AtomicU32::new(0);
+            t.session(|s| {
+                s.parallel_for(100, &|_| {
+                    n.fetch_add(1, Ordering::Relaxed);
+                })
+            });
+            assert_eq!(n.load(Ordering::Relaxed), 100);
+        }
+    }
+
+    #[test]
+    fn every_task_runs_exactly_once() {
+        let t = Team::new(3);
+        t.session(|s| {
+            for n in [1usize, 2, 7, 64, 1000] {
+                let hits: Vec<AtomicU32> = (0..n).map(|_| AtomicU32::new(0)).collect();
+                s.parallel_for(n, &|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
             }
         });
     }

@@ -175,12 +175,7 @@ pub(crate) unsafe fn hsum(v: __m256) -> f32 {
 #[inline(always)]
 unsafe fn bytes_from_bits(p: *const u8) -> __m256i {
     let x = (p as *const u32).read_unaligned() as i32;
-    let shuf = _mm256_set_epi64x(
-        0x0303030303030303,
-        0x0202020202020202,
-        0x0101010101010101,
-        0x0000000000000000,
-    );
+    let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000);
     let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x), shuf);
     let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
     _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1))
@@ -289,7 +284,13 @@ trait Fmt {
     /// GGUF block bytes.
     const WBYTES: usize = Self::HEAD + Self::QROW;
     /// log2 of the zero point of unsigned values without mins (Q4_0: 8, Q5_0: 16), 0 for none.
-    const ZSHIFT: i32 = if Self::MIN || Self::SIGNED { 0 } else if Self::FIVE { 4 } else { 3 };
+    const ZSHIFT: i32 = if Self::MIN || Self::SIGNED {
+        0
+    } else if Self::FIVE {
+        4
+    } else {
+        3
+    };
     /// Activation block bytes (q8_1: 36, q8_0: 34) and the offset of their quants.
     const ABYTES: usize = if Self::MIN { 36 } else { 34 };
     const AQ: usize = Self::ABYTES - 32;
@@ -391,11 +392,7 @@ const PREFETCH: usize = 4096;
 /// eight outputs. Several tiles at once (decode) read several streams, which keeps more memory
 /// requests in flight than one stream per core can.
 #[inline(always)]
-unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(
-    t: *const u8,
-    a: [*const u8; R],
-    nb: usize,
-) -> [[__m256; R]; T] {
+unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nb: usize) -> [[__m256; R]; T] {
     let tile_bytes = 8 * nb * F::WBYTES;
     let tiles: [*const u8; T] = std::array::from_fn(|k| t.add(k * tile_bytes));
     // Activation rows end with d[nb] (f32), then q8_1's s[nb] (f32) or q8_0's block sums (i32).

@@ -5,11 +5,11 @@
 //! f16/bf16 for half-precision weights): that rounding is part of the numbers llama.cpp produces, so
 //! matching it is what lets us agree with llama.cpp to a few hundredths of a nat.
 
-pub mod tile;
-pub mod scalar;
-pub mod ggml;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+pub mod ggml;
+pub mod scalar;
+pub mod tile;
 
 use crate::{Error, Result};
 use half::{bf16, f16};

@@ -75,15 +75,7 @@ pub fn dot_bf16(w: &[u8], a: &[u8], n: usize) -> f32 {
 
 /// Shared body of the 32-value formats: `wq(block, j)` yields the j-th integer weight.
 #[inline(always)]
-fn dot_32<F: Fn(&[u8], usize) -> i32>(
-    w: &[u8],
-    a: &[u8],
-    n: usize,
-    wbytes: usize,
-    abytes: usize,
-    min_at: Option<usize>,
-    wq: F,
-) -> f32 {
+fn dot_32<F: Fn(&[u8], usize) -> i32>(w: &[u8], a: &[u8], n: usize, wbytes: usize, abytes: usize, min_at: Option<usize>, wq: F) -> f32 {
     let aoff = abytes - 32;
     let mut sum = 0.0f32;
     for ib in 0..n / 32 {
