@@ -19,6 +19,7 @@ ruff check python tests benches examples scripts
 python -m mypy.stubtest dasllama._native --allowlist scripts/stubtest-allowlist.txt
 
 cargo test --release -p dasllama
+DASLLAMA_NO_SIMD=1 cargo test --release -p dasllama  # the scalar twins under the same tests
 python -m pytest -q tests "$@"
 # The scalar twins end to end: every SIMD kernel off (read once per process, hence a process of
 # its own), the golden comparisons must still hold.

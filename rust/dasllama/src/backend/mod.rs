@@ -85,8 +85,8 @@ pub trait Ops {
     /// x += y.
     fn add(&mut self, x: &mut [f32], y: &[f32]);
 
-    /// Causal attention of each query row over its session's K/V of layer `il` (which already
-    /// holds the row's own position). `rows[t]` = (session, position) of batch row t.
+    /// Causal attention of each query row over its session's K/V in page slot `slot` (which
+    /// already holds the row's own position). `rows[t]` = (session, position) of batch row t.
     #[allow(clippy::too_many_arguments)]
-    fn attention(&mut self, a: &AttnShape, il: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]);
+    fn attention(&mut self, a: &AttnShape, slot: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]);
 }

@@ -66,10 +66,10 @@ impl Ops for CpuOps<'_> {
         x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
     }
 
-    fn attention(&mut self, a: &AttnShape, il: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]) {
+    fn attention(&mut self, a: &AttnShape, slot: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]) {
         match self.numerics {
-            Numerics::Fast => attention(a, kvs, il, rows, q, out, self.team),
-            Numerics::Ggml => attention_ggml(a, kvs, il, rows, counts, q, out, self.team),
+            Numerics::Fast => attention(a, kvs, slot, rows, q, out, self.team),
+            Numerics::Ggml => attention_ggml(a, kvs, slot, rows, counts, q, out, self.team),
         }
     }
 }

@@ -6,7 +6,7 @@
 //! a session about to write into a shared page copies it first (copy-on-write). Rows are stored in
 //! the pool's codec (`codec.rs`: f16 or q8_0).
 
-mod codec;
+pub(crate) mod codec;
 pub use codec::KvCodec;
 
 use crate::{Error, Result};

@@ -85,6 +85,19 @@ impl Config {
         self.n_kv_heads * self.head_dim
     }
 
+    /// Where layer `il` keeps its K/V in a session's pages: its index among the attention layers
+    /// (pages hold attention layers only; a recurrent layer keeps its state beside them).
+    pub fn kv_slot(&self, il: usize) -> Option<usize> {
+        match self.layers[il].mixer {
+            Mixer::Attention(_) => Some(self.layers[..il].iter().filter(|l| matches!(l.mixer, Mixer::Attention(_))).count()),
+        }
+    }
+
+    /// How many layers keep K/V.
+    pub fn kv_layers(&self) -> usize {
+        self.layers.iter().filter(|l| matches!(l.mixer, Mixer::Attention(_))).count()
+    }
+
     /// Every distinct RoPE of the attention layers (the forward pass tabulates each once).
     pub fn ropes(&self) -> Vec<Rope> {
         let mut out: Vec<Rope> = Vec::new();

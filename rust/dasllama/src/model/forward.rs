@@ -160,6 +160,7 @@ fn forward_rows(
         b.rms_norm(h, &l.attn_norm, c.norm_eps);
         match mixer {
             Mixer::Attention(a) => {
+                let slot = c.kv_slot(il).expect("an attention layer has a K/V slot");
                 grow(&mut s.q, n * qd);
                 grow(&mut s.k, n * kvd);
                 grow(&mut s.v, n * kvd);
@@ -170,11 +171,11 @@ fn forward_rows(
                 b.norm_rope(&mut s.k[..n * kvd], kvd, c.head_dim, l.k_norm.as_deref(), c.norm_eps, &rope);
                 let mut off = 0;
                 for (kv, &cnt) in kvs.iter_mut().zip(counts) {
-                    kv.append(il, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);
+                    kv.append(slot, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);
                     off += cnt;
                 }
                 let att = grow(&mut s.att, n * qd);
-                b.attention(&a.shape(c), il, kvs, &rows, counts, &s.q[..n * qd], att);
+                b.attention(&a.shape(c), slot, kvs, &rows, counts, &s.q[..n * qd], att);
                 let o = grow(&mut s.o, n * d);
                 b.matmul(&mut [(&l.wo, o)], &s.att[..n * qd], counts);
             }

@@ -259,7 +259,7 @@ impl Model {
 impl Model {
     /// The KV page layout of this model's attention layers.
     pub fn kv_geometry(&self, page_rows: usize, codec: KvCodec) -> Geometry {
-        Geometry { n_layers: self.config.n_layers, kv_dim: self.config.kv_dim(), head_dim: self.config.head_dim, page_rows, codec }
+        Geometry { n_layers: self.config.kv_layers(), kv_dim: self.config.kv_dim(), head_dim: self.config.head_dim, page_rows, codec }
     }
 
     /// Check that a pool of `geo` can hold this model's K/V.
