@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +20,7 @@ import pytest
 import dasllama as dl
 from dasllama import _native
 from dasllama import scheduler as sched_mod
+from serverproc import start, stop
 
 # ---- helpers -----------------------------------------------------------------------------------
 
@@ -268,40 +266,11 @@ def test_engine_death_is_reported_not_hung(smollm: dl.Model, monkeypatch: pytest
 # ---- the server under hostile and vanishing clients ---------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(*args: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dasllama.serve", "--port", str(port), "--log-level", "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
-
-
 @pytest.fixture(scope="module")
 def server(smollm: dl.Model) -> Iterator[str]:
     proc, base = start("--model", str(smollm.path), "--alias", "smollm", "--streams", "4")
     yield base
-    proc.send_signal(2)  # SIGINT: finish what runs, exit
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:  # e.g. an executor thread still busy with a hostile prompt
-        proc.kill()
-        proc.wait(10)
+    stop(proc, timeout=10)  # killed past that: e.g. an executor thread still busy with a hostile prompt
 
 
 def metrics(base: str) -> dict[str, float]:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -15,42 +12,10 @@ import openai
 import pytest
 
 import dasllama as dl
+from serverproc import start, stop
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(*args: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dasllama.serve", "--port", str(port), "--log-level", "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
-
-
-def stop(proc: subprocess.Popen) -> int:
-    proc.send_signal(2)  # SIGINT: stop admitting, finish, exit 0
-    try:
-        return proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
