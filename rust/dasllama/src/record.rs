@@ -38,10 +38,6 @@ impl TokenRecord {
         self.ids.is_empty()
     }
 
-    pub fn last(&self) -> Option<u32> {
-        self.ids.last().copied()
-    }
-
     /// Seed the RNG anew (what was sampled stays).
     pub fn reseed(&mut self, seed: u64) {
         self.rng = Rng::new(seed);
