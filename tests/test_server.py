@@ -40,6 +40,40 @@ def test_models_and_health(server: str) -> None:
     assert r["object"] == "list" and [d["id"] for d in r["data"]] == ["smollm", "gemma"]
 
 
+def test_models_answer_to_every_name(server: str, smollm: dl.Model) -> None:
+    for name in ("smollm", smollm.path.stem, str(smollm.path)):
+        r = httpx.get(f"{server}/v1/models/{name}", headers=AUTH)
+        assert r.status_code == 200 and r.json()["id"] == name, r.text
+    body = {"model": smollm.path.stem, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    r = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "smollm"
+    r = httpx.get(server + "/v1/models/nope", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_ttft_histogram_measures_time_to_first_token(server: str) -> None:
+    def ttft() -> tuple[float, float]:
+        text = httpx.get(server + "/metrics", headers=AUTH).text
+        val = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.startswith('dasllama_ttft_seconds_') and 'model="smollm"' in ln}
+        return val['dasllama_ttft_seconds_sum{model="smollm"}'], val['dasllama_ttft_seconds_count{model="smollm"}']
+    s0, n0 = ttft()
+    body = {"model": "smollm", "messages": [{"role": "user", "content": "Tell me about the sea. " * 20}], "max_tokens": 2}
+    assert httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+    s1, n1 = ttft()
+    # A 200-token prompt is prefilled before the first token: that time is what is observed.
+    assert n1 == n0 + 1 and s1 - s0 > 0.001
+
+
+def test_ignore_eos_generates_max_tokens(server: str) -> None:
+    body = {"model": "smollm", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 48, "temperature": 0}
+    short = httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+    assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 48
+    full = httpx.post(server + "/v1/chat/completions", json=body | {"ignore_eos": True}, headers=AUTH, timeout=60).json()
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 48
+    bad = httpx.post(server + "/v1/chat/completions", json=body | {"ignore_eos": "yes"}, headers=AUTH, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ignore_eos"
+
+
 def test_chat_and_usage(client: openai.OpenAI, smollm: dl.Model) -> None:
     r = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=16, temperature=0)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")

@@ -39,6 +39,7 @@ class PendingReq:
     max_new: int = 256
     seed: int = 0
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    ignore_eos: bool = False  # go on past end-of-generation tokens until max_new
 
 
 SchedEvent = _native.SchedEvent
@@ -77,7 +78,7 @@ def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
         raise NotImplementedError("nothink guards need a thinking-template family, none of which is supported yet")
     if not 0 <= req.seed < 2**64:
         raise ValueError(f"request {req.id}: seed must be in [0, 2**64)")
-    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs)
+    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos))
 
 
 def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:

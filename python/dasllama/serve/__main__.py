@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -67,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                 m = load_model(spec, numerics=args.numerics)
                 if args.ctx:
                     m.config["seq_len"] = min(int(m.config["seq_len"]), args.ctx)
-                name = args.alias[i] if args.alias else m.path.stem
-                server.engines[name] = Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb)
-                server.default = server.default or name
+                # Served as the alias, else as the known model name it was started with, else as
+                # its file's stem; it answers to all three.
+                is_path = spec.endswith(".gguf") or os.sep in spec
+                name = args.alias[i] if args.alias else (m.path.stem if is_path else spec)
+                server.add(Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb), spec, m.path.stem)
                 log.info("serving %s as '%s'", m.path.name, name)
             server.ready = True
         except BaseException as e:  # noqa: BLE001 - surfaced below: the server exits non-zero

@@ -104,7 +104,7 @@ def _num(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default:
 KNOWN_FIELDS = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
-    "logprobs", "top_logprobs", "n", "user",
+    "logprobs", "top_logprobs", "n", "user", "ignore_eos",
 }
 
 
@@ -122,6 +122,7 @@ class Job:
     logprobs: int | None
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def _utf8_len(text: str, param: str) -> int:
@@ -153,6 +154,9 @@ def _content(msg: dict[str, Any], i: int) -> str:
 class Server:
     def __init__(self, api_key: str | None = None, max_prompt_bytes: int = 0) -> None:
         self.engines: dict[str, Engine] = {}
+        # Every name a model answers to (its served name, the name or path it was started with,
+        # its file stem) -> its served name.
+        self.names: dict[str, str] = {}
         self.max_prompt_bytes = max_prompt_bytes  # 0: BYTES_PER_CONTEXT_TOKEN per context token
         self.default: str | None = None
         self.ready = False
@@ -165,9 +169,17 @@ class Server:
             return self.engines[self.default]
         if not isinstance(name, str):
             raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
-        if name not in self.engines:
+        served = self.names.get(name, name)
+        if served not in self.engines:
             raise ApiError(404, f"the model '{name}' does not exist; this server has: {', '.join(self.engines)}", param="model", code="model_not_found")
-        return self.engines[name]
+        return self.engines[served]
+
+    def add(self, eng: Engine, *names: str) -> None:
+        """Serve `eng` under its name and answer to `names` as well."""
+        self.engines[eng.name] = eng
+        for n in (eng.name, *names):
+            self.names.setdefault(n, eng.name)
+        self.default = self.default or eng.name
 
     async def body(self, request: Request) -> dict[str, Any]:
         """Read and parse a JSON body; the parse (up to MAX_BODY) runs off the event loop."""
@@ -276,7 +288,12 @@ class Server:
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options")
-        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")))
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
+        if ignore_eos:
+            stop_ids = []
+        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")), ignore_eos)
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
         """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a
@@ -285,7 +302,7 @@ class Server:
         rid = eng.next_id()
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
         req = sched.PendingReq(
-            id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs
+            id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs, ignore_eos=job.ignore_eos
         )
         sub = Subscription(asyncio.get_running_loop())
         try:
@@ -413,9 +430,16 @@ def build_app(server: Server) -> Starlette:
             return JSONResponse({"status": "error", "engines": dead}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "dasllama"}
+
     async def models(request: Request) -> Response:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "dasllama"} for name in server.engines]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in server.engines]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        server.engine(name)  # 404 for a name no model answers to
+        return JSONResponse(model_card(name))
 
     async def disconnected(request: Request) -> None:
         """Return when the client hangs up."""
@@ -627,6 +651,7 @@ def build_app(server: Server) -> Starlette:
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(text_completions), methods=["POST"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),

@@ -608,7 +608,7 @@ fn create_scheduler(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None))]
+#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false))]
 fn submit(
     m: &PyModel,
     sch: &mut PyScheduler,
@@ -620,12 +620,13 @@ fn submit(
     max_new: i64,
     seed: u64,
     logprobs: Option<usize>,
+    ignore_eos: bool,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
     if max_new < 1 {
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
-    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs };
+    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos };
     sch.inner.submit(req).map_err(map_err)
 }
 

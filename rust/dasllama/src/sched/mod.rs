@@ -28,6 +28,8 @@ pub struct PendingReq {
     pub seed: u64,
     /// Report each sampled token's log-probability and this many alternatives (None: off).
     pub logprobs: Option<usize>,
+    /// Keep going past end-of-generation tokens until `max_new` (benchmarks send this).
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -412,7 +414,7 @@ impl Scheduler {
         if s.t_first.is_none() {
             s.t_first = Some(Instant::now());
         }
-        if m.tokenizer.is_eog(tok) || s.req.stop_ids.contains(&tok) {
+        if (!s.req.ignore_eos && m.tokenizer.is_eog(tok)) || s.req.stop_ids.contains(&tok) {
             let s = self.slots[i].take().expect("live stream");
             let ev = self.finish_stream(i, s, Finish::Stop, tok as i64);
             events.push(ev);
