@@ -70,3 +70,21 @@ def test_chat_cli(smollm: dl.Model) -> None:
 def test_generate_cli_bad_model() -> None:
     r = subprocess.run([sys.executable, "-m", "dasllama.generate", "-m", "/no/such.gguf", "hi"], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 1 and "no such file" in r.stderr
+
+
+def test_serve_help_shows_defaults() -> None:
+    r = subprocess.run([sys.executable, "-m", "dasllama.serve", "--help"], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0
+    flat = " ".join(r.stdout.split())
+    for default in ("(default: 127.0.0.1)", "(default: 8080)", "(default: 8)", "(default: smollm2-135m-instruct)", "(default: f16)"):
+        assert default in flat, default
+    assert "None" not in flat
+
+
+@pytest.mark.parametrize("module", ["dasllama.fetch", "dasllama.chat"])
+def test_cli_modules_run_without_runpy_warnings(module: str) -> None:
+    # The package imports these modules itself; their command lines live in __main__.py so that
+    # `python -m` does not import them a second time (runpy warns when it does).
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module], input="\n", capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "RuntimeWarning" not in r.stderr

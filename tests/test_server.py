@@ -74,6 +74,17 @@ def test_ignore_eos_generates_max_tokens(server: str) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "ignore_eos"
 
 
+def test_number_fields_say_plainly_what_they_take(server: str) -> None:
+    def post(**kw: object) -> httpx.Response:
+        body = {"model": "smollm", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} | kw
+        return httpx.post(server + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+
+    assert post(max_tokens=2.0).status_code == 200  # an integral number is an integer
+    assert post(max_tokens=0).json()["error"]["message"] == "'max_tokens' must be at least 1, got 0"
+    assert post(max_tokens=2.5).json()["error"]["message"] == "'max_tokens' must be an integer, got float"
+    assert post(temperature=3).json()["error"]["message"] == "'temperature' must be between 0 and 2, got 3"
+
+
 def test_chat_and_usage(client: openai.OpenAI, smollm: dl.Model) -> None:
     r = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=16, temperature=0)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")

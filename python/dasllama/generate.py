@@ -10,6 +10,7 @@ import logging
 import sys
 import time
 
+from ._cli import HelpFormatter
 from .errors import DasllamaError
 from .fetch import DEFAULT_MODEL
 from .model import encode, load_model
@@ -17,7 +18,7 @@ from .session import SamplingParams, create_session, generate
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dasllama.generate", description="Generate text from a prompt and stream it.")
+    ap = argparse.ArgumentParser(prog="python -m dasllama.generate", description="Generate text from a prompt and stream it.", formatter_class=HelpFormatter)
     ap.add_argument("prompt")
     ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="path to a .gguf or a known model name (fetched on first use)")
     ap.add_argument("-n", "--max-new", type=int, default=128, help="tokens to generate at most")

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 
+from .._cli import HelpFormatter
 from ..fetch import DEFAULT_MODEL
 from ..model import load_model
 from ..session import KVDtype
@@ -23,17 +24,17 @@ log = logging.getLogger("dasllama.serve")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m dasllama.serve", description="OpenAI-compatible server for GGUF models.")
+    ap = argparse.ArgumentParser(prog="python -m dasllama.serve", description="OpenAI-compatible server for GGUF models.", formatter_class=HelpFormatter)
     ap.add_argument("--model", action="append", help=f"a .gguf path or known model name; repeat to serve several (default: {DEFAULT_MODEL})")
     ap.add_argument("--alias", action="append", help="the name clients use for the matching --model (default: the model's name)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=8080, help="port to listen on")
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams per model")
     ap.add_argument("--queue", type=int, default=64, help="requests waiting per model before 503")
     ap.add_argument("--chunk", type=int, default=64, help="prefill tokens per scheduler step")
     ap.add_argument("--page-rows", type=int, default=16, help="KV page size; 0 turns the paged pool and prefix cache off")
     ap.add_argument("--ctx", type=int, default=0, help="cap on the context per request (0: the model's)")
-    ap.add_argument("--kv-dtype", default="f16", choices=[k.value for k in KVDtype])
+    ap.add_argument("--kv-dtype", default="f16", choices=[k.value for k in KVDtype], help="how the KV cache stores K and V")
     ap.add_argument("--prefix-cache-mb", type=float, default=256, help="memory the prefix cache may keep per model, in MiB")
     ap.add_argument("--numerics", default="fast", choices=["fast", "ggml"], help="ggml: logits bit for bit those of llama.cpp's AVX2 CPU build (slower; f16 KV only)")
     ap.add_argument("--max-prompt-bytes", type=int, default=0, help="refuse prompts longer than this many bytes before any tokenizer work (0: 16 per token of context)")

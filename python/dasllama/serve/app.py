@@ -92,12 +92,15 @@ def _num(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default:
     v = body.get(key, default)
     if v is None:
         return default
+    if kind is int and isinstance(v, float) and v.is_integer():
+        v = int(v)  # JSON has one number type: 10.0 is the integer 10 to most clients
     if isinstance(v, bool) or not isinstance(v, kind):
-        raise ApiError(400, f"'{key}' must be a {'number' if kind is not int else 'integer'}, got {type(v).__name__}", param=key, code="invalid_type")
+        raise ApiError(400, f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {type(v).__name__}", param=key, code="invalid_type")
     if isinstance(v, float) and not math.isfinite(v):
         raise ApiError(400, f"'{key}' must be finite", param=key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ApiError(400, f"'{key}' must be between {lo} and {hi}, got {v}", param=key, code="invalid_value")
+        bound = f"between {lo:g} and {hi:g}" if lo is not None and hi is not None else f"at least {lo:g}" if lo is not None else f"at most {hi:g}"
+        raise ApiError(400, f"'{key}' must be {bound}, got {v}", param=key, code="invalid_value")
     return v
 
 

@@ -6,20 +6,15 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import logging
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError as JinjaTemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import TemplateError
-from .fetch import DEFAULT_MODEL
-from .model import Model, decode, encode, load_model
-from .session import SamplingParams, create_session, generate
+from ..errors import TemplateError
+from ..model import Model, encode
 
 Message = dict[str, Any]
 
@@ -122,43 +117,3 @@ def make_nothink_guard(chat: ChatRenderer) -> None:
     """The thinking-off stop guard of a thinking-template family. No family served here has a
     thinking template, so there is nothing to guard and this returns None."""
     return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dasllama.chat", description="Chat with a model through its own chat template.")
-    ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="path to a .gguf or a known model name")
-    ap.add_argument("--system", default="", help="system prompt")
-    ap.add_argument("--max-new", type=int, default=256)
-    ap.add_argument("--temp", type=float, default=0.7)
-    ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--seed", type=int, default=None)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    m = load_model(args.model)
-    params = SamplingParams(temp=args.temp, top_p=args.top_p, seed=args.seed)
-    messages: list[Message] = [{"role": "system", "content": args.system}] if args.system else []
-    s = create_session(m)
-    fed: list[int] = []  # tokens already in the session's KV
-    print(f"chatting with {m.path.name} (empty line or Ctrl-D to quit)", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        messages.append({"role": "user", "content": line})
-        ids = encode(m, render_chat(m, messages), special=True)
-        # Reuse the KV of everything already evaluated; only the new turn is prefilled.
-        if ids[: len(fed)] != fed:
-            s.reset()
-            fed = []
-        out = generate(m, s, ids[len(fed) :], params, args.max_new, lambda _id, text: print(text, end="", flush=True))
-        print()
-        fed = ids + out[:-1]  # the last sampled token was never evaluated into the KV
-        messages.append({"role": "assistant", "content": decode(m, [t for t in out if t not in m.eog_ids])})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,6 @@ under ``$DASLLAMA_HOME`` (default ``~/.cache/dasllama/models``).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import os
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .errors import FetchError
+from ..errors import FetchError
 
 log = logging.getLogger("dasllama.fetch")
 
@@ -147,20 +146,3 @@ def fetch(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, progress: boo
         os.replace(part, target)
     log.info("cached %s", target)
     return target
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dasllama.fetch", description="Fetch a known model into the dasllama cache and print its path.")
-    ap.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"one of {', '.join(known_names())}, or a path")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        print(fetch(args.name))
-    except FetchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
