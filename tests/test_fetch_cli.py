@@ -88,3 +88,10 @@ def test_cli_modules_run_without_runpy_warnings(module: str) -> None:
     r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module], input="\n", capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert "RuntimeWarning" not in r.stderr
+
+
+@pytest.mark.parametrize("model", ["/no/such.gguf", "no-such-model"])
+def test_serve_refuses_a_model_that_cannot_exist_before_starting(model: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "dasllama.serve", "--model", model, "--port", "0"], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1
+    assert f"cannot serve '{model}'" in r.stderr and "Uvicorn running" not in r.stderr + r.stdout

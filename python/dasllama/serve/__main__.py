@@ -12,9 +12,10 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from .._cli import HelpFormatter
-from ..fetch import DEFAULT_MODEL
+from ..fetch import DEFAULT_MODEL, known_names
 from ..model import load_model
 from ..session import KVDtype
 from .app import Server, build_app
@@ -57,6 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A model that cannot exist is refused before the server starts (loading, which may download,
+    # runs in the background while /health answers "loading").
+    for spec in args.model:
+        if not Path(spec).expanduser().exists() and (spec.endswith(".gguf") or os.sep in spec or spec not in known_names()):
+            log.error("cannot serve '%s': no such file, and not a known model name (known: %s)", spec, ", ".join(known_names()))
+            return 1
     import uvicorn
 
     server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes)
