@@ -361,11 +361,9 @@ fn eval_all<'py>(py: Python<'py>, m: &PyModel, s: &mut PySession, ids: Vec<u32>)
     same_model(m, s)?;
     let model = &m.inner;
     let sess = &mut s.inner;
-    native(py, "eval_all", || sess.eval_all(model, &ids))?;
-    let v = model.config.vocab_size;
-    let arr = PyArray1::from_slice_bound(py, &s.inner.logits).reshape([ids.len(), v])?;
-    s.inner.logits.drain(..(ids.len() - 1) * v);
-    Ok(arr)
+    let mut rows = Vec::new();
+    native(py, "eval_all", || sess.eval_all(model, &ids, &mut rows))?;
+    PyArray1::from_vec_bound(py, rows).reshape([ids.len(), model.config.vocab_size])
 }
 
 /// Scratch buffers for `eval_batch`, reused across steps.

@@ -50,11 +50,14 @@ impl Session {
         self.eval_rows(m, tokens, LogitRows::Last)
     }
 
-    /// Run `tokens` and put the logits after every one of them in `self.logits` (row i after
-    /// token i): what a speculative verify chunk needs. Row i equals what evaluating the tokens
-    /// one at a time gives after token i.
-    pub fn eval_all(&mut self, m: &Model, tokens: &[u32]) -> Result<()> {
-        self.eval_rows(m, tokens, LogitRows::All)
+    /// Run `tokens` and put the logits after every one of them in `rows` (row i after token i):
+    /// what a speculative verify chunk needs. Row i equals what evaluating the tokens one at a
+    /// time gives after token i. The session keeps the last row, as after `eval`.
+    pub fn eval_all(&mut self, m: &Model, tokens: &[u32], rows: &mut Vec<f32>) -> Result<()> {
+        forward_batch(m, &mut [&mut self.kv], &[tokens.len()], tokens, LogitRows::All, &mut shared_scratch(), rows)?;
+        self.logits.clear();
+        self.logits.extend_from_slice(&rows[rows.len() - m.config.vocab_size..]);
+        Ok(())
     }
 
     fn eval_rows(&mut self, m: &Model, tokens: &[u32], want: LogitRows) -> Result<()> {

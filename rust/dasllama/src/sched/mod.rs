@@ -292,11 +292,12 @@ impl Scheduler {
         if plan.is_empty() {
             return Ok(self.n_active() > 0 || !self.queue.is_empty());
         }
-        let n_decoding = plan.iter().filter(|&&(i, _)| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).count();
         let logits = match self.eval_plan(m, &plan) {
             Ok(()) => std::mem::take(&mut self.ws.logits),
             Err(_) => self.eval_isolated(m, &mut plan, events),
         };
+        // Counted over the streams the pass advanced (a failed one has left the plan).
+        let n_decoding = plan.iter().filter(|&&(i, _)| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).count();
         if n_decoding > 0 {
             self.stats.decode_steps += 1;
             self.stats.decode_rows += n_decoding as u64;
