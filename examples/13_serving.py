@@ -59,12 +59,12 @@ def run(
             if ev.kind == "piece":
                 texts[ev.id] += ev.text
                 if show:
-                    print(ev.stream + 1, end="", flush=True)
+                    print(ev.slot + 1, end="", flush=True)
             else:
                 ttfts.append(ev.ttft_us / 1000)
                 if show:
                     print(
-                        f"\n[{label} {ev.stream + 1}] {ev.finish}: {ev.n_gen} tok, ttft {ev.ttft_us / 1000:.0f} ms, "
+                        f"\n[{label} {ev.slot + 1}] {ev.finish}: {ev.n_gen} tok, ttft {ev.ttft_us / 1000:.0f} ms, "
                         f"cached {ev.n_cached} of {ev.n_prompt} prompt tokens",
                         end="",
                     )
