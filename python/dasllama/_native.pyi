@@ -140,6 +140,7 @@ class SchedEvent:
     @property
     def error(self) -> str | None: ...
 
+@final
 class Drafter:
     @property
     def kind(self) -> str: ...
