@@ -98,10 +98,40 @@ def drafter_kind(m: Model) -> str | None:
     return None if m._drafter is None else m._drafter.kind
 
 
+SPEC_MODES = ("auto", "off", "ngram", "draft", "mtp")
+
+
+def configure(m: Model, mode: str = "auto", draft: Model | None = None, max_draft: int = 8) -> str:
+    """Attach the drafter ``mode`` asks for and say in words what runs: "off", "ngram" (prompt
+    lookup), "draft" (``draft`` is required), "mtp" (the sidecar beside ``m``'s file), or "auto":
+    the draft model if one is given, else an MTP sidecar that attaches, else prompt lookup.
+    Raises ValueError when the drafter asked for cannot be attached."""
+    if mode not in SPEC_MODES:
+        raise ValueError(f"unknown speculation mode {mode!r} (use {', '.join(SPEC_MODES)})")
+    detach_drafter(m)
+    if mode == "off":
+        return "off"
+    if mode == "draft" or (mode == "auto" and draft is not None):
+        if draft is None:
+            raise ValueError("speculation with a draft model needs the draft model (--model-draft)")
+        if not attach_draft_model(m, draft, max_draft):
+            raise ValueError(f"{draft.path.name} cannot draft for {m.path.name}: their vocabularies differ (see the log)")
+        return f"draft model {draft.path.name}, up to {max_draft} tokens"
+    sidecar = mtp_drafter_sidecar(m.path) if mode in ("mtp", "auto") else ""
+    if mode == "mtp" and not sidecar:
+        raise ValueError(f"no MTP sidecar beside {m.path} (looked for mtp-{m.path.stem}-Q8_0.gguf and mtp-{m.path.stem}.gguf)")
+    if sidecar and attach_mtp_drafter(m, sidecar):
+        return f"MTP head {Path(sidecar).name}"
+    if mode == "mtp":
+        raise ValueError(f"the MTP sidecar {sidecar} cannot draft for {m.path.name} (see the log)")
+    attach_ngram_drafter(m, max_draft)
+    return f"n-gram prompt lookup, up to {max_draft} tokens"
+
+
 def _check_max_draft(max_draft: int) -> int:
     if isinstance(max_draft, bool) or not isinstance(max_draft, int) or not 1 <= max_draft <= MAX_DRAFT:
         raise ValueError(f"max_draft is {max_draft!r}; it must be an integer between 1 and {MAX_DRAFT}")
     return max_draft
 
 
-__all__ = ["attach_draft_model", "attach_mtp_drafter", "attach_ngram_drafter", "detach_drafter", "drafter_kind", "fix_draft_len", "mtp_capable", "mtp_drafter_sidecar"]
+__all__ = ["SPEC_MODES", "attach_draft_model", "attach_mtp_drafter", "attach_ngram_drafter", "configure", "detach_drafter", "drafter_kind", "fix_draft_len", "mtp_capable", "mtp_drafter_sidecar"]

@@ -637,6 +637,12 @@ def build_app(server: Server) -> Starlette:
         for key, metric in (("kv_pages_used", "dasllama_kv_pages_used"), ("kv_pages_free", "dasllama_kv_pages_free"), ("kv_pages_cached", "dasllama_kv_pages_cached")):
             lines += [f"# TYPE {metric} gauge"]
             lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
+        for key, metric, help_ in (
+            ("spec_drafted", "dasllama_spec_draft_tokens_total", "Draft tokens proposed for verification (speculative decoding)."),
+            ("spec_accepted", "dasllama_spec_accepted_tokens_total", "Draft tokens the model accepted."),
+        ):
+            lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} counter"]
+            lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
         lines += ["# HELP dasllama_ttft_seconds Time to first token.", "# TYPE dasllama_ttft_seconds histogram"]
         for name in server.engines:
             lines += mt.ttft.get(name, Histogram(TTFT_BUCKETS)).render("dasllama_ttft_seconds", f'model="{name}"')
