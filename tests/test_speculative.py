@@ -146,7 +146,9 @@ def test_accepted_tokens_follow_the_target_distribution(tiny: dl.Model, tmp_path
         assert dl.submit(tiny, sch, dl.PendingReq(id=i, prompt=prompt, max_new=3, params=params, seed=i))
     seqs: dict[int, list[int]] = {i: [] for i in range(n)}
     evs: list[dl.SchedEvent] = []
-    while dl.scheduler_step(tiny, sch, evs):
+    more = True
+    while more:
+        more = dl.scheduler_step(tiny, sch, evs)
         for e in evs:
             if e.kind == "piece":
                 seqs[e.id].append(e.token)

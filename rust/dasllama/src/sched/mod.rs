@@ -118,6 +118,9 @@ pub struct SchedStats {
 /// The scheduler's speculation: its drafter and what its passes cost.
 struct Speculation {
     drafter: Drafter,
+    /// What a row's logits cost beside the row itself (the vocabulary matmul against the layers'):
+    /// a verify row has logits, a prefill row does not, so passes are measured in rows weighted so.
+    logit_weight: f64,
     /// Draft this many tokens wherever a drafter can, instead of the policy's choice (measuring
     /// the cost of k+1 rows, tests that need rejections).
     fixed_k: Option<usize>,
@@ -193,9 +196,11 @@ impl Scheduler {
         for s in self.slots.iter_mut().flatten() {
             s.spec = StreamSpec::default();
         }
+        let logit_weight = logit_weight(&self.model);
         self.spec = drafter.map(|drafter| Speculation {
             drafter,
             fixed_k: None,
+            logit_weight,
             target_cost: CostModel::default(),
             draft_cost: CostModel::default(),
             draft_ws: BatchWorkspace::default(),
@@ -346,8 +351,7 @@ impl Scheduler {
             plan.push((i, k));
             budget -= k;
         }
-        let rows = plan.iter().map(|p| p.1).sum();
-        self.draft(m, &decoding, rows);
+        self.draft(m, &decoding, &plan);
         for p in plan.iter_mut() {
             let s = self.slots[p.0].as_ref().expect("planned stream");
             if s.next.is_some() {
@@ -380,7 +384,9 @@ impl Scheduler {
         let logits = match self.eval_plan(m, &plan) {
             Ok(()) => {
                 if let Some(sp) = &mut self.spec {
-                    sp.target_cost.observe(plan.iter().map(|p| p.1).sum(), t_pass.elapsed().as_secs_f64());
+                    let logit_rows: usize = plan.iter().map(|&(i, k)| if self.slots[i].as_ref().is_some_and(|s| s.next.is_some()) { k } else { 1 }).sum();
+                    let rows = plan.iter().map(|p| p.1).sum::<usize>() as f64 + sp.logit_weight * logit_rows as f64;
+                    sp.target_cost.observe(rows, t_pass.elapsed().as_secs_f64());
                 }
                 std::mem::take(&mut self.ws.logits)
             }
@@ -507,9 +513,12 @@ impl Scheduler {
     }
 
     /// Propose this step's drafts for the decoding streams (`Stream::spec.drafts`), as many as
-    /// the policy finds worth their rows in a pass that has `rows` rows without them.
-    fn draft(&mut self, m: &Model, decoding: &[usize], rows: usize) {
+    /// the policy finds worth their rows in the pass `plan` makes without them.
+    fn draft(&mut self, m: &Model, decoding: &[usize], plan: &[(usize, usize)]) {
         let Some(sp) = self.spec.as_mut() else { return };
+        // In decode rows (a row with logits): the policy's unit.
+        let w = 1.0 + sp.logit_weight;
+        let rows = (plan.iter().map(|p| p.1).sum::<usize>() as f64 + sp.logit_weight * plan.len() as f64) / w;
         // Nothing is known of this machine before the first pass: no drafts until it is measured.
         let Some(line) = sp.target_cost.line() else { return };
         let max_draft = sp.drafter.max_draft();
@@ -544,7 +553,7 @@ impl Scheduler {
         };
         let ks = match sp.fixed_k {
             Some(k) => cands.iter().map(|c| c.cap.min(k)).collect(),
-            None => policy::choose(&cands, decoding.len(), rows, line, draft_line),
+            None => policy::choose(&cands, decoding.len(), rows, (line.0, line.1 * w), draft_line),
         };
         for (&i, _) in who.iter().zip(&ks).filter(|p| *p.1 == 0) {
             self.slots[i].as_mut().expect("decoding stream").spec.idle();
@@ -580,7 +589,7 @@ impl Scheduler {
         let draft_rows: usize = jobs.iter().map(|j| j.k + j.feed.len() - 1).sum();
         let (dm, ws) = (&**draft, &mut sp.draft_ws);
         if error::catch("drafting", || draft::propose(dm, ws, &mut jobs)).is_ok() {
-            sp.draft_cost.observe(draft_rows / depth.max(1), t_draft.elapsed().as_secs_f64() / depth.max(1) as f64);
+            sp.draft_cost.observe(draft_rows as f64 / depth.max(1) as f64, t_draft.elapsed().as_secs_f64() / depth.max(1) as f64);
         } else {
             // A draft model that fails costs the streams their speculation, never their output.
             drop(jobs);
@@ -721,6 +730,22 @@ impl Scheduler {
         ev.n_cached = s.cached;
         ev
     }
+}
+
+/// Multiply-adds of one row's logits over those of one row through the layers.
+fn logit_weight(m: &Model) -> f64 {
+    let c = &m.config;
+    let attn = c.dim * (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() * c.dim;
+    let body: usize = c
+        .layers
+        .iter()
+        .map(|l| {
+            attn + match l.ffn {
+                crate::model::Ffn::Dense { hidden, .. } => 3 * c.dim * hidden,
+            }
+        })
+        .sum();
+    (c.vocab_size * c.dim) as f64 / body.max(1) as f64
 }
 
 fn finished_event(stream: usize, req: &PendingReq, finish: Finish, token: i64, n_gen: usize, ttft_us: u64, gen_us: u64) -> SchedEvent {

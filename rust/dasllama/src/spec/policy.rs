@@ -23,8 +23,8 @@ pub struct CostModel {
 }
 
 impl CostModel {
-    pub fn observe(&mut self, rows: usize, secs: f64) {
-        let r = rows as f64;
+    pub fn observe(&mut self, rows: f64, secs: f64) {
+        let r = rows;
         for v in [&mut self.w, &mut self.r, &mut self.rr, &mut self.t, &mut self.rt] {
             *v *= FORGET;
         }
@@ -60,10 +60,10 @@ pub struct Candidate {
 /// Draft lengths, one per candidate. `decoding` streams emit one token each without drafts and
 /// the pass already has `rows` rows; `target` is the target's cost line, `draft` the draft
 /// model's (None for drafters that cost nothing, such as prompt lookup).
-pub fn choose(cands: &[Candidate], decoding: usize, rows: usize, target: (f64, f64), draft: Option<(f64, f64)>) -> Vec<usize> {
+pub fn choose(cands: &[Candidate], decoding: usize, rows: f64, target: (f64, f64), draft: Option<(f64, f64)>) -> Vec<usize> {
     let (a, b) = target;
     let mut ks = vec![0usize; cands.len()];
-    let (mut tokens, mut secs) = (decoding as f64, a + b * rows as f64);
+    let (mut tokens, mut secs) = (decoding as f64, a + b * rows);
     // Draft passes already paid for: a draft model runs one batched pass per depth.
     let mut depth = 0;
     loop {
@@ -93,12 +93,12 @@ mod tests {
     fn the_line_is_fitted_and_the_prior_holds_until_rows_vary() {
         let mut m = CostModel::default();
         assert!(m.line().is_none());
-        m.observe(1, 0.010);
+        m.observe(1.0, 0.010);
         let (a, b) = m.line().unwrap();
         assert!((a + b - 0.010).abs() < 1e-9 && a > b, "{a} {b}");
         for i in 0..200 {
             let rows = 1 + (i % 5) * 8;
-            m.observe(rows, 0.010 + 0.0005 * rows as f64);
+            m.observe(rows as f64, 0.010 + 0.0005 * rows as f64);
         }
         let (a, b) = m.line().unwrap();
         assert!((a - 0.010).abs() < 1e-4 && (b - 0.0005).abs() < 1e-5, "{a} {b}");
@@ -109,18 +109,18 @@ mod tests {
         // Weights cost as much as 16 rows.
         let line = (0.016, 0.001);
         let good = Candidate { alpha: 0.8, cap: 8 };
-        let one = choose(&[good], 1, 1, line, None);
+        let one = choose(&[good], 1, 1.0, line, None);
         assert!(one[0] >= 4, "{one:?}");
-        let sixteen = choose(&[good; 16], 16, 16, line, None);
+        let sixteen = choose(&[good; 16], 16, 16.0, line, None);
         let total: usize = sixteen.iter().sum();
         assert!(total < 16 * one[0] / 2, "{sixteen:?}");
-        let bad = choose(&[Candidate { alpha: 0.05, cap: 8 }; 16], 16, 16, line, None);
+        let bad = choose(&[Candidate { alpha: 0.05, cap: 8 }; 16], 16, 16.0, line, None);
         assert_eq!(bad.iter().sum::<usize>(), 0, "{bad:?}");
         // An expensive draft model must earn its own passes.
-        let costly = choose(&[Candidate { alpha: 0.3, cap: 8 }], 1, 1, line, Some((0.02, 0.001)));
+        let costly = choose(&[Candidate { alpha: 0.3, cap: 8 }], 1, 1.0, line, Some((0.02, 0.001)));
         assert_eq!(costly, vec![0]);
-        let cheap = choose(&[Candidate { alpha: 0.8, cap: 8 }], 1, 1, line, Some((0.002, 0.0001)));
+        let cheap = choose(&[Candidate { alpha: 0.8, cap: 8 }], 1, 1.0, line, Some((0.002, 0.0001)));
         assert!(cheap[0] >= 3, "{cheap:?}");
-        assert_eq!(choose(&[Candidate { alpha: 0.99, cap: 0 }], 1, 1, line, None), vec![0]);
+        assert_eq!(choose(&[Candidate { alpha: 0.99, cap: 0 }], 1, 1.0, line, None), vec![0]);
     }
 }
