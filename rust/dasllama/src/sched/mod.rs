@@ -632,6 +632,11 @@ impl Scheduler {
             self.stats.spec_drafted += drafts.len() as u64;
             self.stats.spec_accepted += accepted as u64;
         }
+        if let Some(s) = self.slots[i].as_mut() {
+            // Its buffer, for the next step's drafts.
+            s.spec.drafts = drafts;
+            s.spec.drafts.clear();
+        }
     }
 
     /// Sample from the stream's logits and emit its piece, or finish it; the token if the
