@@ -91,6 +91,14 @@ function plot(canvas, values) {
     pen = true;
   });
   ctx.stroke();
+  // A point with no neighbour (TTFT has a value only where a request began) draws no line: a dot.
+  ctx.fillStyle = ctx.strokeStyle;
+  const none = (v) => v === null || v === undefined;
+  values.forEach((v, i) => {
+    if (none(v) || !(none(values[i - 1]) && none(values[i + 1]))) return;
+    const x = values.length > 1 ? (i / (values.length - 1)) * (w - 2) + 1 : w / 2;
+    ctx.fillRect(x - 1.5, h - 2 - (v / max) * (h - 14) - 1.5, 3, 3);
+  });
 }
 
 function fmtBytes(n) {
