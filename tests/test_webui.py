@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -20,6 +21,7 @@ from starlette.testclient import TestClient
 import dasllama as dl
 from dasllama.serve import Server, build_app
 from dasllama.serve.__main__ import parse_args
+from dasllama.serve.status import tier_status
 from serverproc import log_text, start, stop
 
 KEY = "ui-test-key"
@@ -67,12 +69,13 @@ def test_pages_load_without_the_key_and_data_routes_need_it(server: str) -> None
     assert httpx.get(server + "/static/nope.js").status_code == 404
 
 
-def test_status_json_reports_models_counts_and_the_tier(server: str) -> None:
+def test_status_json_reports_models_counts_and_the_tier(server: str, smollm: dl.Model) -> None:
     doc = httpx.get(server + "/status.json", headers=AUTH).json()
     assert doc["ready"] and doc["gpu"] == "cpu" and doc["tier"]["backend"] == "cpu"
     by = {m["name"]: m for m in doc["models"]}
     assert set(by) == {"smollm", "gemma"} and by["smollm"]["chat"] and not by["gemma"]["chat"]
     s0 = by["smollm"]
+    assert s0["memory"]["weights_bytes"] == smollm.path.stat().st_size and doc["rss_bytes"] > s0["memory"]["weights_bytes"] // 2
     assert s0["kv"]["paged"] and s0["kv"]["pages_total"] > 0 and s0["streams"]["max"] == 4
     body = {"model": "smollm", "messages": [{"role": "system", "content": "You are terse. " * 12}, {"role": "user", "content": "Name a colour."}], "max_tokens": 6, "temperature": 0}
     for _ in range(2):  # the second time the prompt comes from the prefix cache
@@ -84,6 +87,16 @@ def test_status_json_reports_models_counts_and_the_tier(server: str) -> None:
     assert s1["prefix_cache"]["cached_tokens"] - s0["prefix_cache"]["cached_tokens"] >= r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert 0 < s1["prefix_cache"]["hit_rate"] <= 1
     assert s1["streams"]["active"] == 0 and s1["kv"]["pages_used"] + s1["kv"]["pages_free"] == s1["kv"]["pages_total"]
+
+
+def test_tier_status_reads_the_gpu_tier_once_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tier_status()["device"] == "cpu"
+    monkeypatch.setattr(dl, "gpu_tier_status", lambda: SimpleNamespace(device="lavapipe", backend="vulkan"), raising=False)
+    monkeypatch.setattr(dl, "gpu_cpu_passes", lambda: {"op not on the device": 3}, raising=False)
+    t = tier_status()
+    assert (t["backend"], t["device"], t["gpu_cpu_passes"]) == ("vulkan", "lavapipe", {"op not on the device": 3})
+    monkeypatch.setattr(dl, "gpu_tier_status", lambda: 1 / 0)
+    assert tier_status()["detail"].startswith("gpu_tier_status failed: ZeroDivisionError")
 
 
 def test_cors_answers_the_allowed_origin_only(server: str) -> None:
@@ -194,9 +207,33 @@ def test_chat_page_streams_a_reply(page: Any, server: str) -> None:
     shown = page.inner_text(".msg.assistant .content")
     assert all(w in shown for w in re.findall(r"\w+", want)[:5])  # rendered (markdown aside, the same words)
     assert page.is_visible("#send") and not page.is_visible("#stop")
-    page.reload()  # the conversation is kept in the browser
-    page.wait_for_selector(".msg.assistant[data-state='done']")
-    assert page.inner_text(".msg.user") == question
+
+
+def ask(page: Any, text: str) -> None:
+    n = page.evaluate("chatState.messages.length")
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+    page.wait_for_function(f"chatState.messages.length === {n + 2} && chatState.messages[{n + 1}].state !== 'streaming'")
+
+
+def test_conversations_are_kept_in_the_browser(page: Any) -> None:
+    open_chat(page, max_tokens=4)
+    ask(page, "Name a fruit.")
+    ask(page, "Another one?")
+    page.click("#new-chat")
+    assert page.evaluate("chatState.messages.length") == 0
+    ask(page, "Name a colour.")
+    page.reload()
+    page.wait_for_selector("#conversations li >> nth=1")
+    assert page.inner_text("#conversations li[aria-current] .open") == "Name a colour."
+    titles = page.eval_on_selector_all("#conversations .open", "b => b.map(x => x.textContent)")
+    assert titles == ["Name a colour.", "Name a fruit."]
+    page.click("#conversations li:not([aria-current]) .open")
+    assert page.eval_on_selector_all(".msg.user", "m => m.map(x => x.textContent)") == ["Name a fruit.", "Another one?"]
+    assert page.evaluate("chatState.messages[3].state") == "done"
+    page.click("#conversations li[aria-current] .delete")
+    assert page.eval_on_selector_all("#conversations .open", "b => b.map(x => x.textContent)") == ["Name a colour."]
+    assert page.evaluate("chatState.messages.length") == 0
 
 
 def test_stop_button_cancels_the_request_on_the_server(page: Any, server: str) -> None:

@@ -4,6 +4,7 @@ history the server samples once a second, and the compute tier each model runs o
 from __future__ import annotations
 
 import collections
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,10 +27,27 @@ def tier_status() -> dict[str, Any]:
     fn = getattr(dasllama, "gpu_tier_status", None)
     if fn is None:
         return {"backend": "cpu", "device": "cpu", "detail": f"{threads} kernel threads", "threads": threads}
-    st = fn()
-    device = str(getattr(st, "device", st))
-    backend = "cpu" if device == "cpu" else str(getattr(st, "backend", "gpu"))
-    return {"backend": backend, "device": device, "detail": str(st), "threads": threads}
+    try:
+        st = fn()
+        device = str(getattr(st, "device", st))
+        backend = "cpu" if device == "cpu" else str(getattr(st, "backend", "gpu"))
+        out: dict[str, Any] = {"backend": backend, "device": device, "detail": str(st), "threads": threads}
+        passes_fn = getattr(dasllama, "gpu_cpu_passes", None)
+        if passes_fn is not None:
+            passes = passes_fn()
+            out["gpu_cpu_passes"] = {str(k): v for k, v in passes.items()} if isinstance(passes, dict) else str(passes)
+    except Exception as e:  # noqa: BLE001 - the status page reports a broken tier query instead of failing whole
+        return {"backend": "unknown", "device": "unknown", "detail": f"gpu_tier_status failed: {type(e).__name__}: {e}", "threads": threads}
+    return out
+
+
+def rss_bytes() -> int | None:
+    """The server process's resident memory (Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -143,7 +161,15 @@ def status(server: Server, history: StatusHistory) -> dict[str, Any]:
                 "avg_batch": round(float(st.get("avg_batch", 0.0)), 2),
                 "requests": requests,
                 "tier": tier,
+                "memory": {"weights_bytes": _file_size(m.path), "kv_bytes": int(st.get("kv_bytes_allocated", 0))},
                 "history": history.series(name),
             }
         )
-    return {"ready": server.ready, "uptime_s": round(time.time() - history.started, 1), "gpu": tier["device"], "tier": tier, "models": models}
+    return {"ready": server.ready, "uptime_s": round(time.time() - history.started, 1), "gpu": tier["device"], "tier": tier, "rss_bytes": rss_bytes(), "models": models}
+
+
+def _file_size(path: Any) -> int:
+    try:
+        return int(path.stat().st_size)
+    except OSError:
+        return 0

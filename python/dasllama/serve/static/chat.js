@@ -2,37 +2,104 @@
 // answer, and keeps the conversation and settings in localStorage.
 "use strict";
 
-const CONV_STORE = "dasllama.conversation";
+const CONV_STORE = "dasllama.conversations";
+const CURRENT_STORE = "dasllama.currentConversation";
 const SETTINGS_STORE = "dasllama.settings";
+const MAX_CONVERSATIONS = 50; // the oldest go first: localStorage holds a few MB
 const $ = (id) => document.getElementById(id);
 
-// messages: {role, content, reasoning, state: "streaming"|"done"|"stopped"|"error", error, finish, usage, chunks, tokPerS}
-const state = { messages: [], controller: null };
+// convs: [{id, title, messages, updated}], newest first; messages: the current one's messages,
+// each {role, content, reasoning, state: "streaming"|"done"|"stopped"|"error", error, finish, usage, chunks, tokPerS}
+const state = { convs: [], current: null, messages: [], controller: null };
 window.chatState = state; // for the browser tests and for a curious user's console
 
+function readJSON(key, fallback) {
+  try {
+    const v = JSON.parse(localStorage.getItem(key));
+    return v === null ? fallback : v;
+  } catch (e) {
+    return fallback;
+  }
+}
+
 function load() {
-  try {
-    state.messages = JSON.parse(localStorage.getItem(CONV_STORE) || "[]");
-  } catch (e) {
-    state.messages = [];
-  }
-  for (const m of state.messages) if (m.state === "streaming") m.state = "stopped"; // a reload cut it off
-  let s = {};
-  try {
-    s = JSON.parse(localStorage.getItem(SETTINGS_STORE) || "{}");
-  } catch (e) {
-    s = {};
-  }
+  state.convs = readJSON(CONV_STORE, []).filter((c) => c && Array.isArray(c.messages));
+  for (const c of state.convs) for (const m of c.messages) if (m.state === "streaming") m.state = "stopped"; // a reload cut it off
+  const cur = state.convs.find((c) => c.id === localStorage.getItem(CURRENT_STORE));
+  if (cur) select(cur.id);
+  else newConversation();
+  const s = readJSON(SETTINGS_STORE, {});
   for (const id of ["system", "temperature", "top_p", "max_tokens"]) if (s[id] !== undefined) $(id).value = s[id];
   state.wantModel = s.model;
   $("api-key").value = apiKey();
 }
 
+function newConversation() {
+  const c = { id: Date.now().toString(36) + Math.random().toString(36).slice(2, 6), title: "", messages: [], updated: Date.now() };
+  state.convs.unshift(c);
+  select(c.id);
+}
+
+function select(id) {
+  const c = state.convs.find((x) => x.id === id);
+  state.current = c.id;
+  state.messages = c.messages;
+}
+
 function save() {
-  localStorage.setItem(CONV_STORE, JSON.stringify(state.messages));
+  const cur = state.convs.find((c) => c.id === state.current);
+  if (cur) {
+    const first = cur.messages.find((m) => m.role === "user");
+    cur.title = first ? first.content.slice(0, 60) : "";
+  }
+  // Empty conversations other than the one on screen are not worth keeping.
+  state.convs = state.convs.filter((c) => c.messages.length || c.id === state.current).slice(0, MAX_CONVERSATIONS);
+  localStorage.setItem(CONV_STORE, JSON.stringify(state.convs));
+  localStorage.setItem(CURRENT_STORE, state.current);
   const s = { model: $("model").value || state.wantModel };
   for (const id of ["system", "temperature", "top_p", "max_tokens"]) s[id] = $(id).value;
   localStorage.setItem(SETTINGS_STORE, JSON.stringify(s));
+  renderList();
+}
+
+function renderList() {
+  const items = state.convs
+    .filter((c) => c.messages.length)
+    .map((c) => {
+      const li = document.createElement("li");
+      li.dataset.id = c.id;
+      if (c.id === state.current) li.setAttribute("aria-current", "true");
+      const open = document.createElement("button");
+      open.type = "button";
+      open.className = "open";
+      open.textContent = c.title || "(untitled)";
+      open.title = c.title;
+      open.addEventListener("click", () => switchTo(c.id));
+      const del = document.createElement("button");
+      del.type = "button";
+      del.className = "delete";
+      del.textContent = "×";
+      del.title = "delete this conversation";
+      del.addEventListener("click", () => remove(c.id));
+      li.append(open, del);
+      return li;
+    });
+  $("conversations").replaceChildren(...items);
+}
+
+function switchTo(id) {
+  if (state.controller) state.controller.abort();
+  select(id);
+  save();
+  renderAll();
+}
+
+function remove(id) {
+  if (id === state.current && state.controller) state.controller.abort();
+  state.convs = state.convs.filter((c) => c.id !== id);
+  if (id === state.current) newConversation();
+  save();
+  renderAll();
 }
 
 async function loadModels() {
@@ -171,8 +238,15 @@ async function send(text) {
   state.messages.push(reply);
   renderAll();
   save();
-  const history = state.messages.slice(0, -1).filter((m) => !m.error || m.content);
-  const messages = history.map((m) => ({ role: m.role, content: m.role === "assistant" ? split(m).content : m.content }));
+  const messages = [];
+  const past = state.messages.slice(0, -1);
+  past.forEach((m, i) => {
+    const reply = m.role === "user" ? past[i + 1] : m;
+    // A turn whose reply failed or was stopped before any text is left out whole, so the roles
+    // still alternate as chat templates require.
+    if (reply && reply.role === "assistant" && !split(reply).content) return;
+    messages.push({ role: m.role, content: m.role === "assistant" ? split(m).content : m.content });
+  });
   const system = $("system").value.trim();
   if (system) messages.unshift({ role: "system", content: system });
   const body = { messages, stream: true, stream_options: { include_usage: true } };
@@ -229,6 +303,7 @@ async function send(text) {
 
 function init() {
   load();
+  renderList();
   renderAll();
   loadModels();
   $("composer").addEventListener("submit", (ev) => {
@@ -248,7 +323,7 @@ function init() {
   $("stop").addEventListener("click", () => state.controller && state.controller.abort());
   $("new-chat").addEventListener("click", () => {
     if (state.controller) state.controller.abort();
-    state.messages = [];
+    if (state.messages.length) newConversation();
     save();
     renderAll();
   });

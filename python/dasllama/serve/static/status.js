@@ -17,6 +17,7 @@ const FIELDS = [
   ["avg_batch", "average batch"],
   ["requests", "requests"],
   ["tier", "tier"],
+  ["memory", "memory: weights + KV"],
 ];
 
 const PLOTS = [
@@ -109,7 +110,8 @@ function fmtBytes(n) {
 
 function show(doc) {
   const t = doc.tier;
-  $("server-line").textContent = "up " + Math.round(doc.uptime_s) + " s · gpu: " + doc.gpu + " · " + t.detail + (doc.ready ? "" : " · loading models…");
+  const rss = doc.rss_bytes ? " · server memory " + fmtBytes(doc.rss_bytes) : "";
+  $("server-line").textContent = "up " + Math.round(doc.uptime_s) + " s · gpu: " + doc.gpu + " · " + t.detail + rss + (doc.ready ? "" : " · loading models…");
   const box = $("models");
   for (const m of doc.models) {
     let sec = box.querySelector('section[data-model="' + CSS.escape(m.name) + '"]');
@@ -129,6 +131,12 @@ function show(doc) {
     const req = Object.entries(m.requests).map(([k, v]) => k + " " + v);
     set(sec, "requests", req.length ? req.join(", ") : "none yet");
     set(sec, "tier", m.tier.backend + " on " + m.tier.device);
+    set(sec, "memory", fmtBytes(m.memory.weights_bytes) + " + " + fmtBytes(m.memory.kv_bytes));
+    if (m.tier.gpu_cpu_passes) {
+      const p = m.tier.gpu_cpu_passes;
+      const passes = typeof p === "object" ? Object.entries(p).map(([k, v]) => k + " " + v) : [String(p)];
+      set(sec, "tier", m.tier.backend + " on " + m.tier.device + (passes.length ? " · handed back to the CPU: " + passes.join(", ") : ""));
+    }
     const total = Math.max(1, kv.pages_total);
     sec.querySelector(".kvbar .used").style.width = (100 * (kv.pages_used - kv.pages_cached)) / total + "%";
     sec.querySelector(".kvbar .cached").style.width = (100 * kv.pages_cached) / total + "%";
