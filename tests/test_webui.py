@@ -63,6 +63,8 @@ def test_pages_load_without_the_key_and_data_routes_need_it(server: str) -> None
         r = httpx.get(server + path)
         assert r.status_code == 200 and kind in r.headers["content-type"], path
     assert KEY not in httpx.get(server + "/").text
+    csp = httpx.get(server + "/status").headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "connect-src 'self'" in csp
     for path in ("/status.json", "/v1/models", "/metrics"):
         assert httpx.get(server + path).status_code == 401, path
         assert httpx.get(server + path, headers=AUTH).status_code == 200, path
@@ -170,19 +172,31 @@ def new_page(browser: Any, base: str, key: str | None = KEY) -> Any:
         ctx.add_init_script(f"localStorage.setItem('dasllama.apiKey', {json.dumps(key)})")
     page = ctx.new_page()
     page.set_default_timeout(60_000)
+    # The pages' own faults: uncaught exceptions and anything the content security policy blocked.
+    # (That policy forbids eval, which Playwright uses for a bare expression given to
+    # wait_for_function: the tests give it functions, "() => ...".)
+    page.faults = []
+    page.on("pageerror", lambda e: page.faults.append(str(e)))
+    page.on("console", lambda m: page.faults.append(m.text) if m.type == "error" and "Content Security Policy" in m.text else None)
     return page
+
+
+def close(page: Any) -> None:
+    faults = page.faults
+    page.context.close()
+    assert not faults, faults
 
 
 @pytest.fixture
 def page(browser: Any, server: str) -> Iterator[Any]:
     p = new_page(browser, server)
     yield p
-    p.context.close()
+    close(p)
 
 
 def open_chat(page: Any, model: str = "smollm", max_tokens: int = 24) -> None:
     page.goto("/")
-    page.wait_for_function("document.querySelectorAll('#model option').length === 2")
+    page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
     page.select_option("#model", model)
     page.fill("#temperature", "0")
     page.fill("#max_tokens", str(max_tokens))
@@ -213,7 +227,7 @@ def ask(page: Any, text: str) -> None:
     n = page.evaluate("chatState.messages.length")
     page.fill("#input", text)
     page.press("#input", "Enter")
-    page.wait_for_function(f"chatState.messages.length === {n + 2} && chatState.messages[{n + 1}].state !== 'streaming'")
+    page.wait_for_function(f"() => chatState.messages.length === {n + 2} && chatState.messages[{n + 1}].state !== 'streaming'")
 
 
 def test_conversations_are_kept_in_the_browser(page: Any) -> None:
@@ -241,7 +255,7 @@ def test_stop_button_cancels_the_request_on_the_server(page: Any, server: str) -
     open_chat(page, max_tokens=2000)
     page.fill("#input", COUNT)
     page.press("#input", "Enter")
-    page.wait_for_function("chatState.messages.length === 2 && chatState.messages[1].content.length > 20")
+    page.wait_for_function("() => chatState.messages.length === 2 && chatState.messages[1].content.length > 20")
     assert status(server)["streams"]["active"] == 1
     page.click("#stop")
     page.wait_for_selector(".msg.assistant[data-state='stopped']")
@@ -275,7 +289,7 @@ def test_status_page_moves_under_load(page: Any, server: str) -> None:
     t = threading.Thread(target=load)
     t.start()
     try:
-        page.wait_for_function(f"{val % 'active'}.startsWith('1 /') && parseFloat({val % 'tokens_per_s'}) > 0 && parseInt({val % 'tokens_out'}) > {n0}", timeout=30_000)
+        page.wait_for_function(f"() => {val % 'active'}.startsWith('1 /') && parseFloat({val % 'tokens_per_s'}) > 0 && parseInt({val % 'tokens_out'}) > {n0}", timeout=30_000)
         assert page.inner_text(f"{card} [data-field='tier']") == "cpu on cpu" and "gpu: cpu" in page.inner_text("#server-line")
         kv = page.inner_text(f"{card} [data-field='kv']")
         assert kv.count("/") == 2 and int(kv.split("/")[0]) > 0  # the running stream holds pages
@@ -283,7 +297,7 @@ def test_status_page_moves_under_load(page: Any, server: str) -> None:
         seen.set()
         t.join()
     assert got == [200]
-    page.wait_for_function(f"{val % 'active'}.startsWith('0 /') && {val % 'requests'}.includes('cancelled')", timeout=15_000)
+    page.wait_for_function(f"() => {val % 'active'}.startsWith('0 /') && {val % 'requests'}.includes('cancelled')", timeout=15_000)
 
 
 def test_api_key_entered_on_the_pages(browser: Any, server: str) -> None:
@@ -302,10 +316,10 @@ def test_api_key_entered_on_the_pages(browser: Any, server: str) -> None:
         assert "API key" in page.inner_text("#model-note") and page.eval_on_selector_all("#model option", "o => o.length") == 0
         page.fill("#api-key", "wrong")
         page.dispatch_event("#api-key", "change")
-        page.wait_for_function("document.querySelector('#model-note').textContent.includes('wrong API key')")
+        page.wait_for_function("() => document.querySelector('#model-note').textContent.includes('wrong API key')")
         page.fill("#api-key", KEY)
         page.dispatch_event("#api-key", "change")
-        page.wait_for_function("document.querySelectorAll('#model option').length === 2")
+        page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
         assert page.evaluate("localStorage.getItem('dasllama.apiKey')") == KEY
         page.fill("#max_tokens", "4")
         page.fill("#input", "Hi")
@@ -313,7 +327,7 @@ def test_api_key_entered_on_the_pages(browser: Any, server: str) -> None:
         page.wait_for_selector(".msg.assistant[data-state='done']")
         assert last_reply(page)["content"] and not last_reply(page).get("error")
     finally:
-        page.context.close()
+        close(page)
 
 
 def test_base_model_error_shows_on_the_chat_page(page: Any) -> None:

@@ -33,6 +33,13 @@ from .status import StatusHistory, status
 log = logging.getLogger("dasllama.serve")
 
 STATIC = Path(__file__).parent / "static"  # the web pages, shipped in the wheel
+# The pages run only their own scripts and talk only to this server: should a model's reply ever
+# slip markup past the renderer, the browser still runs none of it (and no other site frames them).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 MAX_BODY = 4 << 20  # 4 MiB: far above any prompt the served models' contexts hold
 # A prompt's text is refused before any template or tokenizer work when it has more than this many
 # bytes per token of context: real text runs at 3-5 bytes a token, so a prompt past it could not
@@ -688,7 +695,7 @@ def build_app(server: Server) -> Starlette:
     # user types into them), so they load without the key.
     def page(filename: str):
         async def handler(request: Request) -> Response:
-            return FileResponse(STATIC / filename, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+            return FileResponse(STATIC / filename, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache", **PAGE_HEADERS})
 
         return handler
 
