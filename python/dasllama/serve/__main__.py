@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -45,6 +46,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-draft", default=None, help="a draft model (path or known name) sharing the model's vocabulary, for --spec draft/auto")
     ap.add_argument("--spec-max", type=int, default=8, help=f"most tokens a stream drafts per step (1-{MAX_DRAFT}); fewer are drafted as the batch grows")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    ap.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (e.g. http://localhost:3000; '*' for any) call the API from a browser; repeat for several (default: none, the server's own pages need none)",
+    )
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
     args.model = args.model or [DEFAULT_MODEL]
@@ -69,6 +77,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.spec = "off"
     if KVDtype(args.kv_dtype) is not KVDtype.f16 and args.page_rows == 0:
         ap.error(f"--kv-dtype {args.kv_dtype} needs the paged pool (--page-rows > 0)")
+    for origin in args.cors_origin:
+        # A browser sends its origin as scheme://host[:port], never with a path or a trailing
+        # slash: anything else would silently match nothing.
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            ap.error(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] with no path or trailing slash (e.g. http://localhost:3000), or '*'")
     return args
 
 
@@ -83,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     import uvicorn
 
-    server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes)
+    server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes, cors_origins=args.cors_origin)
     app = build_app(server)
     failed: list[BaseException] = []
 
@@ -101,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                 drafting = configure_spec(m, args.spec, draft, args.spec_max)
                 server.add(Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb), spec, m.path.stem)
                 log.info("serving %s as '%s' (speculative decoding: %s)", m.path.name, name, drafting)
+                if not m.chat_template:
+                    log.warning(
+                        "'%s' (%s) has no chat template: it is a base model, so only /v1/completions works for it; /v1/chat/completions answers 400 (no_chat_template)", name, m.path.name
+                    )
             server.ready = True
         except BaseException as e:  # noqa: BLE001 - surfaced below: the server exits non-zero
             failed.append(e)

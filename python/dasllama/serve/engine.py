@@ -64,6 +64,7 @@ class Engine:
     def __init__(self, m: Model, name: str, streams: int, queue: int, chunk: int, page_rows: int, kv_dtype: str = "f16", prefix_cache_mb: float = 256) -> None:
         self.m = m
         self.name = name
+        self.max_streams = streams
         # The prefix cache keeps what finished streams leave behind: bounded, or a long-running
         # server's memory would grow with every new conversation until the pool is full.
         groups = max(1, int(prefix_cache_mb * 2**20 // sched.kv_page_bytes(m, page_rows, kv_dtype))) if page_rows else 0
