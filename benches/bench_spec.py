@@ -1,12 +1,12 @@
 """Speculative decoding against plain decoding, through the scheduler, same requests, runs
 interleaved: single-stream decode tokens/s with n-gram prompt lookup on input-grounded prompts
 (summarise, rewrite, extract, edit code) and on open-ended chat; a Q4_0 draft model for its F16
-target; 4 and 16 streams end to end. Prints acceptance and the pass cost the policy measured.
+and Q8_0 originals; 4 and 16 streams end to end. Prints acceptance and the pass cost the policy measured.
 
     python benches/bench_spec.py [--runs 3] [--max-new 128] [--only ngram,draft,batch]
 
-The F16 target and the Q4_0 draft are made once from SmolLM2's Q4_1 file (dequantized, then
-written as F16 and requantized to Q4_0 with gguf-py) and cached beside it.
+The F16 and Q8_0 targets and the Q4_0 draft are made once from SmolLM2's Q4_1 file (dequantized,
+then written as F16 or requantized with gguf-py) and cached beside it.
 """
 
 from __future__ import annotations
@@ -124,14 +124,13 @@ def copy_as(src: Path, dst: Path, qt: QT) -> None:
     w.close()
 
 
-def variants(src: Path) -> tuple[Path, Path]:
-    f16, q40 = src.with_name(src.stem + ".bench-F16.gguf"), src.with_name(src.stem + ".bench-Q4_0.gguf")
-    for path, qt in ((f16, QT.F16), (q40, QT.Q4_0)):
-        if not path.exists():
-            tmp = path.with_suffix(".tmp")
-            copy_as(src, tmp, qt)
-            tmp.rename(path)
-    return f16, q40
+def variant(src: Path, qt: QT) -> Path:
+    path = src.with_name(f"{src.stem}.bench-{qt.name}.gguf")
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        copy_as(src, tmp, qt)
+        tmp.rename(path)
+    return path
 
 
 def main() -> None:
@@ -144,7 +143,7 @@ def main() -> None:
     src = Path(dl.fetch("smollm2-135m-instruct"))
     m = dl.load_model(src)
     grounded, open_ = [chat_ids(m, t) for t in GROUNDED], [chat_ids(m, t) for t in OPEN]
-    jobs = (2 * len(GROUNDED) + 2 * len(OPEN)) * ("ngram" in only) + 2 * (len(GROUNDED) + len(OPEN)) * ("draft" in only) + 4 * ("batch" in only)
+    jobs = (2 * len(GROUNDED) + 2 * len(OPEN)) * ("ngram" in only) + 4 * (len(GROUNDED) + len(OPEN)) * ("draft" in only) + 4 * ("batch" in only)
     rows = []
     with tqdm(total=jobs * args.runs, desc="bench_spec", unit="run") as bar:
         if "ngram" in only:
@@ -162,13 +161,15 @@ def main() -> None:
                 ps = (mixed * (2 * streams // len(mixed) + 1))[: 2 * streams]
                 rows.append(compare("ngram, mixed (end to end)", m, ps, streams, args.max_new, args.runs, "e2e", bar))
         if "draft" in only:
-            f16, q40 = variants(src)
-            target, draft = dl.load_model(f16), dl.load_model(q40)
-            dl.attach_draft_model(target, draft)
-            per = [compare("Q4_0 draft for F16", target, [chat_ids(target, t)], 1, args.max_new, args.runs, "decode", bar) for t in GROUNDED + OPEN]
-            b = statistics.mean(float(r[2]) for r in per)
-            s = statistics.mean(float(r[3]) for r in per)
-            rows.append(["Q4_0 draft for F16", "1", f"{b:.1f}", f"{s:.1f}", f"{s / b:.2f}x", " / ".join(r[5].split(" of")[0] for r in per), per[-1][6]])
+            draft = dl.load_model(variant(src, QT.Q4_0))
+            for qt in (QT.F16, QT.Q8_0):
+                target = dl.load_model(variant(src, qt))
+                dl.attach_draft_model(target, draft)
+                label = f"Q4_0 draft for {qt.name}"
+                per = [compare(label, target, [chat_ids(target, t)], 1, args.max_new, args.runs, "decode", bar) for t in GROUNDED + OPEN]
+                b = statistics.mean(float(r[2]) for r in per)
+                s = statistics.mean(float(r[3]) for r in per)
+                rows.append([label, "1", f"{b:.1f}", f"{s:.1f}", f"{s / b:.2f}x", " / ".join(r[5].split(" of")[0] for r in per), per[-1][6]])
     head = ["case", "streams", "plain tok/s", "spec tok/s", "speedup", "accepted", "pass cost ms (a + b/row)"]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, ["-" * w for w in widths], *rows]:
