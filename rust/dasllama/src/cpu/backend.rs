@@ -66,6 +66,14 @@ impl Ops for CpuOps<'_> {
         x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
     }
 
+    fn add_bias(&mut self, x: &mut [f32], bias: &[f32]) {
+        x.chunks_exact_mut(bias.len()).for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
+    }
+
+    fn softcap(&mut self, x: &mut [f32], cap: f32) {
+        ops::softcap(x, cap);
+    }
+
     fn attention(&mut self, a: &AttnShape, slot: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]) {
         match self.numerics {
             Numerics::Fast => attention(a, kvs, slot, rows, q, out, self.team),
@@ -128,6 +136,9 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
                 let cnt = run.len() / codec.bytes(hdim);
                 fetch(false, first + cnt);
                 codec.dot_rows(qs, hdim, run, cnt, &mut sc[first - start..], nk);
+            }
+            if let Some(cap) = a.softcap {
+                ops::softcap(sc, cap);
             }
             for sg in sc.chunks_exact_mut(nk) {
                 ops::attention_weights(sg, a.score_scale());
@@ -194,7 +205,9 @@ fn attention_ggml(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize
             f16_queries(a, &q[base..base + hdim], &mut qs);
             sc.fill(f32::NEG_INFINITY);
             for j in start..=pos {
-                sc[j] = dot(&kf[j * hdim..(j + 1) * hdim], &qs) * a.score_scale();
+                let s = dot(&kf[j * hdim..(j + 1) * hdim], &qs);
+                let s = a.softcap.map_or(s, |cap| cap * (s * (1.0 / cap)).tanh());
+                sc[j] = s * a.score_scale();
             }
             let live = (pos + 1).next_multiple_of(8);
             ops::softmax(&mut sc[..live]);

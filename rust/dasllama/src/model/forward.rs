@@ -148,7 +148,7 @@ fn forward_rows(
     for r in &ropes {
         let mut tab = Vec::with_capacity(n * r.dim / 2);
         for &(_, pos) in &rows {
-            ops::rope_cache(r.dim, pos, r.base, &mut one);
+            ops::rope_cache(r.dim, pos, r.base, r.freq_scale, r.mscale, m.rope_factors.as_deref(), &mut one);
             tab.extend_from_slice(&one);
         }
         tables.push(tab);
@@ -165,6 +165,11 @@ fn forward_rows(
                 grow(&mut s.k, n * kvd);
                 grow(&mut s.v, n * kvd);
                 b.matmul(&mut [(&l.wq, &mut s.q[..n * qd]), (&l.wk, &mut s.k[..n * kvd]), (&l.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
+                for (bias, out) in [(&l.bq, &mut s.q[..n * qd]), (&l.bk, &mut s.k[..n * kvd]), (&l.bv, &mut s.v[..n * kvd])] {
+                    if let Some(bias) = bias {
+                        b.add_bias(out, bias);
+                    }
+                }
                 let ri = ropes.iter().position(|r| *r == a.rope).expect("every layer's RoPE is tabulated");
                 let rope = RopeTable { pairs: &tables[ri], half: a.rope.dim / 2, neox: a.rope.neox };
                 b.norm_rope(&mut s.q[..n * qd], qd, c.head_dim, l.q_norm.as_deref(), c.norm_eps, &rope);
@@ -190,7 +195,7 @@ fn forward_rows(
         h.copy_from_slice(x);
         b.rms_norm(h, &l.ffn_norm, c.norm_eps);
         match *ffn {
-            Ffn::Dense { hidden: hd, act } => {
+            Ffn::Dense { hidden: hd, act, .. } => {
                 grow(&mut s.gate, n * hd);
                 grow(&mut s.up, n * hd);
                 b.matmul(&mut [(&l.w_gate, &mut s.gate[..n * hd]), (&l.w_up, &mut s.up[..n * hd])], &s.h[..n * d], counts);
@@ -225,4 +230,7 @@ fn forward_rows(
     s.x = xbuf;
     // One row per output: each is a row on its own to ggml's order.
     b.matmul(&mut [(&m.output, &mut logits[..])], &s.h[..out_rows * d], &vec![1; out_rows]);
+    if let Some(cap) = c.final_softcap {
+        b.softcap(logits, cap);
+    }
 }

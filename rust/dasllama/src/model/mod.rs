@@ -3,9 +3,13 @@
 mod arch;
 mod config;
 pub mod forward;
+mod gemma2;
 mod gemma3;
 mod llama;
 mod meta;
+mod phi3;
+mod qwen2;
+mod qwen3;
 
 pub use crate::backend::{Activation, Numerics};
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
@@ -34,14 +38,20 @@ pub enum QuantMode {
 
 pub struct Layer {
     pub attn_norm: Vec<f32>,
+    /// Q, K and V: three tensors, or row ranges of a fused `attn_qkv` (the same dots either way).
     pub wq: Weight,
     pub wk: Weight,
     pub wv: Weight,
+    /// Biases of Q, K and V where the file has them (qwen2).
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
     pub wo: Weight,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
+    /// Gate and up: two tensors, or the two halves of a fused `ffn_up` (phi3).
     pub w_gate: Weight,
     pub w_up: Weight,
     pub w_down: Weight,
@@ -54,6 +64,8 @@ pub struct Model {
     pub layers: Vec<Layer>,
     pub output_norm: Vec<f32>,
     pub output: Weight,
+    /// The RoPE frequency divisors every layer uses (`Config::rope_factors`), where the file has them.
+    pub rope_factors: Option<Vec<f32>>,
     pub tokenizer: Tokenizer,
     pub numerics: Numerics,
 }
@@ -142,10 +154,32 @@ impl<'a> TensorTable<'a> {
 
     /// A matrix, converted per QuantMode, checked against the shape the config implies.
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let mut parts = self.matrix_parts(name, &[rows], cols)?;
+        Ok(parts.remove(0))
+    }
+
+    /// A fused matrix as consecutive row ranges of `parts` rows each (Q/K/V in `attn_qkv`, gate
+    /// and up in phi3's `ffn_up`): each range is a matrix of its own, a window of the same bytes.
+    fn matrix_parts(&self, name: &str, parts: &[usize], cols: usize) -> Result<Vec<Weight>> {
         let w = self.raw(name)?;
+        let rows: usize = parts.iter().sum();
         if w.rows != rows || w.cols != cols {
             return Err(Error::Gguf(format!("{}: tensor '{name}' is {}x{} but the model's metadata implies {rows}x{cols}", self.file, w.rows, w.cols)));
         }
+        let Bytes::Mapped { map, offset, .. } = &w.data else { unreachable!("raw tensors are windows of the map") };
+        let rb = w.row_bytes();
+        let mut first = 0;
+        let mut out = Vec::with_capacity(parts.len());
+        for &r in parts {
+            let data = Bytes::Mapped { map: map.clone(), offset: offset + first * rb, len: r * rb };
+            out.push(self.prepare(Weight { rows: r, data, ..w.clone() }, name)?);
+            first += r;
+        }
+        Ok(out)
+    }
+
+    /// A matrix as the kernels read it: converted per QuantMode, laid out for `numerics`.
+    fn prepare(&self, w: Weight, name: &str) -> Result<Weight> {
         let w = match self.quant {
             QuantMode::Q8 if w.cols % 32 == 0 && w.ty != GgmlType::Q8_0 => convert_weight(&w, GgmlType::Q8_0),
             QuantMode::Fp32 if w.ty != GgmlType::F32 => convert_weight(&w, GgmlType::F32),
@@ -177,6 +211,34 @@ impl<'a> TensorTable<'a> {
         } else {
             Ok(None)
         }
+    }
+
+    /// Layer `il`'s Q, K and V with their biases: separate `attn_q`/`attn_k`/`attn_v` or one fused
+    /// `attn_qkv` (whichever the file has, as llama.cpp takes either for every family), each bias
+    /// optional, a fused one (`attn_qkv.bias`) split like its matrix.
+    #[allow(clippy::type_complexity)]
+    fn qkv(&self, il: usize, sizes: [usize; 3], d: usize) -> Result<([Weight; 3], [Option<Vec<f32>>; 3])> {
+        let name = |t: &str, kind: &str| format!("blk.{il}.{t}.{kind}");
+        let sep = ["attn_q", "attn_k", "attn_v"];
+        let fused = name("attn_qkv", "weight");
+        let ws: [Weight; 3] = if self.has(&fused) {
+            let mut p = self.matrix_parts(&fused, &sizes, d)?.into_iter();
+            std::array::from_fn(|_| p.next().expect("three parts"))
+        } else {
+            let [q, k, v] = std::array::from_fn(|i| self.matrix(&name(sep[i], "weight"), sizes[i], d));
+            [q?, k?, v?]
+        };
+        let fused_bias = name("attn_qkv", "bias");
+        let bs: [Option<Vec<f32>>; 3] = if self.has(&fused_bias) {
+            let b = self.vector(&fused_bias, sizes.iter().sum())?;
+            let (q, rest) = b.split_at(sizes[0]);
+            let (k, v) = rest.split_at(sizes[1]);
+            [Some(q.to_vec()), Some(k.to_vec()), Some(v.to_vec())]
+        } else {
+            let [q, k, v] = std::array::from_fn(|i| self.opt_vector(&name(sep[i], "bias"), sizes[i]));
+            [q?, k?, v?]
+        };
+        Ok((ws, bs))
     }
 }
 
@@ -215,13 +277,23 @@ impl Model {
         for (il, desc) in config.layers.iter().enumerate() {
             let n = |s: &str| format!("blk.{il}.{s}.weight");
             let Mixer::Attention(a) = &desc.mixer;
-            let Ffn::Dense { hidden: hd, .. } = desc.ffn;
+            let Ffn::Dense { hidden: hd, fused, .. } = desc.ffn;
             let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
+            let ([wq, wk, wv], [bq, bk, bv]) = table.qkv(il, [qd, kvd, kvd], d)?;
+            let (w_gate, w_up) = if fused {
+                let mut p = table.matrix_parts(&n("ffn_up"), &[hd, hd], d)?.into_iter();
+                (p.next().expect("two parts"), p.next().expect("two parts"))
+            } else {
+                (table.matrix(&n("ffn_gate"), hd, d)?, table.matrix(&n("ffn_up"), hd, d)?)
+            };
             layers.push(Layer {
                 attn_norm: table.vector(&n("attn_norm"), d)?,
-                wq: table.matrix(&n("attn_q"), qd, d)?,
-                wk: table.matrix(&n("attn_k"), kvd, d)?,
-                wv: table.matrix(&n("attn_v"), kvd, d)?,
+                wq,
+                wk,
+                wv,
+                bq,
+                bk,
+                bv,
                 wo: table.matrix(&n("attn_output"), d, qd)?,
                 q_norm: norm(a.qk_norm, "attn_q_norm", config.head_dim)?,
                 k_norm: norm(a.qk_norm, "attn_k_norm", config.head_dim)?,
@@ -231,8 +303,8 @@ impl Model {
                     table.opt_vector(&n("post_attention_norm"), d)?
                 },
                 ffn_norm: table.vector(&n("ffn_norm"), d)?,
-                w_gate: table.matrix(&n("ffn_gate"), hd, d)?,
-                w_up: table.matrix(&n("ffn_up"), hd, d)?,
+                w_gate,
+                w_up,
                 w_down: table.matrix(&n("ffn_down"), d, hd)?,
                 post_ffn_norm: norm(desc.post_norms, "post_ffw_norm", d)?,
             });
@@ -243,6 +315,16 @@ impl Model {
         } else {
             table.matrix("token_embd.weight", config.vocab_size, d)?
         };
+        let rope_factors = match config.rope_factors {
+            Some(name) if table.has(name) => {
+                let dim = config.ropes().first().map_or(0, |r| r.dim);
+                Some(table.vector(name, dim / 2)?)
+            }
+            _ => None,
+        };
+        if let Some(bad) = rope_factors.as_ref().and_then(|f| f.iter().find(|v| !(v.is_finite() && **v > 0.0))) {
+            return Err(Error::Gguf(format!("{file}: tensor '{}' holds {bad}; RoPE frequency factors must be positive", config.rope_factors.unwrap_or("?"))));
+        }
         if tokenizer.n_vocab() != config.vocab_size {
             return Err(Error::Gguf(format!("{file}: the tokenizer has {} tokens but token_embd.weight has {} rows", tokenizer.n_vocab(), config.vocab_size)));
         }
@@ -252,7 +334,7 @@ impl Model {
                 config.head_dim
             )));
         }
-        Ok(Model { config, tok_embd, layers, output_norm, output, tokenizer, numerics })
+        Ok(Model { config, tok_embd, layers, output_norm, output, rope_factors, tokenizer, numerics })
     }
 }
 
