@@ -373,3 +373,78 @@ def family_cases(name: str) -> list[list[int]]:
     """The token sequences the goldens follow (teacher-forced): a BOS, then random ids."""
     rng = np.random.default_rng(sum(map(ord, name)) + 1)
     return [[1] + [int(t) for t in rng.integers(3, len(VOCAB), size=23)] for _ in range(3)]
+
+
+def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]) -> np.ndarray:
+    """Float64 forward pass of ``write_family(name)``'s weights; logits after each position."""
+    f = FAMILIES[name]
+    meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {})}
+    arch, H, KVH, HD = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
+    qd, kvd = H * HD, KVH * HD
+    eps = meta["attention.layer_norm_rms_epsilon"]
+    rd = meta.get("rope.dimension_count", HD)
+    gemma = arch == "gemma2"
+    W = {k: v.astype(np.float64) for k, v in wt.items()}
+    factors, mscale = None, meta.get("rope.scaling.attn_factor", 1.0)
+    if f.get("factors"):
+        long = meta["context_length"] > meta["rope.scaling.original_context_length"]
+        factors = W["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+
+    def rope(x: np.ndarray, pos: int) -> np.ndarray:
+        theta = pos * meta["rope.freq_base"] ** (-np.arange(0, rd, 2) / rd)
+        if factors is not None:
+            theta = theta / factors
+        c, s = np.cos(theta) * mscale, np.sin(theta) * mscale
+        out = x.copy()
+        a, b = x[..., : rd // 2], x[..., rd // 2 : rd]
+        out[..., : rd // 2], out[..., rd // 2 : rd] = a * c - b * s, a * s + b * c
+        return out
+
+    x = W["token_embd.weight"][ids] * (np.sqrt(DIM) if gemma else 1.0)
+    T = len(ids)
+    for i in range(f.get("layers", LAYERS)):
+        p = f"blk.{i}."
+        h = _rms(x, W[p + "attn_norm.weight"], eps)
+        if f.get("fused"):
+            wq, wk, wv = np.split(W[p + "attn_qkv.weight"], [qd, qd + kvd])
+        else:
+            wq, wk, wv = W[p + "attn_q.weight"], W[p + "attn_k.weight"], W[p + "attn_v.weight"]
+        q, k, v = h @ wq.T, h @ wk.T, h @ wv.T
+        if f.get("bias"):
+            q, k, v = q + W[p + "attn_q.bias"], k + W[p + "attn_k.bias"], v + W[p + "attn_v.bias"]
+        q, k, v = q.reshape(T, H, HD), k.reshape(T, KVH, HD), v.reshape(T, KVH, HD)
+        if f.get("qk_norm"):
+            q, k = _rms(q, W[p + "attn_q_norm.weight"], eps), _rms(k, W[p + "attn_k_norm.weight"], eps)
+        q = np.stack([rope(q[t], t) for t in range(T)])
+        k = np.stack([rope(k[t], t) for t in range(T)])
+        window = meta["attention.sliding_window"] if gemma and i % 2 == 0 else 0
+        att = np.zeros((T, H, HD))
+        for t in range(T):
+            lo = max(0, t - window + 1) if window else 0
+            for hh in range(H):
+                kv = hh // (H // KVH)
+                sc = k[lo : t + 1, kv] @ q[t, hh] / np.sqrt(HD)
+                if gemma:
+                    cap = meta["attn_logit_softcapping"]
+                    sc = cap * np.tanh(sc / cap)
+                pr = np.exp(sc - sc.max())
+                att[t, hh] = (pr / pr.sum()) @ v[lo : t + 1, kv]
+        o = att.reshape(T, -1) @ W[p + "attn_output.weight"].T
+        if f.get("post_norms"):
+            o = _rms(o, W[p + "post_attention_norm.weight"], eps)
+        x = x + o
+        h = _rms(x, W[p + "ffn_norm.weight"], eps)
+        if f.get("fused"):
+            g, u = np.split(h @ W[p + "ffn_up.weight"].T, 2, axis=-1)
+        else:
+            g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
+        a = 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3))) if gemma else g / (1 + np.exp(-g))
+        d = (a * u) @ W[p + "ffn_down.weight"].T
+        if f.get("post_norms"):
+            d = _rms(d, W[p + "post_ffw_norm.weight"], eps)
+        x = x + d
+    out = _rms(x, W["output_norm.weight"], eps) @ W.get("output.weight", W["token_embd.weight"]).T
+    if gemma:
+        cap = meta["final_logit_softcapping"]
+        out = cap * np.tanh(out / cap)
+    return out
