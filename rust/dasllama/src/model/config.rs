@@ -281,7 +281,7 @@ fn rope_scaling(m: &Metadata) -> Result<(f32, f32)> {
     };
     let factor = match factor {
         None => 1.0,
-        Some(f) if f == 0.0 => 1.0,
+        Some(0.0) => 1.0,
         Some(f) if f > 0.0 => f as f32,
         Some(f) => return Err(Error::Gguf(format!("metadata key '{}' is {f}; it must be greater than 0", m.key("rope.scaling.factor")))),
     };

@@ -181,7 +181,7 @@ impl<'a> TensorTable<'a> {
     /// A matrix as the kernels read it: converted per QuantMode, laid out for `numerics`.
     fn prepare(&self, w: Weight, name: &str) -> Result<Weight> {
         let w = match self.quant {
-            QuantMode::Q8 if w.cols % 32 == 0 && w.ty != GgmlType::Q8_0 => convert_weight(&w, GgmlType::Q8_0),
+            QuantMode::Q8 if w.cols.is_multiple_of(32) && w.ty != GgmlType::Q8_0 => convert_weight(&w, GgmlType::Q8_0),
             QuantMode::Fp32 if w.ty != GgmlType::F32 => convert_weight(&w, GgmlType::F32),
             _ => w,
         };
