@@ -361,6 +361,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn rope_cache_scaling_is_the_identity_when_off_and_divides_angles_when_on() {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        rope_cache(64, 37, 10000.0, 1.0, 1.0, None, &mut a);
+        let theta_scale = 10000f32.powf(-2.0 / 64.0);
+        let mut theta = 37.0f32;
+        for &(s, c) in &a {
+            assert_eq!((s, c), theta.sin_cos());
+            theta *= theta_scale;
+        }
+        let f: Vec<f32> = (0..32).map(|i| 1.0 + i as f32 * 0.1).collect();
+        rope_cache(64, 37, 10000.0, 0.5, 2.0, Some(&f), &mut b);
+        let mut theta = 37.0f32;
+        for (i, &(s, c)) in b.iter().enumerate() {
+            let (s0, c0) = (0.5 * (theta / f[i])).sin_cos();
+            assert_eq!((s, c), (s0 * 2.0, c0 * 2.0));
+            theta *= theta_scale;
+        }
+    }
+
+    #[test]
     fn attention_weights_are_the_three_steps_bit_for_bit() {
         for n in [1usize, 7, 8, 9, 37, 130] {
             let raw: Vec<f32> = (0..n).map(|i| ((i * 7919 % 211) as f32 - 105.0) * 0.37).collect();

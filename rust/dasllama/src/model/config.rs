@@ -319,3 +319,62 @@ pub(crate) fn swa_layers(m: &Metadata, n_layers: usize, period: usize) -> Result
     };
     Ok((0..n_layers).map(|il| period == 0 || il % period < period - 1).collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::lookup_arch;
+
+    fn meta(arch: &str, extra: &[(&str, MetaValue)]) -> Metadata {
+        let mut map: std::collections::HashMap<String, MetaValue> = [
+            ("block_count", MetaValue::Int(4)),
+            ("embedding_length", MetaValue::Int(256)),
+            ("feed_forward_length", MetaValue::Int(512)),
+            ("attention.head_count", MetaValue::Int(4)),
+            ("context_length", MetaValue::Int(64)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        map.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        Metadata::new(arch, map)
+    }
+
+    fn configure(arch: &str, extra: &[(&str, MetaValue)]) -> Result<Config> {
+        (lookup_arch(arch).unwrap().configure)(&meta(arch, extra))
+    }
+
+    fn attn(c: &Config, il: usize) -> &Attention {
+        let Mixer::Attention(a) = &c.layers[il].mixer;
+        a
+    }
+
+    #[test]
+    fn gemma2_alternates_sliding_layers_and_caps() {
+        let c = configure("gemma2", &[("attention.sliding_window", MetaValue::Int(8)), ("rope.freq_base_swa", MetaValue::Float(500.0))]).unwrap();
+        let windows: Vec<usize> = (0..4).map(|il| attn(&c, il).window).collect();
+        assert_eq!(windows, [8, 0, 8, 0]);
+        assert_eq!((attn(&c, 0).rope.base, attn(&c, 1).rope.base), (500.0, 10_000.0));
+        assert_eq!((attn(&c, 1).softcap, c.final_softcap), (Some(50.0), Some(30.0)));
+        assert!(attn(&c, 0).scale_query && c.layers[0].post_norms && attn(&c, 0).rope.neox);
+        let c = configure("gemma2", &[("attention.sliding_window_pattern", MetaValue::Int(4))]).unwrap();
+        assert_eq!((0..4).map(|il| attn(&c, il).window > 0).collect::<Vec<_>>(), [true, true, true, false]);
+    }
+
+    #[test]
+    fn rope_scaling_as_llamacpp_reads_it() {
+        let c = configure("qwen2", &[("rope.scaling.type", MetaValue::Str("linear".into())), ("rope.scaling.factor", MetaValue::Float(4.0))]).unwrap();
+        assert_eq!((attn(&c, 0).rope.freq_scale, attn(&c, 0).rope.mscale), (0.25, 1.0));
+        let c = configure("qwen2", &[("rope.scaling.type", MetaValue::Str("none".into())), ("rope.scaling.factor", MetaValue::Float(4.0))]).unwrap();
+        assert_eq!(attn(&c, 0).rope.freq_scale, 1.0);
+        let e = configure("qwen2", &[("rope.scaling.type", MetaValue::Str("yarn".into()))]).unwrap_err().to_string();
+        assert!(e.contains("'qwen2.rope.scaling.type' is \"yarn\""), "{e}");
+        // phi3: long factors when the context outgrows the original one.
+        let long =
+            configure("phi3", &[("rope.scaling.original_context_length", MetaValue::Int(32)), ("rope.scaling.attn_factor", MetaValue::Float(1.5))]).unwrap();
+        assert_eq!((long.rope_factors, attn(&long, 0).rope.mscale), (Some("rope_factors_long.weight"), 1.5));
+        let short = configure("phi3", &[("rope.scaling.original_context_length", MetaValue::Int(64))]).unwrap();
+        assert_eq!(short.rope_factors, Some("rope_factors_short.weight"));
+        assert!(matches!(short.layers[0].ffn, Ffn::Dense { fused: true, .. }));
+    }
+}
