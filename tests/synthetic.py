@@ -213,7 +213,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         kv_heads=2,
         head_dim=64,
         fused=True,
-        output=True,
+        output=(0.5, QT.Q6_K),
         factors=True,
         meta={"rope.dimension_count": 48, "rope.scaling.original_context_length": 32, "rope.scaling.attn_factor": 1.19, "attention.layer_norm_rms_epsilon": 1e-5},
     ),
@@ -228,7 +228,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         heads=4,
         kv_heads=2,
         head_dim=64,
-        post_norms=True,
+        post_norms=1.0,
+        embd=(0.5, QT.F16),
         layers=3,
         meta={"attention.sliding_window": 4, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 15.0},
     ),
@@ -321,7 +322,8 @@ def write_family(
         weights[name] = v
         put(name, v)
 
-    mat("token_embd.weight", len(VOCAB), DIM, 0.5, QT.Q8_0 if arch != "gemma2" else QT.F16)
+    embd_std, embd_type = f.get("embd", (0.5, QT.Q8_0))
+    mat("token_embd.weight", len(VOCAB), DIM, embd_std, embd_type)
     for i in range(layers):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", DIM)
@@ -340,7 +342,7 @@ def write_family(
             vec(p + "attn_k_norm.weight", hd)
         mat(p + "attn_output.weight", DIM, qd)
         if f.get("post_norms"):
-            vec(p + "post_attention_norm.weight", DIM)
+            vec(p + "post_attention_norm.weight", DIM, f["post_norms"])
         vec(p + "ffn_norm.weight", DIM)
         if f.get("fused"):
             mat(p + "ffn_up.weight", 2 * HIDDEN, DIM)
@@ -349,7 +351,7 @@ def write_family(
             mat(p + "ffn_up.weight", HIDDEN, DIM)
         mat(p + "ffn_down.weight", DIM, HIDDEN)
         if f.get("post_norms"):
-            vec(p + "post_ffw_norm.weight", DIM)
+            vec(p + "post_ffw_norm.weight", DIM, f["post_norms"])
     if f.get("factors"):
         n = keys.get("rope.dimension_count", hd) // 2
         long = (1.0 + np.linspace(0.0, 3.0, n)).astype(np.float32)
@@ -359,7 +361,7 @@ def write_family(
         put("rope_factors_short.weight", short)
     vec("output_norm.weight", DIM)
     if f.get("output"):
-        mat("output.weight", len(VOCAB), DIM, 0.5, QT.Q6_K)
+        mat("output.weight", len(VOCAB), DIM, *f["output"])
     for tname, t in (extra or {}).items():
         w.add_tensor(tname, t)
     w.write_header_to_file()
