@@ -199,12 +199,16 @@ def reference_logits(wt: dict[str, np.ndarray], ids: list[int], arch: str = "lla
 # --- every family, several block formats per model (goldens: scripts/make_family_goldens.py) ---
 
 # Per family: its shape and what sets it apart. Sizes keep every matrix's rows a multiple of 256
-# (the K-quants' block) and the logits far from flat (tied embeddings of std 0.5).
+# (the K-quants' block). Embeddings of std 0.12 put the logits where a real model's are (top-1
+# log-prob about -1.8, uniform would be -5.6): far from flat, and not so steep that one activation
+# rounded the other way moves a log-prob by tenths of a nat (with std 0.5 it did, in llama.cpp too,
+# between its own prefill and decode). gemma2 keeps 0.5: its scaled embeddings, post-norms and
+# capped logits hold it steady.
 FAMILIES: dict[str, dict[str, Any]] = {
     # Q/K/V biases (large on K, as in the real models), NEOX RoPE.
-    "qwen2": dict(arch="qwen2", heads=4, kv_heads=2, head_dim=64, bias=True, meta={"rope.freq_base": 1000000.0}),
+    "qwen2": dict(arch="qwen2", heads=4, kv_heads=2, head_dim=64, bias=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
     # QK-norm; heads wider than dim / n_heads.
-    "qwen3": dict(arch="qwen3", heads=4, kv_heads=2, head_dim=128, qk_norm=True, meta={"rope.freq_base": 1000000.0}),
+    "qwen3": dict(arch="qwen3", heads=4, kv_heads=2, head_dim=128, qk_norm=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
     # Fused QKV and gate/up, partial RoPE (48 of 64), longrope: the context (64) outgrows the
     # original one (32), so the long factors apply, and the attention factor scales both.
     "phi3": dict(
@@ -213,13 +217,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
         kv_heads=2,
         head_dim=64,
         fused=True,
-        output=(0.5, QT.Q6_K),
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q6_K),
         factors=True,
         meta={"rope.dimension_count": 48, "rope.scaling.original_context_length": 32, "rope.scaling.attn_factor": 1.19, "attention.layer_norm_rms_epsilon": 1e-5},
     ),
     # Phi-3-mini's shape: full heads (no GQA), the short factors (the context fits the original).
     "phi3-short": dict(
-        arch="phi3", heads=4, kv_heads=4, head_dim=64, fused=True, factors=True, meta={"rope.scaling.original_context_length": 4096, "attention.layer_norm_rms_epsilon": 1e-5}
+        arch="phi3", heads=4, kv_heads=4, head_dim=64, fused=True, factors=True, embd=(0.12, QT.Q8_0), meta={"rope.scaling.original_context_length": 4096, "attention.layer_norm_rms_epsilon": 1e-5}
     ),
     # Soft-capped scores and logits (caps near their sizes here, so both bite), even layers
     # sliding over 4 positions, post-norms, GELU, scaled embeddings.
