@@ -238,6 +238,30 @@ FAMILIES: dict[str, dict[str, Any]] = {
         layers=3,
         meta={"attention.sliding_window": 4, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 15.0},
     ),
+    # Routed experts: 8 of them, the top 2 by softmax weight as they come, plus a shared expert
+    # under a sigmoid gate; qwen2's attention.
+    "qwen2moe": dict(
+        arch="qwen2moe",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        bias=True,
+        embd=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=2, hidden=256, shared=512),
+        output=(0.12, QT.Q8_0),  # llama.cpp's qwen2moe has no tied output
+        meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 256, "expert_shared_feed_forward_length": 512},
+    ),
+    # The top 3 of 8 experts, their weights renormalised; qwen3's attention.
+    "qwen3moe": dict(
+        arch="qwen3moe",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=3, hidden=256),
+        meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 3, "expert_feed_forward_length": 256},
+    ),
 }
 
 # The block formats a family's matrices cycle through (each row length here is a multiple of 256).
@@ -322,6 +346,18 @@ def write_family(
         weights[name] = exact
         put(name, data, kind)
 
+    def stack(name: str, n: int, rows: int, cols: int, scale: float = 0.08) -> None:
+        # n experts' matrices as one 3-D tensor (GGUF shape [cols, rows, n]).
+        kind = FAMILY_FORMATS[count[0] % len(FAMILY_FORMATS)]
+        count[0] += 1
+        if kind in K_QUANTS:
+            raw = _k_blocks(n * rows, cols, kind, scale, rng)
+            data, exact = raw, dequantize(raw, kind).reshape(n * rows, cols).astype(np.float32)
+        else:
+            data, exact = encode_weight(rng.normal(0, scale, size=(n * rows, cols)), kind, rng)
+        weights[name] = exact.reshape(n, rows, cols)
+        put(name, data.reshape(n, rows, -1), kind)
+
     def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
         v = (mean + rng.normal(0, std, size=n)).astype(np.float32)
         weights[name] = v
@@ -349,12 +385,24 @@ def write_family(
         if f.get("post_norms"):
             vec(p + "post_attention_norm.weight", DIM, f["post_norms"])
         vec(p + "ffn_norm.weight", DIM)
-        if f.get("fused"):
+        if "moe" in f:
+            e = f["moe"]
+            mat(p + "ffn_gate_inp.weight", e["n"], DIM, 0.1, QT.F32)
+            stack(p + "ffn_gate_exps.weight", e["n"], e["hidden"], DIM)
+            stack(p + "ffn_up_exps.weight", e["n"], e["hidden"], DIM)
+            stack(p + "ffn_down_exps.weight", e["n"], DIM, e["hidden"])
+            if "shared" in e:
+                vec(p + "ffn_gate_inp_shexp.weight", DIM, 0.0, 0.1)
+                mat(p + "ffn_gate_shexp.weight", e["shared"], DIM)
+                mat(p + "ffn_up_shexp.weight", e["shared"], DIM)
+                mat(p + "ffn_down_shexp.weight", DIM, e["shared"])
+        elif f.get("fused"):
             mat(p + "ffn_up.weight", 2 * HIDDEN, DIM)
+            mat(p + "ffn_down.weight", DIM, HIDDEN)
         else:
             mat(p + "ffn_gate.weight", HIDDEN, DIM)
             mat(p + "ffn_up.weight", HIDDEN, DIM)
-        mat(p + "ffn_down.weight", DIM, HIDDEN)
+            mat(p + "ffn_down.weight", DIM, HIDDEN)
         if f.get("post_norms"):
             vec(p + "post_ffw_norm.weight", DIM, f["post_norms"])
     if f.get("factors"):
@@ -380,6 +428,29 @@ def family_cases(name: str) -> list[list[int]]:
     """The token sequences the goldens follow (teacher-forced): a BOS, then random ids."""
     rng = np.random.default_rng(sum(map(ord, name)) + 1)
     return [[1] + [int(t) for t in rng.integers(3, len(VOCAB), size=23)] for _ in range(3)]
+
+
+def _swiglu(h: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray) -> np.ndarray:
+    g = h @ wg.T
+    return (g / (1 + np.exp(-g)) * (h @ wu.T)) @ wd.T
+
+
+def _moe(W: dict[str, np.ndarray], p: str, e: dict[str, int], h: np.ndarray) -> np.ndarray:
+    logits = h @ W[p + "ffn_gate_inp.weight"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(len(h)):
+        top = np.argsort(-probs[t], kind="stable")[: e["used"]]
+        w = probs[t, top]
+        if "shared" not in e:  # qwen3moe renormalises; qwen2moe takes them as they come
+            w = w / w.sum()
+        for x, wx in zip(top, w):
+            out[t] += wx * _swiglu(h[t], W[p + "ffn_gate_exps.weight"][x], W[p + "ffn_up_exps.weight"][x], W[p + "ffn_down_exps.weight"][x])
+    if "shared" in e:
+        gate = 1 / (1 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))
+        out += gate[:, None] * _swiglu(h, W[p + "ffn_gate_shexp.weight"], W[p + "ffn_up_shexp.weight"], W[p + "ffn_down_shexp.weight"])
+    return out
 
 
 def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]) -> np.ndarray:
@@ -441,12 +512,15 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
             o = _rms(o, W[p + "post_attention_norm.weight"], eps)
         x = x + o
         h = _rms(x, W[p + "ffn_norm.weight"], eps)
-        if f.get("fused"):
-            g, u = np.split(h @ W[p + "ffn_up.weight"].T, 2, axis=-1)
+        if "moe" in f:
+            d = _moe(W, p, f["moe"], h)
         else:
-            g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
-        a = 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3))) if gemma else g / (1 + np.exp(-g))
-        d = (a * u) @ W[p + "ffn_down.weight"].T
+            if f.get("fused"):
+                g, u = np.split(h @ W[p + "ffn_up.weight"].T, 2, axis=-1)
+            else:
+                g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
+            a = 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3))) if gemma else g / (1 + np.exp(-g))
+            d = (a * u) @ W[p + "ffn_down.weight"].T
         if f.get("post_norms"):
             d = _rms(d, W[p + "post_ffw_norm.weight"], eps)
         x = x + d

@@ -78,7 +78,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     with pytest.raises(dl.UnsupportedModelError, match="architecture 'mamba' is not supported") as e:
         dl.load_model(p)
     # It names what is supported.
-    for arch in ("llama", "gemma2", "gemma3", "phi3", "qwen2", "qwen3"):
+    for arch in ("llama", "gemma2", "gemma3", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe"):
         assert arch in str(e.value)
 
 
@@ -181,6 +181,12 @@ F32 = np.float32
         ("gemma2", dict(meta={"attn_logit_softcapping": -1.0}), r"'gemma2\.attn_logit_softcapping' is -1"),
         ("gemma2", dict(meta={"attention.sliding_window_pattern": [True, False]}), r"'gemma2\.attention\.sliding_window_pattern' has 2 values but the model has 3 layers"),
         ("qwen2", dict(meta={"rope.scaling.factor": -2.0}), r"'qwen2\.rope\.scaling\.factor' is -2"),
+        # Expert counts and widths that disagree with the tensors, a missing shared expert.
+        ("qwen3moe", dict(meta={"expert_count": 6}), r"tensor 'blk\.0\.ffn_gate_inp\.weight' is 8x256 but the model's metadata implies 6x256"),
+        ("qwen3moe", dict(meta={"expert_used_count": 9}), r"'qwen3moe\.expert_used_count' is 9; it must be between 1 and expert_count \(8\)"),
+        ("qwen3moe", dict(meta={"expert_feed_forward_length": 128}), r"tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \[256, 256, 8\] but the model's metadata implies \[256, 128, 8\]"),
+        ("qwen2moe", dict(drop="blk.1.ffn_down_shexp.weight"), r"tensor 'blk\.1\.ffn_down_shexp\.weight' is missing"),
+        ("qwen2moe", dict(meta={"expert_count": None}), r"'qwen2moe\.expert_count' is missing"),
     ],
 )
 def test_family_tensors_checked(tmp_path: Path, name: str, kw: dict, match: str) -> None:

@@ -74,6 +74,33 @@ impl Ops for CpuOps<'_> {
         ops::softcap(x, cap);
     }
 
+    fn route(&mut self, logits: &[f32], n_expert: usize, n_used: usize, norm: bool, out: &mut Vec<(usize, f32)>) {
+        out.clear();
+        let mut p = vec![0.0f32; n_expert];
+        let mut order: Vec<usize> = (0..n_expert).collect();
+        for row in logits.chunks_exact(n_expert) {
+            p.copy_from_slice(row);
+            ops::softmax(&mut p);
+            // Most probable first; ties to the lower index.
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let first = out.len();
+            out.extend(order[..n_used].iter().map(|&e| (e, p[e])));
+            if norm {
+                // llama.cpp clamps the sum below at the smallest normal f16.
+                let sum = out[first..].iter().map(|&(_, w)| w).sum::<f32>().max(6.103_515_6e-5);
+                out[first..].iter_mut().for_each(|(_, w)| *w /= sum);
+            }
+        }
+    }
+
+    fn add_scaled(&mut self, x: &mut [f32], y: &[f32], a: f32) {
+        x.iter_mut().zip(y).for_each(|(x, y)| *x += a * y);
+    }
+
+    fn sigmoid(&mut self, x: &mut [f32]) {
+        x.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));
+    }
+
     fn attention(&mut self, a: &AttnShape, slot: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]) {
         match self.numerics {
             Numerics::Fast => attention(a, kvs, slot, rows, q, out, self.team),

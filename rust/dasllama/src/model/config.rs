@@ -66,12 +66,19 @@ pub enum Mixer {
     Attention(Attention),
 }
 
-/// The position-wise network of a layer. Routed experts go here beside the dense GLU.
-#[derive(Clone, Debug, PartialEq)]
+/// The position-wise network of a layer: a dense GLU or routed experts.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Ffn {
     /// down(act(gate(x)) * up(x)). `fused`: gate and up are one tensor, `ffn_up`, of 2 * hidden
     /// rows, the gate's first (phi3); otherwise `ffn_gate` and `ffn_up`.
     Dense { hidden: usize, act: Activation, fused: bool },
+    /// Routed experts (qwen2moe, qwen3moe): a softmax over `n_expert` router logits
+    /// (`ffn_gate_inp`); the `n_used` most probable experts each run a SwiGLU of width `hidden`
+    /// (3-D `ffn_{gate,up,down}_exps`) and their outputs are added, weighted by those
+    /// probabilities (renormalised to sum to 1 where `norm_weights`). `shared`: the width of an
+    /// always-run SwiGLU expert (`ffn_*_shexp`) whose output joins them scaled by the sigmoid of
+    /// its own gate (`ffn_gate_inp_shexp`).
+    Moe { n_expert: usize, n_used: usize, hidden: usize, norm_weights: bool, shared: Option<usize> },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -144,6 +151,7 @@ impl Config {
             .iter()
             .map(|l| match l.ffn {
                 Ffn::Dense { hidden, .. } => hidden,
+                Ffn::Moe { hidden, shared, .. } => hidden.max(shared.unwrap_or(0)),
             })
             .max()
             .unwrap_or(0)
@@ -187,6 +195,13 @@ impl Config {
         }
         if self.layers.len() != self.n_layers {
             return Err(Error::Internal(format!("the {} family described {} layers of {}", self.arch, self.layers.len(), self.n_layers)));
+        }
+        for l in &self.layers {
+            if let Ffn::Moe { n_expert, n_used, .. } = l.ffn {
+                if n_used == 0 || n_used > n_expert {
+                    return bad("expert_used_count", format!("is {n_used}; it must be between 1 and expert_count ({n_expert})"));
+                }
+            }
         }
         if let Some(cap) = self.final_softcap {
             if !(cap.is_finite() && cap > 0.0) {

@@ -9,7 +9,9 @@ mod llama;
 mod meta;
 mod phi3;
 mod qwen2;
+mod qwen2moe;
 mod qwen3;
+mod qwen3moe;
 
 pub use crate::backend::{Activation, Numerics};
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
@@ -51,11 +53,39 @@ pub struct Layer {
     pub k_norm: Option<Vec<f32>>,
     pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
-    /// Gate and up: two tensors, or the two halves of a fused `ffn_up` (phi3).
-    pub w_gate: Weight,
-    pub w_up: Weight,
-    pub w_down: Weight,
+    pub ffn: FfnWeights,
     pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+// One per layer, and dense is the common case: boxing it would buy nothing.
+#[allow(clippy::large_enum_variant)]
+pub enum FfnWeights {
+    /// Gate and up: two tensors, or the two halves of a fused `ffn_up` (phi3).
+    Dense {
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+    },
+    Moe(Box<Experts>),
+}
+
+/// A layer's routed experts, each its own matrices (row windows of the 3-D stacks), so a step
+/// reads only the experts its rows chose, each once for all of them.
+pub struct Experts {
+    /// n_expert x dim.
+    pub router: Weight,
+    pub gate: Vec<Weight>,
+    pub up: Vec<Weight>,
+    pub down: Vec<Weight>,
+    pub shared: Option<SharedExpert>,
+}
+
+pub struct SharedExpert {
+    /// 1 x dim: the logit of the shared expert's sigmoid gate.
+    pub gate_inp: Weight,
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
 }
 
 pub struct Model {
@@ -117,17 +147,30 @@ impl<'a> TensorTable<'a> {
     }
 
     fn raw(&self, name: &str) -> Result<Weight> {
+        let w = self.raw_any(name)?;
+        let t = self.by_name[name];
+        if t.shape.iter().skip(2).any(|&d| d > 1) {
+            // Expert stacks stay 3-D: a family that has them reads them as such.
+            return Err(Error::Gguf(format!("{}: tensor '{name}' has shape {:?} where a 2-D matrix belongs", self.file, t.shape)));
+        }
+        Ok(w)
+    }
+
+    /// A tensor of any rank as one matrix of rows of `shape[0]` values (an expert stack's
+    /// matrices one after another).
+    fn raw_any(&self, name: &str) -> Result<Weight> {
         let t = self
             .by_name
             .get(name)
             .ok_or_else(|| Error::Gguf(format!("{}: tensor '{name}' is missing; the file is incomplete or not a model of this architecture", self.file)))?;
         let ty = GgmlType::from_id(t.ty).map_err(|e| Error::Gguf(format!("{}: tensor '{name}': {e}", self.file)))?;
-        if t.shape.iter().skip(2).any(|&d| d > 1) {
-            // Expert stacks stay 3-D: a family that has them reads them as such.
-            return Err(Error::Gguf(format!("{}: tensor '{name}' has shape {:?} where a 2-D matrix belongs", self.file, t.shape)));
-        }
         let cols = t.shape[0] as usize;
-        let rows = t.shape.get(1).map_or(1, |&r| r as usize);
+        let rows = t
+            .shape
+            .iter()
+            .skip(1)
+            .try_fold(1usize, |a, &r| a.checked_mul(r as usize))
+            .ok_or_else(|| Error::Gguf(format!("{}: tensor '{name}' has shape {:?}", self.file, t.shape)))?;
         if !cols.is_multiple_of(ty.block_len()) {
             return Err(Error::Gguf(format!("{}: tensor '{name}' has {cols} columns, not a multiple of the {} block", self.file, ty.name())));
         }
@@ -166,6 +209,10 @@ impl<'a> TensorTable<'a> {
         if w.rows != rows || w.cols != cols {
             return Err(Error::Gguf(format!("{}: tensor '{name}' is {}x{} but the model's metadata implies {rows}x{cols}", self.file, w.rows, w.cols)));
         }
+        self.split(w, name, parts)
+    }
+
+    fn split(&self, w: Weight, name: &str, parts: &[usize]) -> Result<Vec<Weight>> {
         let Bytes::Mapped { map, offset, .. } = &w.data else { unreachable!("raw tensors are windows of the map") };
         let rb = w.row_bytes();
         let mut first = 0;
@@ -176,6 +223,23 @@ impl<'a> TensorTable<'a> {
             first += r;
         }
         Ok(out)
+    }
+
+    /// An expert stack (GGUF shape [cols, rows, n]) as n matrices of rows x cols.
+    fn stack(&self, name: &str, n: usize, rows: usize, cols: usize) -> Result<Vec<Weight>> {
+        let shape = &self
+            .by_name
+            .get(name)
+            .ok_or_else(|| Error::Gguf(format!("{}: tensor '{name}' is missing; the file is incomplete or not a model of this architecture", self.file)))?
+            .shape;
+        if shape.len() != 3 || shape[..] != [cols as u64, rows as u64, n as u64] {
+            return Err(Error::Gguf(format!(
+                "{}: tensor '{name}' has shape {shape:?} but the model's metadata implies [{cols}, {rows}, {n}] ({n} experts)",
+                self.file
+            )));
+        }
+        let w = self.raw_any(name)?;
+        self.split(w, name, &vec![rows; n])
     }
 
     /// A matrix as the kernels read it: converted per QuantMode, laid out for `numerics`.
@@ -277,14 +341,41 @@ impl Model {
         for (il, desc) in config.layers.iter().enumerate() {
             let n = |s: &str| format!("blk.{il}.{s}.weight");
             let Mixer::Attention(a) = &desc.mixer;
-            let Ffn::Dense { hidden: hd, fused, .. } = desc.ffn;
             let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
             let ([wq, wk, wv], [bq, bk, bv]) = table.qkv(il, [qd, kvd, kvd], d)?;
-            let (w_gate, w_up) = if fused {
-                let mut p = table.matrix_parts(&n("ffn_up"), &[hd, hd], d)?.into_iter();
-                (p.next().expect("two parts"), p.next().expect("two parts"))
-            } else {
-                (table.matrix(&n("ffn_gate"), hd, d)?, table.matrix(&n("ffn_up"), hd, d)?)
+            let ffn = match desc.ffn {
+                Ffn::Dense { hidden: hd, fused, .. } => {
+                    let (gate, up) = if fused {
+                        let mut p = table.matrix_parts(&n("ffn_up"), &[hd, hd], d)?.into_iter();
+                        (p.next().expect("two parts"), p.next().expect("two parts"))
+                    } else {
+                        (table.matrix(&n("ffn_gate"), hd, d)?, table.matrix(&n("ffn_up"), hd, d)?)
+                    };
+                    FfnWeights::Dense { gate, up, down: table.matrix(&n("ffn_down"), d, hd)? }
+                }
+                Ffn::Moe { n_expert, hidden: hd, shared, .. } => {
+                    if numerics == Numerics::Ggml {
+                        return Err(Error::UnsupportedModel(format!(
+                            "{file}: numerics='ggml' does not reproduce ggml's order for routed experts; load with numerics='fast'"
+                        )));
+                    }
+                    let shared = match shared {
+                        Some(sh) => Some(SharedExpert {
+                            gate_inp: table.matrix(&n("ffn_gate_inp_shexp"), 1, d)?,
+                            gate: table.matrix(&n("ffn_gate_shexp"), sh, d)?,
+                            up: table.matrix(&n("ffn_up_shexp"), sh, d)?,
+                            down: table.matrix(&n("ffn_down_shexp"), d, sh)?,
+                        }),
+                        None => None,
+                    };
+                    FfnWeights::Moe(Box::new(Experts {
+                        router: table.matrix(&n("ffn_gate_inp"), n_expert, d)?,
+                        gate: table.stack(&n("ffn_gate_exps"), n_expert, hd, d)?,
+                        up: table.stack(&n("ffn_up_exps"), n_expert, hd, d)?,
+                        down: table.stack(&n("ffn_down_exps"), n_expert, d, hd)?,
+                        shared,
+                    }))
+                }
             };
             layers.push(Layer {
                 attn_norm: table.vector(&n("attn_norm"), d)?,
@@ -303,9 +394,7 @@ impl Model {
                     table.opt_vector(&n("post_attention_norm"), d)?
                 },
                 ffn_norm: table.vector(&n("ffn_norm"), d)?,
-                w_gate,
-                w_up,
-                w_down: table.matrix(&n("ffn_down"), d, hd)?,
+                ffn,
                 post_ffn_norm: norm(desc.post_norms, "post_ffw_norm", d)?,
             });
         }
