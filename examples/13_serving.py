@@ -8,6 +8,8 @@
 4. A warm round: new questions under the same system turn attach its pages from the prefix cache.
    (In the cold round the streams after the first already attach the system turn the first one
    prefilled: requests running together share a prompt prefix.)
+5. Speculative where the model can: the tutorial's MTP sidecar if one sits beside the model, else
+   n-gram prompt lookup; the same replies, with the drafts the model accepted counted.
 """
 
 from __future__ import annotations
@@ -59,12 +61,12 @@ def run(
             if ev.kind == "piece":
                 texts[ev.id] += ev.text
                 if show:
-                    print(ev.stream + 1, end="", flush=True)
+                    print(ev.slot + 1, end="", flush=True)
             else:
                 ttfts.append(ev.ttft_us / 1000)
                 if show:
                     print(
-                        f"\n[{label} {ev.stream + 1}] {ev.finish}: {ev.n_gen} tok, ttft {ev.ttft_us / 1000:.0f} ms, "
+                        f"\n[{label} {ev.slot + 1}] {ev.finish}: {ev.n_gen} tok, ttft {ev.ttft_us / 1000:.0f} ms, "
                         f"cached {ev.n_cached} of {ev.n_prompt} prompt tokens",
                         end="",
                     )
@@ -102,6 +104,16 @@ def main() -> None:
     _, _, cold = run(m, requests(m, 21, 32), 4, show=True, sch=sch, label="cold stream")
     _, _, warm = run(m, requests(m, 31, 32, WARM_QUESTIONS), 4, show=True, sch=sch, label="warm stream")
     print(f"   mean ttft: cold {sum(cold) / len(cold):.0f} ms, warm {sum(warm) / len(warm):.0f} ms")
+
+    print("\n5. speculative where the model can")
+    drafter = dl.mtp_drafter_sidecar(m.path)  # "" where no sidecar sits beside the model
+    if not drafter or not dl.attach_mtp_drafter(m, drafter):
+        dl.attach_ngram_drafter(m)
+    sch = dl.create_scheduler(m, max_streams=4, max_queue=32, chunk_tokens=64, page_rows=16, mtp=dl.mtp_capable(m))
+    _, spec_texts, _ = run(m, requests(m, 1, 32), 4, show=False, sch=sch)
+    st = dl.scheduler_stats(sch)
+    same = all(spec_texts[i] == texts[i] for i in texts)
+    print(f"   drafter {dl.drafter_kind(m)}: {int(st['spec_accepted'])} of {int(st['spec_drafted'])} drafts accepted; replies as in round 2: {same}")
 
 
 if __name__ == "__main__":

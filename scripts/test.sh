@@ -6,6 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The web pages' tests drive Debian's chromium through Playwright (Playwright's own browser download
+# is not reachable from CI); installed once, quietly, when it is missing and we may install it.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing chromium for the browser tests (apt-get)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends chromium fonts-liberation >/dev/null
+fi
+
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi

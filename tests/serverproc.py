@@ -5,7 +5,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -19,12 +21,16 @@ def free_port() -> int:
 def start(*args: str) -> tuple[subprocess.Popen, str]:
     """Start a server with `args` and wait until /health answers 200; (process, base URL)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dasllama.serve", "--port", str(port), "--log-level", "warning", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # The log goes to a file, readable while the server runs (a pipe nobody reads would also stall
+    # a chatty server once its buffer fills).
+    with tempfile.NamedTemporaryFile(prefix="dasllama-serve-", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dasllama.serve", "--port", str(port), "--log-level", "warning", *args], stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = Path(log.name)  # type: ignore[attr-defined]
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read().decode()[-2000:]}")
+            raise RuntimeError(f"server exited: {log_text(proc)[-2000:]}")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return proc, base
@@ -33,6 +39,11 @@ def start(*args: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not become healthy")
+
+
+def log_text(proc: subprocess.Popen) -> str:
+    """What the server has logged so far."""
+    return proc.log_path.read_text(errors="replace")  # type: ignore[attr-defined]
 
 
 def stop(proc: subprocess.Popen, timeout: float = 60) -> int | None:
@@ -46,3 +57,4 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> int | None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        proc.log_path.unlink(missing_ok=True)  # type: ignore[attr-defined]

@@ -189,7 +189,7 @@ def test_sched_event_is_native(smollm: dl.Model, sched_prompts: list[list[int]])
     for e in (piece, fin):
         for name in ("stream", "id", "kind", "token", "text", "finish", "n_prompt", "n_gen", "n_cached", "ttft_us", "gen_us", "logprob", "top", "error_type", "error"):
             assert hasattr(e, name), name
-    assert piece.kind == "piece" and isinstance(piece.text, str) and piece.id == 0 and piece.stream >= 0
+    assert piece.kind == "piece" and isinstance(piece.text, str) and piece.id == 0 and piece.stream == 0 and piece.slot >= 0
     assert piece.logprob is None and list(piece.top) == []  # no logprobs asked for
     assert fin.kind == "finished" and fin.finish in ("stop", "length") and fin.n_prompt == len(sched_prompts[0])
     assert fin.n_gen >= 1 and fin.error is None and fin.error_type is None

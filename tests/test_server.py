@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -274,3 +276,23 @@ def test_follow_up_turn_attaches_the_cached_conversation(client: openai.OpenAI) 
     r2 = client.chat.completions.create(model="smollm", messages=follow, max_tokens=8, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached >= 16 and cached < r2.usage.prompt_tokens
+
+
+def test_speculation_is_on_by_default_counted_and_invisible(server: str, smollm: dl.Model) -> None:
+    # --spec auto: n-gram prompt lookup. An input-grounded request gets drafts accepted, and the
+    # reply is what plain greedy decoding gives.
+    before = metric(server, "dasllama_spec_accepted_tokens_total")
+    text = "Copy this sentence word for word: The quick brown fox jumps over the lazy dog near the river bank."
+    body = {"model": "smollm", "messages": [{"role": "user", "content": text}], "max_tokens": 40, "temperature": 0}
+    got = post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    ids = dl.encode(smollm, dl.render_chat(smollm, [{"role": "user", "content": text}]), special=True)
+    want = dl.generate(smollm, dl.create_session(smollm), ids, dl.SamplingParams(), 40)
+    assert got == dl.decode(smollm, [t for t in want if t not in smollm.eog_ids])
+    assert metric(server, "dasllama_spec_accepted_tokens_total") > before
+    assert metric(server, "dasllama_spec_draft_tokens_total") >= metric(server, "dasllama_spec_accepted_tokens_total")
+
+
+def test_spec_flags_are_checked_before_serving() -> None:
+    for args, msg in ((["--spec", "draft"], "needs --model-draft"), (["--spec-max", "0"], "--spec-max"), (["--spec", "ngram", "--numerics", "ggml"], "numerics fast")):
+        r = subprocess.run([sys.executable, "-m", "dasllama.serve", *args], check=False, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)

@@ -33,6 +33,7 @@ from .session import (
     release_kv_pages,
     sample,
 )
+from .speculative import attach_draft_model, attach_mtp_drafter, attach_ngram_drafter, detach_drafter, drafter_kind, fix_draft_len, mtp_capable, mtp_drafter_sidecar
 
 logging.getLogger("dasllama").addHandler(logging.NullHandler())
 
@@ -63,22 +64,30 @@ __all__ = [
     "add_assistant",
     "add_user",
     "arch_names",
+    "attach_draft_model",
+    "attach_mtp_drafter",
+    "attach_ngram_drafter",
     "create_batch_workspace",
     "create_chat_renderer",
     "create_kv_pool",
     "create_scheduler",
     "create_session",
     "decode",
+    "detach_drafter",
+    "drafter_kind",
     "encode",
     "eval",
     "eval_all",
     "eval_batch",
     "evict",
     "fetch",
+    "fix_draft_len",
     "generate",
     "kv_pool_stats",
     "load_model",
     "make_nothink_guard",
+    "mtp_capable",
+    "mtp_drafter_sidecar",
     "n_active",
     "n_queued",
     "n_threads",

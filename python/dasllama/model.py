@@ -47,6 +47,8 @@ class Model:
         self.arch: str = native.arch
         self.config: dict[str, Any] = native.config
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
+        # What schedulers created with mtp=True draft with (dasllama.speculative).
+        self._drafter: _native.Drafter | None = None
 
     @property
     def n_vocab(self) -> int:

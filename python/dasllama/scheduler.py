@@ -60,15 +60,22 @@ def create_scheduler(
 ) -> Scheduler:
     """A scheduler of ``max_streams`` concurrent streams over ``m``. ``page_rows > 0`` gives them a
     paged pool and a prefix cache (of at most ``prefix_groups`` pages; 0: as the pool allows):
-    a finished stream donates its full pages and a new request attaches the longest cached prefix."""
+    a finished stream donates its full pages and a new request attaches the longest cached prefix.
+    ``mtp=True`` speculates with the drafter attached to ``m`` (see :mod:`dasllama.speculative`;
+    ``mtp_capable(m)`` says whether one is): output is the same, decoding faster where drafts
+    are accepted."""
     codec = check_kv_dtype(kv_dtype)
     if page_rows < 0 or prefix_groups < 0:
         raise ValueError("page_rows and prefix_groups must be >= 0")
-    if mtp:
-        raise NotImplementedError("speculative decoding (mtp) is not implemented yet; pass mtp=False")
+    if mtp and m._drafter is None:
+        raise ValueError(
+            "mtp=True needs a drafter attached to the model: attach_ngram_drafter(m), attach_draft_model(m, draft) "
+            "or attach_mtp_drafter(m, path); mtp_capable(m) says whether one is"
+        )
     if max_streams < 1 or chunk_tokens < 1 or max_queue < 0:
         raise ValueError("max_streams and chunk_tokens must be at least 1, max_queue at least 0")
-    return _native.create_scheduler(m._native, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec)
+    drafter = m._drafter if mtp else None
+    return _native.create_scheduler(m._native, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec, drafter)
 
 
 def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
@@ -115,7 +122,8 @@ def n_queued(sch: Scheduler) -> int:
 
 def scheduler_stats(sch: Scheduler) -> dict[str, float]:
     """Counters: decode_steps, avg_batch, prefill_chunks, prefill_tokens, cached_tokens, finished,
-    avg_ttft_ms; with a paged pool also its page counts and the prefix cache's chains and hits."""
+    avg_ttft_ms, spec_verifies/spec_drafted/spec_accepted (speculation); with a paged pool also its
+    page counts and the prefix cache's chains and hits."""
     stats = dict(_native.scheduler_stats(sch))
     pool = _native.scheduler_pool_stats(sch)
     if pool is not None:

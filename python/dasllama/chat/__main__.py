@@ -8,6 +8,7 @@ import logging
 import sys
 
 from .._cli import HelpFormatter
+from ..errors import TemplateError
 from ..fetch import DEFAULT_MODEL
 from ..model import decode, encode, load_model
 from ..session import SamplingParams, create_session, generate
@@ -25,6 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     m = load_model(args.model)
+    if not m.chat_template:
+        # Checked before the prompt is shown: a base model continues text and has no turns to render.
+        print(
+            f"error: {m.path.name} has no chat template: '{args.model}' is a base model, which continues text instead of answering turns.\n"
+            f"Use it with: python -m dasllama.generate -m {args.model} \"your text\"  (or chat with a chat model, e.g. -m {DEFAULT_MODEL})",
+            file=sys.stderr,
+        )
+        return 1
     params = SamplingParams(temp=args.temp, top_p=args.top_p, seed=args.seed)
     messages: list[Message] = [{"role": "system", "content": args.system}] if args.system else []
     s = create_session(m)
@@ -38,7 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        ids = encode(m, render_chat(m, messages), special=True)
+        try:
+            ids = encode(m, render_chat(m, messages), special=True)
+        except TemplateError as e:
+            # The template refused this conversation (e.g. its roles): say why, drop the turn, go on.
+            print(f"error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
         # Reuse the KV of everything already evaluated; only the new turn is prefilled.
         if ids[: len(fed)] != fed:
             s.reset()

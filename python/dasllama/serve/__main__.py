@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -18,6 +19,8 @@ from .._cli import HelpFormatter
 from ..fetch import DEFAULT_MODEL, known_names
 from ..model import load_model
 from ..session import KVDtype
+from ..speculative import MAX_DRAFT, SPEC_MODES
+from ..speculative import configure as configure_spec
 from .app import Server, build_app
 from .engine import Engine
 
@@ -39,7 +42,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefix-cache-mb", type=float, default=256, help="memory the prefix cache may keep per model, in MiB")
     ap.add_argument("--numerics", default="fast", choices=["fast", "ggml"], help="ggml: logits bit for bit those of llama.cpp's AVX2 CPU build (slower; f16 KV only)")
     ap.add_argument("--max-prompt-bytes", type=int, default=0, help="refuse prompts longer than this many bytes before any tokenizer work (0: 16 per token of context)")
+    ap.add_argument("--spec", default="auto", choices=list(SPEC_MODES), help="speculative decoding: auto = a --model-draft if given, else an MTP sidecar beside the model, else n-gram prompt lookup")
+    ap.add_argument("--model-draft", default=None, help="a draft model (path or known name) sharing the model's vocabulary, for --spec draft/auto")
+    ap.add_argument("--spec-max", type=int, default=8, help=f"most tokens a stream drafts per step (1-{MAX_DRAFT}); fewer are drafted as the batch grows")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    ap.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (e.g. http://localhost:3000; '*' for any) call the API from a browser; repeat for several (default: none, the server's own pages need none)",
+    )
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
     args.model = args.model or [DEFAULT_MODEL]
@@ -50,8 +63,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{name} must be at least 1")
     if args.page_rows < 0 or args.ctx < 0 or args.max_prompt_bytes < 0 or args.prefix_cache_mb <= 0:
         ap.error("--page-rows, --ctx and --max-prompt-bytes must be >= 0, --prefix-cache-mb > 0")
+    if not 1 <= args.spec_max <= MAX_DRAFT:
+        ap.error(f"--spec-max must be between 1 and {MAX_DRAFT}")
+    if args.spec == "draft" and not args.model_draft:
+        ap.error("--spec draft needs --model-draft")
+    if args.model_draft and len(args.model) > 1:
+        ap.error("--model-draft drafts for one --model; serve one model with it")
+    if args.numerics == "ggml":
+        # ggml's order sums a chunk's rows differently from single rows: verified drafts could
+        # differ from what plain decoding gives.
+        if args.spec not in ("auto", "off"):
+            ap.error("--spec needs --numerics fast")
+        args.spec = "off"
     if KVDtype(args.kv_dtype) is not KVDtype.f16 and args.page_rows == 0:
         ap.error(f"--kv-dtype {args.kv_dtype} needs the paged pool (--page-rows > 0)")
+    for origin in args.cors_origin:
+        # A browser sends its origin as scheme://host[:port], never with a path or a trailing
+        # slash: anything else would silently match nothing.
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            ap.error(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] with no path or trailing slash (e.g. http://localhost:3000), or '*'")
     return args
 
 
@@ -66,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     import uvicorn
 
-    server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes)
+    server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes, cors_origins=args.cors_origin)
     app = build_app(server)
     failed: list[BaseException] = []
 
@@ -80,8 +110,14 @@ def main(argv: list[str] | None = None) -> int:
                 # its file's stem; it answers to all three.
                 is_path = spec.endswith(".gguf") or os.sep in spec
                 name = args.alias[i] if args.alias else (m.path.stem if is_path else spec)
+                draft = load_model(args.model_draft, numerics=args.numerics) if args.model_draft else None
+                drafting = configure_spec(m, args.spec, draft, args.spec_max)
                 server.add(Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb), spec, m.path.stem)
-                log.info("serving %s as '%s'", m.path.name, name)
+                log.info("serving %s as '%s' (speculative decoding: %s)", m.path.name, name, drafting)
+                if not m.chat_template:
+                    log.warning(
+                        "'%s' (%s) has no chat template: it is a base model, so only /v1/completions works for it; /v1/chat/completions answers 400 (no_chat_template)", name, m.path.name
+                    )
             server.ready = True
         except BaseException as e:  # noqa: BLE001 - surfaced below: the server exits non-zero
             failed.append(e)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -10,12 +11,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from .. import scheduler as sched
 from ..chat import ChatRenderer, render_chat, render_close
@@ -23,9 +28,18 @@ from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..model import decode, encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
+from .status import StatusHistory, status
 
 log = logging.getLogger("dasllama.serve")
 
+STATIC = Path(__file__).parent / "static"  # the web pages, shipped in the wheel
+# The pages run only their own scripts and talk only to this server: should a model's reply ever
+# slip markup past the renderer, the browser still runs none of it (and no other site frames them).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 MAX_BODY = 4 << 20  # 4 MiB: far above any prompt the served models' contexts hold
 # A prompt's text is refused before any template or tokenizer work when it has more than this many
 # bytes per token of context: real text runs at 3-5 bytes a token, so a prompt past it could not
@@ -80,6 +94,7 @@ class Metrics:
     cached_tokens: dict[str, int] = field(default_factory=dict)
     ttft: dict[str, Histogram] = field(default_factory=dict)
     itl: dict[str, Histogram] = field(default_factory=dict)
+    tokens_out: dict[str, int] = field(default_factory=dict)  # generated tokens as they stream, for the status page's rates
 
     def outcome(self, model: str, outcome: str) -> None:
         self.requests[(model, outcome)] = self.requests.get((model, outcome), 0) + 1
@@ -155,7 +170,7 @@ def _content(msg: dict[str, Any], i: int) -> str:
 
 
 class Server:
-    def __init__(self, api_key: str | None = None, max_prompt_bytes: int = 0) -> None:
+    def __init__(self, api_key: str | None = None, max_prompt_bytes: int = 0, cors_origins: list[str] | None = None) -> None:
         self.engines: dict[str, Engine] = {}
         # Every name a model answers to (its served name, the name or path it was started with,
         # its file stem) -> its served name.
@@ -164,7 +179,9 @@ class Server:
         self.default: str | None = None
         self.ready = False
         self.api_key = api_key
+        self.cors_origins = list(cors_origins or [])
         self.metrics = Metrics()
+        self.history = StatusHistory()
 
     def engine(self, name: Any) -> Engine:
         if name is None or name == "":
@@ -218,6 +235,13 @@ class Server:
         close: list[int] = []
         stop_ids = list(m.eog_ids)
         if chat:
+            if not m.chat_template:
+                raise ApiError(
+                    400,
+                    f"'{eng.name}' is a base model: its file has no chat template, so it cannot take 'messages'; send raw text as 'prompt' to /v1/completions instead",
+                    param="messages",
+                    code="no_chat_template",
+                )
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -342,6 +366,7 @@ class Server:
                     raise ApiError(500, ev.message, type_="server_error", code="engine_failure")
                 if ev.kind == "piece":
                     now = time.monotonic()
+                    self.metrics.tokens_out[name] = self.metrics.tokens_out.get(name, 0) + 1
                     if t_last is None:
                         self.metrics.ttft.setdefault(name, Histogram(TTFT_BUCKETS)).observe(now - t_start)
                     else:
@@ -403,6 +428,18 @@ def _logprob_entry(m: Any, ev: sched.SchedEvent, chat: bool) -> dict[str, Any]:
             "top_logprobs": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())} for t, lp in ev.top],
         }
     return {"token": piece(ev.token), "logprob": ev.logprob, "top": {piece(t): lp for t, lp in ev.top}}
+
+
+class _Cors(CORSMiddleware):
+    """Starlette's CORS, except that a preflight from an origin not allowed gets no CORS headers at
+    all (Starlette's still lists the allowed methods and headers) and says what to change."""
+
+    def preflight_response(self, request_headers: Any) -> Response:
+        origin = request_headers.get("origin", "")
+        if not self.is_allowed_origin(origin):
+            msg = f"the origin {origin!r} may not call this server from a browser; start the server with --cors-origin {origin} to allow it"
+            return ApiError(403, msg, code="cors_origin_not_allowed").response()
+        return super().preflight_response(request_headers)
 
 
 def build_app(server: Server) -> Starlette:
@@ -637,6 +674,12 @@ def build_app(server: Server) -> Starlette:
         for key, metric in (("kv_pages_used", "dasllama_kv_pages_used"), ("kv_pages_free", "dasllama_kv_pages_free"), ("kv_pages_cached", "dasllama_kv_pages_cached")):
             lines += [f"# TYPE {metric} gauge"]
             lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
+        for key, metric, help_ in (
+            ("spec_drafted", "dasllama_spec_draft_tokens_total", "Draft tokens proposed for verification (speculative decoding)."),
+            ("spec_accepted", "dasllama_spec_accepted_tokens_total", "Draft tokens the model accepted."),
+        ):
+            lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} counter"]
+            lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
         lines += ["# HELP dasllama_ttft_seconds Time to first token.", "# TYPE dasllama_ttft_seconds histogram"]
         for name in server.engines:
             lines += mt.ttft.get(name, Histogram(TTFT_BUCKETS)).render("dasllama_ttft_seconds", f'model="{name}"')
@@ -651,7 +694,36 @@ def build_app(server: Server) -> Starlette:
     async def method_not_allowed(request: Request, exc: Exception) -> Response:
         return ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
 
+    async def status_json(request: Request) -> Response:
+        return JSONResponse(status(server, server.history), headers={"Cache-Control": "no-store"})
+
+    # The pages hold no data (everything they show comes from guarded routes, with the key the
+    # user types into them), so they load without the key.
+    def page(filename: str):
+        async def handler(request: Request) -> Response:
+            return FileResponse(STATIC / filename, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache", **PAGE_HEADERS})
+
+        return handler
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async def sample() -> None:
+            while True:
+                server.history.take(server)
+                await asyncio.sleep(1.0)
+
+        task = asyncio.create_task(sample())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     routes = [
+        Route("/", page("chat.html"), methods=["GET"]),
+        Route("/status", page("status.html"), methods=["GET"]),
+        Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
+        Route("/status.json", guarded(status_json), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
@@ -661,7 +733,21 @@ def build_app(server: Server) -> Starlette:
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: method_not_allowed})
+    middleware = []
+    if server.cors_origins:
+        # Only the origins named: a browser page elsewhere may call the API (preflight answered,
+        # the key sent as a header, never as a cookie); any other origin gets no CORS headers, so
+        # its browser refuses the answer. The server's own pages are same-origin and need none.
+        middleware.append(
+            Middleware(
+                _Cors,
+                allow_origins=server.cors_origins,
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["Authorization", "Content-Type"],
+                max_age=600,
+            )
+        )
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: method_not_allowed}, lifespan=lifespan)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Any, Union
 
 from .. import scheduler as sched
 from ..model import Model
+from ..speculative import mtp_capable
 
 log = logging.getLogger("dasllama.serve")
 
@@ -63,11 +64,19 @@ class Engine:
     def __init__(self, m: Model, name: str, streams: int, queue: int, chunk: int, page_rows: int, kv_dtype: str = "f16", prefix_cache_mb: float = 256) -> None:
         self.m = m
         self.name = name
+        self.max_streams = streams
         # The prefix cache keeps what finished streams leave behind: bounded, or a long-running
         # server's memory would grow with every new conversation until the pool is full.
         groups = max(1, int(prefix_cache_mb * 2**20 // sched.kv_page_bytes(m, page_rows, kv_dtype))) if page_rows else 0
         self.sch = sched.create_scheduler(
-            m, max_streams=streams, max_queue=queue, chunk_tokens=chunk, page_rows=page_rows, prefix_groups=groups, kv_dtype=sched.KVDtype(kv_dtype)
+            m,
+            max_streams=streams,
+            max_queue=queue,
+            chunk_tokens=chunk,
+            page_rows=page_rows,
+            prefix_groups=groups,
+            kv_dtype=sched.KVDtype(kv_dtype),
+            mtp=mtp_capable(m),
         )
         # Handlers append (op, ...) tuples; deque appends and pops are atomic, so no lock is held
         # across a step.

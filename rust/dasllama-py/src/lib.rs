@@ -10,6 +10,7 @@ use dasllama::model::{Attention, MetaValue, Metadata, Mixer, Model, Numerics, Qu
 use dasllama::sampling::SamplingParams;
 use dasllama::sched::{EventKind, Finish, PendingReq, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
+use dasllama::spec::Drafter;
 use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
 use dasllama::Error;
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
@@ -510,8 +511,10 @@ struct PyScheduler {
 /// (`kind == "finished"`, `finish` one of stop, length, evicted, error). Times in microseconds.
 #[pyclass(module = "dasllama._native", name = "SchedEvent", frozen, get_all)]
 struct PySchedEvent {
-    /// The slot the request ran in (-1 if it never left the queue).
+    /// The request's id (the tutorial's stream), as `id`.
     stream: i64,
+    /// The slot the request ran in (-1 if it never left the queue).
+    slot: i64,
     id: i64,
     kind: &'static str,
     token: i64,
@@ -533,7 +536,7 @@ struct PySchedEvent {
 impl PySchedEvent {
     fn __repr__(&self) -> String {
         match self.kind {
-            "piece" => format!("SchedEvent(piece, id={}, stream={}, token={}, text={:?})", self.id, self.stream, self.token, self.text),
+            "piece" => format!("SchedEvent(piece, id={}, slot={}, token={}, text={:?})", self.id, self.slot, self.token, self.text),
             _ => format!(
                 "SchedEvent(finished, id={}, finish={}, n_prompt={}, n_gen={}{})",
                 self.id,
@@ -561,7 +564,8 @@ impl From<SchedEvent> for PySchedEvent {
         };
         let (error_type, error) = e.error.map_or((None, None), |(k, m)| (Some(k), Some(m)));
         PySchedEvent {
-            stream: if e.stream == usize::MAX { -1 } else { e.stream as i64 },
+            stream: e.id,
+            slot: if e.stream == usize::MAX { -1 } else { e.stream as i64 },
             id: e.id,
             kind,
             token: e.token,
@@ -588,9 +592,48 @@ fn check_sched(m: &PyModel, sch: &PyScheduler) -> PyResult<()> {
     }
 }
 
+/// What proposes drafts for speculative decoding; a scheduler created with one speculates.
+#[pyclass(module = "dasllama._native", name = "Drafter", frozen)]
+struct PyDrafter {
+    inner: Drafter,
+}
+
+#[pymethods]
+impl PyDrafter {
+    /// "ngram" (prompt lookup) or "draft" (a draft model).
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    #[getter]
+    fn max_draft(&self) -> usize {
+        self.inner.max_draft()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Drafter({}, max_draft={})", self.inner.kind(), self.inner.max_draft())
+    }
+}
+
+/// Prompt lookup over each stream's own tokens.
+#[pyfunction]
+fn ngram_drafter(max_draft: usize) -> PyResult<PyDrafter> {
+    Ok(PyDrafter { inner: Drafter::ngram(max_draft).map_err(map_err)? })
+}
+
+/// A draft model for `m`: (drafter, "") or (None, why its vocabulary does not fit).
+#[pyfunction]
+fn model_drafter(m: &PyModel, draft: &PyModel, max_draft: usize) -> PyResult<(Option<PyDrafter>, String)> {
+    Ok(match Drafter::model(&m.inner, draft.inner.clone(), max_draft).map_err(map_err)? {
+        Ok(inner) => (Some(PyDrafter { inner }), String::new()),
+        Err(why) => (None, why),
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, kv_dtype="f16"))]
+#[pyo3(signature = (m, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, kv_dtype="f16", drafter=None))]
 fn create_scheduler(
     m: &PyModel,
     max_streams: usize,
@@ -599,8 +642,10 @@ fn create_scheduler(
     page_rows: usize,
     prefix_groups: usize,
     kv_dtype: &str,
+    drafter: Option<&PyDrafter>,
 ) -> PyResult<PyScheduler> {
-    let inner = Scheduler::new(m.inner.clone(), max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec(kv_dtype)?).map_err(map_err)?;
+    let mut inner = Scheduler::new(m.inner.clone(), max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec(kv_dtype)?).map_err(map_err)?;
+    inner.set_drafter(drafter.map(|d| d.inner.clone())).map_err(map_err)?;
     Ok(PyScheduler { inner })
 }
 
@@ -659,6 +704,13 @@ fn _inject_kernel_fault() {
     dasllama::cpu::spin::inject::arm();
 }
 
+/// Draft exactly `k` tokens per stream where the drafter can (None: adaptive).
+#[pyfunction]
+#[pyo3(signature = (sch, k=None))]
+fn fix_draft_len(sch: &mut PyScheduler, k: Option<usize>) -> PyResult<()> {
+    sch.inner.fix_draft_len(k).map_err(map_err)
+}
+
 #[pyfunction]
 fn scheduler_counts(sch: &PyScheduler) -> (usize, usize) {
     (sch.inner.n_active(), sch.inner.n_queued())
@@ -675,6 +727,13 @@ fn scheduler_stats<'py>(py: Python<'py>, sch: &PyScheduler) -> PyResult<Bound<'p
     d.set_item("cached_tokens", s.cached_tokens)?;
     d.set_item("finished", s.finished)?;
     d.set_item("avg_ttft_ms", if s.finished > 0 { s.ttft_us_sum as f64 / s.finished as f64 / 1000.0 } else { 0.0 })?;
+    d.set_item("spec_verifies", s.spec_verifies)?;
+    d.set_item("spec_drafted", s.spec_drafted)?;
+    d.set_item("spec_accepted", s.spec_accepted)?;
+    if let Some((a, b)) = sch.inner.pass_cost() {
+        d.set_item("spec_pass_us", a * 1e6)?;
+        d.set_item("spec_row_us", b * 1e6)?;
+    }
     Ok(d)
 }
 
@@ -726,6 +785,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(generate, m)?)?;
     m.add_class::<PyScheduler>()?;
     m.add_function(wrap_pyfunction!(create_scheduler, m)?)?;
+    m.add_function(wrap_pyfunction!(ngram_drafter, m)?)?;
+    m.add_function(wrap_pyfunction!(fix_draft_len, m)?)?;
+    m.add_function(wrap_pyfunction!(model_drafter, m)?)?;
+    m.add_class::<PyDrafter>()?;
     m.add_function(wrap_pyfunction!(submit, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_step, m)?)?;
     m.add_function(wrap_pyfunction!(evict, m)?)?;

@@ -33,6 +33,7 @@ pub mod record;
 pub mod sampling;
 pub mod sched;
 pub mod session;
+pub mod spec;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

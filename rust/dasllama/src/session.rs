@@ -60,7 +60,7 @@ impl Session {
         Ok(())
     }
 
-    fn eval_rows(&mut self, m: &Model, tokens: &[u32], want: LogitRows) -> Result<()> {
+    fn eval_rows(&mut self, m: &Model, tokens: &[u32], want: LogitRows<'_>) -> Result<()> {
         forward_batch(m, &mut [&mut self.kv], &[tokens.len()], tokens, want, &mut shared_scratch(), &mut self.logits)
     }
 
@@ -90,9 +90,9 @@ pub fn eval_batch(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessi
     eval_multi(m, ws, sessions, &vec![1; tokens.len()], tokens)
 }
 
-/// `eval_multi` with the logits left in `ws.logits` only (row i for session i): the scheduler
-/// samples from there without a copy per stream.
-pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Session], counts: &[usize], tokens: &[u32]) -> Result<()> {
+/// `eval_multi` with the logits of the rows `want` names left in `ws.logits` only, in order:
+/// the scheduler samples from there without a copy per stream.
+pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Session], counts: &[usize], tokens: &[u32], want: LogitRows<'_>) -> Result<()> {
     if sessions.is_empty() || sessions.len() != counts.len() {
         return Err(Error::InvalidArgument("eval_batch needs at least one session, and one count per session".into()));
     }
@@ -100,14 +100,14 @@ pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessio
         crate::cpu::team().session(|t| t.parallel_for(1, &|_| panic!("injected fault in a session's evaluation")));
     }
     let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
-    forward_batch(m, &mut kvs, counts, tokens, LogitRows::Last, &mut ws.scratch, &mut ws.logits)
+    forward_batch(m, &mut kvs, counts, tokens, want, &mut ws.scratch, &mut ws.logits)
 }
 
 /// Advance `sessions[i]` by `counts[i]` tokens taken in order from `tokens` (decode steps and
 /// prefill chunks in one pass over the weights); each session's logits after its last token land
 /// in the session and in `ws.logits` (row i).
 pub fn eval_multi(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Session], counts: &[usize], tokens: &[u32]) -> Result<()> {
-    eval_rows(m, ws, sessions, counts, tokens)?;
+    eval_rows(m, ws, sessions, counts, tokens, LogitRows::Last)?;
     let v = m.config.vocab_size;
     for (i, s) in sessions.iter_mut().enumerate() {
         s.logits.clear();

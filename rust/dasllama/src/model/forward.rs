@@ -118,11 +118,32 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
 /// Which rows of a batch get logits (the vocabulary matmul is the largest one: decode wants each
 /// session's last row, a speculative verify chunk every row).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitRows {
+pub enum LogitRows<'a> {
     /// After each session's last token: one row per session.
     Last,
     /// After every token: one row per token of the batch, in order.
     All,
+    /// After each session's last `tails[i]` tokens (1 for a decode row or a prefill chunk, k+1
+    /// for a verify chunk of k drafts), in batch order.
+    Tail(&'a [usize]),
+}
+
+impl LogitRows<'_> {
+    /// The batch rows that get logits, in order.
+    fn picked(self, counts: &[usize]) -> Vec<usize> {
+        let mut out = Vec::new();
+        let mut end = 0;
+        for (i, &cnt) in counts.iter().enumerate() {
+            end += cnt;
+            let tail = match self {
+                LogitRows::Last => 1,
+                LogitRows::All => cnt,
+                LogitRows::Tail(t) => t[i].clamp(1, cnt),
+            };
+            out.extend(end - tail..end);
+        }
+        out
+    }
 }
 
 /// Advance several sessions in one pass over the weights: session i takes `counts[i]` tokens from
@@ -133,11 +154,16 @@ pub fn forward_batch(
     kvs: &mut [&mut KvCache],
     counts: &[usize],
     tokens: &[u32],
-    want: LogitRows,
+    want: LogitRows<'_>,
     s: &mut Scratch,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
     check(m, kvs, counts, tokens)?;
+    if let LogitRows::Tail(t) = want {
+        if t.len() != counts.len() {
+            return Err(Error::InvalidArgument(format!("{} logit tails for {} sessions; pass one per session", t.len(), counts.len())));
+        }
+    }
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
         let want = kv.len() + cnt;
         kv.reserve(want)?;
@@ -185,7 +211,7 @@ fn forward_rows(
     kvs: &mut [&mut KvCache],
     counts: &[usize],
     tokens: &[u32],
-    want: LogitRows,
+    want: LogitRows<'_>,
     s: &mut Scratch,
     logits: &mut Vec<f32>,
 ) {
@@ -279,16 +305,7 @@ fn forward_rows(
         }
         b.add(x, o);
     }
-    let picked: Vec<usize> = match want {
-        LogitRows::Last => counts
-            .iter()
-            .scan(0, |end, &cnt| {
-                *end += cnt;
-                Some(*end - 1)
-            })
-            .collect(),
-        LogitRows::All => (0..n).collect(),
-    };
+    let picked = want.picked(counts);
     let out_rows = picked.len();
     let last = grow(&mut s.h, out_rows * d);
     for (i, &t) in picked.iter().enumerate() {

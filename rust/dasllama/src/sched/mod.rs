@@ -4,11 +4,19 @@
 //! over the weights, so a long prompt delays the others by one chunk, never by its whole length.
 //! Rows are computed with the same arithmetic whatever the batch, so a request's output does not
 //! depend on what else runs beside it.
+//!
+//! With a drafter (`set_drafter`), decoding streams speculate: each proposes up to k tokens and
+//! its decode row becomes a verify chunk of k+1 rows in the same pass (`spec`); how many each
+//! proposes follows the measured cost of the pass's rows (`spec::policy`).
 
+use crate::backend::Numerics;
 use crate::kv::{KvCodec, KvPool};
+use crate::model::forward::LogitRows;
 use crate::model::Model;
 use crate::sampling::{self, SamplingParams};
 use crate::session::{eval_rows, BatchWorkspace, Session};
+use crate::spec::policy::{self, Candidate, CostModel};
+use crate::spec::{draft, ngram, Drafter, StreamSpec};
 use crate::{error, Error, Result};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -88,6 +96,7 @@ struct Stream {
     t_first: Option<Instant>,
     /// Admission order: prefill chunks go to the oldest admitted stream first.
     order: u64,
+    spec: StreamSpec,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -100,6 +109,24 @@ pub struct SchedStats {
     pub cached_tokens: u64,
     pub finished: u64,
     pub ttft_us_sum: u64,
+    /// Speculation: verify chunks run, drafts proposed in them, drafts accepted.
+    pub spec_verifies: u64,
+    pub spec_drafted: u64,
+    pub spec_accepted: u64,
+}
+
+/// The scheduler's speculation: its drafter and what its passes cost.
+struct Speculation {
+    drafter: Drafter,
+    /// What a row's logits cost beside the row itself (the vocabulary matmul against the layers'):
+    /// a verify row has logits, a prefill row does not, so passes are measured in rows weighted so.
+    logit_weight: f64,
+    /// Draft this many tokens wherever a drafter can, instead of the policy's choice (measuring
+    /// the cost of k+1 rows, tests that need rejections).
+    fixed_k: Option<usize>,
+    target_cost: CostModel,
+    draft_cost: CostModel,
+    draft_ws: BatchWorkspace,
 }
 
 pub struct Scheduler {
@@ -112,6 +139,7 @@ pub struct Scheduler {
     chunk_tokens: usize,
     ws: BatchWorkspace,
     admitted: u64,
+    spec: Option<Speculation>,
     pub stats: SchedStats,
 }
 
@@ -152,8 +180,55 @@ impl Scheduler {
             chunk_tokens,
             ws: BatchWorkspace::default(),
             admitted: 0,
+            spec: None,
             stats: SchedStats::default(),
         })
+    }
+
+    /// Speculate with `drafter` from the next step on (None: stop). Streams drop what an earlier
+    /// drafter kept for them.
+    pub fn set_drafter(&mut self, drafter: Option<Drafter>) -> Result<()> {
+        if drafter.is_some() && self.model.numerics == Numerics::Ggml {
+            return Err(Error::InvalidArgument(
+                "speculation needs numerics='fast': ggml's order sums a chunk's rows differently from single rows, so verified tokens could differ from plain decoding".into(),
+            ));
+        }
+        for s in self.slots.iter_mut().flatten() {
+            s.spec = StreamSpec::default();
+        }
+        let logit_weight = logit_weight(&self.model);
+        self.spec = drafter.map(|drafter| Speculation {
+            drafter,
+            fixed_k: None,
+            logit_weight,
+            target_cost: CostModel::default(),
+            draft_cost: CostModel::default(),
+            draft_ws: BatchWorkspace::default(),
+        });
+        Ok(())
+    }
+
+    pub fn drafter(&self) -> Option<&Drafter> {
+        self.spec.as_ref().map(|s| &s.drafter)
+    }
+
+    /// Draft exactly `k` tokens wherever the drafter can (None: as the policy finds worth it).
+    pub fn fix_draft_len(&mut self, k: Option<usize>) -> Result<()> {
+        let sp =
+            self.spec.as_mut().ok_or_else(|| Error::InvalidArgument("this scheduler has no drafter: create it with one to fix its draft length".into()))?;
+        if let Some(k) = k {
+            if k > sp.drafter.max_draft() {
+                return Err(Error::InvalidArgument(format!("a draft length of {k} is past the drafter's max_draft of {}", sp.drafter.max_draft())));
+            }
+        }
+        sp.fixed_k = k;
+        Ok(())
+    }
+
+    /// The measured cost of this scheduler's passes, seconds = a + b * rows (None before the
+    /// first pass, or without a drafter).
+    pub fn pass_cost(&self) -> Option<(f64, f64)> {
+        self.spec.as_ref().and_then(|s| s.target_cost.line())
     }
 
     pub fn n_active(&self) -> usize {
@@ -276,15 +351,28 @@ impl Scheduler {
             plan.push((i, k));
             budget -= k;
         }
-        // Pages first, per stream: a stream the pool cannot grow fails alone, before the pass.
-        plan.retain(|&(i, k)| {
-            let s = self.slots[i].as_mut().expect("planned stream");
-            let want = s.session.n_past() + k;
-            match s.session.kv.reserve(want) {
+        self.draft(m, &decoding, &plan);
+        for p in plan.iter_mut() {
+            let s = self.slots[p.0].as_ref().expect("planned stream");
+            if s.next.is_some() {
+                p.1 += s.spec.drafts.len();
+            }
+        }
+        // Pages first, per stream: a stream the pool cannot grow fails alone, before the pass
+        // (one that cannot grow for its drafts decodes without them).
+        plan.retain_mut(|(i, k)| {
+            let s = self.slots[*i].as_mut().expect("planned stream");
+            let mut res = s.session.kv.reserve(s.session.n_past() + *k);
+            if res.is_err() && !s.spec.drafts.is_empty() {
+                *k -= s.spec.drafts.len();
+                s.spec.drafts.clear();
+                res = s.session.kv.reserve(s.session.n_past() + *k);
+            }
+            match res {
                 Ok(()) => true,
                 Err(e) => {
-                    let s = self.slots[i].take().expect("planned stream");
-                    events.push(self.fail_stream(i, s, e));
+                    let s = self.slots[*i].take().expect("planned stream");
+                    events.push(self.fail_stream(*i, s, e));
                     false
                 }
             }
@@ -292,8 +380,16 @@ impl Scheduler {
         if plan.is_empty() {
             return Ok(self.n_active() > 0 || !self.queue.is_empty());
         }
+        let t_pass = Instant::now();
         let logits = match self.eval_plan(m, &plan) {
-            Ok(()) => std::mem::take(&mut self.ws.logits),
+            Ok(()) => {
+                if let Some(sp) = &mut self.spec {
+                    let logit_rows: usize = plan.iter().map(|&(i, k)| if self.slots[i].as_ref().is_some_and(|s| s.next.is_some()) { k } else { 1 }).sum();
+                    let rows = plan.iter().map(|p| p.1).sum::<usize>() as f64 + sp.logit_weight * logit_rows as f64;
+                    sp.target_cost.observe(rows, t_pass.elapsed().as_secs_f64());
+                }
+                std::mem::take(&mut self.ws.logits)
+            }
             Err(_) => self.eval_isolated(m, &mut plan, events),
         };
         // Counted over the streams the pass advanced (a failed one has left the plan).
@@ -302,17 +398,21 @@ impl Scheduler {
             self.stats.decode_steps += 1;
             self.stats.decode_rows += n_decoding as u64;
         }
-        // Row r of the pass's logits belongs to plan[r]; taken out so streams can sample from it.
+        // The pass's logits in plan order (a verify chunk's k+1 rows, one row for the others);
+        // taken out so streams can sample from them.
         let v = m.config.vocab_size;
         let mut prefilled = false;
-        for (r, &(i, k)) in plan.iter().enumerate() {
-            let row = &logits[r * v..(r + 1) * v];
+        let mut r = 0;
+        for &(i, k) in plan.iter() {
             let s = self.slots[i].as_mut().expect("planned stream");
             if let Some(t) = s.next.take() {
                 s.in_kv.push(t);
-                self.sample_and_emit(m, i, row, events);
+                self.verify(m, i, &logits[r * v..(r + k) * v], events);
+                r += k;
                 continue;
             }
+            let row = &logits[r * v..(r + 1) * v];
+            r += 1;
             prefilled = true;
             s.in_kv.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
             s.fed += k;
@@ -333,27 +433,36 @@ impl Scheduler {
         Ok(self.n_active() > 0 || !self.queue.is_empty())
     }
 
-    /// Evaluate the planned streams' tokens in one pass; logits land in `self.ws.logits`.
+    /// Evaluate the planned streams' tokens in one pass; logits land in `self.ws.logits`: every
+    /// row of a decoding stream (its next token, then its drafts), the last of a prefill chunk.
     fn eval_plan(&mut self, m: &Model, plan: &[(usize, usize)]) -> Result<()> {
         let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
+        let mut tails = Vec::with_capacity(plan.len());
         for &(i, k) in plan {
             let s = self.slots[i].as_ref().expect("planned stream");
             match s.next {
-                Some(t) => tokens.push(t),
-                None => tokens.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]),
+                Some(t) => {
+                    tokens.push(t);
+                    tokens.extend_from_slice(&s.spec.drafts);
+                    tails.push(k);
+                }
+                None => {
+                    tokens.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
+                    tails.push(1);
+                }
             }
         }
         let mut by_slot: Vec<Option<&mut Session>> = self.slots.iter_mut().map(|s| s.as_mut().map(|s| &mut s.session)).collect();
         let mut sessions: Vec<&mut Session> = plan.iter().map(|&(i, _)| by_slot[i].take().expect("each slot planned once")).collect();
         let counts: Vec<usize> = plan.iter().map(|p| p.1).collect();
         let ws = &mut self.ws;
-        error::catch("a scheduler step", || eval_rows(m, ws, &mut sessions, &counts, &tokens))
+        error::catch("a scheduler step", || eval_rows(m, ws, &mut sessions, &counts, &tokens, LogitRows::Tail(&tails)))
     }
 
     /// The batched pass failed: find the streams at fault by running each alone (rows compute the
     /// same whatever the batch, and a failed pass committed no position, so the survivors' results
     /// are what the batch would have given). Failed streams end with an error and leave `plan`;
-    /// returns the survivors' logits, row r for the new plan[r].
+    /// returns the survivors' logits, in the new plan's order.
     fn eval_isolated(&mut self, m: &Model, plan: &mut Vec<(usize, usize)>, events: &mut Vec<SchedEvent>) -> Vec<f32> {
         let v = m.config.vocab_size;
         let mut logits = Vec::with_capacity(plan.len() * v);
@@ -361,7 +470,7 @@ impl Scheduler {
         for &(i, k) in plan.iter() {
             match self.eval_plan(m, &[(i, k)]) {
                 Ok(()) => {
-                    logits.extend_from_slice(&self.ws.logits[..v]);
+                    logits.extend_from_slice(&self.ws.logits);
                     kept.push((i, k));
                 }
                 Err(e) => {
@@ -387,14 +496,152 @@ impl Scheduler {
             };
             session.record.reseed(req.seed);
             // The prefix cache is looked up in `step`, just before the stream's first chunk.
-            self.slots[slot] =
-                Some(Stream { in_kv: Vec::new(), cached: 0, req, session, fed: 0, generated: 0, next: None, t_submit, t_first: None, order: self.admitted });
+            self.slots[slot] = Some(Stream {
+                in_kv: Vec::new(),
+                cached: 0,
+                req,
+                session,
+                fed: 0,
+                generated: 0,
+                next: None,
+                t_submit,
+                t_first: None,
+                order: self.admitted,
+                spec: StreamSpec::default(),
+            });
         }
     }
 
-    /// Sample from the stream's logits and emit its piece, or finish it.
-    /// `row`: the stream's logits after its last evaluated token.
-    fn sample_and_emit(&mut self, m: &Model, i: usize, row: &[f32], events: &mut Vec<SchedEvent>) {
+    /// Propose this step's drafts for the decoding streams (`Stream::spec.drafts`), as many as
+    /// the policy finds worth their rows in the pass `plan` makes without them.
+    fn draft(&mut self, m: &Model, decoding: &[usize], plan: &[(usize, usize)]) {
+        let Some(sp) = self.spec.as_mut() else { return };
+        // In decode rows (a row with logits): the policy's unit.
+        let w = 1.0 + sp.logit_weight;
+        let rows = (plan.iter().map(|p| p.1).sum::<usize>() as f64 + sp.logit_weight * plan.len() as f64) / w;
+        // Nothing is known of this machine before the first pass: no drafts until it is measured.
+        let Some(line) = sp.target_cost.line() else { return };
+        let max_draft = sp.drafter.max_draft();
+        let (mut cands, mut who) = (Vec::new(), Vec::new());
+        for &i in decoding {
+            let s = self.slots[i].as_mut().expect("decoding stream");
+            s.spec.drafts.clear();
+            // Never draft past max_new or the context: the verify chunk writes at in_kv.len()..
+            let room = m.config.seq_len.saturating_sub(s.in_kv.len() + 1);
+            let mut cap = max_draft.min(s.req.max_new - s.generated - 1).min(room);
+            match &sp.drafter {
+                Drafter::Ngram { .. } => {
+                    s.in_kv.push(s.next.expect("decoding stream"));
+                    ngram::propose(&s.in_kv, cap, &mut s.spec.drafts);
+                    s.in_kv.pop();
+                    cap = s.spec.drafts.len();
+                }
+                Drafter::Model { draft, .. } => cap = cap.min(draft.config.seq_len.saturating_sub(s.in_kv.len() + 1)),
+            }
+            if cap > 0 {
+                cands.push(Candidate { alpha: s.spec.alpha(), cap });
+                who.push(i);
+            }
+        }
+        if who.is_empty() {
+            return;
+        }
+        // Before the draft model's first pass is measured, guess a quarter of the target's cost.
+        let draft_line = match &sp.drafter {
+            Drafter::Ngram { .. } => None,
+            Drafter::Model { .. } => Some(sp.draft_cost.line().unwrap_or((line.0 / 4.0, line.1 / 4.0))),
+        };
+        let ks = match sp.fixed_k {
+            Some(k) => cands.iter().map(|c| c.cap.min(k)).collect(),
+            None => policy::choose(&cands, decoding.len(), rows, (line.0, line.1 * w), draft_line),
+        };
+        for (&i, _) in who.iter().zip(&ks).filter(|p| *p.1 == 0) {
+            self.slots[i].as_mut().expect("decoding stream").spec.idle();
+        }
+        let Drafter::Model { draft, .. } = &sp.drafter else {
+            for (&i, &k) in who.iter().zip(&ks) {
+                self.slots[i].as_mut().expect("decoding stream").spec.drafts.truncate(k);
+            }
+            return;
+        };
+        // Each draft session holds a prefix of its stream's context: feed it the rest.
+        let mut by_slot: Vec<Option<&mut Stream>> = self.slots.iter_mut().map(|s| s.as_mut()).collect();
+        let mut streams: Vec<(&mut Stream, usize)> =
+            who.iter().zip(&ks).filter(|p| *p.1 > 0).map(|(&i, &k)| (by_slot[i].take().expect("each stream once"), k)).collect();
+        let mut feeds = Vec::with_capacity(streams.len());
+        for (s, _) in streams.iter_mut() {
+            let ds = s.spec.draft.get_or_insert_with(|| Session::new(draft));
+            ds.kv.truncate(s.in_kv.len());
+            let mut feed = s.in_kv[ds.n_past()..].to_vec();
+            feed.push(s.next.expect("decoding stream"));
+            feeds.push(feed);
+        }
+        let t_draft = Instant::now();
+        let mut jobs: Vec<draft::Job<'_>> = streams
+            .iter_mut()
+            .zip(&feeds)
+            .map(|((s, k), feed)| {
+                let StreamSpec { draft, drafts, .. } = &mut s.spec;
+                draft::Job { session: draft.as_mut().expect("made above"), feed, k: *k, out: drafts }
+            })
+            .collect();
+        let depth = jobs.iter().map(|j| j.k).max().unwrap_or(0);
+        let draft_rows: usize = jobs.iter().map(|j| j.k + j.feed.len() - 1).sum();
+        let (dm, ws) = (&**draft, &mut sp.draft_ws);
+        if error::catch("drafting", || draft::propose(dm, ws, &mut jobs)).is_ok() {
+            sp.draft_cost.observe(draft_rows as f64 / depth.max(1) as f64, t_draft.elapsed().as_secs_f64() / depth.max(1) as f64);
+        } else {
+            // A draft model that fails costs the streams their speculation, never their output.
+            drop(jobs);
+            for (s, _) in streams.iter_mut() {
+                s.spec.drafts.clear();
+                s.spec.draft = None;
+            }
+        }
+    }
+
+    /// Take a decoding stream's tokens from its verify rows (`rows`: k+1 rows of logits, after
+    /// its next token and after each draft): sample from each row in turn while the sampled token
+    /// is the draft that row was fed; the first that is not, or the row after the last draft,
+    /// gives the stream's next token. The KV keeps what was accepted.
+    fn verify(&mut self, m: &Model, i: usize, rows: &[f32], events: &mut Vec<SchedEvent>) {
+        let v = m.config.vocab_size;
+        let drafts = std::mem::take(&mut self.slots[i].as_mut().expect("decoding stream").spec.drafts);
+        let mut accepted = 0;
+        for j in 0..=drafts.len() {
+            if j > 0 {
+                self.slots[i].as_mut().expect("decoding stream").in_kv.push(drafts[j - 1]);
+            }
+            let Some(tok) = self.sample_and_emit(m, i, &rows[j * v..(j + 1) * v], events) else { break };
+            if j < drafts.len() && tok == drafts[j] {
+                accepted += 1;
+                continue;
+            }
+            let s = self.slots[i].as_mut().expect("decoding stream");
+            s.session.kv.truncate(s.in_kv.len());
+            if let Some(ds) = &mut s.spec.draft {
+                ds.kv.truncate(s.in_kv.len());
+            }
+            if !drafts.is_empty() {
+                s.spec.observe(drafts.len(), accepted);
+            }
+            break;
+        }
+        if !drafts.is_empty() {
+            self.stats.spec_verifies += 1;
+            self.stats.spec_drafted += drafts.len() as u64;
+            self.stats.spec_accepted += accepted as u64;
+        }
+        if let Some(s) = self.slots[i].as_mut() {
+            // Its buffer, for the next step's drafts.
+            s.spec.drafts = drafts;
+            s.spec.drafts.clear();
+        }
+    }
+
+    /// Sample from the stream's logits and emit its piece, or finish it; the token if the
+    /// stream goes on. `row`: the stream's logits after its last token in `in_kv`.
+    fn sample_and_emit(&mut self, m: &Model, i: usize, row: &[f32], events: &mut Vec<SchedEvent>) -> Option<u32> {
         let s = self.slots[i].as_mut().expect("live stream");
         // Log-probabilities are the model's own, before penalties and sampling settings.
         let lp = s.req.logprobs.map(|k| log_softmax_top(row, k));
@@ -419,11 +666,11 @@ impl Scheduler {
             let s = self.slots[i].take().expect("live stream");
             let ev = self.finish_stream(i, s, Finish::Stop, tok as i64);
             events.push(ev);
-            return;
+            return None;
         }
         let mut text = s.session.record.text(&m.tokenizer.piece(tok, false));
         // The next decode step would evaluate `tok` at position n_past: stop where that would overflow.
-        let done = s.generated >= s.req.max_new || s.session.n_past() >= m.config.seq_len;
+        let done = s.generated >= s.req.max_new || s.in_kv.len() >= m.config.seq_len;
         if done {
             text.push_str(&s.session.record.finish_text());
         }
@@ -447,8 +694,10 @@ impl Scheduler {
             let s = self.slots[i].take().expect("live stream");
             let ev = self.finish_stream(i, s, Finish::Length, -1);
             events.push(ev);
+            None
         } else {
             s.next = Some(tok);
+            Some(tok)
         }
     }
 
@@ -462,6 +711,8 @@ impl Scheduler {
 
     fn finish_stream(&mut self, slot: usize, mut s: Stream, finish: Finish, token: i64) -> SchedEvent {
         let m = &*self.model;
+        // A stream that ends inside a verify chunk holds rows past what it emitted.
+        s.session.kv.truncate(s.in_kv.len());
         if let (Some(pool), true) = (&self.pool, matches!(finish, Finish::Stop | Finish::Length)) {
             // Close the turn in the KV (what the next turn's prompt will hold), then offer the
             // full pages. A close that does not fit the context is simply not donated.
@@ -484,6 +735,22 @@ impl Scheduler {
         ev.n_cached = s.cached;
         ev
     }
+}
+
+/// Multiply-adds of one row's logits over those of one row through the layers.
+fn logit_weight(m: &Model) -> f64 {
+    let c = &m.config;
+    let attn = c.dim * (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() * c.dim;
+    let body: usize = c
+        .layers
+        .iter()
+        .map(|l| {
+            attn + match l.ffn {
+                crate::model::Ffn::Dense { hidden, .. } => 3 * c.dim * hidden,
+            }
+        })
+        .sum();
+    (c.vocab_size * c.dim) as f64 / body.max(1) as f64
 }
 
 fn finished_event(stream: usize, req: &PendingReq, finish: Finish, token: i64, n_gen: usize, ttft_us: u64, gen_us: u64) -> SchedEvent {

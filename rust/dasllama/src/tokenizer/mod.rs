@@ -91,6 +91,17 @@ impl Tokenizer {
     }
 
     /// True for tokens that end generation: eos, and the end-of-turn ids the vocabulary declares.
+    /// Where `other` reads ids differently from this tokenizer (None when it does not): a draft
+    /// model's tokens must mean the target's.
+    pub fn vocab_difference(&self, other: &Tokenizer) -> Option<String> {
+        let (a, b) = (&self.vocab.tokens, &other.vocab.tokens);
+        if a.len() != b.len() {
+            return Some(format!("the vocabularies have {} and {} tokens", a.len(), b.len()));
+        }
+        let i = (0..a.len()).find(|&i| a[i] != b[i])?;
+        Some(format!("token {i} is {:?} in one vocabulary and {:?} in the other", a[i], b[i]))
+    }
+
     pub fn is_eog(&self, id: u32) -> bool {
         Some(id) == self.vocab.eos || self.vocab.eog.contains(&id)
     }

@@ -1,0 +1,179 @@
+"""Speculative decoding against plain decoding, through the scheduler, same requests, runs
+interleaved: single-stream decode tokens/s with n-gram prompt lookup on input-grounded prompts
+(summarise, rewrite, extract, edit code) and on open-ended chat; a Q4_0 draft model for its F16
+target; 4 and 16 streams end to end. Prints acceptance and the pass cost the policy measured.
+
+    python benches/bench_spec.py [--runs 3] [--max-new 128] [--only ngram,draft,batch]
+
+The F16 target and the Q4_0 draft are made once from SmolLM2's Q4_1 file (dequantized, then
+written as F16 and requantized to Q4_0 with gguf-py) and cached beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from tqdm import tqdm
+
+import dasllama as dl
+
+SOURCE = """The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Supporters
+said the lanes would make cycling safer and reduce traffic. Shop owners worried that removing
+parking spaces would hurt their business. The council voted five to two to build the lanes next
+spring, and promised to review parking in the autumn."""
+CODE = """def mean(xs):
+    total = 0
+    for x in xs:
+        total += x
+    return total / len(xs)
+
+def variance(xs):
+    m = mean(xs)
+    return sum((x - m) ** 2 for x in xs) / len(xs)
+"""
+GROUNDED = [
+    f"Summarise this article in three sentences:\n\n{SOURCE}",
+    f"Rewrite this article in simpler words, keeping every fact:\n\n{SOURCE}",
+    f"Extract every number and what it counts from this article, one per line:\n\n{SOURCE}",
+    f"Add a docstring to each function and print the whole file again:\n\n{CODE}",
+]
+OPEN = ["Write a short story about a lighthouse keeper.", "What are good habits for learning a language?", "Describe a day in a medieval village.", "Why is the sky blue?"]
+
+
+def chat_ids(m: dl.Model, text: str) -> list[int]:
+    chat = dl.create_chat_renderer(m, "You are a helpful assistant.", 512)
+    dl.add_user(chat, text)
+    return dl.render_turn(m, chat)
+
+
+def run(m: dl.Model, prompts: list[list[int]], streams: int, mtp: bool, max_new: int) -> dict[str, float]:
+    """Decode tok/s per stream (generated tokens after the first over the time since it) and end
+    to end tok/s (all generated tokens over the wall time)."""
+    sch = dl.create_scheduler(m, max_streams=streams, max_queue=len(prompts), page_rows=16, mtp=mtp)
+    for i, p in enumerate(prompts):
+        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=max_new, params=dl.SamplingParams(), ignore_eos=False))
+    evs: list[dl.SchedEvent] = []
+    rates, total = [], 0
+    t0 = time.perf_counter()
+    more = True
+    while more:
+        more = dl.scheduler_step(m, sch, evs)
+        for e in evs:
+            if e.kind == "finished":
+                total += e.n_gen
+                if e.n_gen > 1 and e.gen_us > 0:
+                    rates.append((e.n_gen - 1) / (e.gen_us / 1e6))
+        evs.clear()
+    wall = time.perf_counter() - t0
+    st = dl.scheduler_stats(sch)
+    return {
+        "decode": statistics.mean(rates) if rates else 0.0,
+        "e2e": total / wall,
+        "drafted": st["spec_drafted"],
+        "accepted": st["spec_accepted"],
+        "row_us": st.get("spec_row_us", 0.0),
+        "pass_us": st.get("spec_pass_us", 0.0),
+    }
+
+
+def compare(label: str, m: dl.Model, prompts: list[list[int]], streams: int, max_new: int, runs: int, key: str, bar: tqdm) -> list[str]:
+    base, spec = [], []
+    last: dict[str, float] = {}
+    for _ in range(runs):  # interleaved, so drift in the machine's speed hits both alike
+        base.append(run(m, prompts, streams, False, max_new)[key])
+        bar.update()
+        last = run(m, prompts, streams, True, max_new)
+        spec.append(last[key])
+        bar.update()
+    b, s = statistics.median(base), statistics.median(spec)
+    acc = last["accepted"] / last["drafted"] if last["drafted"] else 0.0
+    return [label, str(streams), f"{b:.1f}", f"{s:.1f}", f"{s / b:.2f}x", f"{acc:.0%} of {int(last['drafted'])}", f"{last['pass_us'] / 1000:.1f} + {last['row_us'] / 1000:.2f}/row"]
+
+
+def copy_as(src: Path, dst: Path, qt: QT) -> None:
+    """Rewrite `src` with every matrix as `qt` (F16 or a 32-block format), the rest as is."""
+    r = GGUFReader(src)
+    arch = str(r.fields["general.architecture"].contents())
+    w = GGUFWriter(str(dst), arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == GGUFValueType.ARRAY and len(f.types) > 1 else None
+        w.add_key_value(name, f.contents(), vtype, sub_type=sub)
+    for t in r.tensors:
+        rows = [int(x) for x in reversed(t.shape)]
+        if len(rows) == 2:
+            x = dequantize(t.data, t.tensor_type).reshape(rows).astype(np.float32)
+            if qt == QT.F16:
+                w.add_tensor(t.name, x.astype(np.float16))
+            else:
+                w.add_tensor(t.name, quantize(x, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def variants(src: Path) -> tuple[Path, Path]:
+    f16, q40 = src.with_name(src.stem + ".bench-F16.gguf"), src.with_name(src.stem + ".bench-Q4_0.gguf")
+    for path, qt in ((f16, QT.F16), (q40, QT.Q4_0)):
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            copy_as(src, tmp, qt)
+            tmp.rename(path)
+    return f16, q40
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--only", default="ngram,draft,batch")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    src = Path(dl.fetch("smollm2-135m-instruct"))
+    m = dl.load_model(src)
+    grounded, open_ = [chat_ids(m, t) for t in GROUNDED], [chat_ids(m, t) for t in OPEN]
+    jobs = (2 * len(GROUNDED) + 2 * len(OPEN)) * ("ngram" in only) + 2 * (len(GROUNDED) + len(OPEN)) * ("draft" in only) + 4 * ("batch" in only)
+    rows = []
+    with tqdm(total=jobs * args.runs, desc="bench_spec", unit="run") as bar:
+        if "ngram" in only:
+            dl.attach_ngram_drafter(m)
+            for kind, ps in (("ngram, grounded", grounded), ("ngram, open-ended", open_)):
+                # One request at a time: single-stream decode speed, averaged over the prompts.
+                per = [compare(kind, m, [p], 1, args.max_new, args.runs, "decode", bar) for p in ps]
+                b = statistics.mean(float(r[2]) for r in per)
+                s = statistics.mean(float(r[3]) for r in per)
+                rows.append([kind, "1", f"{b:.1f}", f"{s:.1f}", f"{s / b:.2f}x", " / ".join(r[5].split(" of")[0] for r in per), per[-1][6]])
+        if "batch" in only:
+            dl.attach_ngram_drafter(m)
+            mixed = grounded + open_
+            for streams in (4, 16):
+                ps = (mixed * (2 * streams // len(mixed) + 1))[: 2 * streams]
+                rows.append(compare("ngram, mixed (end to end)", m, ps, streams, args.max_new, args.runs, "e2e", bar))
+        if "draft" in only:
+            f16, q40 = variants(src)
+            target, draft = dl.load_model(f16), dl.load_model(q40)
+            dl.attach_draft_model(target, draft)
+            per = [compare("Q4_0 draft for F16", target, [chat_ids(target, t)], 1, args.max_new, args.runs, "decode", bar) for t in GROUNDED + OPEN]
+            b = statistics.mean(float(r[2]) for r in per)
+            s = statistics.mean(float(r[3]) for r in per)
+            rows.append(["Q4_0 draft for F16", "1", f"{b:.1f}", f"{s:.1f}", f"{s / b:.2f}x", " / ".join(r[5].split(" of")[0] for r in per), per[-1][6]])
+    head = ["case", "streams", "plain tok/s", "spec tok/s", "speedup", "accepted", "pass cost ms (a + b/row)"]
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()
