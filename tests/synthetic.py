@@ -1,5 +1,7 @@
-"""Tiny synthetic GGUF models (random weights, any block format, llama or gemma3), written with
-gguf.GGUFWriter, and a NumPy float64 reference forward pass to check the engine against."""
+"""Tiny synthetic GGUF models (random weights, any block format), written with gguf.GGUFWriter:
+``write_model`` (llama or gemma3, one format throughout) with a NumPy float64 reference forward
+pass to check the engine against, and ``write_family`` (every supported family, its weights in
+several block formats) whose llama.cpp outputs are the goldens under ``golden/families/``."""
 
 from __future__ import annotations
 
@@ -42,6 +44,31 @@ def encode_weight(w: np.ndarray, qt: QT, rng: np.random.Generator) -> tuple[np.n
     return raw, dequantize(raw, qt).reshape(w.shape).astype(np.float32)
 
 
+def _write_vocab(w: GGUFWriter) -> None:
+    w.add_tokenizer_model("llama")
+    w.add_token_list(VOCAB)
+    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))])
+    w.add_token_types(TYPES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def _add_keys(w: GGUFWriter, arch: str, keys: dict[str, Any]) -> None:
+    for k, v in keys.items():
+        if v is None:
+            continue
+        if isinstance(v, str):
+            w.add_string(f"{arch}.{k}", v)
+        elif isinstance(v, float):
+            w.add_float32(f"{arch}.{k}", v)
+        elif isinstance(v, list):
+            w.add_array(f"{arch}.{k}", v)
+        elif v < 0:
+            w.add_int32(f"{arch}.{k}", v)
+        else:
+            w.add_uint32(f"{arch}.{k}", v)
+
+
 def write_model(
     path: Path, qt: QT = QT.F32, arch: str = "llama", drop: str | None = None, ctx: int = 64, meta: dict[str, Any] | None = None, extra: dict[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
@@ -64,25 +91,8 @@ def write_model(
     if arch == "gemma3":
         keys["attention.sliding_window"] = 4
     keys.update(meta or {})
-    for k, v in keys.items():
-        if v is None:
-            continue
-        if isinstance(v, str):
-            w.add_string(f"{arch}.{k}", v)
-        elif isinstance(v, float):
-            w.add_float32(f"{arch}.{k}", v)
-        elif isinstance(v, list):
-            w.add_array(f"{arch}.{k}", v)
-        elif v < 0:
-            w.add_int32(f"{arch}.{k}", v)
-        else:
-            w.add_uint32(f"{arch}.{k}", v)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(VOCAB)
-    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))])
-    w.add_token_types(TYPES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    _add_keys(w, arch, keys)
+    _write_vocab(w)
     weights: dict[str, np.ndarray] = {}
 
     def mat(name: str, rows: int, cols: int, kind: QT, scale: float = 0.08) -> None:
@@ -184,3 +194,338 @@ def reference_logits(wt: dict[str, np.ndarray], ids: list[int], arch: str = "lla
             d = _rms(d, W[p + "post_ffw_norm.weight"])
         x = x + d
     return _rms(x, W["output_norm.weight"]) @ W["token_embd.weight"].T
+
+
+# --- every family, several block formats per model (goldens: scripts/make_family_goldens.py) ---
+
+# Per family: its shape and what sets it apart. Sizes keep every matrix's rows a multiple of 256
+# (the K-quants' block). Embeddings of std 0.12 put the logits where a real model's are (top-1
+# log-prob about -1.8, uniform would be -5.6): far from flat, and not so steep that one activation
+# rounded the other way moves a log-prob by tenths of a nat (with std 0.5 it did, in llama.cpp too,
+# between its own prefill and decode). gemma2 keeps 0.5: its scaled embeddings, post-norms and
+# capped logits hold it steady.
+FAMILIES: dict[str, dict[str, Any]] = {
+    # Q/K/V biases (large on K, as in the real models), NEOX RoPE.
+    "qwen2": dict(arch="qwen2", heads=4, kv_heads=2, head_dim=64, bias=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
+    # QK-norm; heads wider than dim / n_heads.
+    "qwen3": dict(arch="qwen3", heads=4, kv_heads=2, head_dim=128, qk_norm=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
+    # Fused QKV and gate/up, partial RoPE (48 of 64), longrope: the context (64) outgrows the
+    # original one (32), so the long factors apply, and the attention factor scales both.
+    "phi3": dict(
+        arch="phi3",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        fused=True,
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q6_K),
+        factors=True,
+        meta={"rope.dimension_count": 48, "rope.scaling.original_context_length": 32, "rope.scaling.attn_factor": 1.19, "attention.layer_norm_rms_epsilon": 1e-5},
+    ),
+    # Phi-3-mini's shape: full heads (no GQA), the short factors (the context fits the original).
+    "phi3-short": dict(
+        arch="phi3", heads=4, kv_heads=4, head_dim=64, fused=True, factors=True, embd=(0.12, QT.Q8_0), meta={"rope.scaling.original_context_length": 4096, "attention.layer_norm_rms_epsilon": 1e-5}
+    ),
+    # Soft-capped scores and logits (caps near their sizes here, so both bite), even layers
+    # sliding over 4 positions, post-norms, GELU, scaled embeddings.
+    "gemma2": dict(
+        arch="gemma2",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        post_norms=1.0,
+        embd=(0.5, QT.F16),
+        layers=3,
+        meta={"attention.sliding_window": 4, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 15.0},
+    ),
+    # Routed experts: 8 of them, the top 2 by softmax weight as they come, plus a shared expert
+    # under a sigmoid gate; qwen2's attention.
+    "qwen2moe": dict(
+        arch="qwen2moe",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        bias=True,
+        embd=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=2, hidden=256, shared=512),
+        output=(0.12, QT.Q8_0),  # llama.cpp's qwen2moe has no tied output
+        meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 256, "expert_shared_feed_forward_length": 512},
+    ),
+    # The top 3 of 8 experts, their weights renormalised; qwen3's attention.
+    "qwen3moe": dict(
+        arch="qwen3moe",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=3, hidden=256),
+        meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 3, "expert_feed_forward_length": 256},
+    ),
+}
+
+# The block formats a family's matrices cycle through (each row length here is a multiple of 256).
+FAMILY_FORMATS = [QT.Q8_0, QT.Q4_K, QT.F16, QT.Q6_K, QT.Q4_0, QT.Q5_K, QT.Q5_0, QT.Q4_1]
+
+
+def _k_blocks(rows: int, cols: int, qt: QT, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks of about zero mean and the given spread (gguf cannot quantize to
+    these): random quants, and scales and mins set so that the dequantized values centre on 0."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qt]
+    nb = rows * (cols // block)
+    raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+    if qt == QT.Q6_K:
+        # d * sc * (q - 32): q uniform on 0..63 is centred already; int8 scales in [-24, 24].
+        raw[:, 192:208] = rng.integers(-24, 25, size=(nb, 16)).astype(np.int8).view(np.uint8)
+        d = std / (14.0 * 18.5) * rng.uniform(0.8, 1.2, size=nb)
+        raw[:, 208:210] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    else:
+        # d * sc * q - dmin * m with every sub-block's sc = m = 8 (4-bit, so the 12 packed bytes
+        # are 8, 8, 8, 8 | 8, 8, 8, 8 | 0x88 x4); dmin = d * mean(q) centres the values.
+        qmax = 15 if qt == QT.Q4_K else 31
+        d = std / (8.0 * qmax / np.sqrt(12.0)) * rng.uniform(0.8, 1.2, size=nb)
+        raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+        raw[:, 2:4] = (d * qmax / 2).astype(np.float16).view(np.uint8).reshape(nb, 2)
+        raw[:, 4:12] = 8
+        raw[:, 12:16] = 0x88
+    return raw.reshape(rows, -1)
+
+
+def write_family(
+    path: Path, name: str, drop: str | None = None, meta: dict[str, Any] | None = None, replace: dict[str, np.ndarray] | None = None, extra: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """Write family ``name`` of ``FAMILIES`` deterministically (the same bytes on every call with
+    the same gguf and numpy); return the exact weights (numpy order: rows x cols). ``drop`` leaves
+    a tensor out, ``meta`` overrides ``<arch>.`` keys (None drops one), ``replace`` writes given
+    values in place of a tensor and ``extra`` adds tensors (bad-input tests)."""
+    f = FAMILIES[name]
+    arch, heads, kvh, hd = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
+    layers = f.get("layers", LAYERS)
+    qd, kvd = heads * hd, kvh * hd
+    rng = np.random.default_rng(sum(map(ord, name)))
+    w = GGUFWriter(str(path), arch)
+    keys: dict[str, Any] = {
+        "block_count": layers,
+        "context_length": 64,
+        "embedding_length": DIM,
+        "feed_forward_length": HIDDEN,
+        "attention.head_count": heads,
+        "attention.head_count_kv": kvh,
+        "attention.key_length": hd,
+        "attention.value_length": hd,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 10000.0,
+    }
+    keys.update(f.get("meta", {}))
+    keys.update(meta or {})
+    _add_keys(w, arch, keys)
+    _write_vocab(w)
+    weights: dict[str, np.ndarray] = {}
+    count = [0]
+
+    def put(name: str, data: np.ndarray, kind: QT | None = None) -> None:
+        if name == drop:
+            return
+        data = replace.get(name, data) if replace else data
+        if kind is not None and data.dtype == np.uint8:
+            w.add_tensor(name, data, raw_dtype=kind)
+        else:
+            w.add_tensor(name, data)
+
+    def mat(name: str, rows: int, cols: int, scale: float = 0.08, kind: QT | None = None) -> None:
+        if kind is None:
+            kind = FAMILY_FORMATS[count[0] % len(FAMILY_FORMATS)]
+            count[0] += 1
+        if kind in K_QUANTS:
+            raw = _k_blocks(rows, cols, kind, scale, rng)
+            data, exact = raw, dequantize(raw, kind).reshape(rows, cols).astype(np.float32)
+        else:
+            data, exact = encode_weight(rng.normal(0, scale, size=(rows, cols)), kind, rng)
+        weights[name] = exact
+        put(name, data, kind)
+
+    def stack(name: str, n: int, rows: int, cols: int, scale: float = 0.08) -> None:
+        # n experts' matrices as one 3-D tensor (GGUF shape [cols, rows, n]).
+        kind = FAMILY_FORMATS[count[0] % len(FAMILY_FORMATS)]
+        count[0] += 1
+        if kind in K_QUANTS:
+            raw = _k_blocks(n * rows, cols, kind, scale, rng)
+            data, exact = raw, dequantize(raw, kind).reshape(n * rows, cols).astype(np.float32)
+        else:
+            data, exact = encode_weight(rng.normal(0, scale, size=(n * rows, cols)), kind, rng)
+        weights[name] = exact.reshape(n, rows, cols)
+        put(name, data.reshape(n, rows, -1), kind)
+
+    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
+        v = (mean + rng.normal(0, std, size=n)).astype(np.float32)
+        weights[name] = v
+        put(name, v)
+
+    embd_std, embd_type = f.get("embd", (0.5, QT.Q8_0))
+    mat("token_embd.weight", len(VOCAB), DIM, embd_std, embd_type)
+    for i in range(layers):
+        p = f"blk.{i}."
+        vec(p + "attn_norm.weight", DIM)
+        if f.get("fused"):
+            mat(p + "attn_qkv.weight", qd + 2 * kvd, DIM)
+        else:
+            mat(p + "attn_q.weight", qd, DIM)
+            mat(p + "attn_k.weight", kvd, DIM)
+            mat(p + "attn_v.weight", kvd, DIM)
+        if f.get("bias"):
+            vec(p + "attn_q.bias", qd, 0.0, 0.2)
+            vec(p + "attn_k.bias", kvd, 0.0, 1.0)
+            vec(p + "attn_v.bias", kvd, 0.0, 0.2)
+        if f.get("qk_norm"):
+            vec(p + "attn_q_norm.weight", hd)
+            vec(p + "attn_k_norm.weight", hd)
+        mat(p + "attn_output.weight", DIM, qd)
+        if f.get("post_norms"):
+            vec(p + "post_attention_norm.weight", DIM, f["post_norms"])
+        vec(p + "ffn_norm.weight", DIM)
+        if "moe" in f:
+            e = f["moe"]
+            mat(p + "ffn_gate_inp.weight", e["n"], DIM, 0.1, QT.F32)
+            stack(p + "ffn_gate_exps.weight", e["n"], e["hidden"], DIM)
+            stack(p + "ffn_up_exps.weight", e["n"], e["hidden"], DIM)
+            stack(p + "ffn_down_exps.weight", e["n"], DIM, e["hidden"])
+            if "shared" in e:
+                vec(p + "ffn_gate_inp_shexp.weight", DIM, 0.0, 0.1)
+                mat(p + "ffn_gate_shexp.weight", e["shared"], DIM)
+                mat(p + "ffn_up_shexp.weight", e["shared"], DIM)
+                mat(p + "ffn_down_shexp.weight", DIM, e["shared"])
+        elif f.get("fused"):
+            mat(p + "ffn_up.weight", 2 * HIDDEN, DIM)
+            mat(p + "ffn_down.weight", DIM, HIDDEN)
+        else:
+            mat(p + "ffn_gate.weight", HIDDEN, DIM)
+            mat(p + "ffn_up.weight", HIDDEN, DIM)
+            mat(p + "ffn_down.weight", DIM, HIDDEN)
+        if f.get("post_norms"):
+            vec(p + "post_ffw_norm.weight", DIM, f["post_norms"])
+    if f.get("factors"):
+        n = keys.get("rope.dimension_count", hd) // 2
+        long = (1.0 + np.linspace(0.0, 3.0, n)).astype(np.float32)
+        short = (1.0 + np.linspace(0.0, 0.4, n)).astype(np.float32)
+        weights["rope_factors_long.weight"], weights["rope_factors_short.weight"] = long, short
+        put("rope_factors_long.weight", long)
+        put("rope_factors_short.weight", short)
+    vec("output_norm.weight", DIM)
+    if f.get("output"):
+        mat("output.weight", len(VOCAB), DIM, *f["output"])
+    for tname, t in (extra or {}).items():
+        w.add_tensor(tname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return weights
+
+
+def family_cases(name: str) -> list[list[int]]:
+    """The token sequences the goldens follow (teacher-forced): a BOS, then random ids."""
+    rng = np.random.default_rng(sum(map(ord, name)) + 1)
+    return [[1] + [int(t) for t in rng.integers(3, len(VOCAB), size=23)] for _ in range(3)]
+
+
+def _swiglu(h: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray) -> np.ndarray:
+    g = h @ wg.T
+    return (g / (1 + np.exp(-g)) * (h @ wu.T)) @ wd.T
+
+
+def _moe(W: dict[str, np.ndarray], p: str, e: dict[str, int], h: np.ndarray) -> np.ndarray:
+    logits = h @ W[p + "ffn_gate_inp.weight"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(len(h)):
+        top = np.argsort(-probs[t], kind="stable")[: e["used"]]
+        w = probs[t, top]
+        if "shared" not in e:  # qwen3moe renormalises; qwen2moe takes them as they come
+            w = w / w.sum()
+        for x, wx in zip(top, w):
+            out[t] += wx * _swiglu(h[t], W[p + "ffn_gate_exps.weight"][x], W[p + "ffn_up_exps.weight"][x], W[p + "ffn_down_exps.weight"][x])
+    if "shared" in e:
+        gate = 1 / (1 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))
+        out += gate[:, None] * _swiglu(h, W[p + "ffn_gate_shexp.weight"], W[p + "ffn_up_shexp.weight"], W[p + "ffn_down_shexp.weight"])
+    return out
+
+
+def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]) -> np.ndarray:
+    """Float64 forward pass of ``write_family(name)``'s weights; logits after each position."""
+    f = FAMILIES[name]
+    meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {})}
+    arch, H, KVH, HD = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
+    qd, kvd = H * HD, KVH * HD
+    eps = meta["attention.layer_norm_rms_epsilon"]
+    rd = meta.get("rope.dimension_count", HD)
+    gemma = arch == "gemma2"
+    W = {k: v.astype(np.float64) for k, v in wt.items()}
+    factors, mscale = None, meta.get("rope.scaling.attn_factor", 1.0)
+    if f.get("factors"):
+        long = meta["context_length"] > meta["rope.scaling.original_context_length"]
+        factors = W["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+
+    def rope(x: np.ndarray, pos: int) -> np.ndarray:
+        theta = pos * meta["rope.freq_base"] ** (-np.arange(0, rd, 2) / rd)
+        if factors is not None:
+            theta = theta / factors
+        c, s = np.cos(theta) * mscale, np.sin(theta) * mscale
+        out = x.copy()
+        a, b = x[..., : rd // 2], x[..., rd // 2 : rd]
+        out[..., : rd // 2], out[..., rd // 2 : rd] = a * c - b * s, a * s + b * c
+        return out
+
+    x = W["token_embd.weight"][ids] * (np.sqrt(DIM) if gemma else 1.0)
+    T = len(ids)
+    for i in range(f.get("layers", LAYERS)):
+        p = f"blk.{i}."
+        h = _rms(x, W[p + "attn_norm.weight"], eps)
+        if f.get("fused"):
+            wq, wk, wv = np.split(W[p + "attn_qkv.weight"], [qd, qd + kvd])
+        else:
+            wq, wk, wv = W[p + "attn_q.weight"], W[p + "attn_k.weight"], W[p + "attn_v.weight"]
+        q, k, v = h @ wq.T, h @ wk.T, h @ wv.T
+        if f.get("bias"):
+            q, k, v = q + W[p + "attn_q.bias"], k + W[p + "attn_k.bias"], v + W[p + "attn_v.bias"]
+        q, k, v = q.reshape(T, H, HD), k.reshape(T, KVH, HD), v.reshape(T, KVH, HD)
+        if f.get("qk_norm"):
+            q, k = _rms(q, W[p + "attn_q_norm.weight"], eps), _rms(k, W[p + "attn_k_norm.weight"], eps)
+        q = np.stack([rope(q[t], t) for t in range(T)])
+        k = np.stack([rope(k[t], t) for t in range(T)])
+        window = meta["attention.sliding_window"] if gemma and i % 2 == 0 else 0
+        att = np.zeros((T, H, HD))
+        for t in range(T):
+            lo = max(0, t - window + 1) if window else 0
+            for hh in range(H):
+                kv = hh // (H // KVH)
+                sc = k[lo : t + 1, kv] @ q[t, hh] / np.sqrt(HD)
+                if gemma:
+                    cap = meta["attn_logit_softcapping"]
+                    sc = cap * np.tanh(sc / cap)
+                pr = np.exp(sc - sc.max())
+                att[t, hh] = (pr / pr.sum()) @ v[lo : t + 1, kv]
+        o = att.reshape(T, -1) @ W[p + "attn_output.weight"].T
+        if f.get("post_norms"):
+            o = _rms(o, W[p + "post_attention_norm.weight"], eps)
+        x = x + o
+        h = _rms(x, W[p + "ffn_norm.weight"], eps)
+        if "moe" in f:
+            d = _moe(W, p, f["moe"], h)
+        else:
+            if f.get("fused"):
+                g, u = np.split(h @ W[p + "ffn_up.weight"].T, 2, axis=-1)
+            else:
+                g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
+            a = 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3))) if gemma else g / (1 + np.exp(-g))
+            d = (a * u) @ W[p + "ffn_down.weight"].T
+        if f.get("post_norms"):
+            d = _rms(d, W[p + "post_ffw_norm.weight"], eps)
+        x = x + d
+    out = _rms(x, W["output_norm.weight"], eps) @ W.get("output.weight", W["token_embd.weight"]).T
+    if gemma:
+        cap = meta["final_logit_softcapping"]
+        out = cap * np.tanh(out / cap)
+    return out

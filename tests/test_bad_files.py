@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dasllama as dl
-from synthetic import write_model
+from synthetic import write_family, write_model
 
 
 @pytest.fixture()
@@ -75,8 +75,11 @@ def test_missing_tensor(tmp_path: Path) -> None:
 def test_unsupported_architecture(tmp_path: Path) -> None:
     p = tmp_path / "a.gguf"
     write_model(p, arch="mamba")
-    with pytest.raises(dl.UnsupportedModelError, match="architecture 'mamba' is not supported"):
+    with pytest.raises(dl.UnsupportedModelError, match="architecture 'mamba' is not supported") as e:
         dl.load_model(p)
+    # It names what is supported.
+    for arch in ("llama", "gemma2", "gemma3", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe"):
+        assert arch in str(e.value)
 
 
 def test_bad_quant_mode(good: Path) -> None:
@@ -153,3 +156,68 @@ def test_expert_stack_is_not_folded_into_a_matrix(tmp_path: Path) -> None:
     write_model(p, drop="blk.0.ffn_up.weight", extra={"blk.0.ffn_up.weight": np.zeros((4, 512, 256), dtype=np.float32)})
     with pytest.raises(dl.GgufError, match=r"tensor 'blk\.0\.ffn_up\.weight' has shape \[256, 512, 4\]"):
         dl.load_model(p)
+
+
+# ---- the other families' own pieces: fused tensors, biases, RoPE scaling, soft-capping ----
+
+F32 = np.float32
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "match"),
+    [
+        # A bias of the wrong length, a fused matrix or bias of the wrong height.
+        ("qwen2", dict(replace={"blk.1.attn_k.bias": np.zeros(100, F32)}), r"tensor 'blk\.1\.attn_k\.bias' has 100 values, expected 128"),
+        ("phi3", dict(replace={"blk.0.attn_qkv.weight": np.zeros((500, 256), F32)}), r"tensor 'blk\.0\.attn_qkv\.weight' is 500x256 but the model's metadata implies 512x256"),
+        ("phi3", dict(extra_bias=True), r"tensor 'blk\.0\.attn_qkv\.bias' has 7 values, expected 512"),
+        # phi3's up holds gate and up: 2 * feed_forward_length rows.
+        ("phi3", dict(replace={"blk.1.ffn_up.weight": np.zeros((512, 256), F32)}), r"tensor 'blk\.1\.ffn_up\.weight' is 512x256 but the model's metadata implies 1024x256"),
+        ("phi3", dict(replace={"rope_factors_long.weight": np.ones(32, F32)}), r"tensor 'rope_factors_long\.weight' has 32 values, expected 24"),
+        ("phi3", dict(replace={"rope_factors_long.weight": np.zeros(24, F32)}), r"tensor 'rope_factors_long\.weight' holds 0; RoPE frequency factors must be positive"),
+        # QK-norm is not optional where the family has it.
+        ("qwen3", dict(drop="blk.1.attn_k_norm.weight"), r"tensor 'blk\.1\.attn_k_norm\.weight' is missing"),
+        ("qwen3", dict(replace={"blk.0.attn_q_norm.weight": np.ones(64, F32)}), r"tensor 'blk\.0\.attn_q_norm\.weight' has 64 values, expected 128"),
+        ("gemma2", dict(drop="blk.2.post_ffw_norm.weight"), r"tensor 'blk\.2\.post_ffw_norm\.weight' is missing"),
+        ("gemma2", dict(meta={"attn_logit_softcapping": -1.0}), r"'gemma2\.attn_logit_softcapping' is -1"),
+        ("gemma2", dict(meta={"attention.sliding_window_pattern": [True, False]}), r"'gemma2\.attention\.sliding_window_pattern' has 2 values but the model has 3 layers"),
+        ("qwen2", dict(meta={"rope.scaling.factor": -2.0}), r"'qwen2\.rope\.scaling\.factor' is -2"),
+        # Expert counts and widths that disagree with the tensors, a missing shared expert.
+        ("qwen3moe", dict(meta={"expert_count": 6}), r"tensor 'blk\.0\.ffn_gate_inp\.weight' is 8x256 but the model's metadata implies 6x256"),
+        ("qwen3moe", dict(meta={"expert_used_count": 9}), r"'qwen3moe\.expert_used_count' is 9; it must be between 1 and expert_count \(8\)"),
+        ("qwen3moe", dict(meta={"expert_feed_forward_length": 128}), r"tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \[256, 256, 8\] but the model's metadata implies \[256, 128, 8\]"),
+        ("qwen2moe", dict(drop="blk.1.ffn_down_shexp.weight"), r"tensor 'blk\.1\.ffn_down_shexp\.weight' is missing"),
+        ("qwen2moe", dict(meta={"expert_count": None}), r"'qwen2moe\.expert_count' is missing"),
+    ],
+)
+def test_family_tensors_checked(tmp_path: Path, name: str, kw: dict, match: str) -> None:
+    p = tmp_path / "m.gguf"
+    if kw.pop("extra_bias", False):
+        kw["extra"] = {"blk.0.attn_qkv.bias": np.zeros(7, F32)}
+    write_family(p, name, **kw)
+    with pytest.raises(dl.GgufError, match=match) as e:
+        dl.load_model(p)
+    assert str(p) in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["yarn", "su", "dynamic"])
+def test_unknown_rope_scaling_type(tmp_path: Path, kind: str) -> None:
+    p = tmp_path / "m.gguf"
+    write_family(p, "qwen2", meta={"rope.scaling.type": kind, "rope.scaling.factor": 4.0})
+    with pytest.raises(dl.UnsupportedModelError, match=rf"'qwen2\.rope\.scaling\.type' is \"{kind}\", which is not supported \(supported: none, linear, longrope\)") as e:
+        dl.load_model(p)
+    assert str(p) in str(e.value)
+
+
+def test_sliding_window_pattern_as_llamacpp_reads_it(tmp_path: Path) -> None:
+    # A period, or one boolean per layer; here both say "only the last layer is global".
+    p, q = tmp_path / "p.gguf", tmp_path / "q.gguf"
+    write_family(p, "gemma2", meta={"attention.sliding_window_pattern": 3})
+    write_family(q, "gemma2", meta={"attention.sliding_window_pattern": [True, True, False]})
+    ids = [1, 40, 50, 60, 70, 80, 90, 100]
+    a = [dl.eval_all(m, dl.create_session(m), ids) for m in (dl.load_model(p), dl.load_model(q))]
+    np.testing.assert_array_equal(a[0], a[1])
+    # and differs from gemma2's default (every other layer global).
+    r = tmp_path / "r.gguf"
+    write_family(r, "gemma2")
+    m = dl.load_model(r)
+    assert not np.array_equal(dl.eval_all(m, dl.create_session(m), ids), a[0])

@@ -37,6 +37,8 @@ pub struct AttnShape {
     /// `scale` multiplies the queries (before their f16 rounding) instead of the scores, as
     /// llama.cpp's gemma graphs do; it matters where small queries round to f16 subnormals.
     pub scale_query: bool,
+    /// cap * tanh(s / cap) on each raw q.k score before the softmax's scaling (gemma2).
+    pub softcap: Option<f32>,
 }
 
 impl AttnShape {
@@ -84,6 +86,23 @@ pub trait Ops {
 
     /// x += y.
     fn add(&mut self, x: &mut [f32], y: &[f32]);
+
+    /// Add `bias` to every row of `x` (rows of `bias.len()` values).
+    fn add_bias(&mut self, x: &mut [f32], bias: &[f32]);
+
+    /// x = cap * tanh(x / cap), each value (logit soft-capping).
+    fn softcap(&mut self, x: &mut [f32], cap: f32);
+
+    /// Route each row of router logits (rows of `n_expert`): softmax, the `n_used` most probable
+    /// experts (most probable first), their probabilities as weights, renormalised to sum to 1
+    /// where `norm`. `out` gets n_used (expert, weight) pairs per row.
+    fn route(&mut self, logits: &[f32], n_expert: usize, n_used: usize, norm: bool, out: &mut Vec<(usize, f32)>);
+
+    /// x += a * y.
+    fn add_scaled(&mut self, x: &mut [f32], y: &[f32], a: f32);
+
+    /// x = sigmoid(x), each value.
+    fn sigmoid(&mut self, x: &mut [f32]);
 
     /// Causal attention of each query row over its session's K/V in page slot `slot` (which
     /// already holds the row's own position). `rows[t]` = (session, position) of batch row t.

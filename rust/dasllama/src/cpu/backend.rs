@@ -66,6 +66,41 @@ impl Ops for CpuOps<'_> {
         x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
     }
 
+    fn add_bias(&mut self, x: &mut [f32], bias: &[f32]) {
+        x.chunks_exact_mut(bias.len()).for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
+    }
+
+    fn softcap(&mut self, x: &mut [f32], cap: f32) {
+        ops::softcap(x, cap);
+    }
+
+    fn route(&mut self, logits: &[f32], n_expert: usize, n_used: usize, norm: bool, out: &mut Vec<(usize, f32)>) {
+        out.clear();
+        let mut p = vec![0.0f32; n_expert];
+        let mut order: Vec<usize> = (0..n_expert).collect();
+        for row in logits.chunks_exact(n_expert) {
+            p.copy_from_slice(row);
+            ops::softmax(&mut p);
+            // Most probable first; ties to the lower index.
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let first = out.len();
+            out.extend(order[..n_used].iter().map(|&e| (e, p[e])));
+            if norm {
+                // llama.cpp clamps the sum below at the smallest normal f16.
+                let sum = out[first..].iter().map(|&(_, w)| w).sum::<f32>().max(6.103_515_6e-5);
+                out[first..].iter_mut().for_each(|(_, w)| *w /= sum);
+            }
+        }
+    }
+
+    fn add_scaled(&mut self, x: &mut [f32], y: &[f32], a: f32) {
+        x.iter_mut().zip(y).for_each(|(x, y)| *x += a * y);
+    }
+
+    fn sigmoid(&mut self, x: &mut [f32]) {
+        x.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));
+    }
+
     fn attention(&mut self, a: &AttnShape, slot: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]) {
         match self.numerics {
             Numerics::Fast => attention(a, kvs, slot, rows, q, out, self.team),
@@ -128,6 +163,9 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
                 let cnt = run.len() / codec.bytes(hdim);
                 fetch(false, first + cnt);
                 codec.dot_rows(qs, hdim, run, cnt, &mut sc[first - start..], nk);
+            }
+            if let Some(cap) = a.softcap {
+                ops::softcap(sc, cap);
             }
             for sg in sc.chunks_exact_mut(nk) {
                 ops::attention_weights(sg, a.score_scale());
@@ -194,7 +232,9 @@ fn attention_ggml(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize
             f16_queries(a, &q[base..base + hdim], &mut qs);
             sc.fill(f32::NEG_INFINITY);
             for j in start..=pos {
-                sc[j] = dot(&kf[j * hdim..(j + 1) * hdim], &qs) * a.score_scale();
+                let s = dot(&kf[j * hdim..(j + 1) * hdim], &qs);
+                let s = a.softcap.map_or(s, |cap| cap * (s * (1.0 / cap)).tanh());
+                sc[j] = s * a.score_scale();
             }
             let live = (pos + 1).next_multiple_of(8);
             ops::softmax(&mut sc[..live]);

@@ -25,13 +25,16 @@ fn sum_squares(x: &[f32]) -> f64 {
 }
 
 /// The sines and cosines of one position's rotary angles, computed once and applied to every
-/// head (as ggml's rope cache): theta advances by repeated f32 multiplication.
-pub fn rope_cache(n_dims: usize, pos: usize, base: f32, out: &mut Vec<(f32, f32)>) {
+/// head (as ggml's rope cache): theta advances by repeated f32 multiplication; pair i's angle is
+/// divided by `factors[i]` (longrope) and multiplied by `freq_scale`, its sine and cosine by `mscale`.
+pub fn rope_cache(n_dims: usize, pos: usize, base: f32, freq_scale: f32, mscale: f32, factors: Option<&[f32]>, out: &mut Vec<(f32, f32)>) {
     let theta_scale = base.powf(-2.0 / n_dims as f32);
     let mut theta = pos as f32;
     out.clear();
-    for _ in 0..n_dims / 2 {
-        out.push(theta.sin_cos());
+    for i in 0..n_dims / 2 {
+        let ff = factors.map_or(1.0, |f| f[i]);
+        let (s, c) = (freq_scale * (theta / ff)).sin_cos();
+        out.push((s * mscale, c * mscale));
         theta *= theta_scale;
     }
 }
@@ -63,6 +66,12 @@ pub fn softmax(x: &mut [f32]) {
     for v in x.iter_mut() {
         *v *= inv;
     }
+}
+
+/// x = cap * tanh(x / cap), as ggml's scale, tanh, scale (soft-capped scores and logits).
+pub fn softcap(x: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    x.iter_mut().for_each(|v| *v = (*v * inv).tanh() * cap);
 }
 
 /// Attention's weights from raw scores in one call: `x * scale`, `softmax`, each weight rounded
@@ -350,6 +359,26 @@ pub(crate) mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rope_cache_scaling_is_the_identity_when_off_and_divides_angles_when_on() {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        rope_cache(64, 37, 10000.0, 1.0, 1.0, None, &mut a);
+        let theta_scale = 10000f32.powf(-2.0 / 64.0);
+        let mut theta = 37.0f32;
+        for &(s, c) in &a {
+            assert_eq!((s, c), theta.sin_cos());
+            theta *= theta_scale;
+        }
+        let f: Vec<f32> = (0..32).map(|i| 1.0 + i as f32 * 0.1).collect();
+        rope_cache(64, 37, 10000.0, 0.5, 2.0, Some(&f), &mut b);
+        let mut theta = 37.0f32;
+        for (i, &(s, c)) in b.iter().enumerate() {
+            let (s0, c0) = (0.5 * (theta / f[i])).sin_cos();
+            assert_eq!((s, c), (s0 * 2.0, c0 * 2.0));
+            theta *= theta_scale;
+        }
+    }
 
     #[test]
     fn attention_weights_are_the_three_steps_bit_for_bit() {

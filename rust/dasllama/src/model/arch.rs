@@ -10,8 +10,16 @@ pub struct ArchDesc {
     pub configure: fn(&Metadata) -> Result<Config>,
 }
 
-static REGISTRY: &[ArchDesc] =
-    &[ArchDesc { name: "llama", configure: super::llama::configure }, ArchDesc { name: "gemma3", configure: super::gemma3::configure }];
+static REGISTRY: &[ArchDesc] = &[
+    ArchDesc { name: "llama", configure: super::llama::configure },
+    ArchDesc { name: "gemma2", configure: super::gemma2::configure },
+    ArchDesc { name: "gemma3", configure: super::gemma3::configure },
+    ArchDesc { name: "phi3", configure: super::phi3::configure },
+    ArchDesc { name: "qwen2", configure: super::qwen2::configure },
+    ArchDesc { name: "qwen2moe", configure: super::qwen2moe::configure },
+    ArchDesc { name: "qwen3", configure: super::qwen3::configure },
+    ArchDesc { name: "qwen3moe", configure: super::qwen3moe::configure },
+];
 
 pub fn lookup(name: &str) -> Option<&'static ArchDesc> {
     REGISTRY.iter().find(|a| a.name == name)

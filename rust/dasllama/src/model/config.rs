@@ -2,7 +2,7 @@
 //! description per layer (its token mixer and its FFN), built by the family's file from typed
 //! metadata. The skeleton walks the layer list; it never tests a family name.
 
-use super::meta::Metadata;
+use super::meta::{MetaValue, Metadata};
 pub use crate::backend::Activation;
 use crate::backend::AttnShape;
 use crate::{Error, Result};
@@ -14,6 +14,11 @@ pub struct Rope {
     pub base: f32,
     /// NEOX pairing (i, i + dim/2) instead of adjacent pairs (2i, 2i + 1).
     pub neox: bool,
+    /// Multiplies every angle (`1 / rope.scaling.factor` under linear or longrope scaling).
+    pub freq_scale: f32,
+    /// Multiplies every sine and cosine (`rope.scaling.attn_factor`; longrope files carry one),
+    /// so it scales queries and keys alike, as ggml's RoPE does.
+    pub mscale: f32,
 }
 
 /// Causal self-attention over the session's K/V pages of this layer.
@@ -26,14 +31,31 @@ pub struct Attention {
     pub qk_norm: bool,
     pub scale: f32,
     /// `scale` multiplies the queries (before their f16 rounding) instead of the scores, as
-    /// llama.cpp's gemma graphs do; it matters where small queries round to f16 subnormals.
+    /// llama.cpp's gemma and phi3 graphs do; it matters where small queries round to f16 subnormals.
     pub scale_query: bool,
+    /// Soft-cap the raw q.k scores to (-cap, cap) with cap * tanh(s / cap) before the softmax
+    /// (gemma2's `attn_logit_softcapping`).
+    pub softcap: Option<f32>,
 }
 
 impl Attention {
+    /// Global attention with the shared RoPE and scale, no QK-norm or soft-capping: what most
+    /// families start from.
+    pub(crate) fn plain(s: &Shared) -> Attention {
+        Attention { rope: s.rope, window: 0, qk_norm: false, scale: s.scale, scale_query: false, softcap: None }
+    }
+
     /// What the backend needs to know of this layer's attention.
     pub fn shape(&self, c: &Config) -> AttnShape {
-        AttnShape { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim, window: self.window, scale: self.scale, scale_query: self.scale_query }
+        AttnShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            window: self.window,
+            scale: self.scale,
+            scale_query: self.scale_query,
+            softcap: self.softcap,
+        }
     }
 }
 
@@ -44,11 +66,19 @@ pub enum Mixer {
     Attention(Attention),
 }
 
-/// The position-wise network of a layer. Routed experts go here beside the dense GLU.
-#[derive(Clone, Debug, PartialEq)]
+/// The position-wise network of a layer: a dense GLU or routed experts.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Ffn {
-    /// down(act(gate(x)) * up(x))
-    Dense { hidden: usize, act: Activation },
+    /// down(act(gate(x)) * up(x)). `fused`: gate and up are one tensor, `ffn_up`, of 2 * hidden
+    /// rows, the gate's first (phi3); otherwise `ffn_gate` and `ffn_up`.
+    Dense { hidden: usize, act: Activation, fused: bool },
+    /// Routed experts (qwen2moe, qwen3moe): a softmax over `n_expert` router logits
+    /// (`ffn_gate_inp`); the `n_used` most probable experts each run a SwiGLU of width `hidden`
+    /// (3-D `ffn_{gate,up,down}_exps`) and their outputs are added, weighted by those
+    /// probabilities (renormalised to sum to 1 where `norm_weights`). `shared`: the width of an
+    /// always-run SwiGLU expert (`ffn_*_shexp`) whose output joins them scaled by the sigmoid of
+    /// its own gate (`ffn_gate_inp_shexp`).
+    Moe { n_expert: usize, n_used: usize, hidden: usize, norm_weights: bool, shared: Option<usize> },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -74,6 +104,11 @@ pub struct Config {
     pub norm_eps: f32,
     /// Multiply token embeddings by this (gemma: sqrt(dim)).
     pub embed_scale: Option<f32>,
+    /// Soft-cap the logits with cap * tanh(logit / cap) (gemma2's `final_logit_softcapping`).
+    pub final_softcap: Option<f32>,
+    /// The tensor of per-frequency RoPE divisors every layer uses, where the file has it (phi3's
+    /// longrope: `rope_factors_long` when the context outgrows the original one, else `_short`).
+    pub rope_factors: Option<&'static str>,
     pub layers: Vec<LayerDesc>,
 }
 
@@ -116,6 +151,7 @@ impl Config {
             .iter()
             .map(|l| match l.ffn {
                 Ffn::Dense { hidden, .. } => hidden,
+                Ffn::Moe { hidden, shared, .. } => hidden.max(shared.unwrap_or(0)),
             })
             .max()
             .unwrap_or(0)
@@ -151,9 +187,26 @@ impl Config {
             if !(a.rope.base.is_finite() && a.rope.base > 0.0) {
                 return bad("rope.freq_base", format!("gives a RoPE base of {}", a.rope.base));
             }
+            if let Some(cap) = a.softcap {
+                if !(cap.is_finite() && cap > 0.0) {
+                    return bad("attn_logit_softcapping", format!("is {cap}; it must be a positive number"));
+                }
+            }
         }
         if self.layers.len() != self.n_layers {
             return Err(Error::Internal(format!("the {} family described {} layers of {}", self.arch, self.layers.len(), self.n_layers)));
+        }
+        for l in &self.layers {
+            if let Ffn::Moe { n_expert, n_used, .. } = l.ffn {
+                if n_used == 0 || n_used > n_expert {
+                    return bad("expert_used_count", format!("is {n_used}; it must be between 1 and expert_count ({n_expert})"));
+                }
+            }
+        }
+        if let Some(cap) = self.final_softcap {
+            if !(cap.is_finite() && cap > 0.0) {
+                return bad("final_logit_softcapping", format!("is {cap}; it must be a positive number"));
+            }
         }
         if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
             return bad("attention.layer_norm_rms_epsilon", format!("is {}; it must be a small positive number", self.norm_eps));
@@ -188,9 +241,16 @@ pub(crate) fn base_config(m: &Metadata, arch: &str, layer: impl Fn(usize, &Share
         }
     };
     let hidden = m.req_positive("feed_forward_length")?;
+    let (freq_scale, mscale) = rope_scaling(m)?;
     let shared = Shared {
         hidden,
-        rope: Rope { dim: m.size("rope.dimension_count")?.unwrap_or(head_dim), base: m.positive_or("rope.freq_base", 10000.0)? as f32, neox: false },
+        rope: Rope {
+            dim: m.size("rope.dimension_count")?.unwrap_or(head_dim),
+            base: m.positive_or("rope.freq_base", 10000.0)? as f32,
+            neox: false,
+            freq_scale,
+            mscale,
+        },
         scale: 1.0 / (head_dim as f32).sqrt(),
         window: m.size("attention.sliding_window")?.unwrap_or(0),
     };
@@ -205,6 +265,8 @@ pub(crate) fn base_config(m: &Metadata, arch: &str, layer: impl Fn(usize, &Share
         seq_len: m.req_positive("context_length")?,
         norm_eps: m.positive_or("attention.layer_norm_rms_epsilon", 1e-5)? as f32,
         embed_scale: None,
+        final_softcap: None,
+        rope_factors: None,
         layers: (0..n_layers).map(|il| layer(il, &shared)).collect(),
     })
 }
@@ -216,4 +278,118 @@ pub(crate) struct Shared {
     pub scale: f32,
     /// `attention.sliding_window` (0 if absent).
     pub window: usize,
+}
+
+/// The RoPE scaling the file asks for, as (angle multiplier, sine/cosine multiplier), read as
+/// llama.cpp reads it: `rope.scaling.type` (linear when absent), `rope.scaling.factor`, and
+/// `rope.scaling.attn_factor`. YaRN's ramp is not implemented, so a file that asks for it is refused.
+fn rope_scaling(m: &Metadata) -> Result<(f32, f32)> {
+    let kind = match m.get("rope.scaling.type") {
+        None => "linear".to_string(),
+        Some(MetaValue::Str(s)) => s.clone(),
+        Some(_) => return Err(Error::Gguf(format!("metadata key '{}' must be a string", m.key("rope.scaling.type")))),
+    };
+    // A factor of 0 (or none) means no scaling; the older key name still counts.
+    let factor = match m.float("rope.scaling.factor")? {
+        Some(f) => Some(f),
+        None => m.float("rope.scale_linear")?,
+    };
+    let factor = match factor {
+        None => 1.0,
+        Some(0.0) => 1.0,
+        Some(f) if f > 0.0 => f as f32,
+        Some(f) => return Err(Error::Gguf(format!("metadata key '{}' is {f}; it must be greater than 0", m.key("rope.scaling.factor")))),
+    };
+    let mscale = m.positive_or("rope.scaling.attn_factor", 1.0)? as f32;
+    match kind.as_str() {
+        "none" => Ok((1.0, mscale)),
+        "linear" | "longrope" => Ok((1.0 / factor, mscale)),
+        other => Err(Error::UnsupportedModel(format!(
+            "metadata key '{}' is {other:?}, which is not supported (supported: none, linear, longrope)",
+            m.key("rope.scaling.type")
+        ))),
+    }
+}
+
+/// Which layers slide: `attention.sliding_window_pattern` as llama.cpp reads it (an array of
+/// booleans, one per layer, or a period n where every n-th layer is global), else `period`.
+/// A period of 0 makes every layer slide.
+pub(crate) fn swa_layers(m: &Metadata, n_layers: usize, period: usize) -> Result<Vec<bool>> {
+    let key = "attention.sliding_window_pattern";
+    let period = match m.get(key) {
+        Some(MetaValue::Array(a)) => {
+            if a.len() != n_layers {
+                return Err(Error::Gguf(format!("metadata key '{}' has {} values but the model has {n_layers} layers", m.key(key), a.len())));
+            }
+            return a
+                .iter()
+                .map(|v| match v {
+                    MetaValue::Bool(b) => Ok(*b),
+                    _ => Err(Error::Gguf(format!("metadata key '{}' must be an array of booleans or an integer", m.key(key)))),
+                })
+                .collect();
+        }
+        Some(_) => m.req_size(key)?,
+        None => period,
+    };
+    Ok((0..n_layers).map(|il| period == 0 || il % period < period - 1).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::lookup_arch;
+
+    fn meta(arch: &str, extra: &[(&str, MetaValue)]) -> Metadata {
+        let mut map: std::collections::HashMap<String, MetaValue> = [
+            ("block_count", MetaValue::Int(4)),
+            ("embedding_length", MetaValue::Int(256)),
+            ("feed_forward_length", MetaValue::Int(512)),
+            ("attention.head_count", MetaValue::Int(4)),
+            ("context_length", MetaValue::Int(64)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        map.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        Metadata::new(arch, map)
+    }
+
+    fn configure(arch: &str, extra: &[(&str, MetaValue)]) -> Result<Config> {
+        (lookup_arch(arch).unwrap().configure)(&meta(arch, extra))
+    }
+
+    fn attn(c: &Config, il: usize) -> &Attention {
+        let Mixer::Attention(a) = &c.layers[il].mixer;
+        a
+    }
+
+    #[test]
+    fn gemma2_alternates_sliding_layers_and_caps() {
+        let c = configure("gemma2", &[("attention.sliding_window", MetaValue::Int(8)), ("rope.freq_base_swa", MetaValue::Float(500.0))]).unwrap();
+        let windows: Vec<usize> = (0..4).map(|il| attn(&c, il).window).collect();
+        assert_eq!(windows, [8, 0, 8, 0]);
+        assert_eq!((attn(&c, 0).rope.base, attn(&c, 1).rope.base), (500.0, 10_000.0));
+        assert_eq!((attn(&c, 1).softcap, c.final_softcap), (Some(50.0), Some(30.0)));
+        assert!(attn(&c, 0).scale_query && c.layers[0].post_norms && attn(&c, 0).rope.neox);
+        let c = configure("gemma2", &[("attention.sliding_window_pattern", MetaValue::Int(4))]).unwrap();
+        assert_eq!((0..4).map(|il| attn(&c, il).window > 0).collect::<Vec<_>>(), [true, true, true, false]);
+    }
+
+    #[test]
+    fn rope_scaling_as_llamacpp_reads_it() {
+        let c = configure("qwen2", &[("rope.scaling.type", MetaValue::Str("linear".into())), ("rope.scaling.factor", MetaValue::Float(4.0))]).unwrap();
+        assert_eq!((attn(&c, 0).rope.freq_scale, attn(&c, 0).rope.mscale), (0.25, 1.0));
+        let c = configure("qwen2", &[("rope.scaling.type", MetaValue::Str("none".into())), ("rope.scaling.factor", MetaValue::Float(4.0))]).unwrap();
+        assert_eq!(attn(&c, 0).rope.freq_scale, 1.0);
+        let e = configure("qwen2", &[("rope.scaling.type", MetaValue::Str("yarn".into()))]).unwrap_err().to_string();
+        assert!(e.contains("'qwen2.rope.scaling.type' is \"yarn\""), "{e}");
+        // phi3: long factors when the context outgrows the original one.
+        let long =
+            configure("phi3", &[("rope.scaling.original_context_length", MetaValue::Int(32)), ("rope.scaling.attn_factor", MetaValue::Float(1.5))]).unwrap();
+        assert_eq!((long.rope_factors, attn(&long, 0).rope.mscale), (Some("rope_factors_long.weight"), 1.5));
+        let short = configure("phi3", &[("rope.scaling.original_context_length", MetaValue::Int(64))]).unwrap();
+        assert_eq!(short.rope_factors, Some("rope_factors_short.weight"));
+        assert!(matches!(short.layers[0].ffn, Ffn::Dense { fused: true, .. }));
+    }
 }

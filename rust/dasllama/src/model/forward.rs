@@ -3,8 +3,8 @@
 //! activation rows and no kernel: every op goes through the backend boundary (`backend::Ops`).
 //! Multi-token calls (prefill, verify chunks, batches) run every matmul as one GEMM over all rows.
 
-use super::{Ffn, LayerDesc, Mixer, Model};
-use crate::backend::{Ops, RopeTable};
+use super::{Experts, Ffn, FfnWeights, LayerDesc, Mixer, Model};
+use crate::backend::{Activation, Ops, RopeTable};
 use crate::cpu::backend::CpuOps;
 use crate::cpu::{ops, team};
 use crate::kv::KvCache;
@@ -22,6 +22,7 @@ pub struct Scratch {
     o: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    moe: MoeScratch,
     /// The backend's own buffer (the CPU's quantized activations).
     act: Vec<u8>,
 }
@@ -38,7 +39,71 @@ impl Scratch {
             o: Vec::new(),
             gate: Vec::new(),
             up: Vec::new(),
+            moe: MoeScratch { route: Vec::new(), rows: Vec::new(), x: Vec::new(), gate: Vec::new(), up: Vec::new(), out: Vec::new() },
             act: Vec::new(),
+        }
+    }
+}
+
+/// Rows of a batch gathered per expert.
+#[derive(Default)]
+struct MoeScratch {
+    route: Vec<(usize, f32)>,
+    rows: Vec<(usize, f32)>,
+    x: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// The routed experts of one layer over `n` rows of `h` into `o`: route every row, then run each
+/// chosen expert once over the rows that chose it (gathered into one matrix), adding its output
+/// to theirs with their weights; the shared expert, if any, over every row under its gate.
+#[allow(clippy::too_many_arguments)]
+fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, n_expert: usize, n_used: usize, hd: usize, norm: bool, s: &mut MoeScratch, o: &mut Vec<f32>) {
+    let n = h.len() / d;
+    let logits = grow(&mut s.out, n * n_expert);
+    b.matmul(&mut [(&e.router, logits)], h, &vec![1; n]);
+    b.route(&s.out[..n * n_expert], n_expert, n_used, norm, &mut s.route);
+    let o = grow(o, n * d);
+    o.fill(0.0);
+    for ex in 0..n_expert {
+        s.rows.clear();
+        s.rows.extend(s.route.iter().enumerate().filter(|(_, &(x, _))| x == ex).map(|(i, &(_, w))| (i / n_used, w)));
+        let m = s.rows.len();
+        if m == 0 {
+            continue;
+        }
+        let x = grow(&mut s.x, m * d);
+        for (j, &(t, _)) in s.rows.iter().enumerate() {
+            x[j * d..(j + 1) * d].copy_from_slice(&h[t * d..(t + 1) * d]);
+        }
+        grow(&mut s.gate, m * hd);
+        grow(&mut s.up, m * hd);
+        // Each gathered row on its own: a row's arithmetic never depends on what runs beside it.
+        let ones = vec![1; m];
+        b.matmul(&mut [(&e.gate[ex], &mut s.gate[..m * hd]), (&e.up[ex], &mut s.up[..m * hd])], &s.x[..m * d], &ones);
+        b.glu(&mut s.gate[..m * hd], &s.up[..m * hd], hd, Activation::Silu);
+        let out = grow(&mut s.out, m * d);
+        b.matmul(&mut [(&e.down[ex], out)], &s.gate[..m * hd], &ones);
+        for (j, &(t, w)) in s.rows.iter().enumerate() {
+            b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[j * d..(j + 1) * d], w);
+        }
+    }
+    if let Some(sh) = &e.shared {
+        let hs = sh.gate.rows;
+        let ones = vec![1; n];
+        grow(&mut s.gate, n * hs);
+        grow(&mut s.up, n * hs);
+        b.matmul(&mut [(&sh.gate, &mut s.gate[..n * hs]), (&sh.up, &mut s.up[..n * hs])], h, &ones);
+        b.glu(&mut s.gate[..n * hs], &s.up[..n * hs], hs, Activation::Silu);
+        let out = grow(&mut s.out, n * d);
+        b.matmul(&mut [(&sh.down, out)], &s.gate[..n * hs], &ones);
+        let g = grow(&mut s.x, n);
+        b.matmul(&mut [(&sh.gate_inp, g)], h, &ones);
+        b.sigmoid(&mut s.x[..n]);
+        for t in 0..n {
+            b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[t * d..(t + 1) * d], s.x[t]);
         }
     }
 }
@@ -174,7 +239,7 @@ fn forward_rows(
     for r in &ropes {
         let mut tab = Vec::with_capacity(n * r.dim / 2);
         for &(_, pos) in &rows {
-            ops::rope_cache(r.dim, pos, r.base, &mut one);
+            ops::rope_cache(r.dim, pos, r.base, r.freq_scale, r.mscale, m.rope_factors.as_deref(), &mut one);
             tab.extend_from_slice(&one);
         }
         tables.push(tab);
@@ -191,6 +256,11 @@ fn forward_rows(
                 grow(&mut s.k, n * kvd);
                 grow(&mut s.v, n * kvd);
                 b.matmul(&mut [(&l.wq, &mut s.q[..n * qd]), (&l.wk, &mut s.k[..n * kvd]), (&l.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
+                for (bias, out) in [(&l.bq, &mut s.q[..n * qd]), (&l.bk, &mut s.k[..n * kvd]), (&l.bv, &mut s.v[..n * kvd])] {
+                    if let Some(bias) = bias {
+                        b.add_bias(out, bias);
+                    }
+                }
                 let ri = ropes.iter().position(|r| *r == a.rope).expect("every layer's RoPE is tabulated");
                 let rope = RopeTable { pairs: &tables[ri], half: a.rope.dim / 2, neox: a.rope.neox };
                 b.norm_rope(&mut s.q[..n * qd], qd, c.head_dim, l.q_norm.as_deref(), c.norm_eps, &rope);
@@ -215,15 +285,19 @@ fn forward_rows(
         let h = grow(&mut s.h, n * d);
         h.copy_from_slice(x);
         b.rms_norm(h, &l.ffn_norm, c.norm_eps);
-        match *ffn {
-            Ffn::Dense { hidden: hd, act } => {
+        match (*ffn, &l.ffn) {
+            (Ffn::Dense { hidden: hd, act, .. }, FfnWeights::Dense { gate, up, down }) => {
                 grow(&mut s.gate, n * hd);
                 grow(&mut s.up, n * hd);
-                b.matmul(&mut [(&l.w_gate, &mut s.gate[..n * hd]), (&l.w_up, &mut s.up[..n * hd])], &s.h[..n * d], counts);
+                b.matmul(&mut [(gate, &mut s.gate[..n * hd]), (up, &mut s.up[..n * hd])], &s.h[..n * d], counts);
                 b.glu(&mut s.gate[..n * hd], &s.up[..n * hd], hd, act);
                 let o = grow(&mut s.o, n * d);
-                b.matmul(&mut [(&l.w_down, o)], &s.gate[..n * hd], counts);
+                b.matmul(&mut [(down, o)], &s.gate[..n * hd], counts);
             }
+            (Ffn::Moe { n_expert, n_used, hidden, norm_weights, .. }, FfnWeights::Moe(e)) => {
+                moe(b, e, &s.h[..n * d], d, n_expert, n_used, hidden, norm_weights, &mut s.moe, &mut s.o);
+            }
+            _ => unreachable!("the loader builds each layer's FFN weights from its description"),
         }
         let o = &mut s.o[..n * d];
         if let Some(w) = &l.post_ffn_norm {
@@ -242,4 +316,7 @@ fn forward_rows(
     s.x = xbuf;
     // One row per output: each is a row on its own to ggml's order.
     b.matmul(&mut [(&m.output, &mut logits[..])], &s.h[..out_rows * d], &vec![1; out_rows]);
+    if let Some(cap) = c.final_softcap {
+        b.softcap(logits, cap);
+    }
 }

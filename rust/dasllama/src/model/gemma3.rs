@@ -14,17 +14,20 @@ pub fn configure(m: &Metadata) -> Result<Config> {
         let swa = s.window > 0 && il % SWA_PATTERN < SWA_PATTERN - 1;
         LayerDesc {
             mixer: Mixer::Attention(Attention {
-                rope: Rope { base: if swa { 10_000.0 } else { global_base }, neox: true, ..s.rope },
+                // Sliding layers keep their own base and no scaling (llama.cpp's `_swa` defaults).
+                rope: if swa { Rope { base: 10_000.0, neox: true, freq_scale: 1.0, ..s.rope } } else { Rope { base: global_base, neox: true, ..s.rope } },
                 window: if swa { s.window } else { 0 },
                 qk_norm: true,
                 scale: s.scale,
                 scale_query: true,
+                softcap: None,
             }),
-            ffn: Ffn::Dense { hidden: s.hidden, act: Activation::GeluTanh },
+            ffn: Ffn::Dense { hidden: s.hidden, act: Activation::GeluTanh, fused: false },
             post_norms: true,
         }
     })?;
     c.norm_eps = m.positive_or("attention.layer_norm_rms_epsilon", 1e-6)? as f32;
     c.embed_scale = Some((c.dim as f32).sqrt());
+    c.final_softcap = m.float("final_logit_softcapping")?.filter(|&f| f != 0.0).map(|f| f as f32);
     Ok(c)
 }

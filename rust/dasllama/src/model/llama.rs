@@ -7,8 +7,8 @@ use crate::Result;
 
 pub fn configure(m: &Metadata) -> Result<Config> {
     base_config(m, "llama", |_, s| LayerDesc {
-        mixer: Mixer::Attention(Attention { rope: s.rope, window: 0, qk_norm: false, scale: s.scale, scale_query: false }),
-        ffn: Ffn::Dense { hidden: s.hidden, act: Activation::Silu },
+        mixer: Mixer::Attention(Attention::plain(s)),
+        ffn: Ffn::Dense { hidden: s.hidden, act: Activation::Silu, fused: false },
         post_norms: false,
     })
 }

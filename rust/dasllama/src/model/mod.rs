@@ -3,9 +3,15 @@
 mod arch;
 mod config;
 pub mod forward;
+mod gemma2;
 mod gemma3;
 mod llama;
 mod meta;
+mod phi3;
+mod qwen2;
+mod qwen2moe;
+mod qwen3;
+mod qwen3moe;
 
 pub use crate::backend::{Activation, Numerics};
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
@@ -34,18 +40,52 @@ pub enum QuantMode {
 
 pub struct Layer {
     pub attn_norm: Vec<f32>,
+    /// Q, K and V: three tensors, or row ranges of a fused `attn_qkv` (the same dots either way).
     pub wq: Weight,
     pub wk: Weight,
     pub wv: Weight,
+    /// Biases of Q, K and V where the file has them (qwen2).
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
     pub wo: Weight,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
-    pub w_gate: Weight,
-    pub w_up: Weight,
-    pub w_down: Weight,
+    pub ffn: FfnWeights,
     pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+// One per layer, and dense is the common case: boxing it would buy nothing.
+#[allow(clippy::large_enum_variant)]
+pub enum FfnWeights {
+    /// Gate and up: two tensors, or the two halves of a fused `ffn_up` (phi3).
+    Dense {
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+    },
+    Moe(Box<Experts>),
+}
+
+/// A layer's routed experts, each its own matrices (row windows of the 3-D stacks), so a step
+/// reads only the experts its rows chose, each once for all of them.
+pub struct Experts {
+    /// n_expert x dim.
+    pub router: Weight,
+    pub gate: Vec<Weight>,
+    pub up: Vec<Weight>,
+    pub down: Vec<Weight>,
+    pub shared: Option<SharedExpert>,
+}
+
+pub struct SharedExpert {
+    /// 1 x dim: the logit of the shared expert's sigmoid gate.
+    pub gate_inp: Weight,
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
 }
 
 pub struct Model {
@@ -54,6 +94,8 @@ pub struct Model {
     pub layers: Vec<Layer>,
     pub output_norm: Vec<f32>,
     pub output: Weight,
+    /// The RoPE frequency divisors every layer uses (`Config::rope_factors`), where the file has them.
+    pub rope_factors: Option<Vec<f32>>,
     pub tokenizer: Tokenizer,
     pub numerics: Numerics,
 }
@@ -105,17 +147,30 @@ impl<'a> TensorTable<'a> {
     }
 
     fn raw(&self, name: &str) -> Result<Weight> {
+        let w = self.raw_any(name)?;
+        let t = self.by_name[name];
+        if t.shape.iter().skip(2).any(|&d| d > 1) {
+            // Expert stacks stay 3-D: a family that has them reads them as such.
+            return Err(Error::Gguf(format!("{}: tensor '{name}' has shape {:?} where a 2-D matrix belongs", self.file, t.shape)));
+        }
+        Ok(w)
+    }
+
+    /// A tensor of any rank as one matrix of rows of `shape[0]` values (an expert stack's
+    /// matrices one after another).
+    fn raw_any(&self, name: &str) -> Result<Weight> {
         let t = self
             .by_name
             .get(name)
             .ok_or_else(|| Error::Gguf(format!("{}: tensor '{name}' is missing; the file is incomplete or not a model of this architecture", self.file)))?;
         let ty = GgmlType::from_id(t.ty).map_err(|e| Error::Gguf(format!("{}: tensor '{name}': {e}", self.file)))?;
-        if t.shape.iter().skip(2).any(|&d| d > 1) {
-            // Expert stacks stay 3-D: a family that has them reads them as such.
-            return Err(Error::Gguf(format!("{}: tensor '{name}' has shape {:?} where a 2-D matrix belongs", self.file, t.shape)));
-        }
         let cols = t.shape[0] as usize;
-        let rows = t.shape.get(1).map_or(1, |&r| r as usize);
+        let rows = t
+            .shape
+            .iter()
+            .skip(1)
+            .try_fold(1usize, |a, &r| a.checked_mul(r as usize))
+            .ok_or_else(|| Error::Gguf(format!("{}: tensor '{name}' has shape {:?}", self.file, t.shape)))?;
         if !cols.is_multiple_of(ty.block_len()) {
             return Err(Error::Gguf(format!("{}: tensor '{name}' has {cols} columns, not a multiple of the {} block", self.file, ty.name())));
         }
@@ -142,12 +197,55 @@ impl<'a> TensorTable<'a> {
 
     /// A matrix, converted per QuantMode, checked against the shape the config implies.
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let mut parts = self.matrix_parts(name, &[rows], cols)?;
+        Ok(parts.remove(0))
+    }
+
+    /// A fused matrix as consecutive row ranges of `parts` rows each (Q/K/V in `attn_qkv`, gate
+    /// and up in phi3's `ffn_up`): each range is a matrix of its own, a window of the same bytes.
+    fn matrix_parts(&self, name: &str, parts: &[usize], cols: usize) -> Result<Vec<Weight>> {
         let w = self.raw(name)?;
+        let rows: usize = parts.iter().sum();
         if w.rows != rows || w.cols != cols {
             return Err(Error::Gguf(format!("{}: tensor '{name}' is {}x{} but the model's metadata implies {rows}x{cols}", self.file, w.rows, w.cols)));
         }
+        self.split(w, name, parts)
+    }
+
+    fn split(&self, w: Weight, name: &str, parts: &[usize]) -> Result<Vec<Weight>> {
+        let Bytes::Mapped { map, offset, .. } = &w.data else { unreachable!("raw tensors are windows of the map") };
+        let rb = w.row_bytes();
+        let mut first = 0;
+        let mut out = Vec::with_capacity(parts.len());
+        for &r in parts {
+            let data = Bytes::Mapped { map: map.clone(), offset: offset + first * rb, len: r * rb };
+            out.push(self.prepare(Weight { rows: r, data, ..w.clone() }, name)?);
+            first += r;
+        }
+        Ok(out)
+    }
+
+    /// An expert stack (GGUF shape [cols, rows, n]) as n matrices of rows x cols.
+    fn stack(&self, name: &str, n: usize, rows: usize, cols: usize) -> Result<Vec<Weight>> {
+        let shape = &self
+            .by_name
+            .get(name)
+            .ok_or_else(|| Error::Gguf(format!("{}: tensor '{name}' is missing; the file is incomplete or not a model of this architecture", self.file)))?
+            .shape;
+        if shape.len() != 3 || shape[..] != [cols as u64, rows as u64, n as u64] {
+            return Err(Error::Gguf(format!(
+                "{}: tensor '{name}' has shape {shape:?} but the model's metadata implies [{cols}, {rows}, {n}] ({n} experts)",
+                self.file
+            )));
+        }
+        let w = self.raw_any(name)?;
+        self.split(w, name, &vec![rows; n])
+    }
+
+    /// A matrix as the kernels read it: converted per QuantMode, laid out for `numerics`.
+    fn prepare(&self, w: Weight, name: &str) -> Result<Weight> {
         let w = match self.quant {
-            QuantMode::Q8 if w.cols % 32 == 0 && w.ty != GgmlType::Q8_0 => convert_weight(&w, GgmlType::Q8_0),
+            QuantMode::Q8 if w.cols.is_multiple_of(32) && w.ty != GgmlType::Q8_0 => convert_weight(&w, GgmlType::Q8_0),
             QuantMode::Fp32 if w.ty != GgmlType::F32 => convert_weight(&w, GgmlType::F32),
             _ => w,
         };
@@ -177,6 +275,34 @@ impl<'a> TensorTable<'a> {
         } else {
             Ok(None)
         }
+    }
+
+    /// Layer `il`'s Q, K and V with their biases: separate `attn_q`/`attn_k`/`attn_v` or one fused
+    /// `attn_qkv` (whichever the file has, as llama.cpp takes either for every family), each bias
+    /// optional, a fused one (`attn_qkv.bias`) split like its matrix.
+    #[allow(clippy::type_complexity)]
+    fn qkv(&self, il: usize, sizes: [usize; 3], d: usize) -> Result<([Weight; 3], [Option<Vec<f32>>; 3])> {
+        let name = |t: &str, kind: &str| format!("blk.{il}.{t}.{kind}");
+        let sep = ["attn_q", "attn_k", "attn_v"];
+        let fused = name("attn_qkv", "weight");
+        let ws: [Weight; 3] = if self.has(&fused) {
+            let mut p = self.matrix_parts(&fused, &sizes, d)?.into_iter();
+            std::array::from_fn(|_| p.next().expect("three parts"))
+        } else {
+            let [q, k, v] = std::array::from_fn(|i| self.matrix(&name(sep[i], "weight"), sizes[i], d));
+            [q?, k?, v?]
+        };
+        let fused_bias = name("attn_qkv", "bias");
+        let bs: [Option<Vec<f32>>; 3] = if self.has(&fused_bias) {
+            let b = self.vector(&fused_bias, sizes.iter().sum())?;
+            let (q, rest) = b.split_at(sizes[0]);
+            let (k, v) = rest.split_at(sizes[1]);
+            [Some(q.to_vec()), Some(k.to_vec()), Some(v.to_vec())]
+        } else {
+            let [q, k, v] = std::array::from_fn(|i| self.opt_vector(&name(sep[i], "bias"), sizes[i]));
+            [q?, k?, v?]
+        };
+        Ok((ws, bs))
     }
 }
 
@@ -215,13 +341,50 @@ impl Model {
         for (il, desc) in config.layers.iter().enumerate() {
             let n = |s: &str| format!("blk.{il}.{s}.weight");
             let Mixer::Attention(a) = &desc.mixer;
-            let Ffn::Dense { hidden: hd, .. } = desc.ffn;
             let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
+            let ([wq, wk, wv], [bq, bk, bv]) = table.qkv(il, [qd, kvd, kvd], d)?;
+            let ffn = match desc.ffn {
+                Ffn::Dense { hidden: hd, fused, .. } => {
+                    let (gate, up) = if fused {
+                        let mut p = table.matrix_parts(&n("ffn_up"), &[hd, hd], d)?.into_iter();
+                        (p.next().expect("two parts"), p.next().expect("two parts"))
+                    } else {
+                        (table.matrix(&n("ffn_gate"), hd, d)?, table.matrix(&n("ffn_up"), hd, d)?)
+                    };
+                    FfnWeights::Dense { gate, up, down: table.matrix(&n("ffn_down"), d, hd)? }
+                }
+                Ffn::Moe { n_expert, hidden: hd, shared, .. } => {
+                    if numerics == Numerics::Ggml {
+                        return Err(Error::UnsupportedModel(format!(
+                            "{file}: numerics='ggml' does not reproduce ggml's order for routed experts; load with numerics='fast'"
+                        )));
+                    }
+                    let shared = match shared {
+                        Some(sh) => Some(SharedExpert {
+                            gate_inp: table.matrix(&n("ffn_gate_inp_shexp"), 1, d)?,
+                            gate: table.matrix(&n("ffn_gate_shexp"), sh, d)?,
+                            up: table.matrix(&n("ffn_up_shexp"), sh, d)?,
+                            down: table.matrix(&n("ffn_down_shexp"), d, sh)?,
+                        }),
+                        None => None,
+                    };
+                    FfnWeights::Moe(Box::new(Experts {
+                        router: table.matrix(&n("ffn_gate_inp"), n_expert, d)?,
+                        gate: table.stack(&n("ffn_gate_exps"), n_expert, hd, d)?,
+                        up: table.stack(&n("ffn_up_exps"), n_expert, hd, d)?,
+                        down: table.stack(&n("ffn_down_exps"), n_expert, d, hd)?,
+                        shared,
+                    }))
+                }
+            };
             layers.push(Layer {
                 attn_norm: table.vector(&n("attn_norm"), d)?,
-                wq: table.matrix(&n("attn_q"), qd, d)?,
-                wk: table.matrix(&n("attn_k"), kvd, d)?,
-                wv: table.matrix(&n("attn_v"), kvd, d)?,
+                wq,
+                wk,
+                wv,
+                bq,
+                bk,
+                bv,
                 wo: table.matrix(&n("attn_output"), d, qd)?,
                 q_norm: norm(a.qk_norm, "attn_q_norm", config.head_dim)?,
                 k_norm: norm(a.qk_norm, "attn_k_norm", config.head_dim)?,
@@ -231,9 +394,7 @@ impl Model {
                     table.opt_vector(&n("post_attention_norm"), d)?
                 },
                 ffn_norm: table.vector(&n("ffn_norm"), d)?,
-                w_gate: table.matrix(&n("ffn_gate"), hd, d)?,
-                w_up: table.matrix(&n("ffn_up"), hd, d)?,
-                w_down: table.matrix(&n("ffn_down"), d, hd)?,
+                ffn,
                 post_ffn_norm: norm(desc.post_norms, "post_ffw_norm", d)?,
             });
         }
@@ -243,6 +404,16 @@ impl Model {
         } else {
             table.matrix("token_embd.weight", config.vocab_size, d)?
         };
+        let rope_factors = match config.rope_factors {
+            Some(name) if table.has(name) => {
+                let dim = config.ropes().first().map_or(0, |r| r.dim);
+                Some(table.vector(name, dim / 2)?)
+            }
+            _ => None,
+        };
+        if let Some(bad) = rope_factors.as_ref().and_then(|f| f.iter().find(|v| !(v.is_finite() && **v > 0.0))) {
+            return Err(Error::Gguf(format!("{file}: tensor '{}' holds {bad}; RoPE frequency factors must be positive", config.rope_factors.unwrap_or("?"))));
+        }
         if tokenizer.n_vocab() != config.vocab_size {
             return Err(Error::Gguf(format!("{file}: the tokenizer has {} tokens but token_embd.weight has {} rows", tokenizer.n_vocab(), config.vocab_size)));
         }
@@ -252,7 +423,7 @@ impl Model {
                 config.head_dim
             )));
         }
-        Ok(Model { config, tok_embd, layers, output_norm, output, tokenizer, numerics })
+        Ok(Model { config, tok_embd, layers, output_norm, output, rope_factors, tokenizer, numerics })
     }
 }
 

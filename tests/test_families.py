@@ -1,0 +1,175 @@
+"""Every model family on tiny synthetic files (tests/synthetic.py: FAMILIES), against llama.cpp's
+teacher-forced top-5 log-probabilities on the very same files (tests/golden/families/, written by
+scripts/make_family_goldens.py): `fast` numerics within 0.15 nats on every step, `ggml` numerics
+to 1e-4; against our own float64 reading of each family; each family's batched and
+chunked runs against its single-stream ones; and each family's own piece (bias, soft-cap, window,
+RoPE factors) taken out, to show the goldens see it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dasllama as dl
+from synthetic import FAMILIES, family_cases, family_reference_logits, write_family
+
+GOLDEN = Path(__file__).parent / "golden" / "families"
+NAMES = sorted(FAMILIES)
+DENSE = [n for n in NAMES if "moe" not in FAMILIES[n]]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("families")
+    out = {}
+    for name in NAMES:
+        out[name] = d / f"{name}.gguf"
+        write_family(out[name], name)
+    return out
+
+
+def golden(name: str) -> dict:
+    return json.loads((GOLDEN / f"{name}.json").read_text())
+
+
+def log_probs(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - (np.log(np.exp(x - m).sum(axis=-1, keepdims=True)) + m)
+
+
+def one_at_a_time(m: dl.Model, ids: list[int]) -> np.ndarray:
+    s = dl.create_session(m)
+    return np.stack([dl.eval(m, s, [t]) for t in ids])
+
+
+def one_batch(m: dl.Model, ids: list[int]) -> np.ndarray:
+    return dl.eval_all(m, dl.create_session(m), ids)
+
+
+def compare(m: dl.Model, g: dict, run=one_batch, key: str = "steps") -> tuple[float, int, int, int]:
+    """(max |Δ log p| over llama.cpp's top-5 at every step, argmax flips where llama.cpp leads by
+    >= 0.15, such decisive steps, steps)."""
+    worst, flips, decisive, steps = 0.0, 0, 0, 0
+    for c in g["cases"]:
+        lp = log_probs(run(m, c["ids"]))
+        for row, st in zip(lp, c[key]):
+            top = st["top"]
+            worst = max(worst, *(abs(float(row[t]) - ref) for t, ref in top))
+            if top[0][1] - top[1][1] >= 0.15:
+                decisive += 1
+                flips += int(np.argmax(row)) != top[0][0]
+            steps += 1
+    return worst, flips, decisive, steps
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_against_numpy(name: str, tmp_path: Path) -> None:
+    # Our own float64 reading of each family (tests/synthetic.py), independent of llama.cpp: the
+    # fp32 mode (exact weights, f32 activations) lands on it up to the f16 K/V and query rounding.
+    path = tmp_path / f"{name}.gguf"
+    weights = write_family(path, name)
+    ids = family_cases(name)[0]
+    ref = family_reference_logits(weights, name, ids)
+    m = dl.load_model(path, dl.QuantMode.fp32)
+    got = dl.eval_all(m, dl.create_session(m), ids)
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() <= 0.005 * scale, (np.abs(got - ref).max(), scale)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_synthetic_file_is_the_one_llamacpp_ran(name: str, files: dict[str, Path]) -> None:
+    # The goldens hold for these exact bytes; a different gguf or numpy that wrote other bytes
+    # needs the goldens made again (scripts/make_family_goldens.py), not a looser test.
+    digest = hashlib.sha256(files[name].read_bytes()).hexdigest()
+    assert digest == golden(name)["sha256"], f"{name}: the synthetic file differs from the one the goldens were made from; rerun scripts/make_family_goldens.py"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_step_within_015_of_llamacpp(name: str, files: dict[str, Path]) -> None:
+    # `fast` numerics (the default) against llama.cpp teacher-forced both ways: one token per
+    # decode call, and the whole case as one prompt batch (where ggml adds some products up in
+    # another order). Our kernels give every row the same arithmetic whatever the batch, so one
+    # run serves both (test_batched_and_chunked_equal_single_stream).
+    g = golden(name)
+    m = dl.load_model(files[name])
+    assert m.arch == FAMILIES[name]["arch"]
+    assert [c["ids"] for c in g["cases"]] == family_cases(name)
+    for key in ("steps", "prefill_steps"):
+        worst, flips, decisive, steps = compare(m, g, one_batch, key)
+        assert steps == sum(len(c["ids"]) for c in g["cases"])
+        assert worst <= 0.15 and flips == 0, (key, worst, flips, decisive)
+        # The goldens are decisive enough to mean something: most steps have a clear leader.
+        assert decisive >= steps * 2 // 3, (decisive, steps)
+
+
+def test_ggml_numerics_refuse_routed_experts(files: dict[str, Path]) -> None:
+    with pytest.raises(dl.UnsupportedModelError, match="numerics='ggml' does not reproduce ggml's order for routed experts; load with numerics='fast'"):
+        dl.load_model(files["qwen3moe"], numerics=dl.Numerics.ggml)
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_ggml_numerics_reproduce_llamacpp(name: str, files: dict[str, Path]) -> None:
+    # ggml's order, decode steps and one prefill batch alike: the same numbers as llama.cpp up to
+    # the goldens' rounding, for every family (the family's graph, not just its tolerance).
+    g = golden(name)
+    m = dl.load_model(files[name], numerics=dl.Numerics.ggml)
+    worst, flips, _, _ = compare(m, g, one_at_a_time, "steps")
+    assert worst < 1e-4 and flips == 0, worst
+    worst, flips, _, _ = compare(m, g, one_batch, "prefill_steps")
+    assert worst < 1e-4 and flips == 0, worst
+
+
+# Each family's distinguishing piece, taken out of its file (the rest byte for byte the same):
+# the golden must then miss by far more than the tolerance, or that piece was never tested.
+ABLATIONS = {
+    "qwen2 without its K bias": ("qwen2", dict(drop="blk.0.attn_k.bias")),
+    "gemma2 without score capping": ("gemma2", dict(meta={"attn_logit_softcapping": 1e6})),
+    "gemma2 without logit capping": ("gemma2", dict(meta={"final_logit_softcapping": 1e6})),
+    "gemma2 without its window": ("gemma2", dict(meta={"attention.sliding_window": 64})),
+    "phi3 without long factors": ("phi3", dict(drop="rope_factors_long.weight")),
+    "phi3 without the attention factor": ("phi3", dict(meta={"rope.scaling.attn_factor": None})),
+    "phi3 with the short factors": ("phi3", dict(meta={"rope.scaling.original_context_length": 4096})),
+    "phi3-short without factors": ("phi3-short", dict(drop="rope_factors_short.weight")),
+    "qwen2moe with its shared expert half open": ("qwen2moe", dict(replace={"blk.0.ffn_gate_inp_shexp.weight": np.zeros(256, np.float32)})),
+    "qwen3moe with two experts a token": ("qwen3moe", dict(meta={"expert_used_count": 2})),
+}
+
+
+@pytest.mark.parametrize("what", sorted(ABLATIONS))
+def test_the_goldens_see_each_piece(what: str, tmp_path: Path) -> None:
+    name, kw = ABLATIONS[what]
+    path = tmp_path / "ablated.gguf"
+    write_family(path, name, **kw)
+    worst, _, _, _ = compare(dl.load_model(path), golden(name))
+    assert worst > 0.5, worst
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batched_and_chunked_equal_single_stream(name: str, files: dict[str, Path]) -> None:
+    m = dl.load_model(files[name])
+    cases = family_cases(name)
+    # One stream, one token at a time: the reference rows.
+    alone = []
+    for ids in cases:
+        s = dl.create_session(m)
+        alone.append(np.stack([dl.eval(m, s, [t]) for t in ids]))
+    # Prefill in chunks of 7 gives the same rows.
+    for ids, ref in zip(cases, alone):
+        s = dl.create_session(m)
+        rows = np.concatenate([dl.eval_all(m, s, ids[i : i + 7]) for i in range(0, len(ids), 7)])
+        np.testing.assert_array_equal(rows, ref)
+    # Streams at different depths advanced together, one token each per step.
+    sessions = [dl.create_session(m) for _ in cases]
+    starts = [5, 9, 13]
+    for s, ids, k in zip(sessions, cases, starts):
+        dl.eval(m, s, ids[:k])
+    ws = dl.create_batch_workspace(m)
+    for step in range(8):
+        out = dl.eval_batch(m, ws, sessions, [ids[k + step] for ids, k in zip(cases, starts)])
+        for i, (ref, k) in enumerate(zip(alone, starts)):
+            np.testing.assert_array_equal(out[i], ref[k + step])
