@@ -12,7 +12,7 @@
 use crate::backend::Numerics;
 use crate::kv::{KvCodec, KvPool};
 use crate::model::forward::LogitRows;
-use crate::model::Model;
+use crate::model::{Ffn, Model};
 use crate::sampling::{self, SamplingParams};
 use crate::session::{eval_rows, BatchWorkspace, Session};
 use crate::spec::policy::{self, Candidate, CostModel};
@@ -746,7 +746,11 @@ fn logit_weight(m: &Model) -> f64 {
         .iter()
         .map(|l| {
             attn + match l.ffn {
-                crate::model::Ffn::Dense { hidden, .. } => 3 * c.dim * hidden,
+                Ffn::Dense { hidden, .. } => 3 * c.dim * hidden,
+                // A row runs the router, its chosen experts and the shared one.
+                Ffn::Moe { n_expert, n_used, hidden, shared, .. } => {
+                    c.dim * n_expert + n_used * 3 * c.dim * hidden + shared.map_or(0, |s| 3 * c.dim * s + c.dim)
+                }
             }
         })
         .sum();
