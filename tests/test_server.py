@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -296,3 +297,25 @@ def test_spec_flags_are_checked_before_serving() -> None:
     for args, msg in ((["--spec", "draft"], "needs --model-draft"), (["--spec-max", "0"], "--spec-max"), (["--spec", "ngram", "--numerics", "ggml"], "numerics fast")):
         r = subprocess.run([sys.executable, "-m", "dasllama.serve", *args], check=False, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
+
+
+def test_embeddings_route(client: openai.OpenAI, server: str, smollm: dl.Model) -> None:
+    texts = ["Hello world", "The cat sat on the mat"]
+    # The official client asks for base64 and decodes it; float lists as well.
+    got = client.embeddings.create(model="smollm", input=texts)
+    want = dl.embed(smollm, texts)
+    assert [d.index for d in got.data] == [0, 1] and got.usage.prompt_tokens == sum(len(dl.encode(smollm, t)) for t in texts)
+    np.testing.assert_allclose(np.array([d.embedding for d in got.data]), want, atol=1e-6)
+    floats = post(server, "/v1/embeddings", {"model": "smollm", "input": [dl.encode(smollm, texts[0])], "encoding_format": "float"}).json()
+    np.testing.assert_allclose(floats["data"][0]["embedding"], want[0], atol=1e-6)
+    for body, param in (
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": [["a"]]}, "input"),
+        ({"input": "hi", "dimensions": 7}, "dimensions"),
+        ({"input": "hi", "encoding_format": "hex"}, "encoding_format"),
+        ({"input": [[10**9]]}, "input"),
+    ):
+        r = post(server, "/v1/embeddings", {"model": "smollm", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert httpx.get(server + "/health").status_code == 200

@@ -12,6 +12,7 @@ import logging
 
 from ._native import arch_names, n_threads
 from .chat import ChatRenderer, add_assistant, add_user, create_chat_renderer, make_nothink_guard, render_chat, render_close, render_turn, set_thinking, turn_stop_ids
+from .embeddings import default_pooling, embed
 from .errors import ContextOverflowError, DasllamaError, EngineError, FetchError, GgufError, KvPoolFullError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
@@ -73,8 +74,10 @@ __all__ = [
     "create_scheduler",
     "create_session",
     "decode",
+    "default_pooling",
     "detach_drafter",
     "drafter_kind",
+    "embed",
     "encode",
     "eval",
     "eval_all",

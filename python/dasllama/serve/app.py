@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -24,6 +25,7 @@ from starlette.staticfiles import StaticFiles
 
 from .. import scheduler as sched
 from ..chat import ChatRenderer, render_chat, render_close
+from ..embeddings import embed
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..model import decode, encode
 from ..session import SamplingParams
@@ -56,6 +58,10 @@ class ApiError(Exception):
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
+
+# OpenAI's own bound on inputs per embeddings request; tokens per weight pass bound its memory.
+EMBED_MAX_INPUTS = 2048
+EMBED_GROUP_TOKENS = 8192
 
 # ---- metrics -----------------------------------------------------------------------------------
 
@@ -639,6 +645,58 @@ def build_app(server: Server) -> Starlette:
         toks = await asyncio.get_running_loop().run_in_executor(None, lambda: encode(eng.m, content, add_bos=add_special, special=special))
         return JSONResponse({"tokens": toks})
 
+    async def embeddings(request: Request) -> Response:
+        body = await server.body(request)
+        eng = server.engine(body.get("model"))
+        m = eng.m
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+        dims = body.get("dimensions")
+        if dims is not None and dims != int(m.config["dim"]):
+            raise ApiError(400, f"this model's embeddings have {m.config['dim']} dimensions; 'dimensions' cannot change that", param="dimensions")
+        raw = body.get("input")
+        if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw)):
+            raw = [raw]
+        if not isinstance(raw, list) or not raw:
+            raise ApiError(400, "'input' must be a non-empty string, list of strings, or list of token id lists", param="input")
+        if len(raw) > EMBED_MAX_INPUTS:
+            raise ApiError(400, f"'input' holds {len(raw)} items; at most {EMBED_MAX_INPUTS} per request", param="input")
+        for i, x in enumerate(raw):
+            if isinstance(x, str):
+                if not x:
+                    raise ApiError(400, f"input {i} is an empty string", param="input")
+                server.check_prompt_bytes(m, _utf8_len(x, "input"), "input")
+            elif not (isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)):
+                raise ApiError(400, f"input {i} must be a non-empty string or a non-empty list of token ids", param="input")
+
+        def run() -> tuple[list[Any], int]:
+            ids = [encode(m, x) if isinstance(x, str) else x for x in raw]
+            ctx = int(m.config["seq_len"])
+            for i, t in enumerate(ids):
+                if len(t) > ctx:
+                    raise ApiError(400, f"input {i} has {len(t)} tokens, more than the context of {ctx}", param="input", code="context_length_exceeded")
+                if any(not 0 <= v < m.n_vocab for v in t):
+                    raise ApiError(400, f"input {i} holds a token id outside the vocabulary of {m.n_vocab}", param="input")
+            rows: list[Any] = []
+            # All inputs of a group go through one weight pass; groups bound the pass's memory.
+            group: list[list[int]] = []
+            for t in [*ids, None]:
+                if t is None or (group and sum(map(len, group)) + len(t) > EMBED_GROUP_TOKENS):
+                    if group:
+                        rows.extend(embed(m, group))
+                    group = []
+                if t is not None:
+                    group.append(t)
+            return rows, sum(map(len, ids))
+
+        vecs, n_tok = await asyncio.get_running_loop().run_in_executor(None, run)
+        data = [
+            {"object": "embedding", "index": i, "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else [float(x) for x in v]}
+            for i, v in enumerate(vecs)
+        ]
+        return JSONResponse({"object": "list", "data": data, "model": eng.name, "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
+
     async def detokenize(request: Request) -> Response:
         body = await server.body(request)
         eng = server.engine(body.get("model"))
@@ -730,6 +788,7 @@ def build_app(server: Server) -> Starlette:
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(text_completions), methods=["POST"]),
         Route("/tokenize", guarded(tokenize), methods=["POST"]),
+        Route("/v1/embeddings", guarded(embeddings), methods=["POST"]),
         Route("/detokenize", guarded(detokenize), methods=["POST"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
     ]

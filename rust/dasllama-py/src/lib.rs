@@ -5,6 +5,7 @@
 // function returning PyResult.
 #![allow(clippy::useless_conversion)]
 
+use dasllama::embed::Pooling;
 use dasllama::kv::{KvCodec, KvPool, PoolStats};
 use dasllama::model::{Attention, MetaValue, Metadata, Mixer, Model, Numerics, QuantMode, TensorInfo};
 use dasllama::sampling::SamplingParams;
@@ -365,6 +366,17 @@ fn eval_all<'py>(py: Python<'py>, m: &PyModel, s: &mut PySession, ids: Vec<u32>)
     let mut rows = Vec::new();
     native(py, "eval_all", || sess.eval_all(model, &ids, &mut rows))?;
     PyArray1::from_vec_bound(py, rows).reshape([ids.len(), model.config.vocab_size])
+}
+
+/// One pooled vector per input (each its own sequence; all in one weight pass): (n, dim) float32.
+#[pyfunction]
+fn embed<'py>(py: Python<'py>, m: &PyModel, inputs: Vec<Vec<u32>>, pooling: &str, normalize: bool) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let pooling = Pooling::from_name(pooling).map_err(map_err)?;
+    let model = &m.inner;
+    let refs: Vec<&[u32]> = inputs.iter().map(|v| v.as_slice()).collect();
+    let out = native(py, "embed", || dasllama::embed::embed(model, &refs, pooling, normalize))?;
+    let d = model.config.dim;
+    PyArray1::from_vec_bound(py, out.concat()).reshape([inputs.len(), d])
 }
 
 /// Scratch buffers for `eval_batch`, reused across steps.
@@ -786,6 +798,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_function(wrap_pyfunction!(create_scheduler, m)?)?;
     m.add_function(wrap_pyfunction!(ngram_drafter, m)?)?;
+    m.add_function(wrap_pyfunction!(embed, m)?)?;
     m.add_function(wrap_pyfunction!(fix_draft_len, m)?)?;
     m.add_function(wrap_pyfunction!(model_drafter, m)?)?;
     m.add_class::<PyDrafter>()?;

@@ -25,6 +25,7 @@ macro_rules! twice {
 
 pub mod backend;
 pub mod cpu;
+pub mod embed;
 pub mod error;
 pub mod kv;
 pub mod model;

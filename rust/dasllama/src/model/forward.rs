@@ -126,6 +126,9 @@ pub enum LogitRows<'a> {
     /// After each session's last `tails[i]` tokens (1 for a decode row or a prefill chunk, k+1
     /// for a verify chunk of k drafts), in batch order.
     Tail(&'a [usize]),
+    /// No logits: every row's hidden state after the final norm (`dim` values per token), what
+    /// embeddings pool.
+    Hidden,
 }
 
 impl LogitRows<'_> {
@@ -137,7 +140,7 @@ impl LogitRows<'_> {
             end += cnt;
             let tail = match self {
                 LogitRows::Last => 1,
-                LogitRows::All => cnt,
+                LogitRows::All | LogitRows::Hidden => cnt,
                 LogitRows::Tail(t) => t[i].clamp(1, cnt),
             };
             out.extend(end - tail..end);
@@ -312,8 +315,13 @@ fn forward_rows(
         last[i * d..(i + 1) * d].copy_from_slice(&x[t * d..(t + 1) * d]);
     }
     b.rms_norm(last, &m.output_norm, c.norm_eps);
-    logits.resize(out_rows * c.vocab_size, 0.0);
     s.x = xbuf;
+    if want == LogitRows::Hidden {
+        logits.clear();
+        logits.extend_from_slice(last);
+        return;
+    }
+    logits.resize(out_rows * c.vocab_size, 0.0);
     // One row per output: each is a row on its own to ggml's order.
     b.matmul(&mut [(&m.output, &mut logits[..])], &s.h[..out_rows * d], &vec![1; out_rows]);
     if let Some(cap) = c.final_softcap {
