@@ -15,7 +15,7 @@ use crate::model::forward::LogitRows;
 use crate::model::{Ffn, Model};
 use crate::sampling::{self, SamplingParams};
 use crate::session::{eval_rows, BatchWorkspace, Session};
-use crate::spec::policy::{self, Candidate, CostModel};
+use crate::spec::policy::{self, Candidate, CostModel, Guard};
 use crate::spec::{draft, ngram, Drafter, StreamSpec};
 use crate::{error, Error, Result};
 use std::collections::VecDeque;
@@ -126,6 +126,7 @@ struct Speculation {
     fixed_k: Option<usize>,
     target_cost: CostModel,
     draft_cost: CostModel,
+    guard: Guard,
     draft_ws: BatchWorkspace,
 }
 
@@ -203,6 +204,7 @@ impl Scheduler {
             logit_weight,
             target_cost: CostModel::default(),
             draft_cost: CostModel::default(),
+            guard: Guard::default(),
             draft_ws: BatchWorkspace::default(),
         });
         Ok(())
@@ -351,7 +353,8 @@ impl Scheduler {
             plan.push((i, k));
             budget -= k;
         }
-        self.draft(m, &decoding, &plan);
+        let t_step = Instant::now();
+        let drafted = self.draft(m, &decoding, &plan);
         for p in plan.iter_mut() {
             let s = self.slots[p.0].as_ref().expect("planned stream");
             if s.next.is_some() {
@@ -403,11 +406,12 @@ impl Scheduler {
         let v = m.config.vocab_size;
         let mut prefilled = false;
         let mut r = 0;
+        let mut emitted = 0;
         for &(i, k) in plan.iter() {
             let s = self.slots[i].as_mut().expect("planned stream");
             if let Some(t) = s.next.take() {
                 s.in_kv.push(t);
-                self.verify(m, i, &logits[r * v..(r + k) * v], events);
+                emitted += self.verify(m, i, &logits[r * v..(r + k) * v], events);
                 r += k;
                 continue;
             }
@@ -429,6 +433,9 @@ impl Scheduler {
         self.ws.logits = logits;
         if prefilled {
             self.stats.prefill_chunks += 1;
+        }
+        if let (Some(sp), false, true) = (&mut self.spec, prefilled, emitted > 0) {
+            sp.guard.observe(drafted, emitted, t_step.elapsed().as_secs_f64());
         }
         Ok(self.n_active() > 0 || !self.queue.is_empty())
     }
@@ -514,18 +521,24 @@ impl Scheduler {
 
     /// Propose this step's drafts for the decoding streams (`Stream::spec.drafts`), as many as
     /// the policy finds worth their rows in the pass `plan` makes without them.
-    fn draft(&mut self, m: &Model, decoding: &[usize], plan: &[(usize, usize)]) {
-        let Some(sp) = self.spec.as_mut() else { return };
+    /// Whether any stream drafts.
+    fn draft(&mut self, m: &Model, decoding: &[usize], plan: &[(usize, usize)]) -> bool {
+        let Some(sp) = self.spec.as_mut() else { return false };
+        for &i in decoding {
+            self.slots[i].as_mut().expect("decoding stream").spec.drafts.clear();
+        }
+        if !sp.guard.allow() && sp.fixed_k.is_none() {
+            return false;
+        }
         // In decode rows (a row with logits): the policy's unit.
         let w = 1.0 + sp.logit_weight;
         let rows = (plan.iter().map(|p| p.1).sum::<usize>() as f64 + sp.logit_weight * plan.len() as f64) / w;
         // Nothing is known of this machine before the first pass: no drafts until it is measured.
-        let Some(line) = sp.target_cost.line() else { return };
+        let Some(line) = sp.target_cost.line() else { return false };
         let max_draft = sp.drafter.max_draft();
         let (mut cands, mut who) = (Vec::new(), Vec::new());
         for &i in decoding {
             let s = self.slots[i].as_mut().expect("decoding stream");
-            s.spec.drafts.clear();
             // Never draft past max_new or the context: the verify chunk writes at in_kv.len()..
             let room = m.config.seq_len.saturating_sub(s.in_kv.len() + 1);
             let mut cap = max_draft.min(s.req.max_new - s.generated - 1).min(room);
@@ -544,7 +557,7 @@ impl Scheduler {
             }
         }
         if who.is_empty() {
-            return;
+            return false;
         }
         // Before the draft model's first pass is measured, guess a quarter of the target's cost.
         let draft_line = match &sp.drafter {
@@ -558,11 +571,12 @@ impl Scheduler {
         for (&i, _) in who.iter().zip(&ks).filter(|p| *p.1 == 0) {
             self.slots[i].as_mut().expect("decoding stream").spec.idle();
         }
+        let drafting = ks.iter().any(|&k| k > 0);
         let Drafter::Model { draft, .. } = &sp.drafter else {
             for (&i, &k) in who.iter().zip(&ks) {
                 self.slots[i].as_mut().expect("decoding stream").spec.drafts.truncate(k);
             }
-            return;
+            return drafting;
         };
         // Each draft session holds a prefix of its stream's context: feed it the rest.
         let mut by_slot: Vec<Option<&mut Stream>> = self.slots.iter_mut().map(|s| s.as_mut()).collect();
@@ -597,21 +611,24 @@ impl Scheduler {
                 s.spec.drafts.clear();
                 s.spec.draft = None;
             }
+            return false;
         }
+        drafting
     }
 
     /// Take a decoding stream's tokens from its verify rows (`rows`: k+1 rows of logits, after
     /// its next token and after each draft): sample from each row in turn while the sampled token
     /// is the draft that row was fed; the first that is not, or the row after the last draft,
-    /// gives the stream's next token. The KV keeps what was accepted.
-    fn verify(&mut self, m: &Model, i: usize, rows: &[f32], events: &mut Vec<SchedEvent>) {
+    /// gives the stream's next token. The KV keeps what was accepted. Returns the tokens emitted.
+    fn verify(&mut self, m: &Model, i: usize, rows: &[f32], events: &mut Vec<SchedEvent>) -> usize {
         let v = m.config.vocab_size;
         let drafts = std::mem::take(&mut self.slots[i].as_mut().expect("decoding stream").spec.drafts);
-        let mut accepted = 0;
+        let (mut accepted, mut emitted) = (0, 0);
         for j in 0..=drafts.len() {
             if j > 0 {
                 self.slots[i].as_mut().expect("decoding stream").in_kv.push(drafts[j - 1]);
             }
+            emitted += 1;
             let Some(tok) = self.sample_and_emit(m, i, &rows[j * v..(j + 1) * v], events) else { break };
             if j < drafts.len() && tok == drafts[j] {
                 accepted += 1;
@@ -637,6 +654,7 @@ impl Scheduler {
             s.spec.drafts = drafts;
             s.spec.drafts.clear();
         }
+        emitted
     }
 
     /// Sample from the stream's logits and emit its piece, or finish it; the token if the

@@ -85,6 +85,69 @@ pub fn choose(cands: &[Candidate], decoding: usize, rows: f64, target: (f64, f64
     ks
 }
 
+/// Every this-many-th step runs without drafts, so plain decoding's speed stays measured.
+const EXPLORE: u64 = 16;
+/// Speculation must deliver at least this fraction of plain decoding's tokens per second...
+const LOSS: f64 = 0.97;
+/// ...measured over at least this many (decayed) steps of each kind, or it is held off...
+const MIN_STEPS: f64 = 3.0;
+/// ...for this many steps, and then measured afresh.
+const HOLD: u64 = 256;
+
+#[derive(Clone, Debug, Default)]
+struct Rate {
+    tokens: f64,
+    secs: f64,
+    steps: f64,
+}
+
+impl Rate {
+    fn add(&mut self, tokens: usize, secs: f64) {
+        const FORGET: f64 = 0.9;
+        self.tokens = self.tokens * FORGET + tokens as f64;
+        self.secs = self.secs * FORGET + secs;
+        self.steps = self.steps * FORGET + 1.0;
+    }
+
+    fn per_sec(&self) -> f64 {
+        self.tokens / self.secs.max(1e-9)
+    }
+}
+
+/// The cost model is a model: this checks it against what speculation delivers. Decode-only
+/// steps are timed whole (drafting, the pass, acceptance) and their tokens per second kept apart
+/// for steps with drafts and steps without (one step in `EXPLORE` runs without, so both stay
+/// measured on the same traffic); when drafting delivers less, speculation is held off for a
+/// while, then tried again.
+#[derive(Clone, Debug, Default)]
+pub struct Guard {
+    spec: Rate,
+    plain: Rate,
+    step: u64,
+    off_until: u64,
+}
+
+impl Guard {
+    /// Whether this step may draft.
+    pub fn allow(&mut self) -> bool {
+        self.step += 1;
+        self.step >= self.off_until && !self.step.is_multiple_of(EXPLORE)
+    }
+
+    /// A decode-only step took `secs` and emitted `tokens`, with drafts or without.
+    pub fn observe(&mut self, drafted: bool, tokens: usize, secs: f64) {
+        if drafted { &mut self.spec } else { &mut self.plain }.add(tokens, secs);
+        if self.spec.steps >= MIN_STEPS && self.plain.steps >= MIN_STEPS && self.spec.per_sec() < LOSS * self.plain.per_sec() {
+            self.off_until = self.step + HOLD;
+            self.spec = Rate::default();
+        }
+    }
+
+    pub fn holding(&self) -> bool {
+        self.step < self.off_until
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,6 +165,35 @@ mod tests {
         }
         let (a, b) = m.line().unwrap();
         assert!((a - 0.010).abs() < 1e-4 && (b - 0.0005).abs() < 1e-5, "{a} {b}");
+    }
+
+    #[test]
+    fn a_losing_speculation_is_held_off_and_retried() {
+        let mut g = Guard::default();
+        let mut allowed = 0;
+        for _ in 0..100 {
+            if g.holding() {
+                break;
+            }
+            let drafted = g.allow();
+            allowed += drafted as usize;
+            // Drafting delivers 20% fewer tokens per second.
+            g.observe(drafted, if drafted { 8 } else { 10 }, 1.0);
+        }
+        assert!(g.holding() && allowed < 100, "{allowed}");
+        let mut held = 0;
+        while g.holding() {
+            held += !g.allow() as usize;
+            g.observe(false, 10, 1.0);
+        }
+        assert!(held > 200, "{held}");
+        // Afterwards it drafts again; a winning speculation is never held.
+        let mut g = Guard::default();
+        for _ in 0..400 {
+            let drafted = g.allow();
+            g.observe(drafted, if drafted { 15 } else { 10 }, 1.0);
+        }
+        assert!(!g.holding());
     }
 
     #[test]
