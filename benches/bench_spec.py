@@ -97,6 +97,14 @@ def compare(label: str, m: dl.Model, prompts: list[list[int]], streams: int, max
     return [label, str(streams), f"{b:.1f}", f"{s:.1f}", f"{s / b:.2f}x", f"{acc:.0%} of {int(last['drafted'])}", f"{last['pass_us'] / 1000:.1f} + {last['row_us'] / 1000:.2f}/row"]
 
 
+def single_stream(label: str, m: dl.Model, prompts: list[list[int]], max_new: int, runs: int, bar: tqdm) -> list[str]:
+    """One request at a time: decode tok/s with and without, averaged over the prompts."""
+    per = [compare(label, m, [p], 1, max_new, runs, "decode", bar) for p in prompts]
+    b = statistics.mean(float(r[2]) for r in per)
+    s = statistics.mean(float(r[3]) for r in per)
+    return [label, "1", f"{b:.1f}", f"{s:.1f}", f"{s / b:.2f}x", " / ".join(r[5].split(" of")[0] for r in per), per[-1][6]]
+
+
 def copy_as(src: Path, dst: Path, qt: QT) -> None:
     """Rewrite `src` with every matrix as `qt` (F16 or a 32-block format), the rest as is."""
     r = GGUFReader(src)
@@ -149,11 +157,7 @@ def main() -> None:
         if "ngram" in only:
             dl.attach_ngram_drafter(m)
             for kind, ps in (("ngram, grounded", grounded), ("ngram, open-ended", open_)):
-                # One request at a time: single-stream decode speed, averaged over the prompts.
-                per = [compare(kind, m, [p], 1, args.max_new, args.runs, "decode", bar) for p in ps]
-                b = statistics.mean(float(r[2]) for r in per)
-                s = statistics.mean(float(r[3]) for r in per)
-                rows.append([kind, "1", f"{b:.1f}", f"{s:.1f}", f"{s / b:.2f}x", " / ".join(r[5].split(" of")[0] for r in per), per[-1][6]])
+                rows.append(single_stream(kind, m, ps, args.max_new, args.runs, bar))
         if "batch" in only:
             dl.attach_ngram_drafter(m)
             mixed = grounded + open_
@@ -165,11 +169,8 @@ def main() -> None:
             for qt in (QT.F16, QT.Q8_0):
                 target = dl.load_model(variant(src, qt))
                 dl.attach_draft_model(target, draft)
-                label = f"Q4_0 draft for {qt.name}"
-                per = [compare(label, target, [chat_ids(target, t)], 1, args.max_new, args.runs, "decode", bar) for t in GROUNDED + OPEN]
-                b = statistics.mean(float(r[2]) for r in per)
-                s = statistics.mean(float(r[3]) for r in per)
-                rows.append([label, "1", f"{b:.1f}", f"{s:.1f}", f"{s / b:.2f}x", " / ".join(r[5].split(" of")[0] for r in per), per[-1][6]])
+                prompts = [chat_ids(target, t) for t in GROUNDED + OPEN]
+                rows.append(single_stream(f"Q4_0 draft for {qt.name}", target, prompts, args.max_new, args.runs, bar))
     head = ["case", "streams", "plain tok/s", "spec tok/s", "speedup", "accepted", "pass cost ms (a + b/row)"]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, ["-" * w for w in widths], *rows]:
