@@ -651,8 +651,9 @@ fn create_scheduler(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false))]
+#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None))]
 fn submit(
+    py: Python<'_>,
     m: &PyModel,
     sch: &mut PyScheduler,
     id: i64,
@@ -664,13 +665,16 @@ fn submit(
     seed: u64,
     logprobs: Option<usize>,
     ignore_eos: bool,
+    grammar: Option<String>,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
     if max_new < 1 {
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
-    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos };
-    sch.inner.submit(req).map_err(map_err)
+    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar };
+    let inner = &mut sch.inner;
+    // Compiling a grammar takes milliseconds (the first one indexes the vocabulary: more).
+    native(py, "submit", || inner.submit(req))
 }
 
 /// One tick; returns (work remains, events).
