@@ -469,3 +469,12 @@ def test_a_tools_template_renders_them_and_a_forced_call_parses(smollm: dl.Model
     assert out[1].startswith("<tool_call>\n{") and calls and content is None
     for c in calls:
         jsonschema.validate(json.loads(c["function"]["arguments"]), PARAMS[c["function"]["name"]])
+
+
+def test_text_completions_take_response_format(server: str) -> None:
+    body = {"model": "smollm", "prompt": "A person record in JSON: ", "max_tokens": 80, "temperature": 0, "response_format": schema_format("person", PERSON)}
+    r = httpx.post(server + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    assert ch["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(ch["text"]), PERSON)

@@ -14,7 +14,7 @@ from ._native import arch_names, n_threads
 from .chat import ChatRenderer, add_assistant, add_user, create_chat_renderer, make_nothink_guard, render_chat, render_close, render_turn, set_thinking, turn_stop_ids
 from .errors import ContextOverflowError, DasllamaError, EngineError, FetchError, GgufError, KvPoolFullError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
-from .grammar import json_object_grammar, json_schema_grammar
+from .grammar import check_grammar, json_object_grammar, json_schema_grammar
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
 from .scheduler import PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, submit
 from .session import (
@@ -68,6 +68,7 @@ __all__ = [
     "attach_draft_model",
     "attach_mtp_drafter",
     "attach_ngram_drafter",
+    "check_grammar",
     "create_batch_workspace",
     "create_chat_renderer",
     "create_kv_pool",

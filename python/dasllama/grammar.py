@@ -10,7 +10,12 @@ one it cannot compile raises ValueError there, with its reason.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from . import _native
+
+if TYPE_CHECKING:
+    from .model import Model
 
 # Compact JSON (", " and ": ", no other whitespace): a small model left free to indent can spend
 # its whole budget on newlines, and the reply is the same data either way. oneOf is read as anyOf
@@ -44,3 +49,11 @@ def json_object_grammar() -> str:
 def lark_string(text: str) -> str:
     """``text`` as a Lark string literal."""
     return json.dumps(text, ensure_ascii=False)
+
+
+def check_grammar(m: Model, grammar: str) -> None:
+    """Compile ``grammar`` for ``m``; ValueError saying why if it does not compile. The first
+    grammar of a model indexes its vocabulary (about a second, GIL released), shared afterwards
+    by every scheduler of the model: call this ahead of ``submit`` to keep that wait out of the
+    scheduler's steps."""
+    _native.check_grammar(m._native, grammar)

@@ -25,6 +25,7 @@ from starlette.staticfiles import StaticFiles
 from .. import scheduler as sched
 from ..chat import ChatRenderer, render_chat, render_close
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
+from ..grammar import check_grammar
 from ..model import decode, encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
@@ -349,6 +350,14 @@ class Server:
             raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
         if ignore_eos:
             stop_ids = []
+        if grammar is not None:
+            # Compiled here, in a worker thread, to answer a bad schema with a 400 before anything
+            # is queued, and so that the model's first grammar indexes its vocabulary here rather
+            # than inside an engine step, where every stream would wait for it.
+            try:
+                check_grammar(m, grammar)
+            except ValueError as e:
+                raise ApiError(400, str(e), param=grammar_param) from None
         return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")), ignore_eos, grammar, grammar_param, tools)
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:

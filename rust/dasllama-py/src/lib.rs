@@ -677,6 +677,14 @@ fn submit(
     native(py, "submit", || inner.submit(req))
 }
 
+/// Compile `grammar` for `m` (indexing its vocabulary the first time), to refuse a bad one early
+/// and to spend the indexing away from the engine thread.
+#[pyfunction]
+fn check_grammar(py: Python<'_>, m: &PyModel, grammar: &str) -> PyResult<()> {
+    let model = &m.inner;
+    native(py, "check_grammar", || dasllama::constrain::env_for(model)?.compile(grammar).map(drop))
+}
+
 /// One tick; returns (work remains, events).
 #[pyfunction]
 fn scheduler_step(py: Python<'_>, m: &PyModel, sch: &mut PyScheduler) -> PyResult<(bool, Vec<PySchedEvent>)> {
@@ -794,6 +802,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(model_drafter, m)?)?;
     m.add_class::<PyDrafter>()?;
     m.add_function(wrap_pyfunction!(submit, m)?)?;
+    m.add_function(wrap_pyfunction!(check_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_step, m)?)?;
     m.add_function(wrap_pyfunction!(evict, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_counts, m)?)?;

@@ -10,7 +10,7 @@
 //! proposes follows the measured cost of the pass's rows (`spec::policy`).
 
 use crate::backend::Numerics;
-use crate::constrain::{Constraint, GrammarEnv};
+use crate::constrain::{self, Constraint};
 use crate::kv::{KvCodec, KvPool};
 use crate::model::forward::LogitRows;
 use crate::model::Model;
@@ -147,8 +147,6 @@ pub struct Scheduler {
     ws: BatchWorkspace,
     admitted: u64,
     spec: Option<Speculation>,
-    /// Made at the first request with a grammar (indexing the vocabulary costs tens of ms).
-    grammar_env: Option<Arc<GrammarEnv>>,
     pub stats: SchedStats,
 }
 
@@ -190,7 +188,6 @@ impl Scheduler {
             ws: BatchWorkspace::default(),
             admitted: 0,
             spec: None,
-            grammar_env: None,
             stats: SchedStats::default(),
         })
     }
@@ -304,10 +301,7 @@ impl Scheduler {
         }
         let constraint = match &req.grammar {
             Some(g) => {
-                if self.grammar_env.is_none() {
-                    self.grammar_env = Some(Arc::new(GrammarEnv::new(&m.tokenizer)?));
-                }
-                let env = self.grammar_env.as_ref().expect("made above");
+                let env = constrain::env_for(&self.model)?;
                 Some(Box::new(env.compile(g).map_err(|e| Error::InvalidArgument(format!("request {}: {e}", req.id)))?))
             }
             None => None,
