@@ -15,6 +15,7 @@ from .chat import ChatRenderer, add_assistant, add_user, create_chat_renderer, m
 from .embeddings import default_pooling, embed
 from .errors import ContextOverflowError, DasllamaError, EngineError, FetchError, GgufError, KvPoolFullError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
+from .grammar import check_grammar, json_object_grammar, json_schema_grammar
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
 from .scheduler import PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, submit
 from .session import (
@@ -68,6 +69,7 @@ __all__ = [
     "attach_draft_model",
     "attach_mtp_drafter",
     "attach_ngram_drafter",
+    "check_grammar",
     "create_batch_workspace",
     "create_chat_renderer",
     "create_kv_pool",
@@ -86,6 +88,8 @@ __all__ = [
     "fetch",
     "fix_draft_len",
     "generate",
+    "json_object_grammar",
+    "json_schema_grammar",
     "kv_pool_stats",
     "load_model",
     "make_nothink_guard",

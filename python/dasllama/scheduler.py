@@ -40,6 +40,12 @@ class PendingReq:
     seed: int = 0
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
     ignore_eos: bool = False  # go on past end-of-generation tokens until max_new
+    # Constrain the reply to an llguidance grammar: Lark text (JSON schemas embed as
+    # ``start: %json {...}``; :func:`dasllama.grammar.json_schema_grammar` writes one), or
+    # llguidance's JSON grammar list. Each token is sampled from those the grammar allows, the
+    # stream stops ("stop") when the grammar is complete, and it never speculates. A grammar that
+    # does not compile raises ValueError at submit.
+    grammar: str | None = None
 
 
 SchedEvent = _native.SchedEvent
@@ -85,7 +91,7 @@ def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
         raise NotImplementedError("nothink guards need a thinking-template family, none of which is supported yet")
     if not 0 <= req.seed < 2**64:
         raise ValueError(f"request {req.id}: seed must be in [0, 2**64)")
-    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos))
+    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos), req.grammar)
 
 
 def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:

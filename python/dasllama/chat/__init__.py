@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,10 @@ def _raise(message: str) -> None:
     raise TemplateError(f"the chat template refused the conversation: {message}")
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def render_chat(m: Model, messages: list[Message], add_generation_prompt: bool = True, **extra: Any) -> str:
     """Render ``messages`` (dicts with ``role`` and ``content``) through the model's chat template."""
     if not m.chat_template:
@@ -33,6 +38,9 @@ def render_chat(m: Model, messages: list[Message], add_generation_prompt: bool =
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    # Hugging Face's tojson: keys in their order and no HTML escaping (jinja's own sorts keys and
+    # writes '<' as \u003c), so tools and call arguments read as the model was trained on them.
+    env.filters["tojson"] = _tojson
 
     def token(key: str) -> str:
         tid = m.metadata.get(key)

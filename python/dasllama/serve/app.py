@@ -27,10 +27,12 @@ from .. import scheduler as sched
 from ..chat import ChatRenderer, render_chat, render_close
 from ..embeddings import embed
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
+from ..grammar import check_grammar
 from ..model import decode, encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
 from .status import StatusHistory, status
+from .tools import CallParser, ToolError, Tools, call_grammar, convert_messages, parse_tools, response_format_grammar, split_calls, with_tools
 
 log = logging.getLogger("dasllama.serve")
 
@@ -128,7 +130,7 @@ def _num(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default:
 KNOWN_FIELDS = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
-    "logprobs", "top_logprobs", "n", "user", "ignore_eos",
+    "logprobs", "top_logprobs", "n", "user", "ignore_eos", "response_format", "tools", "tool_choice", "parallel_tool_calls",
 }
 
 
@@ -147,6 +149,9 @@ class Job:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    grammar: str | None = None  # llguidance grammar constraining every choice
+    grammar_param: str | None = None  # the request field the grammar came from (for errors)
+    tools: Tools | None = None  # parse tool calls out of the replies
 
 
 def _utf8_len(text: str, param: str) -> int:
@@ -251,16 +256,36 @@ class Server:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+            try:
+                tools = parse_tools(body, m.chat_template)
+                grammar, grammar_param = response_format_grammar(body), "response_format"
+            except ToolError as e:
+                raise ApiError(400, str(e), param=e.param) from None
+            if tools is not None and (g := call_grammar(tools)) is not None:
+                if grammar is not None:
+                    raise ApiError(400, "'response_format' cannot apply when 'tool_choice' forces a call: the reply is the call", param="response_format")
+                grammar, grammar_param = g, "tools"
             rendered = []
             for i, msg in enumerate(msgs):
-                if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "developer"):
-                    raise ApiError(400, f"messages[{i}] needs a role of system, user or assistant", param=f"messages[{i}].role")
+                if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+                    raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", param=f"messages[{i}].role")
                 role = "system" if msg["role"] == "developer" else msg["role"]
-                rendered.append({"role": role, "content": _content(msg, i)})
+                r = {**msg, "role": role, "content": _content(msg, i)}
+                if role == "tool" and not isinstance(msg.get("tool_call_id", ""), str):
+                    raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
+                rendered.append(r)
             # Bounded before the template and the tokenizer see it: their cost grows with it.
-            self.check_prompt_bytes(m, sum(_utf8_len(r["content"], "messages") for r in rendered), "messages")
+            self.check_prompt_bytes(m, sum(_utf8_len(r["content"], "messages") for r in rendered) + len(json.dumps(body.get("tools") or [])), "messages")
+            fmt = tools.fmt if tools is not None else ("hermes" if "<tool_call>" in (m.chat_template or "") else "list")
             try:
-                text = render_chat(m, rendered)
+                rendered = convert_messages(rendered, fmt)
+            except ToolError as e:
+                raise ApiError(400, str(e), param=e.param) from None
+            extra: dict[str, Any] = {}
+            if tools is not None:
+                rendered, extra = with_tools(rendered, tools)
+            try:
+                text = render_chat(m, rendered, **extra)
                 # What closes the reply in the next turn's prompt: evaluated at the end so the
                 # whole turn goes to the prefix cache and a follow-up attaches it.
                 close = render_close(m, ChatRenderer(m, rendered))
@@ -268,6 +293,11 @@ class Server:
                 raise ApiError(400, str(e), param="messages") from None
             prompt = encode(m, text, special=True)
         else:
+            tools = None
+            try:
+                grammar, grammar_param = response_format_grammar(body), "response_format"
+            except ToolError as e:
+                raise ApiError(400, str(e), param=e.param) from None
             p = body.get("prompt")
             if isinstance(p, str):
                 self.check_prompt_bytes(m, _utf8_len(p, "prompt"), "prompt")
@@ -326,7 +356,15 @@ class Server:
             raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
         if ignore_eos:
             stop_ids = []
-        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")), ignore_eos)
+        if grammar is not None:
+            # Compiled here, in a worker thread, to answer a bad schema with a 400 before anything
+            # is queued, and so that the model's first grammar indexes its vocabulary here rather
+            # than inside an engine step, where every stream would wait for it.
+            try:
+                check_grammar(m, grammar)
+            except ValueError as e:
+                raise ApiError(400, str(e), param=grammar_param) from None
+        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")), ignore_eos, grammar, grammar_param, tools)
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
         """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a
@@ -335,7 +373,8 @@ class Server:
         rid = eng.next_id()
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
         req = sched.PendingReq(
-            id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs, ignore_eos=job.ignore_eos
+            id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs, ignore_eos=job.ignore_eos,
+            grammar=job.grammar,
         )
         sub = Subscription(asyncio.get_running_loop())
         try:
@@ -348,7 +387,8 @@ class Server:
         except EngineDead as e:
             raise ApiError(503, f"the server cannot serve '{eng.name}': {e}", type_="server_error", code="engine_failure") from None
         except (ValueError, DasllamaError) as e:
-            raise ApiError(400, str(e)) from None
+            # With a grammar, the likeliest cause is that it does not compile (a bad schema).
+            raise ApiError(400, str(e), param=job.grammar_param if job.grammar else None) from None
         if not ok:
             self.metrics.outcome(eng.name, "rejected")
             raise ApiError(503, "the server is at capacity: its request queue is full; retry shortly", type_="server_error", code="queue_full", headers={"Retry-After": "1"})
@@ -528,6 +568,8 @@ def build_app(server: Server) -> Starlette:
                         await queue.put((i, None))
 
                 tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+                # With tools, each choice's text goes through a parser that gives calls out whole.
+                parsers = [CallParser() for _ in range(job.n)] if chat and job.tools is not None else None
                 if chat:
                     for i in range(job.n):
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
@@ -555,6 +597,24 @@ def build_app(server: Server) -> Starlette:
                             usage["prompt"] = ev.n_prompt if ev else usage["prompt"]
                             usage["completion"] += ev.n_gen if ev else 0
                             usage["cached"] = max(usage["cached"], ev.n_cached if ev else 0)
+                        calls: list[dict[str, Any]] = []
+                        if parsers is not None:
+                            text, calls = parsers[i].feed(text)
+                            if reason:
+                                tail, _ = parsers[i].finish()
+                                text += tail
+                                if parsers[i].n_calls and reason == "stop":
+                                    reason = "tool_calls"
+                            if calls:
+                                first = parsers[i].n_calls - len(calls)
+                                delta = {"tool_calls": [{"index": first + k, **c} for k, c in enumerate(calls)]}
+                                if text:
+                                    delta["content"] = text
+                                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                                if job.include_usage:
+                                    chunk["usage"] = None
+                                yield _sse(chunk)
+                                text = ""
                         if not text and not reason:
                             continue
                         lp = None
@@ -617,7 +677,14 @@ def build_app(server: Server) -> Starlette:
         for i, r in enumerate(results):
             if chat:
                 lp = {"content": r["lps"]} if job.logprobs is not None else None
-                choices.append({"index": i, "message": {"role": "assistant", "content": r["text"]}, "logprobs": lp, "finish_reason": r["reason"]})
+                message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
+                reason = r["reason"]
+                if job.tools is not None:
+                    content, calls = split_calls(r["text"])
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        reason = "tool_calls" if reason == "stop" else reason
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 lp = None
                 if job.logprobs is not None:

@@ -663,8 +663,9 @@ fn create_scheduler(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false))]
+#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None))]
 fn submit(
+    py: Python<'_>,
     m: &PyModel,
     sch: &mut PyScheduler,
     id: i64,
@@ -676,13 +677,24 @@ fn submit(
     seed: u64,
     logprobs: Option<usize>,
     ignore_eos: bool,
+    grammar: Option<String>,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
     if max_new < 1 {
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
-    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos };
-    sch.inner.submit(req).map_err(map_err)
+    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar };
+    let inner = &mut sch.inner;
+    // Compiling a grammar takes milliseconds (the first one indexes the vocabulary: more).
+    native(py, "submit", || inner.submit(req))
+}
+
+/// Compile `grammar` for `m` (indexing its vocabulary the first time), to refuse a bad one early
+/// and to spend the indexing away from the engine thread.
+#[pyfunction]
+fn check_grammar(py: Python<'_>, m: &PyModel, grammar: &str) -> PyResult<()> {
+    let model = &m.inner;
+    native(py, "check_grammar", || dasllama::constrain::env_for(model)?.compile(grammar).map(drop))
 }
 
 /// One tick; returns (work remains, events).
@@ -803,6 +815,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(model_drafter, m)?)?;
     m.add_class::<PyDrafter>()?;
     m.add_function(wrap_pyfunction!(submit, m)?)?;
+    m.add_function(wrap_pyfunction!(check_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_step, m)?)?;
     m.add_function(wrap_pyfunction!(evict, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_counts, m)?)?;

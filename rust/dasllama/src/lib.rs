@@ -24,6 +24,7 @@ macro_rules! twice {
 }
 
 pub mod backend;
+pub mod constrain;
 pub mod cpu;
 pub mod embed;
 pub mod error;

@@ -10,6 +10,7 @@
 //! proposes follows the measured cost of the pass's rows (`spec::policy`).
 
 use crate::backend::Numerics;
+use crate::constrain::{self, Constraint};
 use crate::kv::{KvCodec, KvPool};
 use crate::model::forward::LogitRows;
 use crate::model::{Ffn, Model};
@@ -38,6 +39,10 @@ pub struct PendingReq {
     pub logprobs: Option<usize>,
     /// Keep going past end-of-generation tokens until `max_new` (benchmarks send this).
     pub ignore_eos: bool,
+    /// Constrain the output to this llguidance grammar (`constrain::GrammarEnv::compile`): every
+    /// token is sampled from those the grammar allows next, the stream stops when the grammar is
+    /// complete, and it never speculates. None: unconstrained.
+    pub grammar: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +102,7 @@ struct Stream {
     /// Admission order: prefill chunks go to the oldest admitted stream first.
     order: u64,
     spec: StreamSpec,
+    constraint: Option<Box<Constraint>>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -135,7 +141,8 @@ pub struct Scheduler {
     /// With page_rows > 0: the paged pool and its prefix cache.
     pool: Option<KvPool>,
     slots: Vec<Option<Stream>>,
-    queue: VecDeque<(PendingReq, Instant)>,
+    /// Waiting requests, with their grammars compiled at submission.
+    queue: VecDeque<(PendingReq, Instant, Option<Box<Constraint>>)>,
     max_queue: usize,
     chunk_tokens: usize,
     ws: BatchWorkspace,
@@ -262,7 +269,7 @@ impl Scheduler {
     }
 
     fn known(&self, id: i64) -> bool {
-        self.queue.iter().any(|(r, _)| r.id == id) || self.slots.iter().flatten().any(|s| s.req.id == id)
+        self.queue.iter().any(|(r, _, _)| r.id == id) || self.slots.iter().flatten().any(|s| s.req.id == id)
     }
 
     /// Queue a request. Ok(false) when the queue is full; an error (and nothing queued) when the
@@ -294,14 +301,21 @@ impl Scheduler {
         if self.queue.len() >= self.max_queue {
             return Ok(false);
         }
-        self.queue.push_back((req, Instant::now()));
+        let constraint = match &req.grammar {
+            Some(g) => {
+                let env = constrain::env_for(&self.model)?;
+                Some(Box::new(env.compile(g).map_err(|e| Error::InvalidArgument(format!("request {}: {e}", req.id)))?))
+            }
+            None => None,
+        };
+        self.queue.push_back((req, Instant::now(), constraint));
         Ok(true)
     }
 
     /// Remove a request wherever it is; its stream (and KV) is freed at once.
     pub fn evict(&mut self, id: i64, events: &mut Vec<SchedEvent>) -> bool {
-        if let Some(i) = self.queue.iter().position(|(r, _)| r.id == id) {
-            let (req, _) = self.queue.remove(i).expect("index from position");
+        if let Some(i) = self.queue.iter().position(|(r, _, _)| r.id == id) {
+            let (req, _, _) = self.queue.remove(i).expect("index from position");
             events.push(finished_event(usize::MAX, &req, Finish::Evicted, -1, 0, 0, 0));
             self.stats.finished += 1;
             return true;
@@ -495,7 +509,7 @@ impl Scheduler {
             if self.slots[slot].is_some() {
                 continue;
             }
-            let Some((req, t_submit)) = self.queue.pop_front() else { break };
+            let Some((req, t_submit, constraint)) = self.queue.pop_front() else { break };
             self.admitted += 1;
             let mut session = match &self.pool {
                 Some(p) => Session::paged(m, p).expect("the pool was made for this model"),
@@ -515,6 +529,7 @@ impl Scheduler {
                 t_first: None,
                 order: self.admitted,
                 spec: StreamSpec::default(),
+                constraint,
             });
         }
     }
@@ -539,6 +554,10 @@ impl Scheduler {
         let (mut cands, mut who) = (Vec::new(), Vec::new());
         for &i in decoding {
             let s = self.slots[i].as_mut().expect("decoding stream");
+            // A draft would be verified against unmasked rows: a constrained stream decodes plainly.
+            if s.constraint.is_some() {
+                continue;
+            }
             // Never draft past max_new or the context: the verify chunk writes at in_kv.len()..
             let room = m.config.seq_len.saturating_sub(s.in_kv.len() + 1);
             let mut cap = max_draft.min(s.req.max_new - s.generated - 1).min(room);
@@ -663,7 +682,39 @@ impl Scheduler {
         let s = self.slots[i].as_mut().expect("live stream");
         // Log-probabilities are the model's own, before penalties and sampling settings.
         let lp = s.req.logprobs.map(|k| log_softmax_top(row, k));
-        let tok = if sampling::is_plain_greedy(&s.req.params) {
+        let tok = if let Some(c) = s.constraint.as_mut() {
+            let mut logits = std::mem::take(&mut s.session.logits);
+            logits.clear();
+            logits.extend_from_slice(row);
+            let picked = c.mask(&mut logits).map(|()| {
+                if sampling::is_plain_greedy(&s.req.params) {
+                    let tok = sampling::argmax(&logits);
+                    s.session.record.push(tok);
+                    tok
+                } else {
+                    let tok = s.session.record.sample(&mut logits, &s.req.params);
+                    if logits[tok as usize].is_finite() {
+                        tok
+                    } else {
+                        // The draw's rounding fell past the last allowed token: take the likeliest.
+                        s.session.record.rollback(1);
+                        let tok = sampling::argmax(&logits);
+                        s.session.record.push(tok);
+                        tok
+                    }
+                }
+            });
+            s.session.logits = logits;
+            match picked {
+                Ok(tok) => tok,
+                Err(e) => {
+                    let s = self.slots[i].take().expect("live stream");
+                    let ev = self.fail_stream(i, s, e);
+                    events.push(ev);
+                    return None;
+                }
+            }
+        } else if sampling::is_plain_greedy(&s.req.params) {
             let tok = sampling::argmax(row);
             s.session.record.push(tok);
             tok
@@ -686,9 +737,20 @@ impl Scheduler {
             events.push(ev);
             return None;
         }
+        // The grammar advances over what is emitted only; complete, it ends the stream.
+        let complete = match s.constraint.as_mut().map(|c| c.advance(tok)) {
+            None | Some(Ok(false)) => false,
+            Some(Ok(true)) => true,
+            Some(Err(e)) => {
+                let s = self.slots[i].take().expect("live stream");
+                let ev = self.fail_stream(i, s, e);
+                events.push(ev);
+                return None;
+            }
+        };
         let mut text = s.session.record.text(&m.tokenizer.piece(tok, false));
         // The next decode step would evaluate `tok` at position n_past: stop where that would overflow.
-        let done = s.generated >= s.req.max_new || s.in_kv.len() >= m.config.seq_len;
+        let done = complete || s.generated >= s.req.max_new || s.in_kv.len() >= m.config.seq_len;
         if done {
             text.push_str(&s.session.record.finish_text());
         }
@@ -710,7 +772,7 @@ impl Scheduler {
         });
         if done {
             let s = self.slots[i].take().expect("live stream");
-            let ev = self.finish_stream(i, s, Finish::Length, -1);
+            let ev = self.finish_stream(i, s, if complete { Finish::Stop } else { Finish::Length }, -1);
             events.push(ev);
             None
         } else {
