@@ -4,6 +4,7 @@ single `python -m dasllama.serve`."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -112,6 +113,65 @@ def single(smollm_path: str) -> Iterator[str]:
 def chat(base: str, messages: list[dict[str, str]], max_tokens: int = 8, **kw: Any) -> httpx.Response:
     body = {"model": "smollm", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}
     return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_prefix_chain_shares_links_exactly_with_a_shared_prefix() -> None:
+    from dasllama.serve.ray.routing import CHUNK_CHARS, prefix_chain
+
+    system = {"role": "system", "content": "You are a careful assistant who answers in full sentences. " * 4}
+    a = prefix_chain({"model": "m", "messages": [system, {"role": "user", "content": "First question, about the weather at sea?"}]}, True)
+    b = prefix_chain({"model": "m", "messages": [system, {"role": "user", "content": "Second question, about bread and butter?"}]}, True)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared == (len("system\x1f") + len(system["content"]) + len("\x1euser\x1f")) // CHUNK_CHARS  # the user turns differ from their first letter
+    # A later turn extends the earlier one's chain; another model or a text completion shares nothing.
+    turn2 = prefix_chain({"model": "m", "messages": [system, {"role": "user", "content": "First question, about the weather at sea?"}, {"role": "assistant", "content": "Calm."}, {"role": "user", "content": "And tomorrow?"}]}, True)
+    assert turn2[: len(a)] == a
+    assert not set(a) & set(prefix_chain({"model": "other", "messages": [system]}, True))
+    assert prefix_chain({"prompt": "x" * 200}, False) != prefix_chain({"messages": [{"role": "x", "content": "x" * 200}]}, True)
+    assert len(prefix_chain({"prompt": list(range(40))}, False)) == 40 * 8 // CHUNK_CHARS
+    assert prefix_chain({"messages": "not a list"}, True) == [] == prefix_chain(["no", "dict"], False) == prefix_chain({"prompt": "short"}, False)
+
+
+def test_routers_rank_replicas() -> None:
+    _ray_or_skip()
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from dasllama.serve.ray.router import PrefixRouter, RoundRobinRouter
+
+    dep = DeploymentID(name="EngineReplica", app_name="test")
+    a, b = (SimpleNamespace(replica_id=ReplicaID(unique_id=u, deployment_id=dep), max_ongoing_requests=12) for u in ("a", "b"))
+
+    def req(*chain: str) -> Any:
+        return SimpleNamespace(args=[SimpleNamespace(chain=list(chain))])
+
+    def order(router: Any, pending: Any = None) -> list[str]:
+        ranks = asyncio.run(router.choose_replicas([a, b], pending))
+        assert all(len(rank) == 1 for rank in ranks) and len(ranks) == 2  # every replica, one per rank: the first with room wins
+        return [rank[0].replica_id.unique_id for rank in ranks]
+
+    r = PrefixRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    r.initialize_state(imbalance=2)
+    r.replica_queue_len_cache.update(a.replica_id, 1)
+    r.replica_queue_len_cache.update(b.replica_id, 0)
+    assert order(r, req("s1", "s2")) == ["b", "a"]  # never seen: the least loaded
+    r.on_request_routed(req("s1", "s2"), a.replica_id, None)
+    r.replica_queue_len_cache.update(a.replica_id, 2)
+    assert order(r, req("s1", "s2", "s3")) == ["a", "b"]  # a served the prefix, and is only 2 busier
+    assert order(r, req("s1", "t2")) == ["a", "b"]  # a shorter match still counts
+    r.replica_queue_len_cache.update(a.replica_id, 3)
+    assert order(r, req("s1", "s2")) == ["b", "a"]  # 3 busier than b: load wins
+    assert order(r, req("u1")) == ["b", "a"]
+    r.replica_queue_len_cache.update(a.replica_id, 0)
+    r.on_request_routed(req("v1"), b.replica_id, None)
+    assert order(r, req("v1", "v2")) == ["b", "a"]
+    r.on_replica_actor_died(b.replica_id)
+    assert "v1" not in r._owner and "s1" in r._owner  # b's prefixes died with it
+
+    rr = RoundRobinRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+    rr.initialize_state()
+    assert [order(rr, req("s1"))[0] for _ in range(4)] == ["a", "b", "a", "b"]
 
 
 def test_cli_refuses_bad_flags_before_starting_ray() -> None:
