@@ -316,3 +316,28 @@ def test_prefix_routing_hits_the_cache_more_than_round_robin(cli: str, smollm_pa
     assert all(len(s) == 1 for s in spread["prefix"].values()), spread["prefix"]
     assert all(len(s) == 2 for s in spread["round-robin"].values()), spread["round-robin"]
     assert rates["prefix"] > rates["round-robin"] + 0.1, rates
+
+
+def test_full_replicas_answer_503_like_a_full_queue(cli: str, smollm_path: str) -> None:
+    from ray import serve
+
+    from dasllama.serve.ray.deployments import build
+
+    serve.delete("dasllama")
+    # One replica taking two requests (one stream, one queued), one more waiting at the ingress.
+    serve.run(build(["--model", smollm_path, "--alias", "smollm", "--streams", "1", "--queue", "1"], replicas=1, threads=1), name="dasllama", route_prefix="/")
+    _wait_healthy(cli)
+
+    async def burst() -> list[httpx.Response]:
+        body = {"model": "smollm", "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(c.post(cli + "/v1/completions", json=body) for _ in range(6)))
+
+    try:
+        answers = asyncio.run(burst())
+    finally:
+        serve.delete("dasllama")
+    codes = [r.status_code for r in answers]
+    full = [r for r in answers if r.status_code == 503]
+    assert codes.count(200) >= 2 and set(codes) <= {200, 503} and 503 in codes, codes
+    assert full and all(r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"] == "1" for r in full)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from typing import Any
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -34,9 +36,7 @@ ROUTERS = {
     "round-robin": "dasllama.serve.ray.router:RoundRobinRouter",
 }
 PROMPT_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
-# Requests a replica is sent at most: its streams plus its queue, so that the engine, not Serve,
-# queues them (and answers 503 when its queue is full, as a single server does).
-REPLICA_HEADER = "x-dasllama-replica"
+REPLICA_HEADER = "x-dasllama-replica"  # added to every answer: which replica gave it
 
 
 @dataclass
@@ -79,7 +79,6 @@ class EngineReplica:
         except (RuntimeError, AttributeError):  # built outside a Serve replica (a test)
             self.name = f"local-{os.getpid()}"
         self._lifespan: asyncio.Task[None] | None = None
-        self._lifespan_stop = asyncio.Event()
 
     async def _run_lifespan(self) -> None:
         # The app's lifespan samples /status's history once a second; run it for the replica's life.
@@ -90,7 +89,7 @@ class EngineReplica:
             if not sent:
                 sent = True
                 return {"type": "lifespan.startup"}
-            await self._lifespan_stop.wait()
+            await asyncio.Event().wait()  # never set: the replica's process ends, and the sampling with it
             return {"type": "lifespan.shutdown"}
 
         async def send(message: dict[str, Any]) -> None:
@@ -203,18 +202,17 @@ class Ingress:
         chain: list[str] = []
         chat = PROMPT_ROUTES.get(path)
         if chat is not None and request.method == "POST":
-            import json
-
             with contextlib.suppress(ValueError, RecursionError):
                 chain = prefix_chain(json.loads(body), chat)
-        headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
-        call = Call(request.method, path, request.url.query.encode(), headers, body, chain)
+        call = Call(request.method, path, request.url.query.encode(), list(request.headers.raw), body, chain)
         # A replica that died since the router last heard of it fails the call before it yields
         # anything; the router has dropped it by then, so the call goes again to another.
         for attempt in range(self.retries + 1):
             gen = self.engine.handle.remote(call)
             try:
                 head = await gen.__anext__()
+            except BackPressureError:
+                return ApiError(503, "the server is at capacity: every replica's request queue is full; retry shortly", type_="server_error", code="queue_full", headers={"Retry-After": "1"}).response()
             except (RayActorError, ActorUnavailableError) as e:
                 if attempt == self.retries:
                     return ApiError(503, f"no engine replica could take the request: {e}", type_="server_error", code="replica_unavailable", headers={"Retry-After": "1"}).response()
@@ -246,7 +244,11 @@ def build(argv: list[str], replicas: int | None = 1, routing: str = "prefix", th
     args = parse_args(argv)  # refuses bad flags here, not in every replica
     kwargs = {"imbalance": imbalance} if routing == "prefix" else {}
     options: dict[str, Any] = {
+        # A replica is sent at most its streams plus its queue, so that its engine, not Serve,
+        # queues them (and answers 503 when its queue is full, as a single server does).
         "max_ongoing_requests": args.streams + args.queue,
+        # Past that on every replica, a bounded wait at the ingress, then 503 as a full queue is.
+        "max_queued_requests": args.queue,
         "ray_actor_options": {"num_cpus": threads, "runtime_env": {"env_vars": {"DASLLAMA_THREADS": str(threads)}}},
         "request_router_config": RequestRouterConfig(request_router_class=ROUTERS[routing], request_router_kwargs=kwargs),
         "health_check_period_s": 5,
