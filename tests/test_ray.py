@@ -38,6 +38,8 @@ def _ray_or_skip() -> Any:
 def cluster() -> Iterator[str]:
     """A local Ray cluster for the whole module; yields its address."""
     ray, serve = _ray_or_skip()
+    # Nothing leaves the machine (CI reaches no outside host; Ray would try to report usage).
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         ctx = ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     except Exception as e:  # noqa: BLE001 - whatever stops Ray from starting here is the skip's reason
