@@ -5,6 +5,7 @@ single `python -m dasllama.serve`."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -218,13 +219,15 @@ def test_same_output_as_single_server(cli: str, single: str) -> None:
     a, b = httpx.post(cli + "/v1/completions", json=body, timeout=120), httpx.post(single + "/v1/completions", json=body, timeout=120)
     assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
 
-    def streamed(base: str) -> str:
+    def streamed(base: str) -> list[str]:
         with httpx.stream("POST", base + "/v1/completions", json=body | {"stream": True}, timeout=120) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
-            return "".join(ln for ln in r.iter_lines() if ln.startswith("data:"))
+            frames = [ln[len("data: ") :] for ln in r.iter_lines() if ln.startswith("data:")]
+        assert frames[-1] == "[DONE]"
+        return [json.loads(f)["choices"][0]["text"] for f in frames[:-1]]
 
-    sa, sb = streamed(cli), streamed(single)
-    assert sa.count("data:") == sb.count("data:") and sa.endswith("data: [DONE]")
+    pieces = streamed(cli)
+    assert pieces == streamed(single) and "".join(pieces) == a.json()["choices"][0]["text"]
     bad = {"model": "smollm", "messages": [{"role": "user", "content": "hi"}], "temperature": 3}
     a, b = httpx.post(cli + "/v1/chat/completions", json=bad, timeout=60), httpx.post(single + "/v1/chat/completions", json=bad, timeout=60)
     assert a.status_code == b.status_code == 400 and a.json() == b.json()
