@@ -232,6 +232,9 @@ def test_same_output_as_single_server(cli: str, single: str) -> None:
     a, b = httpx.post(cli + "/v1/chat/completions", json=bad, timeout=60), httpx.post(single + "/v1/chat/completions", json=bad, timeout=60)
     assert a.status_code == b.status_code == 400 and a.json() == b.json()
     assert httpx.get(cli + "/v1/models", timeout=30).json() == httpx.get(single + "/v1/models", timeout=30).json()
+    emb = {"model": "smollm", "input": ["The sea is calm.", "Bread rises."]}
+    a, b = httpx.post(cli + "/v1/embeddings", json=emb, timeout=60), httpx.post(single + "/v1/embeddings", json=emb, timeout=60)
+    assert a.status_code == b.status_code == 200 and [d["embedding"] for d in a.json()["data"]] == [d["embedding"] for d in b.json()["data"]]
     assert httpx.get(cli + "/nope", timeout=30).status_code == 404
 
 
