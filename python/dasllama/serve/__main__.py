@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from .._cli import HelpFormatter
@@ -27,8 +28,10 @@ from .engine import Engine
 log = logging.getLogger("dasllama.serve")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m dasllama.serve", description="OpenAI-compatible server for GGUF models.", formatter_class=HelpFormatter)
+def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The server's flags; `extra` adds a front end's own (python -m dasllama.serve.ray takes these
+    same flags and its replica count)."""
+    ap = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for GGUF models.", formatter_class=HelpFormatter)
     ap.add_argument("--model", action="append", help=f"a .gguf path or known model name; repeat to serve several (default: {DEFAULT_MODEL})")
     ap.add_argument("--alias", action="append", help="the name clients use for the matching --model (default: the model's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -54,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="let web pages from ORIGIN (e.g. http://localhost:3000; '*' for any) call the API from a browser; repeat for several (default: none, the server's own pages need none)",
     )
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args(argv)
     args.model = args.model or [DEFAULT_MODEL]
     if args.alias and len(args.alias) != len(args.model):
@@ -85,15 +90,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def unknown_model(args: argparse.Namespace) -> str | None:
+    """Why a --model cannot be served (no such file and not a known name), or None."""
+    for spec in args.model:
+        if not Path(spec).expanduser().exists() and (spec.endswith(".gguf") or os.sep in spec or spec not in known_names()):
+            return f"cannot serve '{spec}': no such file, and not a known model name (known: {', '.join(known_names())})"
+    return None
+
+
+def load_models(server: Server, args: argparse.Namespace) -> None:
+    """Load every --model into an engine of `server`, as the flags say."""
+    for i, spec in enumerate(args.model):
+        m = load_model(spec, numerics=args.numerics)
+        if args.ctx:
+            m.config["seq_len"] = min(int(m.config["seq_len"]), args.ctx)
+        # Served as the alias, else as the known model name it was started with, else as
+        # its file's stem; it answers to all three.
+        is_path = spec.endswith(".gguf") or os.sep in spec
+        name = args.alias[i] if args.alias else (m.path.stem if is_path else spec)
+        draft = load_model(args.model_draft, numerics=args.numerics) if args.model_draft else None
+        drafting = configure_spec(m, args.spec, draft, args.spec_max)
+        server.add(Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb), spec, m.path.stem)
+        log.info("serving %s as '%s' (speculative decoding: %s)", m.path.name, name, drafting)
+        if not m.chat_template:
+            log.warning(
+                "'%s' (%s) has no chat template: it is a base model, so only /v1/completions works for it; /v1/chat/completions answers 400 (no_chat_template)", name, m.path.name
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # A model that cannot exist is refused before the server starts (loading, which may download,
     # runs in the background while /health answers "loading").
-    for spec in args.model:
-        if not Path(spec).expanduser().exists() and (spec.endswith(".gguf") or os.sep in spec or spec not in known_names()):
-            log.error("cannot serve '%s': no such file, and not a known model name (known: %s)", spec, ", ".join(known_names()))
-            return 1
+    problem = unknown_model(args)
+    if problem:
+        log.error("%s", problem)
+        return 1
     import uvicorn
 
     server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes, cors_origins=args.cors_origin)
@@ -102,22 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> None:
         try:
-            for i, spec in enumerate(args.model):
-                m = load_model(spec, numerics=args.numerics)
-                if args.ctx:
-                    m.config["seq_len"] = min(int(m.config["seq_len"]), args.ctx)
-                # Served as the alias, else as the known model name it was started with, else as
-                # its file's stem; it answers to all three.
-                is_path = spec.endswith(".gguf") or os.sep in spec
-                name = args.alias[i] if args.alias else (m.path.stem if is_path else spec)
-                draft = load_model(args.model_draft, numerics=args.numerics) if args.model_draft else None
-                drafting = configure_spec(m, args.spec, draft, args.spec_max)
-                server.add(Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb), spec, m.path.stem)
-                log.info("serving %s as '%s' (speculative decoding: %s)", m.path.name, name, drafting)
-                if not m.chat_template:
-                    log.warning(
-                        "'%s' (%s) has no chat template: it is a base model, so only /v1/completions works for it; /v1/chat/completions answers 400 (no_chat_template)", name, m.path.name
-                    )
+            load_models(server, args)
             server.ready = True
         except BaseException as e:  # noqa: BLE001 - surfaced below: the server exits non-zero
             failed.append(e)
