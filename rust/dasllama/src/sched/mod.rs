@@ -217,10 +217,6 @@ impl Scheduler {
         Ok(())
     }
 
-    pub fn drafter(&self) -> Option<&Drafter> {
-        self.spec.as_ref().map(|s| &s.drafter)
-    }
-
     /// Draft exactly `k` tokens wherever the drafter can (None: as the policy finds worth it).
     pub fn fix_draft_len(&mut self, k: Option<usize>) -> Result<()> {
         let sp =

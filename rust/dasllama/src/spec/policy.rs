@@ -143,7 +143,8 @@ impl Guard {
         }
     }
 
-    pub fn holding(&self) -> bool {
+    #[cfg(test)]
+    fn holding(&self) -> bool {
         self.step < self.off_until
     }
 }
