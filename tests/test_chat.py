@@ -77,3 +77,30 @@ def test_serving_example_warm_round_attaches_cached_pages(smollm: dl.Model) -> N
         pass
     cached = [e.n_cached for e in evs if e.kind == "finished"]
     assert len(cached) == 4 and min(cached) >= 48, cached
+
+
+# The generation prompt of Qwen3's template, as it ships.
+QWEN3_GEN = """{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+def test_set_thinking_renders_the_templates_switch(tmp_path) -> None:
+    from synthetic import write_model
+
+    p = tmp_path / "thinking.gguf"
+    write_model(p)
+    m = dl.load_model(p)
+    m.chat_template = QWEN3_GEN
+    chat = dl.create_chat_renderer(m)
+    dl.add_user(chat, "hi")
+    default = dl.decode(m, dl.render_turn(m, chat))
+    assert default.endswith("<|im_start|>assistant\n"), default
+    dl.set_thinking(chat, False)
+    assert dl.decode(m, dl.render_turn(m, chat)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    dl.set_thinking(chat, True)
+    assert dl.decode(m, dl.render_turn(m, chat)) == default

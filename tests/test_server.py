@@ -321,3 +321,13 @@ def test_embeddings_route(client: openai.OpenAI, server: str, smollm: dl.Model) 
         r = post(server, "/v1/embeddings", {"model": "smollm", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_enable_thinking_is_taken_as_vllm_and_llama_server_take_it(server: str) -> None:
+    msgs = [{"role": "user", "content": "Hi"}]
+    for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {"enable_thinking": True}):
+        r = post(server, "/v1/chat/completions", {"model": "smollm", "messages": msgs, "max_tokens": 4, **extra})
+        assert r.status_code == 200, r.text
+    for bad, param in (({"chat_template_kwargs": []}, "chat_template_kwargs"), ({"enable_thinking": "no"}, "enable_thinking")):
+        r = post(server, "/v1/chat/completions", {"model": "smollm", "messages": msgs, "max_tokens": 4, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

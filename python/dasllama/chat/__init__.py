@@ -71,7 +71,8 @@ class ChatRenderer:
     model: Model
     messages: list[Message] = field(default_factory=list)
     max_new: int = 256
-    thinking: bool = False
+    # None: the template's own default; a bool is passed as `enable_thinking` (Qwen3's switch).
+    thinking: bool | None = None
 
 
 def create_chat_renderer(m: Model, system: str = "", max_new: int = 256) -> ChatRenderer:
@@ -91,12 +92,12 @@ def add_assistant(chat: ChatRenderer, text: str) -> None:
 
 def render_turn(m: Model, chat: ChatRenderer) -> list[int]:
     """The whole conversation so far plus the assistant's opening, as tokens."""
-    return encode(m, render_chat(m, chat.messages, add_generation_prompt=True), special=True)
+    return encode(m, render_chat(m, chat.messages, add_generation_prompt=True, **_thinking(chat)), special=True)
 
 
 def _close_text(m: Model, chat: ChatRenderer) -> str:
     """What the template writes after an assistant reply: render one with a marker and cut."""
-    text = render_chat(m, [*chat.messages, {"role": "assistant", "content": _MARK}], add_generation_prompt=False)
+    text = render_chat(m, [*chat.messages, {"role": "assistant", "content": _MARK}], add_generation_prompt=False, **_thinking(chat))
     at = text.rfind(_MARK)
     return text[at + len(_MARK) :] if at >= 0 else ""
 
@@ -117,8 +118,14 @@ def turn_stop_ids(chat: ChatRenderer) -> list[int]:
 
 
 def set_thinking(chat: ChatRenderer, on: bool) -> None:
-    """Ask thinking-template families to think (or not); other families ignore it."""
+    """Ask a thinking template to think or not: rendered as the template's ``enable_thinking``
+    (Qwen3's closes an empty ``<think>`` block after the assistant's opening when it is false).
+    Templates that do not read it are unaffected."""
     chat.thinking = bool(on)
+
+
+def _thinking(chat: ChatRenderer) -> dict[str, Any]:
+    return {} if chat.thinking is None else {"enable_thinking": chat.thinking}
 
 
 def make_nothink_guard(chat: ChatRenderer) -> None:

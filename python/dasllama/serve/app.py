@@ -131,7 +131,23 @@ KNOWN_FIELDS = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
     "logprobs", "top_logprobs", "n", "user", "ignore_eos", "response_format", "tools", "tool_choice", "parallel_tool_calls",
+    "chat_template_kwargs", "enable_thinking",
 }
+
+
+def _enable_thinking(body: dict[str, Any]) -> bool | None:
+    """`enable_thinking` at the top level or in `chat_template_kwargs` (as vLLM and llama-server
+    take it): None leaves the template's default."""
+    kw = body.get("chat_template_kwargs", {})
+    if not isinstance(kw, dict):
+        raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    unknown = set(kw) - {"enable_thinking"}
+    if unknown:
+        log.warning("ignoring chat_template_kwargs %s (only enable_thinking is passed to templates)", sorted(unknown))
+    v = body.get("enable_thinking", kw.get("enable_thinking"))
+    if v is not None and not isinstance(v, bool):
+        raise ApiError(400, "'enable_thinking' must be a boolean", param="enable_thinking")
+    return v
 
 
 @dataclass
@@ -284,11 +300,14 @@ class Server:
             extra: dict[str, Any] = {}
             if tools is not None:
                 rendered, extra = with_tools(rendered, tools)
+            thinking = _enable_thinking(body)
+            if thinking is not None:
+                extra["enable_thinking"] = thinking
             try:
                 text = render_chat(m, rendered, **extra)
                 # What closes the reply in the next turn's prompt: evaluated at the end so the
                 # whole turn goes to the prefix cache and a follow-up attaches it.
-                close = render_close(m, ChatRenderer(m, rendered))
+                close = render_close(m, ChatRenderer(m, rendered, thinking=thinking))
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
             prompt = encode(m, text, special=True)
