@@ -12,6 +12,15 @@ import dasllama as dl
 GOLDEN = Path(__file__).parent / "golden"
 
 
+def drain(m: dl.Model, sch: dl.Scheduler) -> list[dl.SchedEvent]:
+    """Step `sch` until nothing is queued or running; every event, in order (the last step's too)."""
+    events: list[dl.SchedEvent] = []
+    more = True
+    while more:
+        more = dl.scheduler_step(m, sch, events)
+    return events
+
+
 def golden(name: str) -> dict:
     return json.loads((GOLDEN / name).read_text())
 

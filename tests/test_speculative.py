@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import drain
 
 import dasllama as dl
 from synthetic import write_model
@@ -50,16 +51,11 @@ def run(
         for i, p in enumerate(prompts):
             assert dl.submit(m, sch, dl.PendingReq(id=r * 1000 + i, prompt=p, max_new=max_new, params=params or dl.SamplingParams(), seed=11 + i))
         out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-        evs: list[dl.SchedEvent] = []
-        more = True
-        while more:
-            more = dl.scheduler_step(m, sch, evs)
-            for e in evs:
-                if e.kind == "piece" or e.finish == "stop":
-                    out[e.id - r * 1000].append(e.token)
-                elif e.finish not in ("length", "stop"):
-                    raise AssertionError(f"request {e.id} ended with {e.finish}: {e.error}")
-            evs.clear()
+        for e in drain(m, sch):
+            if e.kind == "piece" or e.finish == "stop":
+                out[e.id - r * 1000].append(e.token)
+            elif e.finish not in ("length", "stop"):
+                raise AssertionError(f"request {e.id} ended with {e.finish}: {e.error}")
         outs.append(out)
     stats = dl.scheduler_stats(sch)
     if page_rows:
@@ -160,14 +156,9 @@ def test_accepted_tokens_follow_the_target_distribution(tiny: dl.Model, tmp_path
     for i in range(n):
         assert dl.submit(tiny, sch, dl.PendingReq(id=i, prompt=prompt, max_new=3, params=params, seed=i))
     seqs: dict[int, list[int]] = {i: [] for i in range(n)}
-    evs: list[dl.SchedEvent] = []
-    more = True
-    while more:
-        more = dl.scheduler_step(tiny, sch, evs)
-        for e in evs:
-            if e.kind == "piece":
-                seqs[e.id].append(e.token)
-        evs.clear()
+    for e in drain(tiny, sch):
+        if e.kind == "piece":
+            seqs[e.id].append(e.token)
     stats = dl.scheduler_stats(sch)
     dl.detach_drafter(tiny)
     assert 0 < stats["spec_accepted"] < stats["spec_drafted"], stats

@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import drain
 
 import dasllama as dl
 from dasllama.serve.tools import CallParser, convert_messages, split_calls
@@ -109,18 +110,13 @@ def run(m: dl.Model, reqs: list[dl.PendingReq], mtp: bool = False, stats: dict[s
     text: dict[int, str] = {r.id: "" for r in reqs}
     toks: dict[int, list[int]] = {r.id: [] for r in reqs}
     finish: dict[int, str] = {}
-    evs: list[dl.SchedEvent] = []
-    more = True
-    while more:
-        more = dl.scheduler_step(m, sch, evs)
-        for e in evs:
-            if e.kind == "piece":
-                text[e.id] += e.text
-                toks[e.id].append(e.token)
-            else:
-                assert e.finish in ("stop", "length"), (e.finish, e.error)
-                finish[e.id] = e.finish
-        evs.clear()
+    for e in drain(m, sch):
+        if e.kind == "piece":
+            text[e.id] += e.text
+            toks[e.id].append(e.token)
+        else:
+            assert e.finish in ("stop", "length"), (e.finish, e.error)
+            finish[e.id] = e.finish
     if stats is not None:
         stats.update(dl.scheduler_stats(sch))
     return text, toks, finish

@@ -13,6 +13,8 @@ from . import _native
 from .model import Model, encode
 
 Pooling = Literal["mean", "cls", "last"]
+# Tokens per weight pass: inputs are grouped so that a pass's activations stay bounded.
+PASS_TOKENS = 8192
 # llama.cpp's enum llama_pooling_type: 0 none, 1 mean, 2 cls, 3 last, 4 rank.
 _GGUF_POOLING: dict[int, Pooling] = {1: "mean", 2: "cls", 3: "last"}
 
@@ -24,7 +26,8 @@ def default_pooling(m: Model) -> Pooling:
 
 def embed(m: Model, inputs: str | list[str] | list[int] | list[list[int]], pooling: Pooling | None = None, normalize: bool = True) -> npt.NDArray[np.float32]:
     """An (n, dim) float32 array: one row per input (a text, encoded as the model adds BOS, or a
-    list of token ids). Raises ValueError for no inputs, an empty one, or one past the context."""
+    list of token ids). Inputs share weight passes of up to ``PASS_TOKENS`` tokens. Raises
+    ValueError for no inputs, an empty one, one past the context or outside the vocabulary."""
     if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(isinstance(t, int) for t in inputs)):
         inputs = [inputs]  # type: ignore[list-item]
     if not isinstance(inputs, list) or not inputs:
@@ -44,4 +47,10 @@ def embed(m: Model, inputs: str | list[str] | list[int] | list[list[int]], pooli
         if any(not 0 <= t < m.n_vocab for t in toks):
             raise ValueError(f"input {i} holds a token id outside the vocabulary of {m.n_vocab}")
         ids.append(toks)
-    return _native.embed(m._native, ids, pooling or default_pooling(m), normalize)
+    groups: list[list[list[int]]] = [[]]
+    for toks in ids:
+        if groups[-1] and sum(map(len, groups[-1])) + len(toks) > PASS_TOKENS:
+            groups.append([])
+        groups[-1].append(toks)
+    pool = pooling or default_pooling(m)
+    return np.concatenate([_native.embed(m._native, g, pool, normalize) for g in groups])

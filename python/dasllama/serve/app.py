@@ -61,9 +61,8 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-# OpenAI's own bound on inputs per embeddings request; tokens per weight pass bound its memory.
+# OpenAI's own bound on inputs per embeddings request.
 EMBED_MAX_INPUTS = 2048
-EMBED_GROUP_TOKENS = 8192
 
 # ---- metrics -----------------------------------------------------------------------------------
 
@@ -756,25 +755,17 @@ def build_app(server: Server) -> Starlette:
             elif not (isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)):
                 raise ApiError(400, f"input {i} must be a non-empty string or a non-empty list of token ids", param="input")
 
-        def run() -> tuple[list[Any], int]:
+        def run() -> tuple[Any, int]:
             ids = [encode(m, x) if isinstance(x, str) else x for x in raw]
             ctx = int(m.config["seq_len"])
+            # Checked here too for its OpenAI code; embed() refuses the rest (token ids).
             for i, t in enumerate(ids):
                 if len(t) > ctx:
                     raise ApiError(400, f"input {i} has {len(t)} tokens, more than the context of {ctx}", param="input", code="context_length_exceeded")
-                if any(not 0 <= v < m.n_vocab for v in t):
-                    raise ApiError(400, f"input {i} holds a token id outside the vocabulary of {m.n_vocab}", param="input")
-            rows: list[Any] = []
-            # All inputs of a group go through one weight pass; groups bound the pass's memory.
-            group: list[list[int]] = []
-            for t in [*ids, None]:
-                if t is None or (group and sum(map(len, group)) + len(t) > EMBED_GROUP_TOKENS):
-                    if group:
-                        rows.extend(embed(m, group))
-                    group = []
-                if t is not None:
-                    group.append(t)
-            return rows, sum(map(len, ids))
+            try:
+                return embed(m, ids), sum(map(len, ids))
+            except ValueError as e:
+                raise ApiError(400, str(e), param="input") from None
 
         vecs, n_tok = await asyncio.get_running_loop().run_in_executor(None, run)
         data = [

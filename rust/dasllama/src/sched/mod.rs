@@ -397,8 +397,7 @@ impl Scheduler {
         let logits = match self.eval_plan(m, &plan) {
             Ok(()) => {
                 if let Some(sp) = &mut self.spec {
-                    let logit_rows: usize = plan.iter().map(|&(i, k)| if self.slots[i].as_ref().is_some_and(|s| s.next.is_some()) { k } else { 1 }).sum();
-                    let rows = plan.iter().map(|p| p.1).sum::<usize>() as f64 + sp.logit_weight * logit_rows as f64;
+                    let rows = sp.pass_rows(plan.iter().map(|p| p.1).sum(), self.ws.logits.len() / m.config.vocab_size);
                     sp.target_cost.observe(rows, t_pass.elapsed().as_secs_f64());
                 }
                 std::mem::take(&mut self.ws.logits)
@@ -541,9 +540,9 @@ impl Scheduler {
         if !sp.guard.allow() && sp.fixed_k.is_none() {
             return false;
         }
-        // In decode rows (a row with logits): the policy's unit.
+        // In decode rows (a row with logits): the policy's unit. Every plan entry has one logit row.
         let w = 1.0 + sp.logit_weight;
-        let rows = (plan.iter().map(|p| p.1).sum::<usize>() as f64 + sp.logit_weight * plan.len() as f64) / w;
+        let rows = sp.pass_rows(plan.iter().map(|p| p.1).sum(), plan.len()) / w;
         // Nothing is known of this machine before the first pass: no drafts until it is measured.
         let Some(line) = sp.target_cost.line() else { return false };
         let max_draft = sp.drafter.max_draft();
@@ -810,6 +809,13 @@ impl Scheduler {
         let mut ev = finished_event(slot, &s.req, finish, token, s.generated, ttft, gen);
         ev.n_cached = s.cached;
         ev
+    }
+}
+
+impl Speculation {
+    /// A pass's size as its cost model counts it: its rows, plus its logit rows weighted.
+    fn pass_rows(&self, rows: usize, logit_rows: usize) -> f64 {
+        rows as f64 + self.logit_weight * logit_rows as f64
     }
 }
 
