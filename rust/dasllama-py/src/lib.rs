@@ -39,6 +39,15 @@ create_exception!(
     "A bug inside the engine (a caught panic). The call was abandoned; the model and other sessions are intact."
 );
 
+create_exception!(
+    dasllama._native,
+    DeviceError,
+    DasllamaError,
+    "The GPU device failed (lost mid-step, out of memory, or unusable); the call was abandoned."
+);
+
+mod gpu;
+
 fn map_err(e: Error) -> PyErr {
     match e {
         Error::Gguf(m) => GgufError::new_err(m),
@@ -47,6 +56,7 @@ fn map_err(e: Error) -> PyErr {
         Error::InvalidArgument(m) => PyValueError::new_err(m),
         Error::PoolFull(m) => KvPoolFullError::new_err(m),
         Error::Internal(m) => EngineError::new_err(m),
+        Error::Device(m) => DeviceError::new_err(m),
         Error::Io(e) => DasllamaError::new_err(e.to_string()),
     }
 }
@@ -822,5 +832,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scheduler_stats, m)?)?;
     m.add_function(wrap_pyfunction!(arch_names, m)?)?;
     m.add_function(wrap_pyfunction!(n_threads, m)?)?;
+    m.add("DeviceError", py.get_type_bound::<DeviceError>())?;
+    gpu::register(m)?;
     Ok(())
 }

@@ -22,6 +22,10 @@ pub enum Error {
     /// model and its other sessions are intact.
     #[error("{0}")]
     Internal(String),
+    /// The GPU device failed: lost mid-step, out of memory, or unusable. The call was abandoned;
+    /// the session's rows before it are intact where the device still answers.
+    #[error("{0}")]
+    Device(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -38,6 +42,7 @@ impl Error {
             Error::InvalidArgument(_) => "invalid_argument",
             Error::PoolFull(_) => "kv_pool_full",
             Error::Internal(_) => "internal",
+            Error::Device(_) => "device",
             Error::Io(_) => "io",
         }
     }

@@ -37,5 +37,6 @@ pub mod sched;
 pub mod session;
 pub mod spec;
 pub mod tokenizer;
+pub mod vulkan;
 
 pub use error::{Error, Result};

@@ -5,10 +5,14 @@ use crate::kv::{KvCodec, KvPool, PRIVATE_PAGE_ROWS};
 use crate::model::forward::{forward_batch, LogitRows, Scratch};
 use crate::model::Model;
 use crate::record::TokenRecord;
+use crate::vulkan::{self, DevKv};
 use crate::{Error, Result};
 
 pub struct Session {
+    /// Host K/V (empty for a device-home session).
     pub kv: KvCache,
+    /// A device-home session's K/V region (`vulkan`): set, every eval runs on the device.
+    pub dev: Option<DevKv>,
     pub logits: Vec<f32>,
     /// What this session sampled, with the sampler state to take it back.
     pub record: TokenRecord,
@@ -38,11 +42,26 @@ impl Session {
     }
 
     fn with_kv(kv: KvCache) -> Self {
-        Session { kv, logits: Vec::new(), record: TokenRecord::new(crate::sampling::DEFAULT_SEED), fault: false }
+        Session { kv, dev: None, logits: Vec::new(), record: TokenRecord::new(crate::sampling::DEFAULT_SEED), fault: false }
+    }
+
+    /// A device-home session: its K/V in a region of the device that holds `m`.
+    pub fn on_device(m: &Model) -> Result<Self> {
+        let mut s = Self::with_kv(KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)));
+        s.dev = Some(vulkan::create_session(m)?);
+        Ok(s)
     }
 
     pub fn n_past(&self) -> usize {
-        self.kv.len()
+        self.dev.as_ref().map_or(self.kv.len(), DevKv::len)
+    }
+
+    /// Forget positions from `pos` on, wherever the K/V lives.
+    pub fn truncate(&mut self, pos: usize) {
+        match &mut self.dev {
+            Some(d) => d.truncate(pos),
+            None => self.kv.truncate(pos),
+        }
     }
 
     /// Run `tokens` at the current position; logits after the last one land in `self.logits`.
@@ -54,19 +73,25 @@ impl Session {
     /// what a speculative verify chunk needs. Row i equals what evaluating the tokens one at a
     /// time gives after token i. The session keeps the last row, as after `eval`.
     pub fn eval_all(&mut self, m: &Model, tokens: &[u32], rows: &mut Vec<f32>) -> Result<()> {
-        forward_batch(m, &mut [&mut self.kv], &[tokens.len()], tokens, LogitRows::All, &mut shared_scratch(), rows)?;
+        run(m, &mut [self], &[tokens.len()], tokens, LogitRows::All, &mut shared_scratch(), rows)?;
         self.logits.clear();
         self.logits.extend_from_slice(&rows[rows.len() - m.config.vocab_size..]);
         Ok(())
     }
 
     fn eval_rows(&mut self, m: &Model, tokens: &[u32], want: LogitRows<'_>) -> Result<()> {
-        forward_batch(m, &mut [&mut self.kv], &[tokens.len()], tokens, want, &mut shared_scratch(), &mut self.logits)
+        let mut logits = std::mem::take(&mut self.logits);
+        let r = run(m, &mut [self], &[tokens.len()], tokens, want, &mut shared_scratch(), &mut logits);
+        self.logits = logits;
+        r
     }
 
     /// Forget everything (KV, logits, penalty window); the KV pages go back to their pool.
     pub fn reset(&mut self) {
         self.kv.release();
+        if let Some(d) = &mut self.dev {
+            d.reset();
+        }
         self.record.clear();
         self.logits.clear();
     }
@@ -99,8 +124,26 @@ pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessio
     if sessions.iter().any(|s| s.fault) {
         crate::cpu::team().session(|t| t.parallel_for(1, &|_| panic!("injected fault in a session's evaluation")));
     }
-    let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
-    forward_batch(m, &mut kvs, counts, tokens, want, &mut ws.scratch, &mut ws.logits)
+    run(m, sessions, counts, tokens, want, &mut ws.scratch, &mut ws.logits)
+}
+
+/// One forward pass where the sessions' K/V lives: all on the device, or all on the host (a
+/// host pass while a model is on the device is counted in `vulkan::cpu_passes`).
+fn run(m: &Model, sessions: &mut [&mut Session], counts: &[usize], tokens: &[u32], want: LogitRows<'_>, scratch: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
+    let on_device = sessions.iter().filter(|s| s.dev.is_some()).count();
+    if on_device == 0 {
+        if vulkan::holds(m) {
+            vulkan::cpu_pass("paged or private sessions keep their K/V in host memory, so their calls ran on the CPU (create_device_session for device-home streams)");
+        }
+        let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
+        return forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits);
+    }
+    if on_device != sessions.len() {
+        return Err(Error::InvalidArgument("a batch mixes device-home and host sessions; evaluate them in separate batches".into()));
+    }
+    crate::model::forward::check(m, sessions.iter().map(|s| s.n_past()), counts, tokens, want)?;
+    let mut kvs: Vec<&mut DevKv> = sessions.iter_mut().map(|s| s.dev.as_mut().expect("counted above")).collect();
+    vulkan::forward(m, &mut kvs, counts, tokens, want, logits)
 }
 
 /// Advance `sessions[i]` by `counts[i]` tokens taken in order from `tokens` (decode steps and

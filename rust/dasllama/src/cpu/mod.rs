@@ -95,6 +95,17 @@ impl Weight {
         self.ty.row_bytes(self.cols)
     }
 
+    /// Row `r` as the GGUF stores it (untiled where the CPU tiled it).
+    pub fn gguf_row(&self, r: usize, out: &mut [u8]) {
+        let rb = self.row_bytes();
+        if self.tiled {
+            let tb = tile::tile_bytes(self.ty, self.cols);
+            tile::untile_row(self.ty, &self.data.as_slice()[r / TILE_ROWS * tb..][..tb], r % TILE_ROWS, &mut out[..rb]);
+        } else {
+            out[..rb].copy_from_slice(&self.data.as_slice()[r * rb..(r + 1) * rb]);
+        }
+    }
+
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let rb = self.row_bytes();
         if self.tiled {

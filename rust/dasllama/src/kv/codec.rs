@@ -32,6 +32,14 @@ impl KvCodec {
         }
     }
 
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCodec::F16 => "f16",
+            KvCodec::Q8_0 => "q8_0",
+            KvCodec::Tq4 => "tq4",
+        }
+    }
+
     /// Bytes of `n` values.
     pub fn bytes(self, n: usize) -> usize {
         match self {

@@ -161,12 +161,7 @@ pub fn forward_batch(
     s: &mut Scratch,
     logits: &mut Vec<f32>,
 ) -> Result<()> {
-    check(m, kvs, counts, tokens)?;
-    if let LogitRows::Tail(t) = want {
-        if t.len() != counts.len() {
-            return Err(Error::InvalidArgument(format!("{} logit tails for {} sessions; pass one per session", t.len(), counts.len())));
-        }
-    }
+    check(m, kvs.iter().map(|kv| kv.len()), counts, tokens, want)?;
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
         let want = kv.len() + cnt;
         kv.reserve(want)?;
@@ -184,16 +179,21 @@ pub fn forward_batch(
     Ok(())
 }
 
-fn check(m: &Model, kvs: &[&mut KvCache], counts: &[usize], tokens: &[u32]) -> Result<()> {
+/// What every forward pass refuses, before anything runs: session `i` is at position `lens[i]`.
+pub fn check(m: &Model, lens: impl ExactSizeIterator<Item = usize>, counts: &[usize], tokens: &[u32], want: LogitRows<'_>) -> Result<()> {
     let c = &m.config;
-    if kvs.len() != counts.len() || tokens.is_empty() || counts.iter().sum::<usize>() != tokens.len() || counts.contains(&0) {
+    if let LogitRows::Tail(t) = want {
+        if t.len() != counts.len() {
+            return Err(Error::InvalidArgument(format!("{} logit tails for {} sessions; pass one per session", t.len(), counts.len())));
+        }
+    }
+    if lens.len() != counts.len() || tokens.is_empty() || counts.iter().sum::<usize>() != tokens.len() || counts.contains(&0) {
         return Err(Error::InvalidArgument("eval needs at least one token per session".into()));
     }
-    for (kv, &cnt) in kvs.iter().zip(counts) {
-        if kv.len() + cnt > c.seq_len {
+    for (len, &cnt) in lens.zip(counts) {
+        if len + cnt > c.seq_len {
             return Err(Error::ContextOverflow(format!(
-                "{cnt} tokens at position {} would run past the context window of {} tokens; start a new session or shorten the prompt",
-                kv.len(),
+                "{cnt} tokens at position {len} would run past the context window of {} tokens; start a new session or shorten the prompt",
                 c.seq_len
             )));
         }

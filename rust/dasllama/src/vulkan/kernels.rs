@@ -1,0 +1,243 @@
+//! The compute pipelines (SPIR-V compiled from `shaders/` by `scripts/build_shaders.sh` and
+//! embedded) and the one command buffer a step records into: dispatches with push constants,
+//! barriers, copies, then submit and wait.
+
+use super::buffer::Buffer;
+use super::device::{vk_err, Gpu};
+use crate::quant::GgmlType;
+use crate::{Error, Result};
+use ash::vk;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+macro_rules! spv {
+    ($($name:literal),* $(,)?) => {
+        &[$(($name, include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shaders/spv/", $name, ".spv")))),*]
+    };
+}
+
+static SPIRV: &[(&str, &[u8])] = spv![
+    "mul_mat_f32", "mul_mat_f16", "mul_mat_bf16", "mul_mat_q4_0", "mul_mat_q4_1", "mul_mat_q5_0", "mul_mat_q5_1", "mul_mat_q8_0",
+    "mul_mat_q4_k", "mul_mat_q5_k", "mul_mat_q6_k",
+    "mul_mat_rows_f32", "mul_mat_rows_f16", "mul_mat_rows_bf16", "mul_mat_rows_q4_0", "mul_mat_rows_q4_1", "mul_mat_rows_q5_0", "mul_mat_rows_q5_1",
+    "mul_mat_rows_q8_0", "mul_mat_rows_q4_k", "mul_mat_rows_q5_k", "mul_mat_rows_q6_k",
+    "get_rows_f32", "get_rows_f16", "get_rows_bf16", "get_rows_q4_0", "get_rows_q4_1", "get_rows_q5_0", "get_rows_q5_1", "get_rows_q8_0",
+    "get_rows_q4_k", "get_rows_q5_k", "get_rows_q6_k",
+    "rms_norm", "rope", "eltwise", "gather_rows", "kv_store", "attention", "round_act",
+];
+
+/// The suffix of a weight-reading kernel's variant for a block format.
+pub fn format_suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4K => "q4_k",
+        GgmlType::Q5K => "q5_k",
+        GgmlType::Q6K => "q6_k",
+        GgmlType::Q8_1 | GgmlType::Q8K => return None,
+    })
+}
+
+const PUSH_BYTES: u32 = 128;
+
+/// Push constants in the order a shader declares them: buffer addresses first (8-byte aligned),
+/// then 32-bit scalars.
+#[derive(Default)]
+pub struct Push(Vec<u8>);
+
+impl Push {
+    pub fn addr(mut self, a: u64) -> Self {
+        debug_assert!(self.0.len() % 8 == 0, "addresses come first");
+        self.0.extend_from_slice(&a.to_le_bytes());
+        self
+    }
+    pub fn u(mut self, v: usize) -> Self {
+        self.0.extend_from_slice(&(v as u32).to_le_bytes());
+        self
+    }
+    pub fn f(mut self, v: f32) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+}
+
+/// Pipelines, made on first use (a driver compiles each one, which takes a while on lavapipe).
+pub struct Kernels {
+    gpu: Arc<Gpu>,
+    layout: vk::PipelineLayout,
+    pipelines: HashMap<&'static str, vk::Pipeline>,
+}
+
+impl Kernels {
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Kernels> {
+        let ranges = [vk::PushConstantRange::default().stage_flags(vk::ShaderStageFlags::COMPUTE).size(PUSH_BYTES)];
+        let info = vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&ranges);
+        // SAFETY: valid create info; destroyed in Drop.
+        let layout = unsafe { gpu.device.create_pipeline_layout(&info, None) }.map_err(vk_err("creating the pipeline layout"))?;
+        Ok(Kernels { gpu: gpu.clone(), layout, pipelines: HashMap::new() })
+    }
+
+    pub fn get(&mut self, name: &str) -> Result<vk::Pipeline> {
+        if let Some(&p) = self.pipelines.get(name) {
+            return Ok(p);
+        }
+        let &(key, bytes) = SPIRV.iter().find(|(n, _)| *n == name).ok_or_else(|| Error::Internal(format!("no shader named {name}")))?;
+        let code = ash::util::read_spv(&mut std::io::Cursor::new(bytes)).map_err(|e| Error::Internal(format!("shader {name}: {e}")))?;
+        let d = &self.gpu.device;
+        // SAFETY: `code` is SPIR-V validated by spirv-val at build time.
+        let module = unsafe { d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None) }.map_err(vk_err("loading a shader"))?;
+        let stage = vk::PipelineShaderStageCreateInfo::default().stage(vk::ShaderStageFlags::COMPUTE).module(module).name(c"main");
+        let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(self.layout)];
+        // SAFETY: valid create info; the module may be destroyed once the pipeline exists.
+        let made = unsafe { d.create_compute_pipelines(vk::PipelineCache::null(), &info, None) };
+        // SAFETY: the module is not used after pipeline creation.
+        unsafe { d.destroy_shader_module(module, None) };
+        let p = made.map_err(|(_, e)| vk_err("compiling a compute pipeline")(e))?[0];
+        self.pipelines.insert(key, p);
+        Ok(p)
+    }
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        // SAFETY: no command buffer using these pipelines is pending (every submit is waited for).
+        unsafe {
+            for &p in self.pipelines.values() {
+                self.gpu.device.destroy_pipeline(p, None);
+            }
+            self.gpu.device.destroy_pipeline_layout(self.layout, None);
+        }
+    }
+}
+
+/// Largest workgroup count per dimension every device accepts.
+const MAX_GROUPS: u32 = 65535;
+
+/// One command buffer, recorded per step and submitted with a fence that is waited for before
+/// `submit` returns: nothing the step used can be freed while the device still reads it.
+pub struct Runner {
+    gpu: Arc<Gpu>,
+    pool: vk::CommandPool,
+    cmd: vk::CommandBuffer,
+    fence: vk::Fence,
+    recording: bool,
+    pub dispatches: usize,
+}
+
+impl Runner {
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Runner> {
+        let d = &gpu.device;
+        let pi = vk::CommandPoolCreateInfo::default().queue_family_index(gpu.queue_family).flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
+        // SAFETY: valid create infos; all destroyed in Drop.
+        unsafe {
+            let pool = d.create_command_pool(&pi, None).map_err(vk_err("creating a command pool"))?;
+            let ai = vk::CommandBufferAllocateInfo::default().command_pool(pool).level(vk::CommandBufferLevel::PRIMARY).command_buffer_count(1);
+            let cmd = d.allocate_command_buffers(&ai).map_err(vk_err("allocating a command buffer"))?[0];
+            let fence = d.create_fence(&vk::FenceCreateInfo::default(), None).map_err(vk_err("creating a fence"))?;
+            Ok(Runner { gpu: gpu.clone(), pool, cmd, fence, recording: false, dispatches: 0 })
+        }
+    }
+
+    /// Whether the device is a CPU-type one (lavapipe), where kernels take their barrier-free forms.
+    pub fn cpu_device(&self) -> bool {
+        self.gpu.info.kind == "cpu"
+    }
+
+    fn begin(&mut self) -> Result<()> {
+        if !self.recording {
+            let bi = vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+            // SAFETY: the buffer is not pending (the last submit was waited for).
+            unsafe {
+                self.gpu.device.reset_command_buffer(self.cmd, vk::CommandBufferResetFlags::empty()).map_err(vk_err("resetting a command buffer"))?;
+                self.gpu.device.begin_command_buffer(self.cmd, &bi).map_err(vk_err("recording a step"))?;
+            }
+            self.recording = true;
+            self.dispatches = 0;
+        }
+        Ok(())
+    }
+
+    /// Dispatch `pipe` over `groups` workgroups (x may exceed the per-dimension limit: it wraps
+    /// into y for kernels written for that, or z for the matmul's rows).
+    pub fn dispatch(&mut self, k: &mut Kernels, name: &str, push: Push, groups: [u32; 3]) -> Result<()> {
+        let pipe = k.get(name)?;
+        self.begin()?;
+        assert!(push.0.len() <= PUSH_BYTES as usize, "push constants of {name} overflow");
+        let d = &self.gpu.device;
+        // SAFETY: recording; the pipeline and layout are live; the push range covers the bytes.
+        unsafe {
+            d.cmd_bind_pipeline(self.cmd, vk::PipelineBindPoint::COMPUTE, pipe);
+            d.cmd_push_constants(self.cmd, k.layout, vk::ShaderStageFlags::COMPUTE, 0, &push.0);
+            d.cmd_dispatch(self.cmd, groups[0], groups[1], groups[2]);
+        }
+        self.dispatches += 1;
+        Ok(())
+    }
+
+    /// 1-D dispatch of `count` invocations of a 64-wide kernel that wraps its index into y.
+    pub fn dispatch_flat(&mut self, k: &mut Kernels, name: &str, push: Push, count: usize) -> Result<()> {
+        let groups = count.div_ceil(64).max(1) as u32;
+        let (x, y) = if groups > MAX_GROUPS { (MAX_GROUPS, groups.div_ceil(MAX_GROUPS)) } else { (groups, 1) };
+        self.dispatch(k, name, push, [x, y, 1])
+    }
+
+    /// Every earlier dispatch's writes are visible to every later one.
+    pub fn barrier(&mut self) -> Result<()> {
+        self.begin()?;
+        let mb = [vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
+            .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_READ)];
+        let stages = vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER;
+        // SAFETY: recording.
+        unsafe { self.gpu.device.cmd_pipeline_barrier(self.cmd, stages, stages, vk::DependencyFlags::empty(), &mb, &[], &[]) };
+        Ok(())
+    }
+
+    pub fn copy(&mut self, src: &Buffer, src_off: u64, dst: &Buffer, dst_off: u64, size: u64) -> Result<()> {
+        self.begin()?;
+        let r = [vk::BufferCopy { src_offset: src_off, dst_offset: dst_off, size }];
+        // SAFETY: recording; both buffers are live and the ranges lie inside them (callers size them).
+        unsafe { self.gpu.device.cmd_copy_buffer(self.cmd, src.raw, dst.raw, &r) };
+        Ok(())
+    }
+
+    /// Submit what was recorded and wait for it.
+    pub fn submit(&mut self) -> Result<()> {
+        if !self.recording {
+            return Ok(());
+        }
+        self.recording = false;
+        let d = &self.gpu.device;
+        let cmds = [self.cmd];
+        let si = [vk::SubmitInfo::default().command_buffers(&cmds)];
+        // SAFETY: the buffer was recorded on this device; the fence is unsignalled; we wait for
+        // it before touching anything the step used.
+        unsafe {
+            d.end_command_buffer(self.cmd).map_err(vk_err("recording a step"))?;
+            d.queue_submit(self.gpu.queue, &si, self.fence).map_err(vk_err("submitting a step"))?;
+            let waited = d.wait_for_fences(&[self.fence], true, u64::MAX);
+            d.reset_fences(&[self.fence]).map_err(vk_err("resetting a fence"))?;
+            waited.map_err(vk_err("running a step"))?;
+        }
+        if super::fault::take() {
+            return Err(super::device::vk_err("running a step")(vk::Result::ERROR_DEVICE_LOST));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        // SAFETY: nothing is pending (submit waits); destroying the pool frees its buffer.
+        unsafe {
+            self.gpu.device.destroy_fence(self.fence, None);
+            self.gpu.device.destroy_command_pool(self.pool, None);
+        }
+    }
+}

@@ -1,0 +1,508 @@
+//! The GPU tier: an ash-based Vulkan driver that holds a whole model on the device and serves
+//! device-home sessions (K/V in one device region per stream) with true batched decode.
+//!
+//! Process-wide state, as the serving tutorial's tier is: one model on the device at a time.
+//! The order of a load is: `set_want` (what to ask), `arm` (open the device), load the model,
+//! `install` (upload it, or say why not), `capture` (classify the outcome). A switch is
+//! `hydrate` every live device session, `drop_model`, then install the next one.
+//! On a machine without Vulkan every step is a cheap no-op that reports "cpu".
+//!
+//! Modules: `device` (loader, instance, device choice, allocator), `buffer`, `kernels`
+//! (pipelines and the step's command buffer), `weights` (repack and upload), `regions` (device
+//! K/V), `resident` (the model and its forward pass).
+
+mod buffer;
+mod device;
+mod kernels;
+mod regions;
+mod resident;
+mod weights;
+
+pub use device::DeviceInfo;
+pub use resident::PREFILL_WINDOW;
+
+use crate::kv::{KvCache, KvCodec};
+use crate::model::forward::LogitRows;
+use crate::model::Model;
+use crate::{Error, Result};
+use device::Gpu;
+use resident::Resident;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+/// What a load should put on the device (the programmatic form of `DASLLAMA_GPU*`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Want {
+    /// Use the device when one is there: the whole model resident if it fits.
+    pub auto_tier: bool,
+    /// Cap on the weights' device memory in MiB (0: the device's budget).
+    pub vram_mb: u64,
+}
+
+impl Want {
+    /// The want with the environment applied: `DASLLAMA_GPU=0|off` keeps everything off the
+    /// device, `=1|on|vulkan` asks for it; `DASLLAMA_GPU_VRAM_MB` caps the weights.
+    fn with_env(mut self) -> Want {
+        if let Ok(v) = std::env::var("DASLLAMA_GPU") {
+            self.auto_tier = !matches!(v.to_lowercase().as_str(), "0" | "off" | "false" | "cpu" | "");
+        }
+        if let Some(mb) = std::env::var("DASLLAMA_GPU_VRAM_MB").ok().and_then(|v| v.parse().ok()) {
+            self.vram_mb = mb;
+        }
+        self
+    }
+
+    pub fn is_zero(&self) -> bool {
+        !self.auto_tier
+    }
+}
+
+/// A snapshot for status pages.
+#[derive(Clone, Debug, Default)]
+pub struct Status {
+    pub backend: String,
+    pub device: String,
+    pub supported: bool,
+    pub reason: String,
+    /// Device memory our allocator holds.
+    pub vram_bytes: u64,
+    /// The device's memory budget (VK_EXT_memory_budget where present, else its heaps).
+    pub budget_bytes: u64,
+    pub resident_layers: usize,
+    pub weight_bytes: u64,
+    pub kv_bytes: u64,
+}
+
+struct Tier {
+    want: Want,
+    armed: bool,
+    gpu: Option<Arc<Gpu>>,
+    /// Why the device is not used (empty while it is).
+    reason: String,
+    resident: Option<Resident>,
+    /// Bumped whenever the resident model goes: device sessions of an older one are stale.
+    generation: u64,
+    /// "cpu" | "gpu:resident": what the last install did.
+    outcome: String,
+    regions: usize,
+    ctx_max: usize,
+    ctx_strict: bool,
+    kv_dtype: Option<KvCodec>,
+    prefill_allowed: bool,
+    passes: BTreeMap<String, u64>,
+}
+
+fn tier() -> MutexGuard<'static, Tier> {
+    static TIER: Mutex<Tier> = Mutex::new(Tier {
+        want: Want { auto_tier: false, vram_mb: 0 },
+        armed: false,
+        gpu: None,
+        reason: String::new(),
+        resident: None,
+        generation: 0,
+        outcome: String::new(),
+        regions: 4,
+        ctx_max: 4096,
+        ctx_strict: false,
+        kv_dtype: None,
+        prefill_allowed: true,
+        passes: BTreeMap::new(),
+    });
+    TIER.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The backend's witness: whether a usable Vulkan device answers on this machine (enumerated
+/// once, cached), and the device or the reason.
+pub fn witness() -> &'static std::result::Result<DeviceInfo, String> {
+    static W: OnceLock<std::result::Result<DeviceInfo, String>> = OnceLock::new();
+    W.get_or_init(|| match device::enumerate() {
+        Ok(devs) => device::choose(&devs).map(|i| devs[i].clone()),
+        Err(e) => Err(e.to_string()),
+    })
+}
+
+/// Every Vulkan device the loader reports (empty, with the reason, where there is none).
+pub fn devices() -> std::result::Result<Vec<DeviceInfo>, String> {
+    device::enumerate().map_err(|e| e.to_string())
+}
+
+pub fn set_want(w: Want) {
+    tier().want = w;
+}
+
+/// Arm the recorded want (env applied): open the device so the next load can go there. False
+/// when the want is zero or no device answers (the reason in `status().reason`).
+pub fn arm() -> bool {
+    let mut t = tier();
+    let want = t.want.with_env();
+    t.armed = false;
+    if want.is_zero() {
+        t.reason = "the GPU tier is off (zero want, --gpu off or DASLLAMA_GPU=0)".into();
+        return false;
+    }
+    if t.gpu.is_none() {
+        if let Err(why) = witness() {
+            t.reason = why.clone();
+            return false;
+        }
+        match Gpu::open() {
+            Ok(g) => t.gpu = Some(Arc::new(g)),
+            Err(e) => {
+                t.reason = e.to_string();
+                return false;
+            }
+        }
+    }
+    t.armed = true;
+    t.reason.clear();
+    true
+}
+
+/// Bytes of weights the armed device will hold (0 when not armed).
+pub fn weight_budget() -> u64 {
+    let t = tier();
+    budget(&t)
+}
+
+fn budget(t: &Tier) -> u64 {
+    let Some(g) = t.gpu.as_ref().filter(|_| t.armed) else { return 0 };
+    let want = t.want.with_env();
+    let (total, used) = g.memory();
+    // What is free now plus what the resident model holds, less a margin for the driver.
+    let held = t.resident.as_ref().map_or(0, |r| r.weight_bytes + r.regions.bytes());
+    let free = (total.saturating_sub(used) + held) / 10 * 9;
+    if want.vram_mb > 0 {
+        free.min(want.vram_mb << 20)
+    } else {
+        free
+    }
+}
+
+pub fn status() -> Status {
+    let t = tier();
+    let mut s = Status { backend: "cpu".into(), supported: witness().is_ok(), ..Default::default() };
+    if let Some(g) = &t.gpu {
+        s.device = g.info.name.clone();
+        let (total, _) = g.memory();
+        s.budget_bytes = total;
+        s.vram_bytes = g.allocated();
+    }
+    if let Some(r) = &t.resident {
+        s.backend = "vulkan".into();
+        s.resident_layers = r.layers();
+        s.weight_bytes = r.weight_bytes;
+        s.kv_bytes = r.regions.bytes();
+    }
+    s.reason = match (&t.resident, witness()) {
+        (Some(_), _) => String::new(),
+        (None, Err(w)) => w.clone(),
+        (None, Ok(_)) if !t.reason.is_empty() => t.reason.clone(),
+        (None, Ok(_)) => "no model is on the device".into(),
+    };
+    s
+}
+
+/// After a load: put `m` on the device if the tier is armed and the model fits. Returns the
+/// outcome, "cpu" or "gpu:resident"; the reason for "cpu" is in `status().reason` and
+/// `decline()`.
+pub fn install(m: &Model) -> String {
+    let mut t = tier();
+    let outcome = install_locked(&mut t, m);
+    t.outcome = outcome.clone();
+    outcome
+}
+
+fn install_locked(t: &mut Tier, m: &Model) -> String {
+    if !t.armed {
+        if t.reason.is_empty() {
+            t.reason = "the GPU tier was not armed before the load".into();
+        }
+        return "cpu".into();
+    }
+    if t.resident.is_some() {
+        t.reason = "the device still holds another model: hydrate its sessions and drop it first (the switch order)".into();
+        return "cpu".into();
+    }
+    if let Some(why) = resident::decline(m) {
+        t.reason = why;
+        return "cpu".into();
+    }
+    let ctx = if t.ctx_max == 0 { m.config.seq_len } else { t.ctx_max.min(m.config.seq_len) };
+    if t.ctx_strict && t.ctx_max > m.config.seq_len {
+        t.reason = format!("a strict context of {} positions was asked, past the model's {}", t.ctx_max, m.config.seq_len);
+        return "cpu".into();
+    }
+    if t.kv_dtype.is_some_and(|c| c != KvCodec::F16) {
+        t.reason = format!("device K/V in {} is not implemented; the driver keeps K/V in f16", t.kv_dtype.map(|c| c.name()).unwrap_or_default());
+        return "cpu".into();
+    }
+    let kv_bytes = (t.regions * m.config.kv_layers() * ctx * m.config.kv_dim() * 4) as u64;
+    let need = resident::weight_bytes(m) + kv_bytes;
+    let have = budget(t);
+    if need > have {
+        t.reason = format!(
+            "the model needs {} MiB on the device ({} MiB of weights, {} MiB of K/V for {} regions of {ctx} positions) but the budget is {} MiB; lower --gpu-regions or the context, or serve on the CPU",
+            need >> 20,
+            resident::weight_bytes(m) >> 20,
+            kv_bytes >> 20,
+            t.regions,
+            have >> 20
+        );
+        return "cpu".into();
+    }
+    let gpu = t.gpu.clone().expect("armed means a device");
+    match Resident::upload(&gpu, m, t.regions, ctx) {
+        Ok(r) => {
+            log(&format!("{} on '{}': {} MiB of weights, {} regions of {ctx} positions", m.config.arch, gpu.info.name, r.weight_bytes >> 20, t.regions));
+            t.resident = Some(r);
+            t.reason.clear();
+            "gpu:resident".into()
+        }
+        Err(e) => {
+            t.reason = format!("uploading the model failed: {e}");
+            "cpu".into()
+        }
+    }
+}
+
+fn log(msg: &str) {
+    if std::env::var("DASLLAMA_VK_LOG").is_ok_and(|v| v == "1") {
+        eprintln!("dasllama vulkan: {msg}");
+    }
+}
+
+/// The outcome of the last install ("cpu" before any).
+pub fn outcome() -> String {
+    let t = tier();
+    if t.outcome.is_empty() {
+        "cpu".into()
+    } else {
+        t.outcome.clone()
+    }
+}
+
+/// Free the resident model's whole device state. Device sessions of it become stale: their
+/// calls fail with a clear error (hydrate them first to keep their rows).
+pub fn drop_model() {
+    let mut t = tier();
+    if t.resident.take().is_some() {
+        t.generation += 1;
+    }
+    t.outcome = "cpu".into();
+}
+
+/// Whether `m` is the model on the device.
+pub fn holds(m: &Model) -> bool {
+    tier().resident.as_ref().is_some_and(|r| r.model_id == m as *const Model as usize)
+}
+
+pub fn set_regions(n: usize) {
+    tier().regions = n;
+}
+pub fn set_ctx_max(n: usize) {
+    tier().ctx_max = n;
+}
+pub fn set_ctx_strict(b: bool) {
+    tier().ctx_strict = b;
+}
+/// (ctx_max, strict) as pinned.
+pub fn ctx_pins() -> (usize, bool) {
+    let t = tier();
+    (t.ctx_max, t.ctx_strict)
+}
+/// Pin the device K/V codec (None: unpinned; `DASLLAMA_GPU_KV` decides).
+pub fn set_kv_dtype(c: Option<KvCodec>) {
+    tier().kv_dtype = c;
+}
+pub fn kv_dtype_pin() -> Option<KvCodec> {
+    tier().kv_dtype
+}
+/// The codec device-home sessions carry.
+pub fn session_dtype() -> KvCodec {
+    KvCodec::F16
+}
+pub fn set_prefill_allowed(b: bool) {
+    tier().prefill_allowed = b;
+}
+pub fn prefill_allowed() -> bool {
+    tier().prefill_allowed
+}
+
+/// Regions the resident driver serves (0 when no model is on the device).
+pub fn device_sessions() -> usize {
+    tier().resident.as_ref().map_or(0, |r| r.regions.count())
+}
+
+/// Positions one region holds (0 when no model is on the device).
+pub fn session_ctx() -> usize {
+    tier().resident.as_ref().map_or(0, |r| r.regions.ctx)
+}
+
+/// Why the resident driver does not serve (empty while it does).
+pub fn decline() -> String {
+    let t = tier();
+    if t.resident.is_some() {
+        return String::new();
+    }
+    match witness() {
+        Err(w) => w.clone(),
+        Ok(_) if !t.reason.is_empty() => t.reason.clone(),
+        Ok(_) => "no model was installed on the device (arm the tier before the load)".into(),
+    }
+}
+
+/// Count a call that ran on the CPU although a model is on the device.
+pub fn cpu_pass(words: &str) {
+    let mut t = tier();
+    if t.resident.is_some() {
+        *t.passes.entry(words.to_string()).or_default() += 1;
+    }
+}
+
+/// The honesty counter: (count, reason) for every kind of call handed back to the CPU.
+pub fn cpu_passes() -> Vec<(u64, String)> {
+    tier().passes.iter().map(|(w, &n)| (n, w.clone())).collect()
+}
+
+pub fn reset_cpu_passes() {
+    tier().passes.clear();
+}
+
+/// A session's K/V in a device region.
+#[derive(Debug)]
+pub struct DevKv {
+    region: usize,
+    len: usize,
+    generation: u64,
+}
+
+impl DevKv {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forget positions from `pos` on (a speculative rollback): the rows stay but are
+    /// overwritten by the next ones.
+    pub fn truncate(&mut self, pos: usize) {
+        self.len = self.len.min(pos);
+    }
+
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+}
+
+impl Drop for DevKv {
+    fn drop(&mut self) {
+        let mut t = tier();
+        let g = t.generation;
+        if let Some(r) = t.resident.as_mut().filter(|_| g == self.generation) {
+            r.regions.release(self.region);
+        }
+    }
+}
+
+fn stale() -> Error {
+    Error::Device("this device session's model is no longer on the device (it was dropped or switched out); create a new session".into())
+}
+
+/// A region for a new device-home session of `m`.
+pub fn create_session(m: &Model) -> Result<DevKv> {
+    let mut t = tier();
+    let generation = t.generation;
+    let r = t.resident.as_mut().filter(|r| r.model_id == m as *const Model as usize).ok_or_else(|| {
+        Error::InvalidArgument("this model is not on the device; arm the GPU tier before loading it (gpu_tier_status() says why not)".to_string())
+    })?;
+    let region = r.regions.take().ok_or_else(|| {
+        Error::PoolFull(format!("all {} device regions are held by live sessions; finish or park one first (set_gpu_resident_regions for more)", r.regions.count()))
+    })?;
+    Ok(DevKv { region, len: 0, generation })
+}
+
+/// Park a finished session's rows: its region is free for the next stream, and the claim names
+/// the rows until another stream takes the region. The session is left empty.
+pub fn park(s: &mut DevKv) -> u64 {
+    let mut t = tier();
+    let g = t.generation;
+    let Some(r) = t.resident.as_mut().filter(|_| g == s.generation) else { return 0 };
+    let claim = r.regions.park(s.region, s.len);
+    // The handle no longer owns the region: point it at nothing so its drop releases nothing.
+    s.generation = u64::MAX;
+    s.len = 0;
+    claim
+}
+
+/// Hand the first `rows` rows a claim names to the fresh session `s` (which gives up its own
+/// region). False when the claim is stale (another stream took the region) or holds fewer rows.
+pub fn adopt(s: &mut DevKv, claim: u64, rows: usize) -> Result<bool> {
+    let mut t = tier();
+    let g = t.generation;
+    if s.generation != g {
+        return Err(stale());
+    }
+    if s.len != 0 {
+        return Err(Error::InvalidArgument("adopt needs a fresh device session (n_past 0)".into()));
+    }
+    let r = t.resident.as_mut().ok_or_else(stale)?;
+    let Some((region, held)) = r.regions.adopt(claim) else { return Ok(false) };
+    if rows > held {
+        r.regions.park(region, held);
+        return Ok(false);
+    }
+    r.regions.release(s.region);
+    s.region = region;
+    s.len = rows;
+    Ok(true)
+}
+
+/// Run a forward pass over device-home sessions (see `model::forward::forward_batch`).
+pub fn forward(m: &Model, kvs: &mut [&mut DevKv], counts: &[usize], tokens: &[u32], want: LogitRows<'_>, logits: &mut Vec<f32>) -> Result<()> {
+    let mut t = tier();
+    let g = t.generation;
+    let r = t.resident.as_mut().filter(|r| r.model_id == m as *const Model as usize).ok_or_else(stale)?;
+    if kvs.iter().any(|k| k.generation != g) {
+        return Err(stale());
+    }
+    for (k, &c) in kvs.iter().zip(counts) {
+        if k.len + c > r.regions.ctx {
+            return Err(Error::ContextOverflow(format!(
+                "{c} tokens at position {} would run past the {} positions a device region holds; start a new session or raise set_gpu_ctx_max",
+                k.len, r.regions.ctx
+            )));
+        }
+    }
+    let regions: Vec<usize> = kvs.iter().map(|k| k.region).collect();
+    let lens: Vec<usize> = kvs.iter().map(|k| k.len).collect();
+    r.forward(&regions, &lens, counts, tokens, want, logits, m.rope_factors.as_deref())?;
+    for (k, &c) in kvs.iter_mut().zip(counts) {
+        k.len += c;
+    }
+    Ok(())
+}
+
+/// Copy a device session's rows into a host K/V cache (which must be empty), so the
+/// conversation survives the model leaving the device.
+pub fn hydrate(s: &DevKv, kv: &mut KvCache) -> Result<()> {
+    let mut t = tier();
+    let g = t.generation;
+    let r = t.resident.as_mut().filter(|_| s.generation == g).ok_or_else(stale)?;
+    r.read_rows(s.region, s.len, kv)
+}
+
+/// Test hook: the next step's submission reports a lost device, as a GPU fault would.
+pub mod fault {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static FAULT: AtomicBool = AtomicBool::new(false);
+    pub fn inject() {
+        FAULT.store(true, Ordering::SeqCst);
+    }
+    pub(crate) fn take() -> bool {
+        FAULT.swap(false, Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,91 @@
+//! The device's K/V memory, split into one region per stream. A region holds, for every
+//! attention layer, K then V as [ctx][kv_dim] f16. A finished stream parks its region: the rows
+//! stay, named by a claim, until another stream needs the region; the conversation's next turn
+//! adopts them and prefills only its new tokens.
+
+use super::buffer::Buffer;
+use super::device::Gpu;
+use crate::Result;
+use gpu_allocator::MemoryLocation;
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    Free,
+    Held,
+    /// Rows kept for a later turn; `claim` names them, and the oldest parked region is reused
+    /// first when no region is free.
+    Parked { claim: u64, rows: usize },
+}
+
+pub struct Regions {
+    pub buf: Buffer,
+    pub ctx: usize,
+    kvd: usize,
+    region_words: usize,
+    slots: Vec<Slot>,
+    next_claim: u64,
+}
+
+impl Regions {
+    pub fn new(gpu: &Arc<Gpu>, n: usize, ctx: usize, layers: usize, kvd: usize) -> Result<Regions> {
+        let region_words = layers * ctx * kvd;
+        let buf = Buffer::new(gpu, "K/V regions", (n * region_words * 4) as u64, MemoryLocation::GpuOnly)?;
+        Ok(Regions { buf, ctx, kvd, region_words, slots: vec![Slot::Free; n], next_claim: 1 })
+    }
+
+    pub fn count(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.buf.size
+    }
+
+    pub fn base_word(&self, region: usize) -> usize {
+        region * self.region_words
+    }
+
+    /// Word offsets of layer slot `slot`'s K from a region's start, and of its V from its K.
+    pub fn slot_offsets(&self, slot: usize) -> (usize, usize) {
+        (slot * self.ctx * self.kvd, self.ctx * self.kvd / 2)
+    }
+
+    /// Byte range of layer slot `slot`'s K (v = false) or V rows 0..rows in `region`.
+    pub fn rows_bytes(&self, region: usize, slot: usize, v: bool, rows: usize) -> (u64, u64) {
+        let (so, vo) = self.slot_offsets(slot);
+        let w = self.base_word(region) + so + if v { vo } else { 0 };
+        (4 * w as u64, (rows * self.kvd * 2) as u64)
+    }
+
+    /// A region for a new stream: a free one, else the oldest parked one (its rows are lost).
+    pub fn take(&mut self) -> Option<usize> {
+        let i = self.slots.iter().position(|s| *s == Slot::Free).or_else(|| {
+            self.slots.iter().enumerate().filter_map(|(i, s)| if let Slot::Parked { claim, .. } = s { Some((*claim, i)) } else { None }).min().map(|(_, i)| i)
+        })?;
+        self.slots[i] = Slot::Held;
+        Some(i)
+    }
+
+    pub fn release(&mut self, region: usize) {
+        if let Some(s) = self.slots.get_mut(region) {
+            *s = Slot::Free;
+        }
+    }
+
+    /// Keep `rows` of a held region for a later turn; the claim names them.
+    pub fn park(&mut self, region: usize, rows: usize) -> u64 {
+        let claim = self.next_claim;
+        self.next_claim += 1;
+        self.slots[region] = Slot::Parked { claim, rows };
+        claim
+    }
+
+    /// The region and row count `claim` names, now held; None when another stream took it since.
+    pub fn adopt(&mut self, claim: u64) -> Option<(usize, usize)> {
+        let i = self.slots.iter().position(|s| matches!(s, Slot::Parked { claim: c, .. } if *c == claim))?;
+        let Slot::Parked { rows, .. } = self.slots[i] else { unreachable!() };
+        self.slots[i] = Slot::Held;
+        Some((i, rows))
+    }
+}
