@@ -153,6 +153,8 @@ def load_model(
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
     native = _native.load_model(str(p), arch, _arch_meta(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
     log.info("loaded %s (%s, %s, %s numerics) in %.2fs", p.name, arch, qm.value, nm.value, time.perf_counter() - t0)
+    # An armed GPU tier takes the model now (or records why not: gpu_slot_capture reads it).
+    _native.gpu_install(native)
     return Model(native, meta, p)
 
 

@@ -73,8 +73,9 @@ fn gpu_install(py: Python<'_>, m: &PyModel) -> String {
     py.allow_threads(|| vulkan::install(&inner))
 }
 
+/// (outcome of the last load, why it stayed on the CPU).
 #[pyfunction]
-fn gpu_outcome() -> String {
+fn gpu_outcome() -> (String, String) {
     vulkan::outcome()
 }
 
@@ -205,6 +206,17 @@ fn is_device_session(s: &PySession) -> bool {
     s.inner.dev.is_some()
 }
 
+/// Keep the scheduler's streams' K/V on the device (only an idle scheduler switches).
+#[pyfunction]
+fn set_device_kv(sch: &mut super::PyScheduler, on: bool) -> PyResult<()> {
+    sch.inner.set_device_kv(on).map_err(map_err)
+}
+
+#[pyfunction]
+fn device_kv(sch: &super::PyScheduler) -> bool {
+    sch.inner.device_kv()
+}
+
 /// Test hook: the next device step reports a lost device.
 #[pyfunction]
 fn _inject_device_fault() {
@@ -244,6 +256,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(gpu_hydrate, m)?,
         wrap_pyfunction!(is_device_session, m)?,
         wrap_pyfunction!(_inject_device_fault, m)?,
+        wrap_pyfunction!(set_device_kv, m)?,
+        wrap_pyfunction!(device_kv, m)?,
     ] {
         m.add_function(f)?;
     }

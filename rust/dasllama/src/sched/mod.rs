@@ -148,6 +148,11 @@ pub struct Scheduler {
     ws: BatchWorkspace,
     admitted: u64,
     spec: Option<Speculation>,
+    /// Streams keep their K/V in device regions (`set_device_kv`): a finished conversation parks
+    /// its rows on the device and its next turn adopts them.
+    device_kv: bool,
+    /// Parked conversations, oldest first: the tokens whose rows a claim names.
+    parked: VecDeque<(Vec<u32>, u64)>,
     pub stats: SchedStats,
 }
 
@@ -189,6 +194,8 @@ impl Scheduler {
             ws: BatchWorkspace::default(),
             admitted: 0,
             spec: None,
+            device_kv: false,
+            parked: VecDeque::new(),
             stats: SchedStats::default(),
         })
     }
@@ -236,6 +243,76 @@ impl Scheduler {
         self.spec.as_ref().and_then(|s| s.target_cost.line())
     }
 
+    /// Keep every stream's K/V on the device that holds the model (or back in host memory). Only
+    /// an idle scheduler switches, and only on when the device has a region for every stream.
+    pub fn set_device_kv(&mut self, on: bool) -> Result<()> {
+        if on == self.device_kv {
+            return Ok(());
+        }
+        if self.n_active() > 0 || !self.queue.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "set_device_kv switches an idle scheduler only; {} streams are live and {} requests queued: drain it first",
+                self.n_active(),
+                self.queue.len()
+            )));
+        }
+        if on {
+            if !crate::vulkan::holds(&self.model) {
+                return Err(Error::InvalidArgument(format!("the model is not on the device: {}", crate::vulkan::decline())));
+            }
+            let regions = crate::vulkan::device_sessions();
+            if regions < self.slots.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "the device has {regions} K/V regions for {} streams; set_gpu_resident_regions({}) before the load, or make a scheduler with fewer streams",
+                    self.slots.len(),
+                    self.slots.len()
+                )));
+            }
+        }
+        self.device_kv = on;
+        self.parked.clear();
+        Ok(())
+    }
+
+    pub fn device_kv(&self) -> bool {
+        self.device_kv
+    }
+
+    /// The pool and prefix cache of host-home streams (none while streams live on the device).
+    fn host_pool(&self) -> Option<&KvPool> {
+        self.pool.as_ref().filter(|_| !self.device_kv)
+    }
+
+    /// Positions a stream may hold: the model's context, or a device region's.
+    fn ctx(&self) -> usize {
+        if self.device_kv && crate::vulkan::holds(&self.model) {
+            crate::vulkan::session_ctx().min(self.model.config.seq_len)
+        } else {
+            self.model.config.seq_len
+        }
+    }
+
+    /// A fresh device stream takes over the parked rows of the longest earlier conversation its
+    /// prompt continues (one token short of the prompt, whose last token gives the first logits).
+    fn adopt_parked(&mut self, i: usize) {
+        let s = self.slots[i].as_mut().expect("prefilling stream");
+        let limit = s.req.prompt.len() - 1;
+        let best = self
+            .parked
+            .iter()
+            .enumerate()
+            .map(|(j, (toks, _))| (toks.iter().zip(&s.req.prompt[..limit]).take_while(|(a, b)| a == b).count(), j))
+            .max();
+        let Some((rows, j)) = best.filter(|&(rows, _)| rows > 0) else { return };
+        let (_, claim) = self.parked.remove(j).expect("found above");
+        let Some(dev) = s.session.dev.as_mut() else { return };
+        if let Ok(true) = crate::vulkan::adopt(dev, claim, rows) {
+            (s.cached, s.fed) = (rows, rows);
+            s.in_kv = s.req.prompt[..rows].to_vec();
+            self.stats.cached_tokens += rows as u64;
+        }
+    }
+
     pub fn n_active(&self) -> usize {
         self.slots.iter().filter(|s| s.is_some()).count()
     }
@@ -279,12 +356,12 @@ impl Scheduler {
         if req.max_new < 1 {
             return bad("max_new must be at least 1".into());
         }
-        if req.prompt.len() + 1 > m.config.seq_len {
+        if req.prompt.len() + 1 > self.ctx() {
             return Err(Error::ContextOverflow(format!(
                 "request {}: the prompt has {} tokens but the context window is {}; shorten it",
                 req.id,
                 req.prompt.len(),
-                m.config.seq_len
+                self.ctx()
             )));
         }
         if let Some(&t) = req.prompt.iter().chain(&req.stop_ids).chain(&req.close_toks).find(|&&t| t as usize >= m.config.vocab_size) {
@@ -330,7 +407,7 @@ impl Scheduler {
     pub fn step(&mut self, events: &mut Vec<SchedEvent>) -> Result<bool> {
         let model = self.model.clone();
         let m = &*model;
-        self.admit(m);
+        self.admit(m, events);
         let decoding: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).collect();
         let mut prefilling: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.fed < s.req.prompt.len())).collect();
         prefilling.sort_by_key(|&i| self.slots[i].as_ref().map(|s| s.order));
@@ -338,7 +415,14 @@ impl Scheduler {
         // short of the prompt, so that its last token is evaluated and gives the first logits).
         // Looking until its first chunk, not only at admission, lets it find what streams admitted
         // with it have prefilled since (a shared system prompt).
-        if let Some(pool) = &self.pool {
+        if self.device_kv {
+            for &i in &prefilling {
+                if self.slots[i].as_ref().is_some_and(|s| s.fed == 0) {
+                    self.adopt_parked(i);
+                }
+            }
+        }
+        if let Some(pool) = self.pool.as_ref().filter(|_| !self.device_kv) {
             for &i in &prefilling {
                 let s = self.slots[i].as_mut().expect("prefilling stream");
                 if s.fed == 0 {
@@ -364,7 +448,7 @@ impl Scheduler {
             budget -= k;
         }
         let t_step = Instant::now();
-        let drafted = self.draft(m, &decoding, &plan);
+        let drafted = self.draft(&decoding, &plan);
         for p in plan.iter_mut() {
             let s = self.slots[p.0].as_ref().expect("planned stream");
             if s.next.is_some() {
@@ -375,6 +459,10 @@ impl Scheduler {
         // (one that cannot grow for its drafts decodes without them).
         plan.retain_mut(|(i, k)| {
             let s = self.slots[*i].as_mut().expect("planned stream");
+            if s.session.dev.is_some() {
+                // A device region holds its whole context already.
+                return true;
+            }
             let mut res = s.session.kv.reserve(s.session.n_past() + *k);
             if res.is_err() && !s.spec.drafts.is_empty() {
                 *k -= s.spec.drafts.len();
@@ -433,7 +521,7 @@ impl Scheduler {
             if s.fed == s.req.prompt.len() {
                 // Offer the prompt's full pages now, not only when the stream finishes, so that
                 // the streams behind it with the same prefix skip it.
-                if let Some(pool) = &self.pool {
+                if let Some(pool) = self.pool.as_ref().filter(|_| !self.device_kv) {
                     pool.donate(&s.session.kv, &s.in_kv);
                 }
                 self.sample_and_emit(m, i, row, events);
@@ -499,16 +587,33 @@ impl Scheduler {
         logits
     }
 
-    fn admit(&mut self, m: &Model) {
+    fn admit(&mut self, m: &Model, events: &mut Vec<SchedEvent>) {
+        if self.device_kv && !crate::vulkan::holds(m) {
+            // The model left the device (lost, or dropped): new streams keep their K/V on the host.
+            self.device_kv = false;
+            self.parked.clear();
+        }
         for slot in 0..self.slots.len() {
             if self.slots[slot].is_some() {
                 continue;
             }
             let Some((req, t_submit, constraint)) = self.queue.pop_front() else { break };
             self.admitted += 1;
-            let mut session = match &self.pool {
-                Some(p) => Session::paged(m, p).expect("the pool was made for this model"),
-                None => Session::new(m),
+            let session = match (&self.pool, self.device_kv) {
+                (_, true) => Session::on_device(m),
+                (Some(p), false) => Ok(Session::paged(m, p).expect("the pool was made for this model")),
+                (None, false) => Ok(Session::new(m)),
+            };
+            let mut session = match session {
+                Ok(s) => s,
+                Err(e) => {
+                    // No region (the device model left since set_device_kv): the request fails
+                    // alone, with the reason.
+                    let mut ev = finished_event(slot, &req, Finish::Error, -1, 0, 0, 0);
+                    ev.error = Some((e.kind(), e.to_string()));
+                    events.push(ev);
+                    continue;
+                }
             };
             session.record.reseed(req.seed);
             // The prefix cache is looked up in `step`, just before the stream's first chunk.
@@ -532,7 +637,8 @@ impl Scheduler {
     /// Propose this step's drafts for the decoding streams (`Stream::spec.drafts`), as many as
     /// the policy finds worth their rows in the pass `plan` makes without them.
     /// Whether any stream drafts.
-    fn draft(&mut self, m: &Model, decoding: &[usize], plan: &[(usize, usize)]) -> bool {
+    fn draft(&mut self, decoding: &[usize], plan: &[(usize, usize)]) -> bool {
+        let ctx = self.ctx();
         let Some(sp) = self.spec.as_mut() else { return false };
         for &i in decoding {
             self.slots[i].as_mut().expect("decoding stream").spec.drafts.clear();
@@ -554,7 +660,7 @@ impl Scheduler {
                 continue;
             }
             // Never draft past max_new or the context: the verify chunk writes at in_kv.len()..
-            let room = m.config.seq_len.saturating_sub(s.in_kv.len() + 1);
+            let room = ctx.saturating_sub(s.in_kv.len() + 1);
             let mut cap = max_draft.min(s.req.max_new - s.generated - 1).min(room);
             match &sp.drafter {
                 Drafter::Ngram { .. } => {
@@ -649,7 +755,7 @@ impl Scheduler {
                 continue;
             }
             let s = self.slots[i].as_mut().expect("decoding stream");
-            s.session.kv.truncate(s.in_kv.len());
+            s.session.truncate(s.in_kv.len());
             if let Some(ds) = &mut s.spec.draft {
                 ds.kv.truncate(s.in_kv.len());
             }
@@ -674,6 +780,7 @@ impl Scheduler {
     /// Sample from the stream's logits and emit its piece, or finish it; the token if the
     /// stream goes on. `row`: the stream's logits after its last token in `in_kv`.
     fn sample_and_emit(&mut self, m: &Model, i: usize, row: &[f32], events: &mut Vec<SchedEvent>) -> Option<u32> {
+        let ctx = self.ctx();
         let s = self.slots[i].as_mut().expect("live stream");
         // Log-probabilities are the model's own, before penalties and sampling settings.
         let lp = s.req.logprobs.map(|k| log_softmax_top(row, k));
@@ -745,7 +852,7 @@ impl Scheduler {
         };
         let mut text = s.session.record.text(&m.tokenizer.piece(tok, false));
         // The next decode step would evaluate `tok` at position n_past: stop where that would overflow.
-        let done = complete || s.generated >= s.req.max_new || s.in_kv.len() >= m.config.seq_len;
+        let done = complete || s.generated >= s.req.max_new || s.in_kv.len() >= ctx;
         if done {
             text.push_str(&s.session.record.finish_text());
         }
@@ -787,8 +894,27 @@ impl Scheduler {
     fn finish_stream(&mut self, slot: usize, mut s: Stream, finish: Finish, token: i64) -> SchedEvent {
         let m = &*self.model;
         // A stream that ends inside a verify chunk holds rows past what it emitted.
-        s.session.kv.truncate(s.in_kv.len());
-        if let (Some(pool), true) = (&self.pool, matches!(finish, Finish::Stop | Finish::Length)) {
+        s.session.truncate(s.in_kv.len());
+        let ended_well = matches!(finish, Finish::Stop | Finish::Length);
+        if s.session.dev.is_some() && ended_well {
+            // Close the turn on the device and park the rows for the conversation's next turn.
+            let close = s.req.close_toks.clone();
+            let closed = close.is_empty() || (s.in_kv.len() + close.len() <= crate::vulkan::session_ctx() && error::catch("closing a turn", || s.session.eval(m, &close)).is_ok());
+            if closed {
+                s.in_kv.extend_from_slice(&close);
+            }
+            let dev = s.session.dev.as_mut().expect("a device stream");
+            dev.truncate(s.in_kv.len());
+            let claim = crate::vulkan::park(dev);
+            if claim > 0 {
+                self.parked.push_back((std::mem::take(&mut s.in_kv), claim));
+                // Claims of regions taken since are stale anyway; keep the list short.
+                while self.parked.len() > 4 * self.slots.len() {
+                    self.parked.pop_front();
+                }
+            }
+        }
+        if let (Some(pool), true) = (self.pool.as_ref().filter(|_| !self.device_kv), ended_well) {
             // Close the turn in the KV (what the next turn's prompt will hold), then offer the
             // full pages. A close that does not fit the context is simply not donated.
             let close = s.req.close_toks.clone();
@@ -798,7 +924,7 @@ impl Scheduler {
             }
         }
         s.session.reset();
-        if let Some(pool) = &self.pool {
+        if let Some(pool) = self.host_pool() {
             pool.trim();
         }
         let now = Instant::now();

@@ -11,9 +11,20 @@ use gpu_allocator::vulkan::{Allocator, AllocatorCreateDesc};
 use std::ffi::CStr;
 use std::sync::Mutex;
 
+static LOST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a call has seen the device lost since the last check (a lost device answers nothing
+/// again: the tier lets go of it and the next arm opens a fresh one).
+pub fn take_lost() -> bool {
+    LOST.swap(false, std::sync::atomic::Ordering::SeqCst)
+}
+
 pub(crate) fn vk_err(what: &str) -> impl Fn(vk::Result) -> Error + '_ {
     move |e| match e {
-        vk::Result::ERROR_DEVICE_LOST => Error::Device(format!("{what}: the Vulkan device was lost (driver reset or GPU fault); the stream ends here")),
+        vk::Result::ERROR_DEVICE_LOST => {
+            LOST.store(true, std::sync::atomic::Ordering::SeqCst);
+            Error::Device(format!("{what}: the Vulkan device was lost (driver reset or GPU fault); the stream ends here and new ones run on the CPU"))
+        }
         vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY => {
             Error::Device(format!("{what}: out of device memory ({e}); serve fewer streams or a shorter context (--gpu-regions, --ctx)"))
         }
@@ -70,7 +81,12 @@ fn create_instance(entry: &ash::Entry) -> Result<ash::Instance> {
     let app = vk::ApplicationInfo::default().application_name(c"dasllama").api_version(vk::API_VERSION_1_2);
     let ci = vk::InstanceCreateInfo::default().application_info(&app);
     // SAFETY: valid create info; the instance is destroyed in Gpu::drop (or below on failure).
-    unsafe { entry.create_instance(&ci, None) }.map_err(vk_err("creating a Vulkan instance"))
+    unsafe { entry.create_instance(&ci, None) }.map_err(|e| match e {
+        vk::Result::ERROR_INCOMPATIBLE_DRIVER => {
+            Error::Device("the Vulkan loader found no driver (install mesa-vulkan-drivers or your GPU vendor's Vulkan driver)".into())
+        }
+        e => vk_err("creating a Vulkan instance")(e),
+    })
 }
 
 fn describe(instance: &ash::Instance, i: usize, pd: vk::PhysicalDevice) -> DeviceInfo {

@@ -82,8 +82,9 @@ struct Tier {
     resident: Option<Resident>,
     /// Bumped whenever the resident model goes: device sessions of an older one are stale.
     generation: u64,
-    /// "cpu" | "gpu:resident": what the last install did.
+    /// "cpu" | "gpu:resident": what the last install did, and why "cpu".
     outcome: String,
+    install_reason: String,
     regions: usize,
     ctx_max: usize,
     ctx_strict: bool,
@@ -101,6 +102,7 @@ fn tier() -> MutexGuard<'static, Tier> {
         resident: None,
         generation: 0,
         outcome: String::new(),
+        install_reason: String::new(),
         regions: 4,
         ctx_max: 4096,
         ctx_strict: false,
@@ -209,6 +211,11 @@ pub fn install(m: &Model) -> String {
     let mut t = tier();
     let outcome = install_locked(&mut t, m);
     t.outcome = outcome.clone();
+    t.install_reason = if outcome == "cpu" { t.reason.clone() } else { String::new() };
+    if t.resident.is_some() {
+        // The device goes on serving the model it holds.
+        t.reason.clear();
+    }
     outcome
 }
 
@@ -256,6 +263,8 @@ fn install_locked(t: &mut Tier, m: &Model) -> String {
             log(&format!("{} on '{}': {} MiB of weights, {} regions of {ctx} positions", m.config.arch, gpu.info.name, r.weight_bytes >> 20, t.regions));
             t.resident = Some(r);
             t.reason.clear();
+            // The counter speaks of the model on the device.
+            t.passes.clear();
             "gpu:resident".into()
         }
         Err(e) => {
@@ -271,13 +280,13 @@ fn log(msg: &str) {
     }
 }
 
-/// The outcome of the last install ("cpu" before any).
-pub fn outcome() -> String {
+/// The outcome of the last install ("cpu" before any) and, for "cpu", why.
+pub fn outcome() -> (String, String) {
     let t = tier();
     if t.outcome.is_empty() {
-        "cpu".into()
+        ("cpu".into(), decline_locked(&t))
     } else {
-        t.outcome.clone()
+        (t.outcome.clone(), t.install_reason.clone())
     }
 }
 
@@ -340,7 +349,10 @@ pub fn session_ctx() -> usize {
 
 /// Why the resident driver does not serve (empty while it does).
 pub fn decline() -> String {
-    let t = tier();
+    decline_locked(&tier())
+}
+
+fn decline_locked(t: &Tier) -> String {
     if t.resident.is_some() {
         return String::new();
     }
@@ -405,8 +417,9 @@ impl Drop for DevKv {
     }
 }
 
-fn stale() -> Error {
-    Error::Device("this device session's model is no longer on the device (it was dropped or switched out); create a new session".into())
+fn stale(t: &Tier) -> Error {
+    let why = if t.reason.is_empty() { "it was dropped or switched out".to_string() } else { t.reason.clone() };
+    Error::Device(format!("this device session's model is no longer on the device ({why}); create a new session"))
 }
 
 /// A region for a new device-home session of `m`.
@@ -441,12 +454,15 @@ pub fn adopt(s: &mut DevKv, claim: u64, rows: usize) -> Result<bool> {
     let mut t = tier();
     let g = t.generation;
     if s.generation != g {
-        return Err(stale());
+        return Err(stale(&t));
     }
     if s.len != 0 {
         return Err(Error::InvalidArgument("adopt needs a fresh device session (n_past 0)".into()));
     }
-    let r = t.resident.as_mut().ok_or_else(stale)?;
+    if t.resident.is_none() {
+        return Err(stale(&t));
+    }
+    let r = t.resident.as_mut().expect("checked above");
     let Some((region, held)) = r.regions.adopt(claim) else { return Ok(false) };
     if rows > held {
         r.regions.park(region, held);
@@ -462,10 +478,11 @@ pub fn adopt(s: &mut DevKv, claim: u64, rows: usize) -> Result<bool> {
 pub fn forward(m: &Model, kvs: &mut [&mut DevKv], counts: &[usize], tokens: &[u32], want: LogitRows<'_>, logits: &mut Vec<f32>) -> Result<()> {
     let mut t = tier();
     let g = t.generation;
-    let r = t.resident.as_mut().filter(|r| r.model_id == m as *const Model as usize).ok_or_else(stale)?;
-    if kvs.iter().any(|k| k.generation != g) {
-        return Err(stale());
+    let ours = t.resident.as_ref().is_some_and(|r| r.model_id == m as *const Model as usize);
+    if !ours || kvs.iter().any(|k| k.generation != g) {
+        return Err(stale(&t));
     }
+    let r = t.resident.as_mut().expect("checked above");
     for (k, &c) in kvs.iter().zip(counts) {
         if k.len + c > r.regions.ctx {
             return Err(Error::ContextOverflow(format!(
@@ -476,7 +493,18 @@ pub fn forward(m: &Model, kvs: &mut [&mut DevKv], counts: &[usize], tokens: &[u3
     }
     let regions: Vec<usize> = kvs.iter().map(|k| k.region).collect();
     let lens: Vec<usize> = kvs.iter().map(|k| k.len).collect();
-    r.forward(&regions, &lens, counts, tokens, want, logits, m.rope_factors.as_deref())?;
+    if let Err(e) = r.forward(&regions, &lens, counts, tokens, want, logits, m.rope_factors.as_deref()) {
+        if device::take_lost() {
+            // Nothing on a lost device answers again: let go of it (a later arm opens a fresh one).
+            t.resident = None;
+            t.gpu = None;
+            t.armed = false;
+            t.generation += 1;
+            t.outcome = "cpu".into();
+            t.reason = format!("the device was lost while serving ({e}); re-arm the tier and reload to use it again");
+        }
+        return Err(e);
+    }
     for (k, &c) in kvs.iter_mut().zip(counts) {
         k.len += c;
     }
@@ -487,9 +515,10 @@ pub fn forward(m: &Model, kvs: &mut [&mut DevKv], counts: &[usize], tokens: &[u3
 /// conversation survives the model leaving the device.
 pub fn hydrate(s: &DevKv, kv: &mut KvCache) -> Result<()> {
     let mut t = tier();
-    let g = t.generation;
-    let r = t.resident.as_mut().filter(|_| s.generation == g).ok_or_else(stale)?;
-    r.read_rows(s.region, s.len, kv)
+    if t.resident.is_none() || s.generation != t.generation {
+        return Err(stale(&t));
+    }
+    t.resident.as_mut().expect("checked above").read_rows(s.region, s.len, kv)
 }
 
 /// Test hook: the next step's submission reports a lost device, as a GPU fault would.

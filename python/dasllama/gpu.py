@@ -1,0 +1,349 @@
+"""The GPU tier: a Vulkan driver that holds a whole model on the device and serves device-home
+sessions (their K/V in one device region per stream) with true batched decode.
+
+The names and their order are the serving tutorial's (§ "Multi-model GPU serving: the slot
+dance" and § "Streams served from the device")::
+
+    set_gpu_tier_want(GpuTierWant(auto_tier=True))
+    moe_gpu_tier_arm()                    # open the device; False (and a reason) where there is none
+    m = load_model(path)                  # an armed load puts the model on the device if it fits
+    slot = gpu_model_marks_init()
+    gpu_slot_capture(slot)                # "cpu" | "gpu:resident"
+
+On a machine without Vulkan every call is a cheap no-op that reports "cpu", so the same code runs
+anywhere. The tier is per process: one model on the device at a time. CPU-type Vulkan devices
+(Mesa's lavapipe) are used only with ``DASLLAMA_VK_ALLOW_CPU=1``; ``DASLLAMA_VK_DEVICE`` picks a
+device by index or name; ``DASLLAMA_GPU=0`` keeps everything on the CPU.
+
+What the driver serves: attention models with dense FFNs (llama, gemma3, qwen2, qwen3, phi3,
+gemma2) in every block format dasllama reads; K/V on the device in f16. MoE and recurrent models,
+and ``numerics="ggml"``, stay on the CPU (:func:`gpu_resident_decline` says why). There is no
+"gpu:rails" form (weights on the device, K/V on the host): sessions whose K/V lives in host memory
+run on the CPU, and :func:`gpu_cpu_passes` counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import _native
+from .model import Model
+from .scheduler import Scheduler
+from .session import KVDtype, Session, check_kv_dtype
+
+__all__ = [
+    "GpuCpuPass",
+    "GpuCtxPins",
+    "GpuKvDtypePin",
+    "GpuModelMarks",
+    "GpuTierStatus",
+    "GpuTierWant",
+    "create_device_session",
+    "device_kv_max_rows",
+    "gpu_cpu_passes",
+    "gpu_ctx_pins",
+    "gpu_device_kv_adopt",
+    "gpu_device_kv_park",
+    "gpu_device_prefill_continues",
+    "gpu_device_prefill_window",
+    "gpu_device_session_ctx",
+    "gpu_device_session_dtype",
+    "gpu_device_sessions",
+    "gpu_install_reason",
+    "gpu_kv_dtype_pin",
+    "gpu_model_marks_init",
+    "gpu_resident_decline",
+    "gpu_resident_experts_host",
+    "gpu_slot_capture",
+    "gpu_slot_rearm",
+    "gpu_tier_status",
+    "is_device_session",
+    "kernel_backend_available",
+    "moe_gpu_drop_model",
+    "moe_gpu_hydrate_session",
+    "moe_gpu_model_marks_restore",
+    "moe_gpu_model_marks_save",
+    "moe_gpu_tier_arm",
+    "moe_gpu_weight_budget",
+    "reset_gpu_kv_dtype",
+    "resident_prefill_allowed",
+    "set_gpu_ctx_max",
+    "set_gpu_ctx_strict",
+    "set_gpu_kv_dtype",
+    "set_gpu_resident_regions",
+    "set_gpu_tier_want",
+    "set_device_kv",
+    "set_resident_prefill_allowed",
+    "vulkan_devices",
+]
+
+
+def kernel_backend_available(name: str) -> bool:
+    """Whether this machine can serve on backend ``name`` ("cpu" always; "vulkan" when a usable
+    device answers: the witness enumerates devices once and caches its verdict)."""
+    if name == "cpu":
+        return True
+    if name == "vulkan":
+        return _native.vk_witness()[0]
+    raise ValueError(f"unknown kernel backend '{name}' (cpu or vulkan)")
+
+
+def vulkan_devices() -> list[dict[str, object]]:
+    """Every Vulkan device the loader reports: index, name, kind ("discrete", "integrated",
+    "virtual", "cpu"), api_version, vram_bytes. Raises DeviceError where there is no loader."""
+    return _native.vk_devices()
+
+
+@dataclass
+class GpuTierWant:
+    """What the next load should put on the device. A zero want (``auto_tier=False``) keeps the
+    load off it. ``DASLLAMA_GPU`` overrides ``auto_tier``, ``DASLLAMA_GPU_VRAM_MB`` the cap."""
+
+    auto_tier: bool = False
+    vram_mb: int = 0  # cap on the device memory the model may take (0: the device's budget)
+
+
+@dataclass
+class GpuTierStatus:
+    backend: str  # "vulkan" while a model is on the device, else "cpu"
+    device: str  # the opened device's name ("" before arming)
+    supported: bool  # a usable Vulkan device answers on this machine
+    reason: str  # why the device is not serving ("" while it is)
+    vram_bytes: int  # device memory dasllama's allocator holds
+    budget_bytes: int  # the device's memory budget
+    resident_layers: int
+    weight_bytes: int
+    kv_bytes: int
+
+
+def set_gpu_tier_want(want: GpuTierWant) -> None:
+    """Record the tier request the next :func:`moe_gpu_tier_arm` / load honours."""
+    if want.vram_mb < 0:
+        raise ValueError(f"vram_mb must be >= 0, got {want.vram_mb}")
+    _native.gpu_set_want(bool(want.auto_tier), int(want.vram_mb))
+
+
+def moe_gpu_tier_arm() -> bool:
+    """Arm the recorded want: open the device so the next load can go there. False when the want
+    is zero or no device answers (:func:`gpu_tier_status` says why)."""
+    return _native.gpu_arm()
+
+
+def moe_gpu_weight_budget() -> int:
+    """Bytes the armed device will hold for a model (0 when not armed)."""
+    return _native.gpu_weight_budget()
+
+
+def gpu_tier_status() -> GpuTierStatus:
+    """A snapshot for status pages."""
+    return GpuTierStatus(**_native.gpu_status())
+
+
+@dataclass
+class GpuModelMarks:
+    """One model slot's tier state: what its load got, and the want to re-arm it with."""
+
+    outcome: str = "cpu"
+    want: GpuTierWant = field(default_factory=GpuTierWant)
+    reason: str = ""
+
+
+def gpu_model_marks_init() -> GpuModelMarks:
+    return GpuModelMarks()
+
+
+def gpu_slot_capture(st: GpuModelMarks) -> str:
+    """Right after a load: move its outcome into ``st`` and classify it, "cpu" or "gpu:resident"."""
+    st.outcome, st.reason = _native.gpu_outcome()
+    return st.outcome
+
+
+def moe_gpu_hydrate_session(m: Model, s: Session) -> None:
+    """Pull a device session's K/V back to host memory (it is a host session afterwards). Run it
+    over every live session before :func:`moe_gpu_drop_model`."""
+    del m  # the session knows its model; the name and order are the tutorial's
+    _native.gpu_hydrate(s)
+
+
+def moe_gpu_drop_model() -> None:
+    """Free the model's whole device state. The caller guarantees no step is running; device
+    sessions not hydrated first fail their next call with a clear error."""
+    _native.gpu_drop_model()
+
+
+_SAVED: dict[int, GpuModelMarks] = {}
+
+
+def moe_gpu_model_marks_save(st: GpuModelMarks) -> None:
+    """Bank what is left of the outgoing model's tier state in its slot."""
+    _SAVED[id(st)] = GpuModelMarks(st.outcome, st.want, st.reason)
+
+
+def moe_gpu_model_marks_restore(st: GpuModelMarks) -> None:
+    """Bring back a slot's banked tier state before :func:`gpu_slot_rearm`."""
+    saved = _SAVED.pop(id(st), None)
+    if saved is not None:
+        st.outcome, st.want, st.reason = saved.outcome, saved.want, saved.reason
+
+
+def gpu_slot_rearm(want: GpuTierWant, m: Model) -> str:
+    """Re-arm the installed model: want, arm, resident upload. The device must hold no other
+    model (the switch order: hydrate, drop, save; then restore, rearm)."""
+    set_gpu_tier_want(want)
+    if not moe_gpu_tier_arm():
+        return "cpu"
+    return _native.gpu_install(m._native)
+
+
+def gpu_install_reason() -> str:
+    """Why the last load or re-arm stayed on the CPU ("" when it went to the device)."""
+    return _native.gpu_outcome()[1]
+
+
+def set_resident_prefill_allowed(allowed: bool) -> None:
+    """Kept for the tutorial's order (a multi-stream scheduler pins it off). Device-home sessions
+    never share a mirror here, so the pin changes nothing in this driver."""
+    _native.gpu_set_prefill_allowed(bool(allowed))
+
+
+def resident_prefill_allowed() -> bool:
+    return _native.gpu_prefill_allowed()
+
+
+def device_kv_max_rows(m: Model) -> int:
+    """Rows of context the driver holds a device session's K/V for (the model's context when it
+    is not on the device)."""
+    if _native.gpu_holds(m._native):
+        return _native.gpu_session_ctx()
+    return int(m.config["seq_len"])
+
+
+def set_gpu_resident_regions(n: int) -> None:
+    """How many device-home streams the next load serves (one K/V region each)."""
+    if n < 1:
+        raise ValueError(f"the device needs at least one region, got {n}")
+    _native.gpu_set_regions(int(n))
+
+
+def set_gpu_ctx_max(n: int) -> None:
+    """Cap the positions one region holds (0: the model's context)."""
+    if n < 0:
+        raise ValueError(f"ctx_max must be >= 0, got {n}")
+    _native.gpu_set_ctx_max(int(n))
+
+
+def set_gpu_ctx_strict(strict: bool) -> None:
+    """True: the cap is the context asked for, held for every region or the load declines."""
+    _native.gpu_set_ctx_strict(bool(strict))
+
+
+@dataclass
+class GpuCtxPins:
+    ctx_max: int
+    strict: bool
+
+
+def gpu_ctx_pins() -> GpuCtxPins:
+    ctx_max, strict = _native.gpu_ctx_pins()
+    return GpuCtxPins(ctx_max, strict)
+
+
+def set_gpu_kv_dtype(dt: KVDtype | str) -> None:
+    """The codec the driver holds K/V in. Only f16 is implemented on the device; a load asked
+    for q8_0 or tq4 declines with that reason (and stays on the CPU)."""
+    _native.gpu_set_kv_dtype(check_kv_dtype(dt))
+
+
+@dataclass
+class GpuKvDtypePin:
+    dt: KVDtype
+    asked: bool
+
+
+def gpu_kv_dtype_pin() -> GpuKvDtypePin:
+    name = _native.gpu_kv_dtype_pin()
+    return GpuKvDtypePin(KVDtype(name or "f16"), name is not None)
+
+
+def reset_gpu_kv_dtype() -> None:
+    _native.gpu_set_kv_dtype(None)
+
+
+def gpu_device_sessions() -> int:
+    """Regions the driver serves (0 on a CPU box or when the model is not on the device)."""
+    return _native.gpu_device_sessions()
+
+
+def gpu_resident_decline() -> str:
+    """Why the resident driver does not serve, in words a person can act on ("" while it does)."""
+    return _native.gpu_decline()
+
+
+def gpu_device_session_ctx() -> int:
+    return _native.gpu_session_ctx()
+
+
+def gpu_device_session_dtype() -> KVDtype:
+    return KVDtype(_native.gpu_session_dtype())
+
+
+def gpu_device_prefill_window() -> int:
+    """Positions the device prefills in one dispatch chain."""
+    return _native.gpu_prefill_window()
+
+
+def gpu_resident_experts_host() -> bool:
+    """Whether the driver serves a MoE whose routed experts sum on the CPU: never here (MoE
+    models stay on the CPU)."""
+    return False
+
+
+def create_device_session(m: Model, dt: KVDtype | str = KVDtype.f16) -> Session:
+    """A device-home session: its K/V in a region of the device that holds ``m``. Raises
+    ValueError when ``m`` is not on the device, KvPoolFullError when every region is held."""
+    if check_kv_dtype(dt) != _native.gpu_session_dtype():
+        raise ValueError(f"device sessions carry K/V in {_native.gpu_session_dtype()}, not {dt}")
+    return _native.create_device_session(m._native)
+
+
+def is_device_session(s: Session) -> bool:
+    return _native.is_device_session(s)
+
+
+def gpu_device_kv_park(s: Session) -> int:
+    """Before deleting a finished device session: free its region for the next stream and keep
+    its rows, named by the returned claim, until another stream takes the region."""
+    return _native.gpu_park(s)
+
+
+def gpu_device_kv_adopt(s: Session, claim: int, rows: int) -> bool:
+    """Hand the first ``rows`` rows a claim names to the fresh device session ``s``, so the next
+    turn prefills only its new tokens. False when the claim is stale."""
+    return _native.gpu_adopt(s, int(claim), int(rows))
+
+
+def gpu_device_prefill_continues(m: Model) -> bool:
+    """Whether a device session of ``m`` may continue from adopted rows (every model the driver
+    serves has no recurrent state, so yes when it is on the device)."""
+    return _native.gpu_holds(m._native)
+
+
+@dataclass
+class GpuCpuPass:
+    count: int
+    words: str
+
+
+def gpu_cpu_passes() -> list[GpuCpuPass]:
+    """The honesty counter: every kind of call that ran on the CPU while a model was on the
+    device, with how many and why."""
+    return [GpuCpuPass(n, w) for n, w in _native.gpu_cpu_passes()]
+
+
+def set_device_kv(sch: Scheduler, on: bool) -> None:
+    """Serve the scheduler's streams from the device: each stream's K/V in a device region, a
+    finished conversation's rows parked there and adopted by its next turn (which then prefills
+    only its new tokens). Only an idle scheduler switches; switching on needs the model on the
+    device and a region for every stream (``gpu_device_sessions() >= max_streams``). ValueError
+    says which is missing. If the device is lost, the scheduler's new streams go back to the CPU."""
+    _native.set_device_kv(sch, bool(on))

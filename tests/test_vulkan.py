@@ -1,0 +1,332 @@
+"""The Vulkan driver end to end, on whatever Vulkan device this machine has: Mesa's lavapipe (a
+CPU Vulkan device, allowed here with DASLLAMA_VK_ALLOW_CPU=1) in CI, a GPU where there is one.
+
+Lavapipe runs these kernels far slower than our CPU path, so the checks use tiny synthetic models
+for everything that needs many steps, and a few SmolLM2 / Gemma 3 steps against llama.cpp's
+goldens. Where no Vulkan device exists at all, the device tests are skipped with the reason, and
+the tutorial's dance is still checked to report "cpu" with it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import drain, golden
+from gguf import GGMLQuantizationType as QT
+from synthetic import reference_logits, write_model
+
+import dasllama as dl
+from dasllama import gpu
+
+os.environ.setdefault("DASLLAMA_VK_ALLOW_CPU", "1")
+HAVE = gpu.kernel_backend_available("vulkan")
+needs_device = pytest.mark.skipif(not HAVE, reason=f"no Vulkan device: {dl._native.vk_witness()[1]}")
+IDS = [1, 266, 262, 265, 12, 7, 260]
+
+
+def lsm(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - (np.log(np.sum(np.exp(x - x.max()))) + x.max())
+
+
+def arm(regions: int = 4, ctx: int = 256, vram_mb: int = 0) -> None:
+    gpu.set_gpu_resident_regions(regions)
+    gpu.set_gpu_ctx_max(ctx)
+    gpu.set_gpu_tier_want(gpu.GpuTierWant(auto_tier=True, vram_mb=vram_mb))
+    assert gpu.moe_gpu_tier_arm(), gpu.gpu_tier_status().reason
+
+
+@pytest.fixture(autouse=True)
+def tier_off_after():
+    """The tier is per process: leave it off and empty for every other test."""
+    yield
+    gpu.moe_gpu_drop_model()
+    gpu.set_gpu_tier_want(gpu.GpuTierWant())
+    gpu.moe_gpu_tier_arm()
+
+
+def load_on_device(path: Path | str, **kw) -> dl.Model:
+    m = dl.load_model(path, **kw)
+    slot = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot) == "gpu:resident", slot.reason
+    return m
+
+
+DANCE = """
+import dasllama as dl
+from dasllama import gpu
+print(gpu.kernel_backend_available("vulkan"))
+gpu.set_gpu_tier_want(gpu.GpuTierWant(auto_tier=True))
+print(gpu.moe_gpu_tier_arm(), gpu.moe_gpu_weight_budget())
+m = dl.load_model("smollm2-135m-instruct")
+slot = gpu.gpu_model_marks_init()
+print(gpu.gpu_slot_capture(slot), gpu.gpu_device_sessions())
+print("reason:", gpu.gpu_resident_decline())
+s = dl.create_session(m)
+print(int(dl.eval(m, s, [1, 2, 3]).argmax()) >= 0)
+gpu.moe_gpu_hydrate_session(m, s); gpu.moe_gpu_drop_model(); gpu.moe_gpu_model_marks_save(slot)
+gpu.moe_gpu_model_marks_restore(slot); print(gpu.gpu_slot_rearm(gpu.GpuTierWant(auto_tier=True), m))
+"""
+
+
+@pytest.mark.parametrize(
+    "env, why",
+    [({"VK_ICD_FILENAMES": "/nonexistent.json", "VK_DRIVER_FILES": "/nonexistent.json"}, "no driver"), ({"DASLLAMA_VK_ALLOW_CPU": "0"}, "CPU")],
+)
+def test_dance_reports_cpu_with_a_reason_where_no_device_serves(env: dict[str, str], why: str) -> None:
+    """No driver at all, or only lavapipe without the opt-in: every step of the tutorial's dance
+    is a no-op that reports "cpu", and the decline names the cause."""
+    out = subprocess.run([sys.executable, "-c", DANCE], env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "False" and lines[1] == "False 0" and lines[2] == "cpu 0" and lines[-1] == "cpu", out.stdout
+    assert why in lines[3] or why.lower() in lines[3], lines[3]
+
+
+@needs_device
+@pytest.mark.parametrize("qt", [QT.F32, QT.Q8_0, QT.Q4_K, QT.Q6_K, QT.Q5_1])
+def test_synthetic_model_matches_the_float64_reference(tmp_path: Path, qt: QT) -> None:
+    """Whole forward passes on the device against NumPy's float64 forward pass of the same
+    weights: a prompt, then single steps, every position's logits. F32 weights are exact up to
+    summation order; the others also round activations as the CPU does (q8 blocks)."""
+    path = tmp_path / "m.gguf"
+    wt = write_model(path, qt)
+    arm()
+    m = load_on_device(path)
+    ref = reference_logits(wt, IDS)
+    s = gpu.create_device_session(m)
+    got = [dl.eval_all(m, s, IDS[:4])]
+    got += [dl.eval(m, s, [t])[None] for t in IDS[4:]]
+    got = np.concatenate(got)
+    cpu = dl.eval_all(m, dl.create_session(m), IDS)
+    for i in range(len(IDS)):
+        # Both keep K/V in f16 and round activations alike, in their own summation orders: the
+        # device lands as close to float64 as the CPU does (tiny random models amplify rounding).
+        dev_err = np.abs(lsm(got[i]) - lsm(ref[i])).max()
+        cpu_err = np.abs(lsm(cpu[i]) - lsm(ref[i])).max()
+        assert dev_err <= 1.5 * cpu_err + 0.05, (qt, i, dev_err, cpu_err)
+
+
+@needs_device
+def test_gemma3_shape_on_the_device(tmp_path: Path) -> None:
+    """QK-norm, post-norms, sliding-window layers, GELU, embedding scale, query scaling."""
+    path = tmp_path / "g.gguf"
+    wt = write_model(path, QT.F16, "gemma3")
+    arm()
+    m = load_on_device(path)
+    ref = reference_logits(wt, IDS, "gemma3")
+    got = dl.eval_all(m, gpu.create_device_session(m), IDS)
+    for i in range(len(IDS)):
+        assert np.abs(lsm(got[i]) - lsm(ref[i])).max() < 0.05, i
+
+
+def golden_errors(m: dl.Model, g: dict, cases: int, steps: int) -> tuple[list[float], int, int]:
+    """Teacher-forced along llama.cpp's greedy path (one eval_all per case): max |Δ log p| over
+    llama.cpp's top-5 per step; argmax flips where llama.cpp leads by >= 0.15."""
+    errs, flips, decisive = [], 0, 0
+    for c in g["cases"][:cases]:
+        s = gpu.create_device_session(m)
+        ids = c["prompt_ids"] + c["greedy_ids"][: steps - 1]
+        rows = dl.eval_all(m, s, ids)[len(c["prompt_ids"]) - 1 :]
+        gpu.gpu_device_kv_park(s)
+        for st, row in zip(c["steps"][:steps], rows):
+            lp = lsm(row)
+            errs.append(max(abs(float(lp[t]) - ref) for t, ref in st["top"]))
+            if st["top"][0][1] - st["top"][1][1] >= 0.15:
+                decisive += 1
+                flips += int(np.argmax(lp)) != st["top"][0][0]
+    return errs, flips, decisive
+
+
+@needs_device
+@pytest.mark.parametrize("name, golden_file, cases, steps", [("smollm2-135m-instruct", "smollm2-135m-instruct-q4_1.json", 4, 12), ("gemma3-270m", "gemma-3-270m-q4_k_m.json", 2, 8)])
+def test_real_models_against_llama_cpp_goldens(name: str, golden_file: str, cases: int, steps: int) -> None:
+    """The issue's bound on real models: the median |Δ log p| within 0.25 nats and llama.cpp's
+    argmax kept on at least 98% of decisive steps (a subset of the golden cases: lavapipe is slow;
+    DASLLAMA_VK_GOLDEN_FULL=1 runs them all on a real GPU)."""
+    full = os.environ.get("DASLLAMA_VK_GOLDEN_FULL") == "1"
+    arm(regions=1, ctx=512)
+    m = load_on_device(dl.fetch(name))
+    g = golden(golden_file)
+    errs, flips, decisive = golden_errors(m, g, 99 if full else cases, 99 if full else steps)
+    assert np.median(errs) <= 0.25, np.median(errs)
+    assert flips <= 0.02 * decisive, (flips, decisive)
+
+
+@needs_device
+def test_scheduler_streams_match_single_stream_device_output(tmp_path: Path) -> None:
+    """Greedy text through the device scheduler at 1, 4 and 16 streams equals each prompt's own
+    single-stream device output, token for token (rows compute alike whatever the batch)."""
+    path = tmp_path / "m.gguf"
+    write_model(path, QT.Q4_0, ctx=128)
+    arm(regions=16, ctx=128)
+    m = load_on_device(path)
+    prompts = [[1, 259 + i % 8, 259 + (i * 3) % 6, 40 + i] for i in range(16)]
+    solo = []
+    for p in prompts:
+        s = gpu.create_device_session(m)
+        out = dl.generate(m, s, p, dl.SamplingParams(temp=0.0), 10)
+        solo.append(out)
+        gpu.gpu_device_kv_park(s)
+    for streams in (1, 4, 16):
+        sch = dl.create_scheduler(m, max_streams=streams, max_queue=32, chunk_tokens=3)
+        gpu.set_device_kv(sch, True)
+        for i, p in enumerate(prompts):
+            dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=10, ignore_eos=False))
+        toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        for ev in drain(m, sch):
+            if ev.kind == "piece":
+                toks[ev.id].append(ev.token)
+            elif ev.finish == "stop" and ev.token >= 0:
+                toks[ev.id].append(ev.token)
+            assert ev.finish != "error", ev.error
+        for i in range(len(prompts)):
+            assert toks[i] == solo[i][: len(toks[i])] and len(toks[i]) >= min(len(solo[i]), 1), (streams, i, toks[i], solo[i])
+    assert gpu.gpu_cpu_passes() == []
+
+
+@needs_device
+def test_park_and_adopt_make_turn_two_prefill_only_its_new_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    write_model(path, QT.Q8_0, ctx=128)
+    arm(regions=2, ctx=128)
+    m = load_on_device(path)
+    turn1 = [1, 260, 262, 263, 40, 41]
+    rest = [264, 265, 42]
+    # By hand: park, adopt, continue; the logits equal a fresh session's over the whole prompt.
+    first = gpu.create_device_session(m)
+    dl.eval(m, first, turn1)
+    held = first.n_past
+    claim = gpu.gpu_device_kv_park(first)
+    del first
+    second = gpu.create_device_session(m)
+    assert gpu.gpu_device_prefill_continues(m)
+    assert gpu.gpu_device_kv_adopt(second, claim, held)
+    assert second.n_past == held
+    cont = dl.eval(m, second, rest)
+    # A claim already taken is stale: adopt says so.
+    assert not gpu.gpu_device_kv_adopt(gpu.create_device_session(m), claim, held)
+    gpu.gpu_device_kv_park(second)
+    whole = gpu.create_device_session(m)
+    np.testing.assert_allclose(cont, dl.eval(m, whole, turn1 + rest), atol=1e-4)
+    del whole, second
+    # Through the scheduler: turn two's request carries turn one's tokens and attaches them.
+    sch = dl.create_scheduler(m, max_streams=2)
+    gpu.set_device_kv(sch, True)
+    dl.submit(m, sch, dl.PendingReq(id=1, prompt=turn1, close_toks=[2], max_new=4, ignore_eos=True))
+    ev1 = drain(m, sch)
+    reply = [e.token for e in ev1 if e.kind == "piece"]
+    prompt2 = turn1 + reply + [2] + rest
+    dl.submit(m, sch, dl.PendingReq(id=2, prompt=prompt2, max_new=4, ignore_eos=True))
+    fin = [e for e in drain(m, sch) if e.kind == "finished"][0]
+    # Turn one's rows are on the device up to its last sampled token (a length finish samples it
+    # but never feeds it), as with the host prefix cache.
+    assert fin.n_cached == len(turn1 + reply) - 1, (fin.n_cached, len(prompt2))
+    assert dl.scheduler_stats(sch)["prefill_tokens"] == len(turn1) + len(prompt2) - fin.n_cached
+
+
+@needs_device
+def test_model_switch_leaves_no_device_memory_behind(tmp_path: Path) -> None:
+    """A -> B -> A in the tutorial's order: the device's memory after equals before, sessions
+    hydrated to the host keep their conversation, and re-arming onto an occupied device refuses."""
+    pa, pb = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_model(pa, QT.F32)
+    write_model(pb, QT.F16, "gemma3")
+    arm()
+    before = gpu.gpu_tier_status().vram_bytes
+    a = load_on_device(pa)
+    s = gpu.create_device_session(a)
+    logits = dl.eval(a, s, IDS[:5])
+    slot_a = gpu.gpu_model_marks_init()
+    gpu.gpu_slot_capture(slot_a)
+    # Re-arming B while A is there is the bug the order prevents: it stays on the CPU.
+    b_wrong = dl.load_model(pb)
+    slot_b = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot_b) == "cpu"
+    assert "another model" in slot_b.reason and gpu.gpu_resident_decline() == ""
+    del b_wrong
+    # Switch out A: hydrate, drop, save.
+    gpu.moe_gpu_hydrate_session(a, s)
+    assert not gpu.is_device_session(s) and s.n_past == 5
+    gpu.moe_gpu_drop_model()
+    gpu.moe_gpu_model_marks_save(slot_a)
+    assert gpu.gpu_tier_status().vram_bytes == before
+    b = load_on_device(pb)
+    assert gpu.gpu_tier_status().backend == "vulkan"
+    gpu.moe_gpu_drop_model()
+    del b
+    assert gpu.gpu_tier_status().vram_bytes == before
+    gpu.moe_gpu_model_marks_restore(slot_a)
+    assert gpu.gpu_slot_rearm(gpu.GpuTierWant(auto_tier=True), a) == "gpu:resident"
+    # The hydrated session goes on on the CPU, as if it had never left.
+    nxt = dl.eval(a, s, IDS[5:6])
+    ref = dl.eval_all(a, dl.create_session(a), IDS[:6])
+    assert np.abs(lsm(logits) - lsm(ref[4])).max() < 0.05 and np.abs(lsm(nxt) - lsm(ref[5])).max() < 0.05
+    gpu.moe_gpu_drop_model()
+    assert gpu.gpu_tier_status().vram_bytes == before
+
+
+@needs_device
+def test_cpu_passes_name_host_sessions_only(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    write_model(path, QT.Q8_0)
+    arm()
+    m = load_on_device(path)
+    dl.eval(m, gpu.create_device_session(m), IDS)
+    assert gpu.gpu_cpu_passes() == []
+    pool = dl.create_kv_pool(m, 16)
+    dl.eval(m, dl.create_session(m, pool), IDS)
+    passes = gpu.gpu_cpu_passes()
+    assert len(passes) == 1 and passes[0].count == 1 and "host memory" in passes[0].words
+
+
+@needs_device
+def test_bad_inputs_give_clear_outcomes(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    write_model(path, QT.Q8_0, ctx=64)
+    # Too big for the budget: "cpu", and the reason says how big and what to do.
+    arm(vram_mb=0)
+    gpu.set_gpu_tier_want(gpu.GpuTierWant(auto_tier=True, vram_mb=1))
+    assert gpu.moe_gpu_tier_arm()
+    m = dl.load_model(path)
+    slot = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot) == "cpu"
+    assert "MiB" in slot.reason and "budget" in gpu.gpu_resident_decline(), slot.reason
+    with pytest.raises(ValueError, match="not on the device"):
+        gpu.create_device_session(m)
+    del m
+    arm(regions=2, ctx=32)
+    m = load_on_device(path)
+    # A scheduler with more streams than regions, or a busy one, does not switch.
+    with pytest.raises(ValueError, match="regions"):
+        gpu.set_device_kv(dl.create_scheduler(m, max_streams=3), True)
+    sch = dl.create_scheduler(m, max_streams=2)
+    dl.submit(m, sch, dl.PendingReq(id=1, prompt=IDS, max_new=3))
+    with pytest.raises(ValueError, match="idle"):
+        gpu.set_device_kv(sch, True)
+    drain(m, sch)
+    gpu.set_device_kv(sch, True)
+    # Every region held: a clear error, not a hang.
+    held = [gpu.create_device_session(m), gpu.create_device_session(m)]
+    with pytest.raises(dl.KvPoolFullError, match="regions"):
+        gpu.create_device_session(m)
+    # Past a region's context.
+    with pytest.raises(dl.ContextOverflowError, match="device region"):
+        dl.eval(m, held[0], [5] * 33)
+    del held
+    # The device lost mid-stream: that stream ends with an error, the next request runs (on the CPU).
+    dl.submit(m, sch, dl.PendingReq(id=2, prompt=IDS, max_new=6, ignore_eos=True))
+    dl.scheduler_step(m, sch, [])
+    dl._native._inject_device_fault()
+    evs = drain(m, sch)
+    fin = [e for e in evs if e.kind == "finished"][0]
+    assert fin.finish == "error" and "lost" in fin.error, fin
+    assert "lost" in gpu.gpu_resident_decline()
+    dl.submit(m, sch, dl.PendingReq(id=3, prompt=IDS, max_new=4, ignore_eos=True))
+    evs = drain(m, sch)
+    assert [e.finish for e in evs if e.kind == "finished"] == ["length"]
