@@ -125,14 +125,16 @@ def test_gemma3_shape_on_the_device(tmp_path: Path) -> None:
         assert np.abs(lsm(got[i]) - lsm(ref[i])).max() < 0.05, i
 
 
-def golden_errors(m: dl.Model, g: dict, cases: int, steps: int) -> tuple[list[float], int, int]:
+def golden_errors(m: dl.Model, g: dict, cases: list[int] | None, steps: int) -> tuple[list[float], int, int]:
     """Teacher-forced along llama.cpp's greedy path (one eval_all per case): max |Δ log p| over
     llama.cpp's top-5 per step; argmax flips where llama.cpp leads by >= 0.15."""
     errs, flips, decisive = [], 0, 0
-    for c in g["cases"][:cases]:
+    for c in [g["cases"][i] for i in cases] if cases is not None else g["cases"]:
         s = gpu.create_device_session(m)
-        ids = c["prompt_ids"] + c["greedy_ids"][: steps - 1]
-        rows = dl.eval_all(m, s, ids)[len(c["prompt_ids"]) - 1 :]
+        p = c["prompt_ids"]
+        if len(p) > 1:
+            dl.eval(m, s, p[:-1])
+        rows = dl.eval_all(m, s, p[-1:] + c["greedy_ids"][: steps - 1])
         gpu.gpu_device_kv_park(s)
         for st, row in zip(c["steps"][:steps], rows):
             lp = lsm(row)
@@ -144,16 +146,19 @@ def golden_errors(m: dl.Model, g: dict, cases: int, steps: int) -> tuple[list[fl
 
 
 @needs_device
-@pytest.mark.parametrize("name, golden_file, cases, steps", [("smollm2-135m-instruct", "smollm2-135m-instruct-q4_1.json", 4, 12), ("gemma3-270m", "gemma-3-270m-q4_k_m.json", 2, 8)])
-def test_real_models_against_llama_cpp_goldens(name: str, golden_file: str, cases: int, steps: int) -> None:
+@pytest.mark.parametrize(
+    "name, golden_file, cases, steps",
+    [("smollm2-135m-instruct", "smollm2-135m-instruct-q4_1.json", [10, 12, 14], 16), ("gemma3-270m", "gemma-3-270m-q4_k_m.json", [0, 4], 12)],
+)
+def test_real_models_against_llama_cpp_goldens(name: str, golden_file: str, cases: list[int], steps: int) -> None:
     """The issue's bound on real models: the median |Δ log p| within 0.25 nats and llama.cpp's
-    argmax kept on at least 98% of decisive steps (a subset of the golden cases: lavapipe is slow;
-    DASLLAMA_VK_GOLDEN_FULL=1 runs them all on a real GPU)."""
+    argmax kept on at least 98% of decisive steps (the cases with the shortest prompts, a few
+    steps each: lavapipe is slow; DASLLAMA_VK_GOLDEN_FULL=1 runs them all, on a real GPU)."""
     full = os.environ.get("DASLLAMA_VK_GOLDEN_FULL") == "1"
     arm(regions=1, ctx=512)
     m = load_on_device(dl.fetch(name))
     g = golden(golden_file)
-    errs, flips, decisive = golden_errors(m, g, 99 if full else cases, 99 if full else steps)
+    errs, flips, decisive = golden_errors(m, g, None if full else cases, 99 if full else steps)
     assert np.median(errs) <= 0.25, np.median(errs)
     assert flips <= 0.02 * decisive, (flips, decisive)
 
