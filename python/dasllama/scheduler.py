@@ -128,8 +128,10 @@ def n_queued(sch: Scheduler) -> int:
 
 def scheduler_stats(sch: Scheduler) -> dict[str, float]:
     """Counters: decode_steps, avg_batch, prefill_chunks, prefill_tokens, cached_tokens, finished,
-    avg_ttft_ms, spec_verifies/spec_drafted/spec_accepted (speculation); with a paged pool also its
-    page counts and the prefix cache's chains and hits."""
+    avg_ttft_ms, spec_verifies/spec_drafted/spec_accepted (speculation), prefix_refused (prompts
+    of a hybrid model admitted with a paged pool, which never look in the prefix cache: its pages
+    hold K/V, not the recurrent state of their positions, so such a model prefills every prompt
+    whole); with a paged pool also its page counts and the prefix cache's chains and hits."""
     stats = dict(_native.scheduler_stats(sch))
     pool = _native.scheduler_pool_stats(sch)
     if pool is not None:

@@ -108,10 +108,13 @@ impl PyModel {
         let attn: Vec<&Attention> = c
             .layers
             .iter()
-            .map(|l| match &l.mixer {
-                Mixer::Attention(a) => a,
+            .filter_map(|l| match &l.mixer {
+                Mixer::Attention(a) => Some(a),
+                Mixer::DeltaNet(_) => None,
             })
             .collect();
+        // Hybrids: how many layers keep a recurrent (DeltaNet) state instead of K/V.
+        d.set_item("recurrent_layers", c.rec_layers().len())?;
         // The global layers' base; the widest window of the sliding ones (0: none slide).
         d.set_item("rope_freq_base", attn.iter().find(|a| a.window == 0).or(attn.first()).map_or(0.0, |a| a.rope.base))?;
         d.set_item("sliding_window", attn.iter().map(|a| a.window).max().unwrap_or(0))?;
@@ -754,6 +757,7 @@ fn scheduler_stats<'py>(py: Python<'py>, sch: &PyScheduler) -> PyResult<Bound<'p
     d.set_item("spec_verifies", s.spec_verifies)?;
     d.set_item("spec_drafted", s.spec_drafted)?;
     d.set_item("spec_accepted", s.spec_accepted)?;
+    d.set_item("prefix_refused", s.prefix_refused)?;
     if let Some((a, b)) = sch.inner.pass_cost() {
         d.set_item("spec_pass_us", a * 1e6)?;
         d.set_item("spec_row_us", b * 1e6)?;

@@ -28,16 +28,18 @@ fn shared_scratch() -> std::sync::MutexGuard<'static, Scratch> {
 impl Session {
     /// A session with a private KV store.
     pub fn new(m: &Model) -> Self {
-        Self::with_kv(KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)))
+        Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)))
     }
 
     /// A session whose KV pages come from `pool`.
     pub fn paged(m: &Model, pool: &KvPool) -> Result<Self> {
         m.check_kv(pool.geometry())?;
-        Ok(Self::with_kv(KvCache::paged(pool)))
+        Ok(Self::with_kv(m, KvCache::paged(pool)))
     }
 
-    fn with_kv(kv: KvCache) -> Self {
+    /// A hybrid's session keeps its DeltaNet layers' recurrent state beside its K/V pages.
+    fn with_kv(m: &Model, kv: KvCache) -> Self {
+        let kv = kv.with_recurrent(m.config.rec_layers().iter().map(|d| (d.conv_state(), d.ssm_state())).collect());
         Session { kv, logits: Vec::new(), record: TokenRecord::new(crate::sampling::DEFAULT_SEED), fault: false }
     }
 

@@ -119,6 +119,9 @@ pub struct SchedStats {
     pub spec_verifies: u64,
     pub spec_drafted: u64,
     pub spec_accepted: u64,
+    /// Prompts that did not look in the prefix cache because the model keeps a recurrent state
+    /// (a hybrid: K/V pages alone cannot restore its DeltaNet layers, so it prefills whole).
+    pub prefix_refused: u64,
 }
 
 /// The scheduler's speculation: its drafter and what its passes cost.
@@ -196,6 +199,15 @@ impl Scheduler {
     /// Speculate with `drafter` from the next step on (None: stop). Streams drop what an earlier
     /// drafter kept for them.
     pub fn set_drafter(&mut self, drafter: Option<Drafter>) -> Result<()> {
+        // A rejected draft is rolled back by truncating K/V; a DeltaNet layer's state holds every
+        // position at once and cannot go back, so hybrids (as target or as draft) never speculate.
+        let draft_recurrent = matches!(&drafter, Some(Drafter::Model { draft, .. }) if draft.config.recurrent());
+        if drafter.is_some() && (self.model.config.recurrent() || draft_recurrent) {
+            let who = if draft_recurrent { "the draft model" } else { "this model" };
+            return Err(Error::InvalidArgument(format!(
+                "speculation is not available: {who} has recurrent (DeltaNet) layers, whose state cannot be rolled back past a rejected draft; run it without a drafter"
+            )));
+        }
         if drafter.is_some() && self.model.numerics == Numerics::Ggml {
             return Err(Error::InvalidArgument(
                 "speculation needs numerics='fast': ggml's order sums a chunk's rows differently from single rows, so verified tokens could differ from plain decoding".into(),
@@ -341,7 +353,9 @@ impl Scheduler {
         if let Some(pool) = &self.pool {
             for &i in &prefilling {
                 let s = self.slots[i].as_mut().expect("prefilling stream");
-                if s.fed == 0 {
+                // A hybrid prefills whole (counted at admission): the cache holds K/V pages, not
+                // the recurrent state of their positions, and `KvPool::attach` refuses it.
+                if s.fed == 0 && !m.config.recurrent() {
                     let got = pool.attach(&mut s.session.kv, &s.req.prompt, s.req.prompt.len() - 1);
                     if got > 0 {
                         (s.cached, s.fed) = (got, got);
@@ -511,6 +525,9 @@ impl Scheduler {
                 None => Session::new(m),
             };
             session.record.reseed(req.seed);
+            if self.pool.is_some() && m.config.recurrent() {
+                self.stats.prefix_refused += 1;
+            }
             // The prefix cache is looked up in `step`, just before the stream's first chunk.
             self.slots[slot] = Some(Stream {
                 in_kv: Vec::new(),
