@@ -9,7 +9,7 @@ use dasllama::embed::Pooling;
 use dasllama::kv::{KvCodec, KvPool, PoolStats};
 use dasllama::model::{Attention, MetaValue, Metadata, Mixer, Model, Numerics, QuantMode, TensorInfo};
 use dasllama::sampling::SamplingParams;
-use dasllama::sched::{EventKind, Finish, PendingReq, SchedEvent, Scheduler};
+use dasllama::sched::{EventKind, Finish, Nothink, PendingReq, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
 use dasllama::spec::Drafter;
 use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
@@ -666,7 +666,7 @@ fn create_scheduler(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None))]
+#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None))]
 fn submit(
     py: Python<'_>,
     m: &PyModel,
@@ -681,12 +681,14 @@ fn submit(
     logprobs: Option<usize>,
     ignore_eos: bool,
     grammar: Option<String>,
+    nothink: Option<(Vec<u32>, Vec<u32>)>,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
     if max_new < 1 {
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
-    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar };
+    let nothink = nothink.map(|(open, close)| Nothink { open, close });
+    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar, nothink };
     let inner = &mut sch.inner;
     // Compiling a grammar takes milliseconds (the first one indexes the vocabulary: more).
     native(py, "submit", || inner.submit(req))

@@ -43,6 +43,19 @@ pub struct PendingReq {
     /// token is sampled from those the grammar allows next, the stream stops when the grammar is
     /// complete, and it never speculates. None: unconstrained.
     pub grammar: Option<String>,
+    /// The thinking-off guard of a non-thinking turn (`make_nothink_guard`): None for a turn
+    /// that may think, or a template that cannot.
+    pub nothink: Option<Nothink>,
+}
+
+/// The channel markers of a thinking template (Qwen3's `<think>` and `</think>`), for a turn
+/// rendered with thinking off. A marker before the reply's first content is a leading thought:
+/// it is emitted, and the reply's reader splits it off. A marker after content ends the stream
+/// (a stop, the marker not emitted): the model has started to think where it was told not to.
+#[derive(Clone, Debug, Default)]
+pub struct Nothink {
+    pub open: Vec<u32>,
+    pub close: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +116,10 @@ struct Stream {
     order: u64,
     spec: StreamSpec,
     constraint: Option<Box<Constraint>>,
+    /// For the nothink guard: whether the reply has shown content (text outside a thought that is
+    /// not only whitespace), and whether it is inside a leading thought.
+    seen_content: bool,
+    in_thought: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -542,6 +559,8 @@ impl Scheduler {
                 order: self.admitted,
                 spec: StreamSpec::default(),
                 constraint,
+                seen_content: false,
+                in_thought: false,
             });
         }
     }
@@ -743,7 +762,12 @@ impl Scheduler {
         if s.t_first.is_none() {
             s.t_first = Some(Instant::now());
         }
-        if (!s.req.ignore_eos && m.tokenizer.is_eog(tok)) || s.req.stop_ids.contains(&tok) {
+        let marker = s.req.nothink.as_ref().map(|g| (g.open.contains(&tok), g.close.contains(&tok))).filter(|&(o, c)| o || c);
+        if let (Some((open, _)), false) = (marker, s.seen_content) {
+            s.in_thought = open;
+        }
+        let nothink_stop = marker.is_some() && s.seen_content;
+        if (!s.req.ignore_eos && m.tokenizer.is_eog(tok)) || s.req.stop_ids.contains(&tok) || nothink_stop {
             let s = self.slots[i].take().expect("live stream");
             let ev = self.finish_stream(i, s, Finish::Stop, tok as i64);
             events.push(ev);
@@ -761,6 +785,9 @@ impl Scheduler {
             }
         };
         let mut text = s.session.record.text(&m.tokenizer.piece(tok, false));
+        if marker.is_none() && !s.in_thought && !text.trim().is_empty() {
+            s.seen_content = true;
+        }
         // The next decode step would evaluate `tok` at position n_past: stop where that would overflow.
         let done = complete || s.generated >= s.req.max_new || s.in_kv.len() >= m.config.seq_len;
         if done {
