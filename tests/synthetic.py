@@ -698,3 +698,58 @@ def _deltanet(W: dict[str, np.ndarray], p: str, hy: dict[str, Any], h: np.ndarra
             o[t, j] = S[j].T @ q[t, kh] / np.sqrt(hd)
     o = _rms(o, W[p + "ssm_norm.weight"], eps) * (z / (1 + np.exp(-z)))
     return o.reshape(T, -1) @ W[p + "ssm_out.weight"].T
+
+
+def write_scripted_model(path: Path, specials: list[str], script: dict[str, str], template: str) -> None:
+    """A llama model that continues each token with the one ``script`` names (pieces or specials,
+    as their text): its layers add nothing (zero output projections) and its output matrix holds,
+    for each token, the embedding of the token it follows, so the logits peak on the successor.
+    ``specials`` join the vocabulary as control tokens, except thought markers (``<think>``,
+    ``</think>``), which Qwen3's files mark user-defined (shown as text); ``template`` is its chat
+    template."""
+    rng = np.random.default_rng(99)
+    vocab = VOCAB + specials
+    n = len(vocab)
+    w = GGUFWriter(str(path), "llama")
+    _add_keys(
+        w,
+        "llama",
+        {
+            "block_count": 1,
+            "context_length": 256,
+            "embedding_length": DIM,
+            "feed_forward_length": HIDDEN,
+            "attention.head_count": HEADS,
+            "attention.head_count_kv": KV_HEADS,
+            "attention.layer_norm_rms_epsilon": 1e-6,
+        },
+    )
+    w.add_tokenizer_model("llama")
+    w.add_token_list(vocab)
+    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))] + [0.0] * len(specials))
+    w.add_token_types(TYPES + [4 if "think>" in t else 3 for t in specials])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(template)
+    emb = rng.normal(0, 1.0, size=(n, DIM)).astype(np.float32)
+    out = np.zeros((n, DIM), np.float32)
+    idx = {t: i for i, t in enumerate(vocab)}
+    for a, b in script.items():
+        out[idx[b]] += emb[idx[a]]
+    w.add_tensor("token_embd.weight", emb)
+    w.add_tensor("output.weight", out)
+    z = np.zeros
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(DIM, np.float32))
+    w.add_tensor("blk.0.attn_q.weight", z((HEADS * HEAD_DIM, DIM), np.float32))
+    w.add_tensor("blk.0.attn_k.weight", z((KV_HEADS * HEAD_DIM, DIM), np.float32))
+    w.add_tensor("blk.0.attn_v.weight", z((KV_HEADS * HEAD_DIM, DIM), np.float32))
+    w.add_tensor("blk.0.attn_output.weight", z((DIM, HEADS * HEAD_DIM), np.float32))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(DIM, np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", z((HIDDEN, DIM), np.float32))
+    w.add_tensor("blk.0.ffn_up.weight", z((HIDDEN, DIM), np.float32))
+    w.add_tensor("blk.0.ffn_down.weight", z((DIM, HIDDEN), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(DIM, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

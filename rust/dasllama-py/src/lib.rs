@@ -688,7 +688,8 @@ fn submit(
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
     let nothink = nothink.map(|(open, close)| Nothink { open, close });
-    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar, nothink };
+    let req =
+        PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar, nothink };
     let inner = &mut sch.inner;
     // Compiling a grammar takes milliseconds (the first one indexes the vocabulary: more).
     native(py, "submit", || inner.submit(req))
