@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import drain
 
 import dasllama as dl
-from conftest import drain
 from synthetic import write_scripted_model
 
 TEMPLATE = (Path(__file__).parent / "golden" / "qwen3_chat_template.jinja").read_text()
