@@ -262,7 +262,66 @@ FAMILIES: dict[str, dict[str, Any]] = {
         moe=dict(n=8, used=3, hidden=256),
         meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 3, "expert_feed_forward_length": 256},
     ),
+    # Gated DeltaNet hybrid: layers 0-2 recurrent (2 key heads, 4 value heads of 64, a 4-tap
+    # convolution), layer 3 gated full attention (QK-norm, NEOX RoPE on 16 of 64 values, Q's
+    # sigmoid gate on the output); value heads read key heads tiled; dense FFN under
+    # post_attention_norm.
+    "qwen35": dict(
+        arch="qwen35",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        layers=4,
+        hybrid=dict(nk=2, nv=4, hd=64, conv=4, fused_ba=False),
+        embd=(0.12, QT.Q8_0),
+        meta={
+            "rope.freq_base": 1000000.0,
+            "rope.dimension_count": 16,
+            "rope.dimension_sections": [3, 3, 2, 0],
+            "full_attention_interval": 4,
+            "ssm.conv_kernel": 4,
+            "ssm.state_size": 64,
+            "ssm.group_count": 2,
+            "ssm.time_step_rank": 4,
+            "ssm.inner_size": 256,
+        },
+    ),
+    # qwen35's layers with value heads grouped per key head and beta/alpha from one projection;
+    # an FFN of 8 routed experts (top 2, renormalised) and a gated shared expert. Routing inside a
+    # recurrent model is chaotic under activation rounding (a token routed otherwise stays in the
+    # state for good): on most seeds llama.cpp's own prefill and decode of such a file part by
+    # 0.15-1.2 nats. `seed` picks weights where they agree (0.07), so the goldens can hold us to 0.15.
+    "qwen3next": dict(
+        arch="qwen3next",
+        seed=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        layers=4,
+        hybrid=dict(nk=2, nv=4, hd=64, conv=4, fused_ba=True),
+        embd=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=2, hidden=256, shared=512, norm=True),
+        meta={
+            "rope.freq_base": 1000000.0,
+            "rope.dimension_count": 16,
+            "full_attention_interval": 4,
+            "ssm.conv_kernel": 4,
+            "ssm.state_size": 64,
+            "ssm.group_count": 2,
+            "ssm.time_step_rank": 4,
+            "ssm.inner_size": 256,
+            "expert_count": 8,
+            "expert_used_count": 2,
+            "expert_feed_forward_length": 256,
+            "expert_shared_feed_forward_length": 512,
+        },
+    ),
 }
+
+
+def _recurrent(f: dict[str, Any], meta: dict[str, Any], i: int) -> bool:
+    """Whether layer ``i`` of a hybrid family is a DeltaNet layer."""
+    return "hybrid" in f and (i + 1) % meta.get("full_attention_interval", 4) != 0
 
 # The block formats a family's matrices cycle through (each row length here is a multiple of 256).
 FAMILY_FORMATS = [QT.Q8_0, QT.Q4_K, QT.F16, QT.Q6_K, QT.Q4_0, QT.Q5_K, QT.Q5_0, QT.Q4_1]
@@ -304,7 +363,7 @@ def write_family(
     arch, heads, kvh, hd = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
     layers = f.get("layers", LAYERS)
     qd, kvd = heads * hd, kvh * hd
-    rng = np.random.default_rng(sum(map(ord, name)))
+    rng = np.random.default_rng(sum(map(ord, name)) + f.get("seed", 0))
     w = GGUFWriter(str(path), arch)
     keys: dict[str, Any] = {
         "block_count": layers,
@@ -368,6 +427,37 @@ def write_family(
     for i in range(layers):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", DIM)
+        if _recurrent(f, keys, i):
+            hy = f["hybrid"]
+            kd, vd = hy["nk"] * hy["hd"], hy["nv"] * hy["hd"]
+            mat(p + "attn_qkv.weight", 2 * kd + vd, DIM)
+            mat(p + "attn_gate.weight", vd, DIM)
+            if hy["fused_ba"]:
+                mat(p + "ssm_ba.weight", 2 * hy["nv"], DIM, 0.08, QT.F32)
+            else:
+                mat(p + "ssm_beta.weight", hy["nv"], DIM, 0.08, QT.F32)
+                mat(p + "ssm_alpha.weight", hy["nv"], DIM, 0.08, QT.F32)
+            mat(p + "ssm_conv1d.weight", 2 * kd + vd, hy["conv"], 0.4, QT.F32)
+            vec(p + "ssm_dt.bias", hy["nv"], 0.0, 0.5)
+            a = (-rng.uniform(0.1, 1.0, size=hy["nv"])).astype(np.float32)
+            weights[p + "ssm_a"] = a
+            put(p + "ssm_a", a)
+            vec(p + "ssm_norm.weight", hy["hd"])
+            mat(p + "ssm_out.weight", DIM, vd)
+            vec(p + "post_attention_norm.weight", DIM)
+            _ffn(f, p, mat, stack, vec)
+            continue
+        if "hybrid" in f:
+            # Gated attention: each head's queries, then its gate, in the Q projection.
+            mat(p + "attn_q.weight", 2 * qd, DIM)
+            mat(p + "attn_k.weight", kvd, DIM)
+            mat(p + "attn_v.weight", kvd, DIM)
+            vec(p + "attn_q_norm.weight", hd)
+            vec(p + "attn_k_norm.weight", hd)
+            mat(p + "attn_output.weight", DIM, qd)
+            vec(p + "post_attention_norm.weight", DIM)
+            _ffn(f, p, mat, stack, vec)
+            continue
         if f.get("fused"):
             mat(p + "attn_qkv.weight", qd + 2 * kvd, DIM)
         else:
@@ -424,6 +514,24 @@ def write_family(
     return weights
 
 
+def _ffn(f: dict[str, Any], p: str, mat: Any, stack: Any, vec: Any) -> None:
+    """A hybrid layer's FFN: dense SwiGLU, or routed experts and a shared one."""
+    if "moe" in f:
+        e = f["moe"]
+        mat(p + "ffn_gate_inp.weight", e["n"], DIM, e.get("router", 0.1), QT.F32)
+        stack(p + "ffn_gate_exps.weight", e["n"], e["hidden"], DIM)
+        stack(p + "ffn_up_exps.weight", e["n"], e["hidden"], DIM)
+        stack(p + "ffn_down_exps.weight", e["n"], DIM, e["hidden"])
+        vec(p + "ffn_gate_inp_shexp.weight", DIM, 0.0, 0.1)
+        mat(p + "ffn_gate_shexp.weight", e["shared"], DIM)
+        mat(p + "ffn_up_shexp.weight", e["shared"], DIM)
+        mat(p + "ffn_down_shexp.weight", DIM, e["shared"])
+    else:
+        mat(p + "ffn_gate.weight", HIDDEN, DIM)
+        mat(p + "ffn_up.weight", HIDDEN, DIM)
+        mat(p + "ffn_down.weight", DIM, HIDDEN)
+
+
 def family_cases(name: str) -> list[list[int]]:
     """The token sequences the goldens follow (teacher-forced): a BOS, then random ids."""
     rng = np.random.default_rng(sum(map(ord, name)) + 1)
@@ -443,7 +551,7 @@ def _moe(W: dict[str, np.ndarray], p: str, e: dict[str, int], h: np.ndarray) -> 
     for t in range(len(h)):
         top = np.argsort(-probs[t], kind="stable")[: e["used"]]
         w = probs[t, top]
-        if "shared" not in e:  # qwen3moe renormalises; qwen2moe takes them as they come
+        if "shared" not in e or e.get("norm"):  # qwen3moe, qwen3next renormalise; qwen2moe takes them as they come
             w = w / w.sum()
         for x, wx in zip(top, w):
             out[t] += wx * _swiglu(h[t], W[p + "ffn_gate_exps.weight"][x], W[p + "ffn_up_exps.weight"][x], W[p + "ffn_down_exps.weight"][x])
@@ -483,6 +591,11 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
     for i in range(f.get("layers", LAYERS)):
         p = f"blk.{i}."
         h = _rms(x, W[p + "attn_norm.weight"], eps)
+        if "hybrid" in f:
+            x = x + (_deltanet(W, p, f["hybrid"], h, eps) if _recurrent(f, meta, i) else _gated_attention(W, p, H, KVH, HD, h, rope, eps))
+            h = _rms(x, W[p + "post_attention_norm.weight"], eps)
+            x = x + (_moe(W, p, f["moe"], h) if "moe" in f else _swiglu(h, W[p + "ffn_gate.weight"], W[p + "ffn_up.weight"], W[p + "ffn_down.weight"]))
+            continue
         if f.get("fused"):
             wq, wk, wv = np.split(W[p + "attn_qkv.weight"], [qd, qd + kvd])
         else:
@@ -529,3 +642,114 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
         cap = meta["final_logit_softcapping"]
         out = cap * np.tanh(out / cap)
     return out
+
+
+def _gated_attention(W: dict[str, np.ndarray], p: str, H: int, KVH: int, HD: int, h: np.ndarray, rope: Any, eps: float) -> np.ndarray:
+    """qwen35's full attention: QK-norm, RoPE, and a sigmoid gate (each head's second half of
+    the Q projection) on the output."""
+    T = len(h)
+    qg = (h @ W[p + "attn_q.weight"].T).reshape(T, H, 2 * HD)
+    q, gate = qg[..., :HD], qg[..., HD:]
+    k = (h @ W[p + "attn_k.weight"].T).reshape(T, KVH, HD)
+    v = (h @ W[p + "attn_v.weight"].T).reshape(T, KVH, HD)
+    q, k = _rms(q, W[p + "attn_q_norm.weight"], eps), _rms(k, W[p + "attn_k_norm.weight"], eps)
+    q = np.stack([rope(q[t], t) for t in range(T)])
+    k = np.stack([rope(k[t], t) for t in range(T)])
+    att = np.zeros((T, H, HD))
+    for t in range(T):
+        for hh in range(H):
+            kv = hh // (H // KVH)
+            sc = k[: t + 1, kv] @ q[t, hh] / np.sqrt(HD)
+            pr = np.exp(sc - sc.max())
+            att[t, hh] = (pr / pr.sum()) @ v[: t + 1, kv]
+    att = att * (1 / (1 + np.exp(-gate)))
+    return att.reshape(T, -1) @ W[p + "attn_output.weight"].T
+
+
+def _deltanet(W: dict[str, np.ndarray], p: str, hy: dict[str, Any], h: np.ndarray, eps: float) -> np.ndarray:
+    """A gated DeltaNet layer over the whole sequence (state from zero)."""
+    T = len(h)
+    nk, nv, hd, K = hy["nk"], hy["nv"], hy["hd"], hy["conv"]
+    kd, r = nk * hd, nv // nk
+    qkv = h @ W[p + "attn_qkv.weight"].T
+    z = (h @ W[p + "attn_gate.weight"].T).reshape(T, nv, hd)
+    if hy["fused_ba"]:
+        ba = (h @ W[p + "ssm_ba.weight"].T).reshape(T, nk, 2 * r)
+        beta, alpha = ba[..., :r].reshape(T, nv), ba[..., r:].reshape(T, nv)
+    else:
+        beta, alpha = h @ W[p + "ssm_beta.weight"].T, h @ W[p + "ssm_alpha.weight"].T
+    beta = 1 / (1 + np.exp(-beta))
+    g = np.log1p(np.exp(alpha + W[p + "ssm_dt.bias"])) * W[p + "ssm_a"]
+    conv = W[p + "ssm_conv1d.weight"]  # channels x taps
+    xp = np.concatenate([np.zeros((K - 1, qkv.shape[1])), qkv])
+    y = np.stack([(xp[t : t + K] * conv.T).sum(0) for t in range(T)])
+    y = y / (1 + np.exp(-y))
+    q, k, v = y[:, :kd].reshape(T, nk, hd), y[:, kd : 2 * kd].reshape(T, nk, hd), y[:, 2 * kd :].reshape(T, nv, hd)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + eps)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + eps)
+    S = np.zeros((nv, hd, hd))  # [head, key index, value index]
+    o = np.zeros((T, nv, hd))
+    for t in range(T):
+        for j in range(nv):
+            kh = j // r if hy["fused_ba"] else j % nk  # qwen3next groups, qwen35 tiles
+            S[j] *= np.exp(g[t, j])
+            d = beta[t, j] * (v[t, j] - S[j].T @ k[t, kh])
+            S[j] += np.outer(k[t, kh], d)
+            o[t, j] = S[j].T @ q[t, kh] / np.sqrt(hd)
+    o = _rms(o, W[p + "ssm_norm.weight"], eps) * (z / (1 + np.exp(-z)))
+    return o.reshape(T, -1) @ W[p + "ssm_out.weight"].T
+
+
+def write_scripted_model(path: Path, specials: list[str], script: dict[str, str], template: str) -> None:
+    """A llama model that continues each token with the one ``script`` names (pieces or specials,
+    as their text): its layers add nothing (zero output projections) and its output matrix holds,
+    for each token, the embedding of the token it follows, so the logits peak on the successor.
+    ``specials`` join the vocabulary as control tokens, except thought markers (``<think>``,
+    ``</think>``), which Qwen3's files mark user-defined (shown as text); ``template`` is its chat
+    template."""
+    rng = np.random.default_rng(99)
+    vocab = VOCAB + specials
+    n = len(vocab)
+    w = GGUFWriter(str(path), "llama")
+    _add_keys(
+        w,
+        "llama",
+        {
+            "block_count": 1,
+            "context_length": 256,
+            "embedding_length": DIM,
+            "feed_forward_length": HIDDEN,
+            "attention.head_count": HEADS,
+            "attention.head_count_kv": KV_HEADS,
+            "attention.layer_norm_rms_epsilon": 1e-6,
+        },
+    )
+    w.add_tokenizer_model("llama")
+    w.add_token_list(vocab)
+    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))] + [0.0] * len(specials))
+    w.add_token_types(TYPES + [4 if "think>" in t else 3 for t in specials])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(template)
+    emb = rng.normal(0, 1.0, size=(n, DIM)).astype(np.float32)
+    out = np.zeros((n, DIM), np.float32)
+    idx = {t: i for i, t in enumerate(vocab)}
+    for a, b in script.items():
+        out[idx[b]] += emb[idx[a]]
+    w.add_tensor("token_embd.weight", emb)
+    w.add_tensor("output.weight", out)
+    z = np.zeros
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(DIM, np.float32))
+    w.add_tensor("blk.0.attn_q.weight", z((HEADS * HEAD_DIM, DIM), np.float32))
+    w.add_tensor("blk.0.attn_k.weight", z((KV_HEADS * HEAD_DIM, DIM), np.float32))
+    w.add_tensor("blk.0.attn_v.weight", z((KV_HEADS * HEAD_DIM, DIM), np.float32))
+    w.add_tensor("blk.0.attn_output.weight", z((DIM, HEADS * HEAD_DIM), np.float32))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(DIM, np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", z((HIDDEN, DIM), np.float32))
+    w.add_tensor("blk.0.ffn_up.weight", z((HIDDEN, DIM), np.float32))
+    w.add_tensor("blk.0.ffn_down.weight", z((DIM, HIDDEN), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(DIM, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -187,6 +187,19 @@ F32 = np.float32
         ("qwen3moe", dict(meta={"expert_feed_forward_length": 128}), r"tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \[256, 256, 8\] but the model's metadata implies \[256, 128, 8\]"),
         ("qwen2moe", dict(drop="blk.1.ffn_down_shexp.weight"), r"tensor 'blk\.1\.ffn_down_shexp\.weight' is missing"),
         ("qwen2moe", dict(meta={"expert_count": None}), r"'qwen2moe\.expert_count' is missing"),
+        # DeltaNet hybrids: a missing recurrent tensor, state sizes that disagree with each other
+        # or with the tensors, the gated attention's double-height Q.
+        ("qwen35", dict(drop="blk.1.ssm_a"), r"tensor 'blk\.1\.ssm_a' is missing"),
+        ("qwen35", dict(drop="blk.0.ssm_conv1d.weight"), r"tensor 'blk\.0\.ssm_conv1d\.weight' is missing"),
+        ("qwen3next", dict(drop="blk.2.ssm_ba.weight"), r"tensor 'blk\.2\.ssm_ba\.weight' is missing"),
+        ("qwen35", dict(meta={"ssm.inner_size": 512}), r"'qwen35\.ssm\.inner_size' is 512 but ssm\.time_step_rank \(4 value heads\) x ssm\.state_size \(64\) is 256"),
+        ("qwen35", dict(meta={"ssm.state_size": 32, "ssm.inner_size": 128}), r"tensor 'blk\.0\.ssm_conv1d\.weight' is 512x4 but the model's metadata implies 256x4"),
+        ("qwen35", dict(meta={"ssm.conv_kernel": 3}), r"tensor 'blk\.0\.ssm_conv1d\.weight' is 512x4 but the model's metadata implies 512x3"),
+        ("qwen35", dict(meta={"ssm.group_count": 3}), r"'qwen35\.ssm\.time_step_rank' \(value heads\) is 4, not a multiple of ssm\.group_count \(key heads, 3\)"),
+        ("qwen3next", dict(meta={"ssm.time_step_rank": 2, "ssm.inner_size": 128}), r"tensor 'blk\.0\.ssm_ba\.weight' is 8x256 but the model's metadata implies 4x256"),
+        ("qwen35", dict(meta={"ssm.conv_kernel": None}), r"'qwen35\.ssm\.conv_kernel' is missing"),
+        ("qwen35", dict(meta={"attention.head_count": 2}), r"tensor 'blk\.3\.attn_q\.weight' is 512x256 but the model's metadata implies 256x256"),
+        ("qwen35", dict(meta={"attention.recurrent_layers": [True, False]}), r"'qwen35\.attention\.recurrent_layers' has 2 values but the model has 4 layers"),
     ],
 )
 def test_family_tensors_checked(tmp_path: Path, name: str, kw: dict, match: str) -> None:
@@ -197,6 +210,14 @@ def test_family_tensors_checked(tmp_path: Path, name: str, kw: dict, match: str)
     with pytest.raises(dl.GgufError, match=match) as e:
         dl.load_model(p)
     assert str(p) in str(e.value)
+
+
+def test_qwen35_rope_sections_that_leave_text_pairs_unrotated(tmp_path: Path) -> None:
+    # Sections covering fewer pairs than rotate would put some on the fourth (non-text) axis.
+    p = tmp_path / "m.gguf"
+    write_family(p, "qwen35", meta={"rope.dimension_sections": [1, 1, 0, 1]})
+    with pytest.raises(dl.UnsupportedModelError, match=r"'qwen35\.rope\.dimension_sections' is \[1, 1, 0, 1\]: rotary pair 2 of 8"):
+        dl.load_model(p)
 
 
 @pytest.mark.parametrize("kind", ["yarn", "su", "dynamic"])

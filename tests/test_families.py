@@ -19,7 +19,8 @@ from synthetic import FAMILIES, family_cases, family_reference_logits, write_fam
 
 GOLDEN = Path(__file__).parent / "golden" / "families"
 NAMES = sorted(FAMILIES)
-DENSE = [n for n in NAMES if "moe" not in FAMILIES[n]]
+DENSE = [n for n in NAMES if "moe" not in FAMILIES[n] and "hybrid" not in FAMILIES[n]]
+HYBRIDS = [n for n in NAMES if "hybrid" in FAMILIES[n]]
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,11 @@ def test_ggml_numerics_refuse_routed_experts(files: dict[str, Path]) -> None:
         dl.load_model(files["qwen3moe"], numerics=dl.Numerics.ggml)
 
 
+def test_ggml_numerics_refuse_deltanet(files: dict[str, Path]) -> None:
+    with pytest.raises(dl.UnsupportedModelError, match="numerics='ggml' does not reproduce ggml's order for DeltaNet layers; load with numerics='fast'"):
+        dl.load_model(files["qwen35"], numerics=dl.Numerics.ggml)
+
+
 @pytest.mark.parametrize("name", DENSE)
 def test_ggml_numerics_reproduce_llamacpp(name: str, files: dict[str, Path]) -> None:
     # ggml's order, decode steps and one prefill batch alike: the same numbers as llama.cpp up to
@@ -137,6 +143,9 @@ ABLATIONS = {
     "phi3-short without factors": ("phi3-short", dict(drop="rope_factors_short.weight")),
     "qwen2moe with its shared expert half open": ("qwen2moe", dict(replace={"blk.0.ffn_gate_inp_shexp.weight": np.zeros(256, np.float32)})),
     "qwen3moe with two experts a token": ("qwen3moe", dict(meta={"expert_used_count": 2})),
+    "qwen35 with a convolution that passes its input": ("qwen35", dict(replace={f"blk.{i}.ssm_conv1d.weight": np.tile(np.float32([0, 0, 0, 1]), (512, 1)) for i in range(3)})),
+    "qwen35 without decay": ("qwen35", dict(replace={f"blk.{i}.ssm_a": np.zeros(4, np.float32) for i in range(3)})),
+    "qwen3next with an ungated shared expert": ("qwen3next", dict(replace={f"blk.{i}.ffn_gate_inp_shexp.weight": np.full(256, 30.0, np.float32) for i in range(4)})),
 }
 
 

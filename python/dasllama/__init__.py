@@ -11,7 +11,21 @@
 import logging
 
 from ._native import arch_names, n_threads
-from .chat import ChatRenderer, add_assistant, add_user, create_chat_renderer, make_nothink_guard, render_chat, render_close, render_turn, set_thinking, turn_stop_ids
+from .chat import (
+    ChatRenderer,
+    NothinkGuard,
+    ThoughtSplitter,
+    add_assistant,
+    add_user,
+    create_chat_renderer,
+    make_nothink_guard,
+    render_chat,
+    render_close,
+    render_turn,
+    set_thinking,
+    split_reasoning,
+    turn_stop_ids,
+)
 from .embeddings import default_pooling, embed
 from .errors import ContextOverflowError, DasllamaError, EngineError, FetchError, GgufError, KvPoolFullError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
@@ -31,6 +45,7 @@ from .session import (
     eval_all,
     eval_batch,
     generate,
+    gpu_dn_room,
     kv_pool_stats,
     release_kv_pages,
     sample,
@@ -54,6 +69,7 @@ __all__ = [
     "KvPool",
     "KvPoolFullError",
     "Model",
+    "NothinkGuard",
     "Numerics",
     "PendingReq",
     "QuantMode",
@@ -62,6 +78,7 @@ __all__ = [
     "Scheduler",
     "Session",
     "TemplateError",
+    "ThoughtSplitter",
     "UnsupportedModelError",
     "add_assistant",
     "add_user",
@@ -88,6 +105,7 @@ __all__ = [
     "fetch",
     "fix_draft_len",
     "generate",
+    "gpu_dn_room",
     "json_object_grammar",
     "json_schema_grammar",
     "kv_pool_stats",
@@ -106,6 +124,7 @@ __all__ = [
     "scheduler_stats",
     "scheduler_step",
     "set_thinking",
+    "split_reasoning",
     "submit",
     "token_piece",
     "turn_stop_ids",

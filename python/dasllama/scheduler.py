@@ -17,9 +17,9 @@ prefill chunk of ``chunk_tokens``. Results come back as :class:`SchedEvent` valu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import _native
+from .chat import NothinkGuard
 from .model import Model
 from .session import KVDtype, SamplingParams, check_kv_dtype
 
@@ -34,7 +34,10 @@ class PendingReq:
     prompt: list[int] = field(default_factory=list)
     close_toks: list[int] = field(default_factory=list)  # the turn's closing tokens (for the prefix cache)
     stop_ids: list[int] = field(default_factory=list)  # end the stream (besides end-of-generation); not emitted
-    nothink: Any = None  # thinking-template guard; no thinking-template family is supported yet
+    # make_nothink_guard(chat): on a turn rendered with thinking off, a thought marker before the
+    # reply's content is a leading thought (emitted; split off by the reader), one after content
+    # ends the stream. None: no guard.
+    nothink: NothinkGuard | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
     max_new: int = 256
     seed: int = 0
@@ -87,11 +90,14 @@ def create_scheduler(
 def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
     """Queue ``req``; False when the queue is full. A request that cannot run (empty prompt,
     ``max_new < 1``, a prompt past the context, a duplicate id) raises and nothing is queued."""
+    guard = None
     if req.nothink is not None:
-        raise NotImplementedError("nothink guards need a thinking-template family, none of which is supported yet")
+        if not isinstance(req.nothink, NothinkGuard):
+            raise TypeError(f"request {req.id}: nothink must come from make_nothink_guard (or be None), not {type(req.nothink).__name__}")
+        guard = (list(req.nothink.open_ids), list(req.nothink.close_ids))
     if not 0 <= req.seed < 2**64:
         raise ValueError(f"request {req.id}: seed must be in [0, 2**64)")
-    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos), req.grammar)
+    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos), req.grammar, guard)
 
 
 def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:
@@ -128,8 +134,10 @@ def n_queued(sch: Scheduler) -> int:
 
 def scheduler_stats(sch: Scheduler) -> dict[str, float]:
     """Counters: decode_steps, avg_batch, prefill_chunks, prefill_tokens, cached_tokens, finished,
-    avg_ttft_ms, spec_verifies/spec_drafted/spec_accepted (speculation); with a paged pool also its
-    page counts and the prefix cache's chains and hits."""
+    avg_ttft_ms, spec_verifies/spec_drafted/spec_accepted (speculation), prefix_refused (prompts
+    of a hybrid model admitted with a paged pool, which never look in the prefix cache: its pages
+    hold K/V, not the recurrent state of their positions, so such a model prefills every prompt
+    whole); with a paged pool also its page counts and the prefix cache's chains and hits."""
     stats = dict(_native.scheduler_stats(sch))
     pool = _native.scheduler_pool_stats(sch)
     if pool is not None:

@@ -87,6 +87,17 @@ def release_kv_pages(s: Session) -> None:
     _native.release_kv_pages(s)
 
 
+def gpu_dn_room(n: int) -> None:
+    """Say how many streams' recurrent (DeltaNet) state a GPU driver should keep resident at
+    once, before the first prefill of a hand-rolled batch over a hybrid (qwen35, qwen3next), so
+    that no stream's state is evicted under the batched step it rides. On the CPU a session's
+    recurrent state lives in the session itself (sized per stream, freed with it), so there is no
+    cache to size and the call does nothing; a driver without such a cache ignores it too.
+    ``create_scheduler`` needs no such call for its own streams."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"gpu_dn_room needs a stream count >= 0, got {n!r}")
+
+
 def kv_pool_stats(pool: KvPool) -> dict[str, int]:
     """pages_total / free / used / shared / cached, bytes_per_page, bytes_allocated, cache_chains, cache_hits."""
     return _native.kv_pool_stats(pool)

@@ -28,19 +28,36 @@ log = logging.getLogger("dasllama")
 MAX_DRAFT = 32
 
 
+def no_speculation(m: Model) -> str | None:
+    """Why ``m`` cannot speculate, or None when it can: a hybrid's recurrent (DeltaNet) layers
+    hold every position in one state that cannot be rolled back past a rejected draft (K/V is
+    rolled back by truncation), so hybrids decode without drafts."""
+    if m.config.get("recurrent_layers", 0):
+        return f"{m.path.name} ({m.arch}) has recurrent (DeltaNet) layers, whose state cannot be rolled back past a rejected draft"
+    return None
+
+
 def attach_ngram_drafter(m: Model, max_draft: int = 8) -> bool:
     """Draft by prompt lookup: what followed the last earlier occurrence of the stream's last 2-4
-    tokens. Best on input-grounded work (summaries, rewrites, code edits). Replaces any drafter."""
-    m._drafter = _native.ngram_drafter(_check_max_draft(max_draft))
+    tokens. Best on input-grounded work (summaries, rewrites, code edits). Replaces any drafter.
+    False, with the reason logged and nothing attached, for a hybrid (:func:`no_speculation`)."""
+    _check_max_draft(max_draft)
+    if why := no_speculation(m):
+        log.warning("not speculating: %s", why)
+        return False
+    m._drafter = _native.ngram_drafter(max_draft)
     return True
 
 
 def attach_draft_model(m: Model, draft: Model, max_draft: int = 8) -> bool:
     """Draft with a smaller model (or a coarser quantization of the same one) that shares ``m``'s
     vocabulary; it decodes greedily, batched across streams. False, with the reason logged and
-    nothing attached, when its vocabulary differs."""
+    nothing attached, when its vocabulary differs or either model is a hybrid (:func:`no_speculation`)."""
     if not isinstance(draft, Model):
         raise TypeError(f"draft must be a dasllama Model (from load_model), not {type(draft).__name__}")
+    if why := no_speculation(m) or no_speculation(draft):
+        log.warning("not speculating: %s", why)
+        return False
     drafter, why = _native.model_drafter(m._native, draft._native, _check_max_draft(max_draft))
     if drafter is None:
         log.warning("draft model %s cannot draft for %s: %s", draft.path.name, m.path.name, why)
@@ -111,6 +128,10 @@ def configure(m: Model, mode: str = "auto", draft: Model | None = None, max_draf
     detach_drafter(m)
     if mode == "off":
         return "off"
+    if why := no_speculation(m):
+        if mode != "auto":
+            raise ValueError(f"speculation ({mode}) is not available: {why}")
+        return f"off: {why}"
     if mode == "draft" or (mode == "auto" and draft is not None):
         if draft is None:
             raise ValueError("speculation with a draft model needs the draft model (--model-draft)")
@@ -134,4 +155,16 @@ def _check_max_draft(max_draft: int) -> int:
     return max_draft
 
 
-__all__ = ["SPEC_MODES", "attach_draft_model", "attach_mtp_drafter", "attach_ngram_drafter", "configure", "detach_drafter", "drafter_kind", "fix_draft_len", "mtp_capable", "mtp_drafter_sidecar"]
+__all__ = [
+    "SPEC_MODES",
+    "attach_draft_model",
+    "attach_mtp_drafter",
+    "attach_ngram_drafter",
+    "configure",
+    "detach_drafter",
+    "drafter_kind",
+    "fix_draft_len",
+    "mtp_capable",
+    "mtp_drafter_sidecar",
+    "no_speculation",
+]

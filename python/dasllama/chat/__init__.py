@@ -128,7 +128,117 @@ def _thinking(chat: ChatRenderer) -> dict[str, Any]:
     return {} if chat.thinking is None else {"enable_thinking": chat.thinking}
 
 
-def make_nothink_guard(chat: ChatRenderer) -> None:
-    """The thinking-off stop guard of a thinking-template family. No family served here has a
-    thinking template, so there is nothing to guard and this returns None."""
-    return None
+@dataclass(frozen=True)
+class NothinkGuard:
+    """The thinking-off extras of a non-thinking turn: the token ids of the template's thought
+    markers. The scheduler treats a marker before the reply's first content as a leading thought
+    (emitted, for :class:`ThoughtSplitter` to split off) and one after content as the end of the
+    stream (a stop; the marker is not emitted)."""
+
+    open_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]
+
+
+THOUGHT_MARKERS = ("<think>", "</think>")
+
+
+def _marker_id(m: Model, text: str) -> int | None:
+    """The id of ``text`` where the vocabulary holds it as one special token, else None."""
+    ids = encode(m, text, add_bos=False, special=True)
+    return ids[0] if len(ids) == 1 and m._native.token_type(ids[0]) in (3, 4) else None
+
+
+def thought_markers(m: Model) -> tuple[str, str] | None:
+    """The template's thought markers (``<think>``, ``</think>``) where ``m`` thinks: its template
+    writes them and its vocabulary holds both as special tokens (Qwen3 does; Qwen2.5 shares the
+    template family but has no such tokens, so nothing is armed for it)."""
+    tmpl = m.chat_template or ""
+    if not all(t in tmpl for t in THOUGHT_MARKERS):
+        return None
+    if any(_marker_id(m, t) is None for t in THOUGHT_MARKERS):
+        return None
+    return THOUGHT_MARKERS
+
+
+def make_nothink_guard(chat: ChatRenderer) -> NothinkGuard | None:
+    """The guard of a turn rendered with thinking off (``set_thinking(chat, False)``) on a model
+    whose template thinks; None where the turn may think or the model cannot."""
+    m = chat.model
+    if chat.thinking is not False or thought_markers(m) is None:
+        return None
+    o, c = (_marker_id(m, t) for t in THOUGHT_MARKERS)
+    assert o is not None and c is not None
+    return NothinkGuard((o,), (c,))
+
+
+class ThoughtSplitter:
+    """Splits a reply's leading thought from its content as pieces arrive: ``feed`` returns the
+    (reasoning, content) text each piece adds, holding back what may be the start of a marker;
+    ``finish`` flushes. A thought counts only at the reply's start (after whitespace); an unclosed
+    one is reasoning. ``in_thought``: the prompt already opened the thought (a template whose
+    generation prompt ends with ``<think>``)."""
+
+    def __init__(self, markers: tuple[str, str] = THOUGHT_MARKERS, in_thought: bool = False) -> None:
+        self.open, self.close = markers
+        self.state = "thought" if in_thought else "start"
+        self.buf = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.buf += text
+        reasoning, content = "", ""
+        while self.buf:
+            if self.state == "start":
+                stripped = self.buf.lstrip()
+                if stripped.startswith(self.open):
+                    self.buf = stripped[len(self.open) :]
+                    self.state = "thought"
+                    continue
+                if not stripped or self.open.startswith(stripped):
+                    break  # whitespace, or maybe the start of the marker: wait
+                self.state = "content"
+                continue
+            if self.state == "thought":
+                at = self.buf.find(self.close)
+                if at >= 0:
+                    reasoning += self.buf[:at]
+                    self.buf = self.buf[at + len(self.close) :].lstrip("\n")
+                    self.state = "after"
+                    continue
+                keep = _partial_suffix(self.buf, self.close)
+                reasoning += self.buf[: len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep :]
+                break
+            if self.state == "after":
+                # The newlines between the thought and the answer belong to neither.
+                self.buf = self.buf.lstrip("\n")
+                if not self.buf:
+                    break
+                self.state = "content"
+                continue
+            content += self.buf
+            self.buf = ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buf = self.buf, ""
+        if self.state == "thought":
+            return rest, ""
+        if self.state == "start":
+            return "", rest.lstrip() if rest.strip() else ""
+        return "", rest if self.state == "content" else rest.lstrip("\n")
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def split_reasoning(reply: str, markers: tuple[str, str] = THOUGHT_MARKERS, in_thought: bool = False) -> tuple[str, str]:
+    """(reasoning, content) of a whole reply (see :class:`ThoughtSplitter`)."""
+    sp = ThoughtSplitter(markers, in_thought)
+    r1, c1 = sp.feed(reply)
+    r2, c2 = sp.finish()
+    return r1 + r2, c1 + c2

@@ -24,7 +24,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .. import scheduler as sched
-from ..chat import ChatRenderer, render_chat, render_close
+from ..chat import ChatRenderer, NothinkGuard, ThoughtSplitter, make_nothink_guard, render_chat, render_close, split_reasoning, thought_markers
 from ..embeddings import embed
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..grammar import check_grammar
@@ -130,8 +130,20 @@ KNOWN_FIELDS = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
     "logprobs", "top_logprobs", "n", "user", "ignore_eos", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "chat_template_kwargs", "enable_thinking",
+    "chat_template_kwargs", "enable_thinking", "reasoning_effort",
 }
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _reasoning_effort(body: dict[str, Any]) -> str | None:
+    """`reasoning_effort` as OpenAI, vLLM and llama-server take it: passed to the template (where
+    one reads it, e.g. gpt-oss's); "none" and "minimal" also turn thinking off where the request
+    does not say `enable_thinking` itself (Qwen3's templates have no levels, only on and off)."""
+    v = body.get("reasoning_effort")
+    if v is not None and v not in REASONING_EFFORTS:
+        raise ApiError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning_effort")
+    return v
 
 
 def _enable_thinking(body: dict[str, Any]) -> bool | None:
@@ -167,6 +179,11 @@ class Job:
     grammar: str | None = None  # llguidance grammar constraining every choice
     grammar_param: str | None = None  # the request field the grammar came from (for errors)
     tools: Tools | None = None  # parse tool calls out of the replies
+    # Where the model's template thinks: its thought markers, split off each reply's leading
+    # thought into `reasoning_content`; `in_thought` when the prompt itself opened the thought.
+    markers: tuple[str, str] | None = None
+    in_thought: bool = False
+    nothink: NothinkGuard | None = None
 
 
 def _utf8_len(text: str, param: str) -> int:
@@ -300,6 +317,11 @@ class Server:
             if tools is not None:
                 rendered, extra = with_tools(rendered, tools)
             thinking = _enable_thinking(body)
+            effort = _reasoning_effort(body)
+            if effort is not None:
+                extra["reasoning_effort"] = effort
+                if thinking is None and effort in ("none", "minimal"):
+                    thinking = False
             if thinking is not None:
                 extra["enable_thinking"] = thinking
             try:
@@ -310,8 +332,12 @@ class Server:
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
             prompt = encode(m, text, special=True)
+            markers = thought_markers(m)
+            in_thought = markers is not None and text.rstrip().endswith(markers[0])
+            nothink = make_nothink_guard(ChatRenderer(m, rendered, thinking=thinking))
         else:
             tools = None
+            markers, in_thought, nothink = None, False, None
             try:
                 grammar, grammar_param = response_format_grammar(body), "response_format"
             except ToolError as e:
@@ -382,7 +408,7 @@ class Server:
                 check_grammar(m, grammar)
             except ValueError as e:
                 raise ApiError(400, str(e), param=grammar_param) from None
-        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")), ignore_eos, grammar, grammar_param, tools)
+        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink)
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
         """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a
@@ -392,7 +418,7 @@ class Server:
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
         req = sched.PendingReq(
             id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs, ignore_eos=job.ignore_eos,
-            grammar=job.grammar,
+            grammar=job.grammar, nothink=job.nothink,
         )
         sub = Subscription(asyncio.get_running_loop())
         try:
@@ -588,6 +614,8 @@ def build_app(server: Server) -> Starlette:
                 tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
                 # With tools, each choice's text goes through a parser that gives calls out whole.
                 parsers = [CallParser() for _ in range(job.n)] if chat and job.tools is not None else None
+                # A leading thought goes out as `reasoning_content` deltas, before the content.
+                splitters = [ThoughtSplitter(job.markers, job.in_thought) for _ in range(job.n)] if chat and job.markers else None
                 if chat:
                     for i in range(job.n):
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
@@ -616,6 +644,16 @@ def build_app(server: Server) -> Starlette:
                             usage["completion"] += ev.n_gen if ev else 0
                             usage["cached"] = max(usage["cached"], ev.n_cached if ev else 0)
                         calls: list[dict[str, Any]] = []
+                        if splitters is not None:
+                            thought, text = splitters[i].feed(text)
+                            if reason:
+                                t2, c2 = splitters[i].finish()
+                                thought, text = thought + t2, text + c2
+                            if thought:
+                                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"reasoning_content": thought}, "logprobs": None, "finish_reason": None}]}
+                                if job.include_usage:
+                                    chunk["usage"] = None
+                                yield _sse(chunk)
                         if parsers is not None:
                             text, calls = parsers[i].feed(text)
                             if reason:
@@ -695,13 +733,17 @@ def build_app(server: Server) -> Starlette:
         for i, r in enumerate(results):
             if chat:
                 lp = {"content": r["lps"]} if job.logprobs is not None else None
-                message: dict[str, Any] = {"role": "assistant", "content": r["text"]}
+                thought, reply = split_reasoning(r["text"], job.markers, job.in_thought) if job.markers else ("", r["text"])
+                message: dict[str, Any] = {"role": "assistant", "content": reply}
                 reason = r["reason"]
                 if job.tools is not None:
-                    content, calls = split_calls(r["text"])
+                    content, calls = split_calls(reply)
                     if calls:
                         message = {"role": "assistant", "content": content, "tool_calls": calls}
                         reason = "tool_calls" if reason == "stop" else reason
+                if thought:
+                    # Absent, never empty, where the reply had no thought (llama-server's shape).
+                    message["reasoning_content"] = thought
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 lp = None

@@ -9,7 +9,7 @@ use dasllama::embed::Pooling;
 use dasllama::kv::{KvCodec, KvPool, PoolStats};
 use dasllama::model::{Attention, MetaValue, Metadata, Mixer, Model, Numerics, QuantMode, TensorInfo};
 use dasllama::sampling::SamplingParams;
-use dasllama::sched::{EventKind, Finish, PendingReq, SchedEvent, Scheduler};
+use dasllama::sched::{EventKind, Finish, Nothink, PendingReq, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
 use dasllama::spec::Drafter;
 use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
@@ -118,10 +118,13 @@ impl PyModel {
         let attn: Vec<&Attention> = c
             .layers
             .iter()
-            .map(|l| match &l.mixer {
-                Mixer::Attention(a) => a,
+            .filter_map(|l| match &l.mixer {
+                Mixer::Attention(a) => Some(a),
+                Mixer::DeltaNet(_) => None,
             })
             .collect();
+        // Hybrids: how many layers keep a recurrent (DeltaNet) state instead of K/V.
+        d.set_item("recurrent_layers", c.rec_layers().len())?;
         // The global layers' base; the widest window of the sliding ones (0: none slide).
         d.set_item("rope_freq_base", attn.iter().find(|a| a.window == 0).or(attn.first()).map_or(0.0, |a| a.rope.base))?;
         d.set_item("sliding_window", attn.iter().map(|a| a.window).max().unwrap_or(0))?;
@@ -673,7 +676,7 @@ fn create_scheduler(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None))]
+#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None))]
 fn submit(
     py: Python<'_>,
     m: &PyModel,
@@ -688,12 +691,15 @@ fn submit(
     logprobs: Option<usize>,
     ignore_eos: bool,
     grammar: Option<String>,
+    nothink: Option<(Vec<u32>, Vec<u32>)>,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
     if max_new < 1 {
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
-    let req = PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar };
+    let nothink = nothink.map(|(open, close)| Nothink { open, close });
+    let req =
+        PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar, nothink };
     let inner = &mut sch.inner;
     // Compiling a grammar takes milliseconds (the first one indexes the vocabulary: more).
     native(py, "submit", || inner.submit(req))
@@ -764,6 +770,7 @@ fn scheduler_stats<'py>(py: Python<'py>, sch: &PyScheduler) -> PyResult<Bound<'p
     d.set_item("spec_verifies", s.spec_verifies)?;
     d.set_item("spec_drafted", s.spec_drafted)?;
     d.set_item("spec_accepted", s.spec_accepted)?;
+    d.set_item("prefix_refused", s.prefix_refused)?;
     if let Some((a, b)) = sch.inner.pass_cost() {
         d.set_item("spec_pass_us", a * 1e6)?;
         d.set_item("spec_row_us", b * 1e6)?;

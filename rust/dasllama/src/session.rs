@@ -32,22 +32,25 @@ fn shared_scratch() -> std::sync::MutexGuard<'static, Scratch> {
 impl Session {
     /// A session with a private KV store.
     pub fn new(m: &Model) -> Self {
-        Self::with_kv(KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)))
+        Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)))
     }
 
     /// A session whose KV pages come from `pool`.
     pub fn paged(m: &Model, pool: &KvPool) -> Result<Self> {
         m.check_kv(pool.geometry())?;
-        Ok(Self::with_kv(KvCache::paged(pool)))
+        Ok(Self::with_kv(m, KvCache::paged(pool)))
     }
 
-    fn with_kv(kv: KvCache) -> Self {
+    /// A hybrid's session keeps its DeltaNet layers' recurrent state beside its K/V pages.
+    fn with_kv(m: &Model, kv: KvCache) -> Self {
+        let kv = kv.with_recurrent(m.config.rec_layers().iter().map(|d| (d.conv_state(), d.ssm_state())).collect());
         Session { kv, dev: None, logits: Vec::new(), record: TokenRecord::new(crate::sampling::DEFAULT_SEED), fault: false }
     }
 
-    /// A device-home session: its K/V in a region of the device that holds `m`.
+    /// A device-home session: its K/V in a region of the device that holds `m` (the driver
+    /// serves no recurrent model, so there is no state to keep beside it).
     pub fn on_device(m: &Model) -> Result<Self> {
-        let mut s = Self::with_kv(KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)));
+        let mut s = Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)));
         s.dev = Some(vulkan::create_session(m)?);
         Ok(s)
     }

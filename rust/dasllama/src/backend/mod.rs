@@ -6,8 +6,10 @@
 //! Every op computes each row with the same arithmetic whatever else is in the batch, which is
 //! what makes batched, chunked and speculative results equal to one token at a time.
 
+use crate::cpu::deltanet::DnParams;
 use crate::cpu::Weight;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, RecIo};
+use crate::model::DeltaNet;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
@@ -103,6 +105,30 @@ pub trait Ops {
 
     /// x = sigmoid(x), each value.
     fn sigmoid(&mut self, x: &mut [f32]);
+
+    /// x *= y, each value.
+    fn mul(&mut self, x: &mut [f32], y: &[f32]) {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a *= b);
+    }
+
+    /// One gated DeltaNet layer over the batch's rows (`cpu::deltanet::delta_net` says what each
+    /// buffer holds before and after): session i owns `counts[i]` rows and `states[i]`, its
+    /// recurrent state in this layer. A backend without a kernel of its own runs the CPU's here,
+    /// on the calling thread.
+    #[allow(clippy::too_many_arguments)]
+    fn delta_net(
+        &mut self,
+        dn: &DeltaNet,
+        p: &DnParams,
+        states: &mut [RecIo],
+        counts: &[usize],
+        qkv: &mut [f32],
+        beta: &mut [f32],
+        alpha: &mut [f32],
+        out: &mut [f32],
+    ) {
+        crate::cpu::deltanet::delta_net(dn, p, states, counts, qkv, beta, alpha, out, None);
+    }
 
     /// Causal attention of each query row over its session's K/V in page slot `slot` (which
     /// already holds the row's own position). `rows[t]` = (session, position) of batch row t.

@@ -1,9 +1,11 @@
 //! The CPU implementation of the backend boundary: the forward pass's ops on the thread team.
 //! Attention reads each session's K/V pages in place, decoding rows in the pool's codec.
 
+use super::deltanet::{self, DnParams};
 use super::{matmul_many, ops, Team, Weight};
 use crate::backend::{Activation, AttnShape, Numerics, Ops, RopeTable};
-use crate::kv::KvCache;
+use crate::kv::{KvCache, RecIo};
+use crate::model::DeltaNet;
 
 /// The CPU ops of one forward pass: the team held spinning for it, and the activation buffer its
 /// matmuls quantize into.
@@ -99,6 +101,20 @@ impl Ops for CpuOps<'_> {
 
     fn sigmoid(&mut self, x: &mut [f32]) {
         x.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));
+    }
+
+    fn delta_net(
+        &mut self,
+        dn: &DeltaNet,
+        p: &DnParams,
+        states: &mut [RecIo],
+        counts: &[usize],
+        qkv: &mut [f32],
+        beta: &mut [f32],
+        alpha: &mut [f32],
+        out: &mut [f32],
+    ) {
+        deltanet::delta_net(dn, p, states, counts, qkv, beta, alpha, out, Some(self.team));
     }
 
     fn attention(&mut self, a: &AttnShape, slot: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]) {

@@ -4,6 +4,7 @@
 
 pub mod arena;
 pub mod backend;
+pub mod deltanet;
 mod kv_dot;
 pub mod ops;
 pub mod spin;

@@ -213,7 +213,11 @@ impl KvPool {
     }
 
     /// Offer a finished stream's full pages (covering `tokens`) to the prefix cache.
+    /// A hybrid's pages are not taken: they do not hold the recurrent state of their positions.
     pub fn donate(&self, kv: &KvCache, tokens: &[u32]) {
+        if kv.recurrent() {
+            return;
+        }
         let r = self.0.geo.page_rows;
         let full = kv.len().min(tokens.len()) / r;
         {
@@ -254,9 +258,13 @@ impl KvPool {
     }
 
     /// Attach the longest cached chain of whole pages matching `prompt[..limit]` to `kv` (which
-    /// must be empty). Returns the number of positions attached.
+    /// must be empty). Returns the number of positions attached: none for a hybrid's session,
+    /// since K/V pages alone cannot give it the recurrent state of their positions.
     pub fn attach(&self, kv: &mut KvCache, prompt: &[u32], limit: usize) -> usize {
         assert!(kv.is_empty(), "attach needs an empty session");
+        if kv.recurrent() {
+            return 0;
+        }
         let r = self.0.geo.page_rows;
         let mut st = self.lock();
         st.clock += 1;
@@ -304,12 +312,52 @@ impl KvPool {
     }
 }
 
-/// One session's KV: a table of pages (its own or the pool's) and the number of positions held.
+/// One session's KV: a table of pages (its own or the pool's) and the number of positions held,
+/// and, for a hybrid model, the recurrent state of its DeltaNet layers.
 pub struct KvCache {
     geo: Geometry,
     len: usize,
     pages: Vec<Arc<Page>>,
     pool: Option<KvPool>,
+    rec: Option<RecState>,
+}
+
+/// The recurrent state of a session's DeltaNet layers after its `len` positions: per layer the
+/// convolution's last inputs and every value head's state matrix, in f32. It has two copies: a
+/// pass reads the committed one and writes the other, and `commit` makes the written one current,
+/// so a pass that fails midway leaves the session as it was (as K/V rows past `len` do). Unlike
+/// K/V it cannot go back to an earlier position: it is the sum of every position so far.
+pub struct RecState {
+    /// (conv, ssm) floats of each layer.
+    sizes: Vec<(usize, usize)>,
+    /// Per layer, [copy 0, copy 1] of each; empty until the first pass (all zeros).
+    conv: Vec<[Vec<f32>; 2]>,
+    ssm: Vec<[Vec<f32>; 2]>,
+    /// The committed copy.
+    cur: usize,
+}
+
+/// One layer's recurrent state in a pass: the committed copy to read and the other to write.
+pub struct RecIo<'a> {
+    pub conv_in: &'a [f32],
+    pub conv_out: &'a mut [f32],
+    pub ssm_in: &'a [f32],
+    pub ssm_out: &'a mut [f32],
+}
+
+impl RecState {
+    fn grow(&mut self) {
+        if self.conv.is_empty() {
+            self.conv = self.sizes.iter().map(|&(c, _)| [vec![0.0; c], vec![0.0; c]]).collect();
+            self.ssm = self.sizes.iter().map(|&(_, s)| [vec![0.0; s], vec![0.0; s]]).collect();
+            self.cur = 0;
+        }
+    }
+
+    /// Bytes this state takes once a session has run (both copies).
+    pub fn bytes(&self) -> usize {
+        self.sizes.iter().map(|&(c, s)| 2 * 4 * (c + s)).sum()
+    }
 }
 
 /// Read access to one layer of a session's KV during attention.
@@ -343,11 +391,40 @@ impl LayerView<'_> {
 impl KvCache {
     /// A session's private store of `geo` (its pages grown on demand).
     pub fn private(geo: Geometry) -> Self {
-        KvCache { geo, len: 0, pages: Vec::new(), pool: None }
+        KvCache { geo, len: 0, pages: Vec::new(), pool: None, rec: None }
     }
 
     pub fn paged(pool: &KvPool) -> Self {
-        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()) }
+        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()), rec: None }
+    }
+
+    /// Keep a recurrent state of these (conv, ssm) sizes per DeltaNet layer beside the pages
+    /// (none: a model of attention layers only). Allocated at the first pass, freed on release.
+    pub fn with_recurrent(mut self, sizes: Vec<(usize, usize)>) -> Self {
+        if !sizes.is_empty() {
+            self.rec = Some(RecState { sizes, conv: Vec::new(), ssm: Vec::new(), cur: 0 });
+        }
+        self
+    }
+
+    /// Whether this session keeps a recurrent state (a hybrid model's).
+    pub fn recurrent(&self) -> bool {
+        self.rec.is_some()
+    }
+
+    /// The recurrent state, if any.
+    pub fn rec_state(&self) -> Option<&RecState> {
+        self.rec.as_ref()
+    }
+
+    /// DeltaNet layer `slot`'s state for a pass (after `reserve`).
+    pub(crate) fn rec_io(&mut self, slot: usize) -> RecIo<'_> {
+        let r = self.rec.as_mut().expect("a DeltaNet layer's session keeps a recurrent state");
+        let cur = r.cur;
+        let [c0, c1] = &mut r.conv[slot];
+        let [s0, s1] = &mut r.ssm[slot];
+        let ((ci, co), (si, so)) = if cur == 0 { ((&*c0, c1), (&*s0, s1)) } else { ((&*c1, c0), (&*s1, s0)) };
+        RecIo { conv_in: ci, conv_out: co, ssm_in: si, ssm_out: so }
     }
 
     pub fn len(&self) -> usize {
@@ -368,6 +445,9 @@ impl KvCache {
     /// positions will be written to are this session's alone. On error nothing has changed that
     /// matters: extra pages are simply held until release.
     pub(crate) fn reserve(&mut self, positions: usize) -> Result<()> {
+        if let Some(rec) = &mut self.rec {
+            rec.grow();
+        }
         let r = self.geo.page_rows;
         while self.pages.len() * r < positions {
             let p = self.new_page()?;
@@ -403,7 +483,14 @@ impl KvCache {
         }
     }
 
+    /// The pass that wrote positions up to `len` succeeded: they count, and the recurrent state
+    /// it wrote becomes the committed one.
     pub(crate) fn commit(&mut self, len: usize) {
+        if len > self.len {
+            if let Some(r) = &mut self.rec {
+                r.cur ^= 1;
+            }
+        }
         self.len = len;
     }
 
@@ -412,8 +499,10 @@ impl KvCache {
     }
 
     /// Forget positions from `pos` on (pages past it go back; a later write into a page still
-    /// shared is copied first).
+    /// shared is copied first). A recurrent state cannot go back, so a hybrid's session only
+    /// truncates at or past its length (callers never draft for one: `Scheduler::set_drafter`).
     pub fn truncate(&mut self, pos: usize) {
+        assert!(self.rec.is_none() || pos >= self.len, "a recurrent state cannot go back from position {} to {pos}", self.len);
         self.len = self.len.min(pos);
         self.pages.truncate(self.len.div_ceil(self.geo.page_rows));
     }
@@ -422,6 +511,9 @@ impl KvCache {
     pub fn release(&mut self) {
         self.len = 0;
         self.pages.clear();
+        if let Some(r) = &mut self.rec {
+            (r.conv, r.ssm) = (Vec::new(), Vec::new());
+        }
     }
 }
 

@@ -19,6 +19,8 @@ static REGISTRY: &[ArchDesc] = &[
     ArchDesc { name: "qwen2moe", configure: super::qwen2moe::configure },
     ArchDesc { name: "qwen3", configure: super::qwen3::configure },
     ArchDesc { name: "qwen3moe", configure: super::qwen3moe::configure },
+    ArchDesc { name: "qwen35", configure: super::qwen35::configure },
+    ArchDesc { name: "qwen3next", configure: super::qwen3next::configure },
 ];
 
 pub fn lookup(name: &str) -> Option<&'static ArchDesc> {

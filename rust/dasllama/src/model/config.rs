@@ -36,13 +36,17 @@ pub struct Attention {
     /// Soft-cap the raw q.k scores to (-cap, cap) with cap * tanh(s / cap) before the softmax
     /// (gemma2's `attn_logit_softcapping`).
     pub softcap: Option<f32>,
+    /// The Q projection gives each head its queries and as many gate values after them
+    /// (2 * head_dim rows a head); the attention output is multiplied by their sigmoid before
+    /// `attn_output` (qwen35, qwen3next).
+    pub gated: bool,
 }
 
 impl Attention {
     /// Global attention with the shared RoPE and scale, no QK-norm or soft-capping: what most
     /// families start from.
     pub(crate) fn plain(s: &Shared) -> Attention {
-        Attention { rope: s.rope, window: 0, qk_norm: false, scale: s.scale, scale_query: false, softcap: None }
+        Attention { rope: s.rope, window: 0, qk_norm: false, scale: s.scale, scale_query: false, softcap: None, gated: false }
     }
 
     /// What the backend needs to know of this layer's attention.
@@ -59,11 +63,102 @@ impl Attention {
     }
 }
 
-/// How a layer mixes positions. Recurrent mixers (DeltaNet) go here beside attention, with
-/// their state in the session's per-layer state.
+/// Which key head a value head of a DeltaNet layer reads (there are `n_v / n_k` value heads per
+/// key head). The two families order their value heads differently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadMap {
+    /// Value head j reads key head j / (n_v / n_k): each key head's value heads are adjacent
+    /// (qwen3next).
+    Grouped,
+    /// Value head j reads key head j % n_k (qwen35).
+    Tiled,
+}
+
+/// A gated DeltaNet layer (qwen35, qwen3next): one projection gives the channels Q, K and V
+/// (`attn_qkv`), which run through a causal depthwise convolution of `conv_kernel` taps
+/// (`ssm_conv1d`) and SiLU; Q and K heads are L2-normalised; each value head keeps a
+/// `head_dim` x `head_dim` state S that decays by exp(g) each token (g = softplus(alpha +
+/// `ssm_dt.bias`) * `ssm_a`, alpha a projection of the input) and takes the delta rule's update
+/// with strength beta (the sigmoid of another projection); the output S^T q is RMS-normed per head
+/// (`ssm_norm`), gated by SiLU of a third projection (`attn_gate`), and projected back (`ssm_out`).
+/// The convolution's last `conv_kernel - 1` inputs and every head's S are the layer's recurrent
+/// state, kept per session beside its K/V pages.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeltaNet {
+    pub conv_kernel: usize,
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    /// Size of every key and value head (`ssm.state_size`).
+    pub head_dim: usize,
+    pub k_of_v: HeadMap,
+    /// Beta and alpha come from one projection `ssm_ba` (per key head: its value heads' betas,
+    /// then their alphas; qwen3next) instead of `ssm_beta` and `ssm_alpha` (qwen35).
+    pub fused_ba: bool,
+    /// Epsilon of the L2 norms of Q and K (the model's RMS-norm epsilon).
+    pub eps: f32,
+}
+
+impl DeltaNet {
+    pub fn key_dim(&self) -> usize {
+        self.n_k_heads * self.head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.n_v_heads * self.head_dim
+    }
+    /// Channels of the convolution: Q, K and V.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// Floats of the convolution's state: its last `conv_kernel - 1` inputs.
+    pub fn conv_state(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim()
+    }
+    /// Floats of the recurrent state: one head_dim x head_dim matrix per value head.
+    pub fn ssm_state(&self) -> usize {
+        self.n_v_heads * self.head_dim * self.head_dim
+    }
+    /// A family's DeltaNet layers as the `ssm.*` keys describe them, checked against each other.
+    pub(crate) fn read(m: &Metadata, k_of_v: HeadMap, fused_ba: bool) -> Result<DeltaNet> {
+        let bad = |key: &str, msg: String| Err(Error::Gguf(format!("metadata key '{}' {msg}", m.key(key))));
+        let conv_kernel = m.req_positive("ssm.conv_kernel")?;
+        let head_dim = m.req_positive("ssm.state_size")?;
+        let n_v_heads = m.req_positive("ssm.time_step_rank")?;
+        let n_k_heads = m.req_positive("ssm.group_count")?;
+        let inner = m.req_positive("ssm.inner_size")?;
+        if conv_kernel < 2 {
+            return bad("ssm.conv_kernel", format!("is {conv_kernel}; a causal convolution needs at least 2 taps"));
+        }
+        if !n_v_heads.is_multiple_of(n_k_heads) {
+            return bad("ssm.time_step_rank", format!("(value heads) is {n_v_heads}, not a multiple of ssm.group_count (key heads, {n_k_heads})"));
+        }
+        if inner != n_v_heads * head_dim {
+            return bad(
+                "ssm.inner_size",
+                format!("is {inner} but ssm.time_step_rank ({n_v_heads} value heads) x ssm.state_size ({head_dim}) is {}", n_v_heads * head_dim),
+            );
+        }
+        // llama.cpp reads the epsilon as required for these families; it norms Q and K too.
+        let eps = m
+            .float("attention.layer_norm_rms_epsilon")?
+            .ok_or_else(|| Error::Gguf(format!("metadata key '{}' is missing", m.key("attention.layer_norm_rms_epsilon"))))?;
+        Ok(DeltaNet { conv_kernel, n_k_heads, n_v_heads, head_dim, k_of_v, fused_ba, eps: eps as f32 })
+    }
+
+    /// The key head value head `j` reads.
+    pub fn k_head(&self, j: usize) -> usize {
+        match self.k_of_v {
+            HeadMap::Grouped => j / (self.n_v_heads / self.n_k_heads),
+            HeadMap::Tiled => j % self.n_k_heads,
+        }
+    }
+}
+
+/// How a layer mixes positions: attention over the session's K/V pages, or a recurrent DeltaNet
+/// whose state is the session's per-layer recurrent state.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Mixer {
     Attention(Attention),
+    DeltaNet(DeltaNet),
 }
 
 /// The position-wise network of a layer: a dense GLU or routed experts.
@@ -109,6 +204,9 @@ pub struct Config {
     /// The tensor of per-frequency RoPE divisors every layer uses, where the file has it (phi3's
     /// longrope: `rope_factors_long` when the context outgrows the original one, else `_short`).
     pub rope_factors: Option<&'static str>,
+    /// The tensor (`blk.N.<name>.weight`) that norms the FFN's input: `ffn_norm`, or
+    /// `post_attention_norm` where the family names it so (qwen35, qwen3next).
+    pub ffn_norm: &'static str,
     pub layers: Vec<LayerDesc>,
 }
 
@@ -125,6 +223,7 @@ impl Config {
     pub fn kv_slot(&self, il: usize) -> Option<usize> {
         match self.layers[il].mixer {
             Mixer::Attention(_) => Some(self.layers[..il].iter().filter(|l| matches!(l.mixer, Mixer::Attention(_))).count()),
+            Mixer::DeltaNet(_) => None,
         }
     }
 
@@ -133,13 +232,33 @@ impl Config {
         self.layers.iter().filter(|l| matches!(l.mixer, Mixer::Attention(_))).count()
     }
 
+    /// Where layer `il` keeps its recurrent state in a session: its index among the DeltaNet layers.
+    pub fn rec_slot(&self, il: usize) -> Option<usize> {
+        match self.layers[il].mixer {
+            Mixer::DeltaNet(_) => Some(self.layers[..il].iter().filter(|l| matches!(l.mixer, Mixer::DeltaNet(_))).count()),
+            Mixer::Attention(_) => None,
+        }
+    }
+
+    /// The DeltaNet layers, in order (what a session's recurrent state holds).
+    pub fn rec_layers(&self) -> Vec<DeltaNet> {
+        self.layers.iter().filter_map(|l| if let Mixer::DeltaNet(d) = l.mixer { Some(d) } else { None }).collect()
+    }
+
+    /// Whether any layer keeps a recurrent state: such a model's sessions cannot go back to an
+    /// earlier position by truncation, nor take K/V pages from the prefix cache.
+    pub fn recurrent(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l.mixer, Mixer::DeltaNet(_)))
+    }
+
     /// Every distinct RoPE of the attention layers (the forward pass tabulates each once).
     pub fn ropes(&self) -> Vec<Rope> {
         let mut out: Vec<Rope> = Vec::new();
         for l in &self.layers {
-            let Mixer::Attention(a) = &l.mixer;
-            if !out.contains(&a.rope) {
-                out.push(a.rope);
+            if let Mixer::Attention(a) = &l.mixer {
+                if !out.contains(&a.rope) {
+                    out.push(a.rope);
+                }
             }
         }
         out
@@ -180,7 +299,10 @@ impl Config {
             }
         }
         for l in &self.layers {
-            let Mixer::Attention(a) = &l.mixer;
+            let a = match &l.mixer {
+                Mixer::Attention(a) => a,
+                Mixer::DeltaNet(_) => continue,
+            };
             if a.rope.dim > self.head_dim || a.rope.dim < 2 || !a.rope.dim.is_multiple_of(2) {
                 return bad("rope.dimension_count", format!("is {}; it must be even, at least 2 and at most the head size {}", a.rope.dim, self.head_dim));
             }
@@ -267,6 +389,7 @@ pub(crate) fn base_config(m: &Metadata, arch: &str, layer: impl Fn(usize, &Share
         embed_scale: None,
         final_softcap: None,
         rope_factors: None,
+        ffn_norm: "ffn_norm",
         layers: (0..n_layers).map(|il| layer(il, &shared)).collect(),
     })
 }
@@ -309,6 +432,35 @@ fn rope_scaling(m: &Metadata) -> Result<(f32, f32)> {
             m.key("rope.scaling.type")
         ))),
     }
+}
+
+/// Which layers are recurrent (DeltaNet) in a hybrid, as llama.cpp reads it:
+/// `attention.recurrent_layers` (one boolean per layer), else every layer but each
+/// `full_attention_interval`-th (default 4) is.
+pub(crate) fn recurrent_layers(m: &Metadata, n_layers: usize) -> Result<Vec<bool>> {
+    let key = "attention.recurrent_layers";
+    if let Some(v) = m.get(key) {
+        let MetaValue::Array(a) = v else {
+            return Err(Error::Gguf(format!("metadata key '{}' must be an array of booleans, one per layer", m.key(key))));
+        };
+        if a.len() != n_layers {
+            return Err(Error::Gguf(format!("metadata key '{}' has {} values but the model has {n_layers} layers", m.key(key), a.len())));
+        }
+        return a
+            .iter()
+            .map(|v| match v {
+                MetaValue::Bool(b) => Ok(*b),
+                MetaValue::Int(i) => Ok(*i != 0),
+                _ => Err(Error::Gguf(format!("metadata key '{}' must be an array of booleans, one per layer", m.key(key)))),
+            })
+            .collect();
+    }
+    let every = match m.size("full_attention_interval")? {
+        None => 4,
+        Some(0) => return Err(Error::Gguf(format!("metadata key '{}' is 0; it must be at least 1", m.key("full_attention_interval")))),
+        Some(n) => n,
+    };
+    Ok((0..n_layers).map(|il| (il + 1) % every != 0).collect())
 }
 
 /// Which layers slide: `attention.sliding_window_pattern` as llama.cpp reads it (an array of
@@ -360,7 +512,7 @@ mod tests {
     }
 
     fn attn(c: &Config, il: usize) -> &Attention {
-        let Mixer::Attention(a) = &c.layers[il].mixer;
+        let Mixer::Attention(a) = &c.layers[il].mixer else { panic!("layer {il} is not attention") };
         a
     }
 

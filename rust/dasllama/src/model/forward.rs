@@ -3,11 +3,13 @@
 //! activation rows and no kernel: every op goes through the backend boundary (`backend::Ops`).
 //! Multi-token calls (prefill, verify chunks, batches) run every matmul as one GEMM over all rows.
 
-use super::{Experts, Ffn, FfnWeights, LayerDesc, Mixer, Model};
+use super::{BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model};
 use crate::backend::{Activation, Ops, RopeTable};
 use crate::cpu::backend::CpuOps;
+use crate::cpu::deltanet::DnParams;
 use crate::cpu::{ops, team};
 use crate::kv::KvCache;
+use crate::kv::RecIo;
 use crate::{Error, Result};
 
 /// Activation rows reused across calls so decode does not allocate per token.
@@ -22,6 +24,11 @@ pub struct Scratch {
     o: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// A gated attention layer's Q projection (queries and gates interleaved per head), then
+    /// its gates.
+    qg: Vec<f32>,
+    attn_gate: Vec<f32>,
+    dn: DnScratch,
     moe: MoeScratch,
     /// The backend's own buffer (the CPU's quantized activations).
     act: Vec<u8>,
@@ -39,10 +46,76 @@ impl Scratch {
             o: Vec::new(),
             gate: Vec::new(),
             up: Vec::new(),
+            qg: Vec::new(),
+            attn_gate: Vec::new(),
+            dn: DnScratch { qkv: Vec::new(), z: Vec::new(), beta: Vec::new(), alpha: Vec::new(), ba: Vec::new(), out: Vec::new() },
             moe: MoeScratch { route: Vec::new(), rows: Vec::new(), x: Vec::new(), gate: Vec::new(), up: Vec::new(), out: Vec::new() },
             act: Vec::new(),
         }
     }
+}
+
+/// A DeltaNet layer's rows: its projections and its output before the gated norm.
+#[derive(Default)]
+struct DnScratch {
+    qkv: Vec<f32>,
+    z: Vec<f32>,
+    beta: Vec<f32>,
+    alpha: Vec<f32>,
+    ba: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// A gated DeltaNet layer over the batch's rows `h` into `o` (`config::DeltaNet`).
+#[allow(clippy::too_many_arguments)]
+fn delta_net(
+    b: &mut dyn Ops,
+    dn: &super::DeltaNet,
+    w: &super::DeltaNetWeights,
+    slot: usize,
+    kvs: &mut [&mut KvCache],
+    counts: &[usize],
+    h: &[f32],
+    d: usize,
+    eps: f32,
+    s: &mut DnScratch,
+    o: &mut Vec<f32>,
+) {
+    let n = h.len() / d;
+    let (cd, vd, nv) = (dn.conv_dim(), dn.value_dim(), dn.n_v_heads);
+    grow(&mut s.qkv, n * cd);
+    grow(&mut s.z, n * vd);
+    grow(&mut s.beta, n * nv);
+    grow(&mut s.alpha, n * nv);
+    match &w.ba {
+        BetaAlpha::Split { beta, alpha } => b.matmul(
+            &mut [(&w.qkv, &mut s.qkv[..n * cd]), (&w.gate, &mut s.z[..n * vd]), (beta, &mut s.beta[..n * nv]), (alpha, &mut s.alpha[..n * nv])],
+            h,
+            counts,
+        ),
+        BetaAlpha::Fused(ba) => {
+            grow(&mut s.ba, n * 2 * nv);
+            b.matmul(&mut [(&w.qkv, &mut s.qkv[..n * cd]), (&w.gate, &mut s.z[..n * vd]), (ba, &mut s.ba[..n * 2 * nv])], h, counts);
+            // Per key head: its value heads' betas, then their alphas.
+            let r = nv / dn.n_k_heads;
+            for t in 0..n {
+                let row = &s.ba[t * 2 * nv..(t + 1) * 2 * nv];
+                for (g, pair) in row.chunks_exact(2 * r).enumerate() {
+                    s.beta[t * nv + g * r..t * nv + (g + 1) * r].copy_from_slice(&pair[..r]);
+                    s.alpha[t * nv + g * r..t * nv + (g + 1) * r].copy_from_slice(&pair[r..]);
+                }
+            }
+        }
+    }
+    let mut states: Vec<RecIo> = kvs.iter_mut().map(|kv| kv.rec_io(slot)).collect();
+    let p = DnParams { conv: &w.conv, dt_bias: &w.dt_bias, a: &w.a };
+    let out = grow(&mut s.out, n * vd);
+    b.delta_net(dn, &p, &mut states, counts, &mut s.qkv[..n * cd], &mut s.beta[..n * nv], &mut s.alpha[..n * nv], out);
+    // Each head RMS-normed, then gated by SiLU of z (the product lands in z).
+    b.rms_norm(&mut s.out[..n * vd], &w.norm, eps);
+    b.glu(&mut s.z[..n * vd], &s.out[..n * vd], vd, Activation::Silu);
+    let o = grow(o, n * d);
+    b.matmul(&mut [(&w.out, o)], &s.z[..n * vd], counts);
 }
 
 /// Rows of a batch gathered per expert.
@@ -254,20 +327,33 @@ fn forward_rows(
         b.rms_norm(h, &l.attn_norm, c.norm_eps);
         match mixer {
             Mixer::Attention(a) => {
+                let MixerWeights::Attention(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
                 let slot = c.kv_slot(il).expect("an attention layer has a K/V slot");
                 grow(&mut s.q, n * qd);
                 grow(&mut s.k, n * kvd);
                 grow(&mut s.v, n * kvd);
-                b.matmul(&mut [(&l.wq, &mut s.q[..n * qd]), (&l.wk, &mut s.k[..n * kvd]), (&l.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
-                for (bias, out) in [(&l.bq, &mut s.q[..n * qd]), (&l.bk, &mut s.k[..n * kvd]), (&l.bv, &mut s.v[..n * kvd])] {
+                if a.gated {
+                    // Q and its gate come interleaved per head: split them.
+                    grow(&mut s.qg, n * 2 * qd);
+                    grow(&mut s.attn_gate, n * qd);
+                    b.matmul(&mut [(&w.wq, &mut s.qg[..n * 2 * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
+                    let hd = c.head_dim;
+                    for (i, pair) in s.qg[..n * 2 * qd].chunks_exact(2 * hd).enumerate() {
+                        s.q[i * hd..(i + 1) * hd].copy_from_slice(&pair[..hd]);
+                        s.attn_gate[i * hd..(i + 1) * hd].copy_from_slice(&pair[hd..]);
+                    }
+                } else {
+                    b.matmul(&mut [(&w.wq, &mut s.q[..n * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
+                }
+                for (bias, out) in [(&w.bq, &mut s.q[..n * qd]), (&w.bk, &mut s.k[..n * kvd]), (&w.bv, &mut s.v[..n * kvd])] {
                     if let Some(bias) = bias {
                         b.add_bias(out, bias);
                     }
                 }
                 let ri = ropes.iter().position(|r| *r == a.rope).expect("every layer's RoPE is tabulated");
                 let rope = RopeTable { pairs: &tables[ri], half: a.rope.dim / 2, neox: a.rope.neox };
-                b.norm_rope(&mut s.q[..n * qd], qd, c.head_dim, l.q_norm.as_deref(), c.norm_eps, &rope);
-                b.norm_rope(&mut s.k[..n * kvd], kvd, c.head_dim, l.k_norm.as_deref(), c.norm_eps, &rope);
+                b.norm_rope(&mut s.q[..n * qd], qd, c.head_dim, w.q_norm.as_deref(), c.norm_eps, &rope);
+                b.norm_rope(&mut s.k[..n * kvd], kvd, c.head_dim, w.k_norm.as_deref(), c.norm_eps, &rope);
                 let mut off = 0;
                 for (kv, &cnt) in kvs.iter_mut().zip(counts) {
                     kv.append(slot, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);
@@ -275,8 +361,17 @@ fn forward_rows(
                 }
                 let att = grow(&mut s.att, n * qd);
                 b.attention(&a.shape(c), slot, kvs, &rows, counts, &s.q[..n * qd], att);
+                if a.gated {
+                    b.sigmoid(&mut s.attn_gate[..n * qd]);
+                    b.mul(&mut s.att[..n * qd], &s.attn_gate[..n * qd]);
+                }
                 let o = grow(&mut s.o, n * d);
-                b.matmul(&mut [(&l.wo, o)], &s.att[..n * qd], counts);
+                b.matmul(&mut [(&w.wo, o)], &s.att[..n * qd], counts);
+            }
+            Mixer::DeltaNet(dn) => {
+                let MixerWeights::DeltaNet(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
+                let slot = c.rec_slot(il).expect("a DeltaNet layer has a recurrent slot");
+                delta_net(b, dn, w, slot, kvs, counts, &s.h[..n * d], d, c.norm_eps, &mut s.dn, &mut s.o);
             }
         }
         let o = &mut s.o[..n * d];

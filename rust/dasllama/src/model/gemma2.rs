@@ -27,6 +27,7 @@ pub fn configure(m: &Metadata) -> Result<Config> {
                 scale,
                 scale_query: true,
                 softcap: Some(attn_cap),
+                gated: false,
             }),
             ffn: Ffn::Dense { hidden: s.hidden, act: Activation::GeluTanh, fused: false },
             post_norms: true,

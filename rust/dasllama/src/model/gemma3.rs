@@ -21,6 +21,7 @@ pub fn configure(m: &Metadata) -> Result<Config> {
                 scale: s.scale,
                 scale_query: true,
                 softcap: None,
+                gated: false,
             }),
             ffn: Ffn::Dense { hidden: s.hidden, act: Activation::GeluTanh, fused: false },
             post_norms: true,

@@ -11,11 +11,13 @@ mod phi3;
 mod qwen2;
 mod qwen2moe;
 mod qwen3;
+mod qwen35;
 mod qwen3moe;
+mod qwen3next;
 
 pub use crate::backend::{Activation, Numerics};
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
-pub use config::{Attention, Config, Ffn, LayerDesc, Mixer, Rope};
+pub use config::{Attention, Config, DeltaNet, Ffn, HeadMap, LayerDesc, Mixer, Rope};
 pub use meta::{MetaValue, Metadata};
 
 use crate::cpu::{convert_weight, Bytes, Weight};
@@ -40,7 +42,24 @@ pub enum QuantMode {
 
 pub struct Layer {
     pub attn_norm: Vec<f32>,
+    /// The token mixer's weights, as the layer's `Mixer` says.
+    pub mixer: MixerWeights,
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub ffn: FfnWeights,
+    pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+// One per layer, and attention is the common case: boxing it would buy nothing.
+#[allow(clippy::large_enum_variant)]
+pub enum MixerWeights {
+    Attention(AttnWeights),
+    DeltaNet(Box<DeltaNetWeights>),
+}
+
+pub struct AttnWeights {
     /// Q, K and V: three tensors, or row ranges of a fused `attn_qkv` (the same dots either way).
+    /// A gated layer's Q has 2 * head_dim rows a head: its queries, then its gate.
     pub wq: Weight,
     pub wk: Weight,
     pub wv: Weight,
@@ -51,10 +70,34 @@ pub struct Layer {
     pub wo: Weight,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
-    pub post_attn_norm: Option<Vec<f32>>,
-    pub ffn_norm: Vec<f32>,
-    pub ffn: FfnWeights,
-    pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+/// A gated DeltaNet layer's weights (see `config::DeltaNet`).
+pub struct DeltaNetWeights {
+    /// conv_dim x dim: the Q, K and V channels before the convolution (`attn_qkv`).
+    pub qkv: Weight,
+    /// value_dim x dim: the output gate z (`attn_gate`).
+    pub gate: Weight,
+    /// Beta and alpha (one of each per value head).
+    pub ba: BetaAlpha,
+    /// The convolution as `conv_kernel` rows of conv_dim: row j holds every channel's weight of
+    /// tap j (the file's `ssm_conv1d` is conv_dim rows of conv_kernel taps; transposed so a tap
+    /// runs over contiguous channels).
+    pub conv: Vec<f32>,
+    /// Per value head: `ssm_dt.bias` and `ssm_a` (-exp(A_log), as the converters store it).
+    pub dt_bias: Vec<f32>,
+    pub a: Vec<f32>,
+    /// head_dim: the RMS norm of each output head (`ssm_norm`).
+    pub norm: Vec<f32>,
+    /// dim x value_dim (`ssm_out`).
+    pub out: Weight,
+}
+
+pub enum BetaAlpha {
+    /// `ssm_beta` and `ssm_alpha`, n_v x dim each (qwen35).
+    Split { beta: Weight, alpha: Weight },
+    /// `ssm_ba`, 2 * n_v x dim: per key head, its value heads' betas then their alphas (qwen3next).
+    Fused(Weight),
 }
 
 // One per layer, and dense is the common case: boxing it would buy nothing.
@@ -304,6 +347,50 @@ impl<'a> TensorTable<'a> {
         };
         Ok((ws, bs))
     }
+
+    /// Layer `il`'s DeltaNet weights, every shape checked against the `ssm.*` sizes.
+    fn deltanet(&self, il: usize, dn: &DeltaNet, d: usize) -> Result<DeltaNetWeights> {
+        let n = |s: &str| format!("blk.{il}.{s}.weight");
+        let (nv, vd, cd, kk) = (dn.n_v_heads, dn.value_dim(), dn.conv_dim(), dn.conv_kernel);
+        if !self.has(&n("attn_qkv")) && self.has(&n("ssm_in")) {
+            return Err(Error::UnsupportedModel(format!(
+                "{}: tensor '{}' is the older fused Q/K/V/Z layout of qwen3next files, which is not supported; convert the model again with a current llama.cpp (attn_qkv and attn_gate)",
+                self.file,
+                n("ssm_in")
+            )));
+        }
+        let ba = if dn.fused_ba {
+            BetaAlpha::Fused(self.matrix(&n("ssm_ba"), 2 * nv, d)?)
+        } else {
+            BetaAlpha::Split { beta: self.matrix(&n("ssm_beta"), nv, d)?, alpha: self.matrix(&n("ssm_alpha"), nv, d)? }
+        };
+        let conv_name = n("ssm_conv1d");
+        let raw = self.raw(&conv_name)?;
+        if raw.rows != cd || raw.cols != kk {
+            return Err(Error::Gguf(format!(
+                "{}: tensor '{conv_name}' is {}x{} but the model's metadata implies {cd}x{kk} (ssm.conv_kernel taps for 2 * ssm.group_count * ssm.state_size + ssm.inner_size channels)",
+                self.file, raw.rows, raw.cols
+            )));
+        }
+        let file_conv = raw.to_f32();
+        let mut conv = vec![0.0f32; kk * cd];
+        for c in 0..cd {
+            for j in 0..kk {
+                conv[j * cd + c] = file_conv[c * kk + j];
+            }
+        }
+        let a = self.vector(&format!("blk.{il}.ssm_a"), nv)?;
+        Ok(DeltaNetWeights {
+            qkv: self.matrix(&n("attn_qkv"), cd, d)?,
+            gate: self.matrix(&n("attn_gate"), vd, d)?,
+            ba,
+            conv,
+            dt_bias: self.vector(&format!("blk.{il}.ssm_dt.bias"), nv)?,
+            a,
+            norm: self.vector(&n("ssm_norm"), dn.head_dim)?,
+            out: self.matrix(&n("ssm_out"), d, vd)?,
+        })
+    }
 }
 
 impl Model {
@@ -340,9 +427,33 @@ impl Model {
         let mut layers = Vec::with_capacity(config.n_layers);
         for (il, desc) in config.layers.iter().enumerate() {
             let n = |s: &str| format!("blk.{il}.{s}.weight");
-            let Mixer::Attention(a) = &desc.mixer;
             let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
-            let ([wq, wk, wv], [bq, bk, bv]) = table.qkv(il, [qd, kvd, kvd], d)?;
+            let mixer = match &desc.mixer {
+                Mixer::Attention(a) => {
+                    // A gated layer's Q projection carries each head's gate after its queries.
+                    let q_rows = if a.gated { 2 * qd } else { qd };
+                    let ([wq, wk, wv], [bq, bk, bv]) = table.qkv(il, [q_rows, kvd, kvd], d)?;
+                    MixerWeights::Attention(AttnWeights {
+                        wq,
+                        wk,
+                        wv,
+                        bq,
+                        bk,
+                        bv,
+                        wo: table.matrix(&n("attn_output"), d, qd)?,
+                        q_norm: norm(a.qk_norm, "attn_q_norm", config.head_dim)?,
+                        k_norm: norm(a.qk_norm, "attn_k_norm", config.head_dim)?,
+                    })
+                }
+                Mixer::DeltaNet(dn) => {
+                    if numerics == Numerics::Ggml {
+                        return Err(Error::UnsupportedModel(format!(
+                            "{file}: numerics='ggml' does not reproduce ggml's order for DeltaNet layers; load with numerics='fast'"
+                        )));
+                    }
+                    MixerWeights::DeltaNet(Box::new(table.deltanet(il, dn, d)?))
+                }
+            };
             let ffn = match desc.ffn {
                 Ffn::Dense { hidden: hd, fused, .. } => {
                     let (gate, up) = if fused {
@@ -379,21 +490,16 @@ impl Model {
             };
             layers.push(Layer {
                 attn_norm: table.vector(&n("attn_norm"), d)?,
-                wq,
-                wk,
-                wv,
-                bq,
-                bk,
-                bv,
-                wo: table.matrix(&n("attn_output"), d, qd)?,
-                q_norm: norm(a.qk_norm, "attn_q_norm", config.head_dim)?,
-                k_norm: norm(a.qk_norm, "attn_k_norm", config.head_dim)?,
+                mixer,
                 post_attn_norm: if desc.post_norms {
                     Some(table.vector(&n("post_attention_norm"), d)?)
+                } else if config.ffn_norm == "post_attention_norm" {
+                    // The family's name for its FFN norm (qwen35): not a norm of the mixer's output.
+                    None
                 } else {
                     table.opt_vector(&n("post_attention_norm"), d)?
                 },
-                ffn_norm: table.vector(&n("ffn_norm"), d)?,
+                ffn_norm: table.vector(&n(config.ffn_norm), d)?,
                 ffn,
                 post_ffn_norm: norm(desc.post_norms, "post_ffw_norm", d)?,
             });

@@ -43,6 +43,19 @@ pub struct PendingReq {
     /// token is sampled from those the grammar allows next, the stream stops when the grammar is
     /// complete, and it never speculates. None: unconstrained.
     pub grammar: Option<String>,
+    /// The thinking-off guard of a non-thinking turn (`make_nothink_guard`): None for a turn
+    /// that may think, or a template that cannot.
+    pub nothink: Option<Nothink>,
+}
+
+/// The channel markers of a thinking template (Qwen3's `<think>` and `</think>`), for a turn
+/// rendered with thinking off. A marker before the reply's first content is a leading thought:
+/// it is emitted, and the reply's reader splits it off. A marker after content ends the stream
+/// (a stop, the marker not emitted): the model has started to think where it was told not to.
+#[derive(Clone, Debug, Default)]
+pub struct Nothink {
+    pub open: Vec<u32>,
+    pub close: Vec<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +116,10 @@ struct Stream {
     order: u64,
     spec: StreamSpec,
     constraint: Option<Box<Constraint>>,
+    /// For the nothink guard: whether the reply has shown content (text outside a thought that is
+    /// not only whitespace), and whether it is inside a leading thought.
+    seen_content: bool,
+    in_thought: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -119,6 +136,9 @@ pub struct SchedStats {
     pub spec_verifies: u64,
     pub spec_drafted: u64,
     pub spec_accepted: u64,
+    /// Prompts that did not look in the prefix cache because the model keeps a recurrent state
+    /// (a hybrid: K/V pages alone cannot restore its DeltaNet layers, so it prefills whole).
+    pub prefix_refused: u64,
 }
 
 /// The scheduler's speculation: its drafter and what its passes cost.
@@ -203,6 +223,15 @@ impl Scheduler {
     /// Speculate with `drafter` from the next step on (None: stop). Streams drop what an earlier
     /// drafter kept for them.
     pub fn set_drafter(&mut self, drafter: Option<Drafter>) -> Result<()> {
+        // A rejected draft is rolled back by truncating K/V; a DeltaNet layer's state holds every
+        // position at once and cannot go back, so hybrids (as target or as draft) never speculate.
+        let draft_recurrent = matches!(&drafter, Some(Drafter::Model { draft, .. }) if draft.config.recurrent());
+        if drafter.is_some() && (self.model.config.recurrent() || draft_recurrent) {
+            let who = if draft_recurrent { "the draft model" } else { "this model" };
+            return Err(Error::InvalidArgument(format!(
+                "speculation is not available: {who} has recurrent (DeltaNet) layers, whose state cannot be rolled back past a rejected draft; run it without a drafter"
+            )));
+        }
         if drafter.is_some() && self.model.numerics == Numerics::Ggml {
             return Err(Error::InvalidArgument(
                 "speculation needs numerics='fast': ggml's order sums a chunk's rows differently from single rows, so verified tokens could differ from plain decoding".into(),
@@ -425,7 +454,9 @@ impl Scheduler {
         if let Some(pool) = self.pool.as_ref().filter(|_| !self.device_kv) {
             for &i in &prefilling {
                 let s = self.slots[i].as_mut().expect("prefilling stream");
-                if s.fed == 0 {
+                // A hybrid prefills whole (counted at admission): the cache holds K/V pages, not
+                // the recurrent state of their positions, and `KvPool::attach` refuses it.
+                if s.fed == 0 && !m.config.recurrent() {
                     let got = pool.attach(&mut s.session.kv, &s.req.prompt, s.req.prompt.len() - 1);
                     if got > 0 {
                         (s.cached, s.fed) = (got, got);
@@ -616,6 +647,9 @@ impl Scheduler {
                 }
             };
             session.record.reseed(req.seed);
+            if self.pool.is_some() && m.config.recurrent() {
+                self.stats.prefix_refused += 1;
+            }
             // The prefix cache is looked up in `step`, just before the stream's first chunk.
             self.slots[slot] = Some(Stream {
                 in_kv: Vec::new(),
@@ -630,6 +664,8 @@ impl Scheduler {
                 order: self.admitted,
                 spec: StreamSpec::default(),
                 constraint,
+                seen_content: false,
+                in_thought: false,
             });
         }
     }
@@ -833,7 +869,12 @@ impl Scheduler {
         if s.t_first.is_none() {
             s.t_first = Some(Instant::now());
         }
-        if (!s.req.ignore_eos && m.tokenizer.is_eog(tok)) || s.req.stop_ids.contains(&tok) {
+        let marker = s.req.nothink.as_ref().map(|g| (g.open.contains(&tok), g.close.contains(&tok))).filter(|&(o, c)| o || c);
+        if let (Some((open, _)), false) = (marker, s.seen_content) {
+            s.in_thought = open;
+        }
+        let nothink_stop = marker.is_some() && s.seen_content;
+        if (!s.req.ignore_eos && m.tokenizer.is_eog(tok)) || s.req.stop_ids.contains(&tok) || nothink_stop {
             let s = self.slots[i].take().expect("live stream");
             let ev = self.finish_stream(i, s, Finish::Stop, tok as i64);
             events.push(ev);
@@ -851,6 +892,9 @@ impl Scheduler {
             }
         };
         let mut text = s.session.record.text(&m.tokenizer.piece(tok, false));
+        if marker.is_none() && !s.in_thought && !text.trim().is_empty() {
+            s.seen_content = true;
+        }
         // The next decode step would evaluate `tok` at position n_past: stop where that would overflow.
         let done = complete || s.generated >= s.req.max_new || s.in_kv.len() >= ctx;
         if done {

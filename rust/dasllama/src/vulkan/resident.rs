@@ -16,7 +16,7 @@ use crate::backend::Activation;
 use crate::cpu::ops;
 use crate::model::forward::LogitRows;
 use crate::kv::KvCache;
-use crate::model::{Config, Ffn, FfnWeights, Mixer, Model, Numerics};
+use crate::model::{AttnWeights, Config, Ffn, FfnWeights, Mixer, MixerWeights, Model, Numerics};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
 use gpu_allocator::MemoryLocation;
@@ -88,8 +88,10 @@ pub fn decline(m: &Model) -> Option<String> {
         return Some("numerics='ggml' reproduces llama.cpp's CPU order and runs on the CPU only".into());
     }
     for (il, d) in c.layers.iter().enumerate() {
-        if !matches!(d.mixer, Mixer::Attention(_)) {
-            return Some(format!("layer {il} is not an attention layer; the device driver runs attention models only"));
+        match &d.mixer {
+            Mixer::Attention(a) if a.gated => return Some(format!("layer {il} is gated attention; the device driver runs plain attention only")),
+            Mixer::Attention(_) => {}
+            _ => return Some(format!("layer {il} is not an attention layer (a recurrent hybrid); the device driver runs attention models only")),
         }
         if !matches!(d.ffn, Ffn::Dense { .. }) {
             return Some(format!("layer {il} has routed experts; the device driver runs dense FFNs only (MoE models stay on the CPU)"));
@@ -100,7 +102,8 @@ pub fn decline(m: &Model) -> Option<String> {
     }
     let mut ws = vec![("token_embd", &m.tok_embd), ("output", &m.output)];
     for l in &m.layers {
-        ws.extend([("attn_q", &l.wq), ("attn_k", &l.wk), ("attn_v", &l.wv), ("attn_output", &l.wo)]);
+        let MixerWeights::Attention(a) = &l.mixer else { unreachable!("checked above") };
+        ws.extend([("attn_q", &a.wq), ("attn_k", &a.wk), ("attn_v", &a.wv), ("attn_output", &a.wo)]);
         if let FfnWeights::Dense { gate, up, down } = &l.ffn {
             ws.extend([("ffn_gate", gate), ("ffn_up", up), ("ffn_down", down)]);
         }
@@ -112,7 +115,9 @@ pub fn decline(m: &Model) -> Option<String> {
 pub fn weight_bytes(m: &Model) -> u64 {
     let mut n = m.tok_embd.row_bytes() * m.tok_embd.rows + m.output.row_bytes() * m.output.rows;
     for l in &m.layers {
-        n += [&l.wq, &l.wk, &l.wv, &l.wo].iter().map(|w| w.row_bytes() * w.rows).sum::<usize>();
+        if let MixerWeights::Attention(a) = &l.mixer {
+            n += [&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|w| w.row_bytes() * w.rows).sum::<usize>();
+        }
         if let FfnWeights::Dense { gate, up, down } = &l.ffn {
             n += [gate, up, down].iter().map(|w| w.row_bytes() * w.rows).sum::<usize>();
         }
@@ -137,16 +142,17 @@ impl Resident {
         let mut layers = Vec::with_capacity(m.layers.len());
         for (il, l) in m.layers.iter().enumerate() {
             let FfnWeights::Dense { gate, up, down } = &l.ffn else { unreachable!("declined above") };
+            let MixerWeights::Attention(AttnWeights { wq, wk, wv, bq, bk, bv, wo, q_norm, k_norm }) = &l.mixer else { unreachable!("declined above") };
             let w = |run: &mut Runner, n: &str, x| upload_weight(gpu, run, &format!("blk.{il}.{n}"), x);
             layers.push(DevLayer {
                 attn_norm: upload_f32(gpu, &mut run, "attn_norm", &l.attn_norm)?,
-                wq: w(&mut run, "attn_q", &l.wq)?,
-                wk: w(&mut run, "attn_k", &l.wk)?,
-                wv: w(&mut run, "attn_v", &l.wv)?,
-                bias: [opt(&mut run, "bq", &l.bq)?, opt(&mut run, "bk", &l.bk)?, opt(&mut run, "bv", &l.bv)?],
-                wo: w(&mut run, "attn_output", &l.wo)?,
-                q_norm: opt(&mut run, "q_norm", &l.q_norm)?,
-                k_norm: opt(&mut run, "k_norm", &l.k_norm)?,
+                wq: w(&mut run, "attn_q", wq)?,
+                wk: w(&mut run, "attn_k", wk)?,
+                wv: w(&mut run, "attn_v", wv)?,
+                bias: [opt(&mut run, "bq", bq)?, opt(&mut run, "bk", bk)?, opt(&mut run, "bv", bv)?],
+                wo: w(&mut run, "attn_output", wo)?,
+                q_norm: opt(&mut run, "q_norm", q_norm)?,
+                k_norm: opt(&mut run, "k_norm", k_norm)?,
                 post_attn_norm: opt(&mut run, "post_attn_norm", &l.post_attn_norm)?,
                 ffn_norm: upload_f32(gpu, &mut run, "ffn_norm", &l.ffn_norm)?,
                 gate: w(&mut run, "ffn_gate", gate)?,
@@ -316,8 +322,6 @@ impl Resident {
         )?;
         r.barrier()?;
         for (il, (l, desc)) in self.layers.iter().zip(&c.layers).enumerate() {
-            // Refutable once a family adds another mixer; `decline` refuses those.
-            #[allow(irrefutable_let_patterns)]
             let Mixer::Attention(at) = &desc.mixer else { unreachable!("declined at upload") };
             rms_norm(r, k, &a.x, &a.h, &l.attn_norm, d, n, eps)?;
             r.barrier()?;

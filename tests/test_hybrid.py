@@ -1,0 +1,140 @@
+"""DeltaNet hybrids (qwen35, qwen3next) as the engine serves them: the recurrent state is per
+session and per stream, carried by eval, eval_batch and the scheduler; batched, chunked (down to
+7 tokens) and paged runs at 1-8 streams give each stream the tokens it gets alone; the prefix
+cache refuses a hybrid (and says so in the stats) instead of attaching K/V without the state;
+speculation is off for a hybrid, with the reason; `gpu_dn_room` is a no-op on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import drain
+
+import dasllama as dl
+from synthetic import FAMILIES, write_family
+
+HYBRIDS = sorted(n for n in FAMILIES if "hybrid" in FAMILIES[n])
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dl.Model:
+    path = tmp_path_factory.mktemp("hybrid") / f"{request.param}.gguf"
+    write_family(path, request.param)
+    return dl.load_model(path)
+
+
+def prompts() -> list[list[int]]:
+    # Eight prompts; the first four share a 20-token prefix (a paged pool's cache would match it).
+    rng = np.random.default_rng(7)
+    shared = [1] + [int(t) for t in rng.integers(3, 267, size=19)]
+    out = [shared + [int(t) for t in rng.integers(3, 267, size=k)] for k in (3, 9, 14, 21)]
+    out += [[1] + [int(t) for t in rng.integers(3, 267, size=k)] for k in (4, 11, 17, 30)]
+    return out
+
+
+def solo(m: dl.Model, p: list[int]) -> list[int]:
+    """Greedy tokens of one session alone, one eval per token, past end-of-generation."""
+    s = dl.create_session(m)
+    out = [int(np.argmax(dl.eval(m, s, p)))]
+    while len(out) < MAX_NEW:
+        out.append(int(np.argmax(dl.eval(m, s, [out[-1]]))))
+    return out
+
+
+def test_config_says_which_layers_recur(hybrid: dl.Model) -> None:
+    assert hybrid.config["recurrent_layers"] == 3 and hybrid.config["n_layers"] == 4
+
+
+def test_state_is_per_session_and_released_with_it(hybrid: dl.Model) -> None:
+    ids = prompts()[0]
+    a, b = dl.create_session(hybrid), dl.create_session(hybrid)
+    first = dl.eval(hybrid, a, ids)
+    # Another session's run does not touch a's state; a's next step equals a fresh run's.
+    dl.eval(hybrid, b, prompts()[5])
+    np.testing.assert_array_equal(dl.eval(hybrid, a, [5]), dl.eval_all(hybrid, dl.create_session(hybrid), ids + [5])[-1])
+    # Released, the session starts from a zero state again.
+    dl.release_kv_pages(a)
+    np.testing.assert_array_equal(dl.eval(hybrid, a, ids), first)
+
+
+def test_chunked_prefill_ends_in_the_whole_prefills_state(hybrid: dl.Model) -> None:
+    ids = prompts()[7]
+    whole = dl.create_session(hybrid)
+    dl.eval(hybrid, whole, ids)
+    for chunk in (1, 7, 13):
+        s = dl.create_session(hybrid)
+        for i in range(0, len(ids), chunk):
+            dl.eval(hybrid, s, ids[i : i + chunk])
+        # The same state: every later step agrees bit for bit.
+        for t in (9, 40, 3):
+            np.testing.assert_array_equal(dl.eval(hybrid, s, [t]), dl.eval(hybrid, whole, [t]))
+        whole = dl.create_session(hybrid)
+        dl.eval(hybrid, whole, ids)
+
+
+@pytest.mark.parametrize(("streams", "chunk", "page_rows"), [(1, 64, 0), (3, 7, 0), (8, 7, 16), (4, 16, 8), (8, 64, 16)])
+def test_scheduler_streams_get_their_solo_tokens(hybrid: dl.Model, streams: int, chunk: int, page_rows: int) -> None:
+    ps = prompts()
+    want = [solo(hybrid, p) for p in ps]
+    sch = dl.create_scheduler(hybrid, max_streams=streams, max_queue=64, chunk_tokens=chunk, page_rows=page_rows)
+    for i, p in enumerate(ps):
+        assert dl.submit(hybrid, sch, dl.PendingReq(id=i, prompt=p, max_new=MAX_NEW, ignore_eos=True))
+    events = drain(hybrid, sch)
+    for i, w in enumerate(want):
+        assert [e.token for e in events if e.id == i and e.kind == "piece"] == w, i
+    stats = dl.scheduler_stats(sch)
+    # Every prompt prefilled whole: a hybrid never takes K/V pages without their state.
+    assert stats["cached_tokens"] == 0 and stats["prefill_tokens"] == sum(map(len, ps))
+    assert stats["prefix_refused"] == (len(ps) if page_rows else 0)
+    if page_rows:
+        assert stats["kv_pages_cached"] == 0 and stats["kv_cache_hits"] == 0
+
+
+def test_second_round_of_shared_prompts_prefills_whole(hybrid: dl.Model) -> None:
+    # A round after the first has finished: a plain model would attach the shared prefix here.
+    ps = prompts()[:4]
+    want = [solo(hybrid, p) for p in ps]
+    sch = dl.create_scheduler(hybrid, max_streams=2, chunk_tokens=7, page_rows=4)
+    for rnd in range(2):
+        for i, p in enumerate(ps):
+            assert dl.submit(hybrid, sch, dl.PendingReq(id=10 * rnd + i, prompt=p, max_new=MAX_NEW, ignore_eos=True))
+        events = drain(hybrid, sch)
+        for i, w in enumerate(want):
+            assert [e.token for e in events if e.id == 10 * rnd + i and e.kind == "piece"] == w
+            assert [e.n_cached for e in events if e.id == 10 * rnd + i and e.kind == "finished"] == [0]
+    assert dl.scheduler_stats(sch)["prefix_refused"] == 8
+
+
+def test_speculation_is_off_for_hybrids(hybrid: dl.Model, caplog: pytest.LogCaptureFixture) -> None:
+    from dasllama.speculative import configure, no_speculation
+
+    why = no_speculation(hybrid)
+    assert why is not None and "recurrent (DeltaNet) layers" in why
+    assert not dl.attach_ngram_drafter(hybrid) and not dl.mtp_capable(hybrid)
+    assert "cannot be rolled back past a rejected draft" in caplog.text
+    assert configure(hybrid, "auto").startswith("off: ")
+    with pytest.raises(ValueError, match=r"speculation \(ngram\) is not available: .*recurrent \(DeltaNet\) layers"):
+        configure(hybrid, "ngram")
+
+
+def test_gpu_dn_room_is_a_noop_on_the_cpu(hybrid: dl.Model) -> None:
+    ps = prompts()[:2]
+    dl.gpu_dn_room(2)
+    sessions = [dl.create_session(hybrid) for _ in ps]
+    for s, p in zip(sessions, ps):
+        dl.eval(hybrid, s, p)
+    out = dl.eval_batch(hybrid, dl.create_batch_workspace(hybrid), sessions, [5, 6])
+    for p, row, t in zip(ps, out, [5, 6]):
+        np.testing.assert_array_equal(row, dl.eval_all(hybrid, dl.create_session(hybrid), p + [t])[-1])
+    with pytest.raises(ValueError, match="stream count"):
+        dl.gpu_dn_room(-1)
+
+
+def test_native_scheduler_refuses_a_drafter_for_a_hybrid(hybrid: dl.Model, tmp_path: Path) -> None:
+    from dasllama import _native
+
+    with pytest.raises(ValueError, match="recurrent \\(DeltaNet\\) layers, whose state cannot be rolled back"):
+        _native.create_scheduler(hybrid._native, 2, 8, 64, 0, 0, "f16", _native.ngram_drafter(4))
