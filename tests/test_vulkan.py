@@ -335,3 +335,40 @@ def test_bad_inputs_give_clear_outcomes(tmp_path: Path) -> None:
     dl.submit(m, sch, dl.PendingReq(id=3, prompt=IDS, max_new=4, ignore_eos=True))
     evs = drain(m, sch)
     assert [e.finish for e in evs if e.kind == "finished"] == ["length"]
+
+
+@needs_device
+def test_server_serves_from_the_device(tmp_path: Path) -> None:
+    """--gpu vulkan: the model on the device, every stream's K/V in a region, the same completion
+    as the CPU server, device memory and an empty honesty counter in /metrics."""
+    import json
+    import urllib.request
+
+    import serverproc
+
+    path = tmp_path / "m.gguf"
+    write_model(path, QT.Q8_0, ctx=128)
+    body = json.dumps({"prompt": "the cat", "max_tokens": 6, "temperature": 0}).encode()
+    texts = []
+    for flag in ("vulkan", "off"):
+        proc, url = serverproc.start("--model", str(path), "--gpu", flag, "--streams", "2", "--log-level", "info")
+        try:
+            req = urllib.request.Request(url + "/v1/completions", body, {"content-type": "application/json"})
+            texts.append(json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["text"])
+            metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+            mem = [ln for ln in metrics.splitlines() if ln.startswith("dasllama_gpu_memory_bytes")]
+            if flag == "vulkan":
+                assert int(mem[0].split()[-1]) > 0, mem
+                assert "dasllama_gpu_cpu_passes_total{" not in metrics
+                assert "gpu backend auto-detected" in serverproc.log_text(proc)
+        finally:
+            serverproc.stop(proc)
+    assert texts[0] == texts[1], texts
+
+
+def test_server_gpu_vulkan_without_a_device_says_why(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    write_model(path, QT.Q8_0, ctx=128)
+    env = {**os.environ, "DASLLAMA_VK_ALLOW_CPU": "0", "VK_ICD_FILENAMES": "/nonexistent.json", "VK_DRIVER_FILES": "/nonexistent.json"}
+    out = subprocess.run([sys.executable, "-m", "dasllama.serve", "--model", str(path), "--gpu", "vulkan", "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--gpu vulkan: no usable Vulkan device" in out.stderr + out.stdout, out.stderr[-2000:]

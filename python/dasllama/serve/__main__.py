@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import _native, gpu
 from .._cli import HelpFormatter
 from ..fetch import DEFAULT_MODEL, known_names
 from ..model import load_model
@@ -48,6 +49,14 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     ap.add_argument("--spec", default="auto", choices=list(SPEC_MODES), help="speculative decoding: auto = a --model-draft if given, else an MTP sidecar beside the model, else n-gram prompt lookup")
     ap.add_argument("--model-draft", default=None, help="a draft model (path or known name) sharing the model's vocabulary, for --spec draft/auto")
     ap.add_argument("--spec-max", type=int, default=8, help=f"most tokens a stream drafts per step (1-{MAX_DRAFT}); fewer are drafted as the batch grows")
+    ap.add_argument(
+        "--gpu",
+        default="auto",
+        choices=["auto", "off", "vulkan"],
+        help="auto: the first model on a Vulkan GPU when one answers (said in the start-up log), else the CPU; vulkan: require it; off: the CPU only (DASLLAMA_GPU=0 too)",
+    )
+    ap.add_argument("--gpu-device", default=None, help="the Vulkan device to use: an index or part of its name (default: a discrete GPU first)")
+    ap.add_argument("--gpu-regions", type=int, default=0, help="device K/V regions, one per stream the device serves (default: --streams)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     ap.add_argument(
         "--cors-origin",
@@ -66,6 +75,10 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     for name in ("streams", "queue", "chunk"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
+    if args.gpu_regions < 0:
+        ap.error("--gpu-regions must be >= 0")
+    if args.gpu_regions and args.gpu_regions < args.streams:
+        ap.error(f"--gpu-regions {args.gpu_regions} is fewer than --streams {args.streams}: every stream needs a region")
     if args.page_rows < 0 or args.ctx < 0 or args.max_prompt_bytes < 0 or args.prefix_cache_mb <= 0:
         ap.error("--page-rows, --ctx and --max-prompt-bytes must be >= 0, --prefix-cache-mb > 0")
     if not 1 <= args.spec_max <= MAX_DRAFT:
@@ -98,10 +111,50 @@ def unknown_model(args: argparse.Namespace) -> str | None:
     return None
 
 
+def arm_gpu(args: argparse.Namespace) -> bool:
+    """Arm the GPU tier as --gpu says, before the first load; False (with the reason logged) when
+    the models run on the CPU. --gpu vulkan without a usable device is an error."""
+    if args.gpu_device is not None:
+        os.environ["DASLLAMA_VK_DEVICE"] = args.gpu_device
+    if args.gpu == "off":
+        return False
+    available = gpu.kernel_backend_available("vulkan")
+    if not available:
+        why = _native.vk_witness()[1]
+        if args.gpu == "vulkan":
+            raise SystemExit(f"--gpu vulkan: no usable Vulkan device ({why})")
+        log.info("serving on the CPU: no usable Vulkan device (%s)", why)
+        return False
+    gpu.set_gpu_resident_regions(args.gpu_regions or args.streams)
+    gpu.set_gpu_ctx_max(args.ctx or 0)
+    gpu.set_gpu_ctx_strict(bool(args.ctx))
+    gpu.set_gpu_tier_want(gpu.GpuTierWant(auto_tier=True))
+    if not gpu.moe_gpu_tier_arm():
+        why = gpu.gpu_tier_status().reason
+        if args.gpu == "vulkan":
+            raise SystemExit(f"--gpu vulkan: {why}")
+        log.info("serving on the CPU: %s", why)
+        return False
+    return True
+
+
 def load_models(server: Server, args: argparse.Namespace) -> None:
-    """Load every --model into an engine of `server`, as the flags say."""
+    """Load every --model into an engine of `server`, as the flags say. With the GPU tier armed
+    the first model goes on the device (one model holds it at a time); the rest run on the CPU."""
+    armed = arm_gpu(args)
     for i, spec in enumerate(args.model):
         m = load_model(spec, numerics=args.numerics)
+        on_device = False
+        if armed:
+            slot = gpu.gpu_model_marks_init()
+            on_device = gpu.gpu_slot_capture(slot) == "gpu:resident"
+            if on_device:
+                st = gpu.gpu_tier_status()
+                log.info("gpu backend auto-detected: %s on '%s' (%d MiB of weights, %d streams from device memory)", m.path.name, st.device, st.weight_bytes >> 20, gpu.gpu_device_sessions())
+            elif args.gpu == "vulkan" and i == 0:
+                raise SystemExit(f"--gpu vulkan: {m.path.name} cannot go on the device: {slot.reason}")
+            else:
+                log.info("%s runs on the CPU: %s", m.path.name, slot.reason)
         if args.ctx:
             m.config["seq_len"] = min(int(m.config["seq_len"]), args.ctx)
         # Served as the alias, else as the known model name it was started with, else as
@@ -110,7 +163,7 @@ def load_models(server: Server, args: argparse.Namespace) -> None:
         name = args.alias[i] if args.alias else (m.path.stem if is_path else spec)
         draft = load_model(args.model_draft, numerics=args.numerics) if args.model_draft else None
         drafting = configure_spec(m, args.spec, draft, args.spec_max)
-        server.add(Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb), spec, m.path.stem)
+        server.add(Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb, device_kv=on_device), spec, m.path.stem)
         log.info("serving %s as '%s' (speculative decoding: %s)", m.path.name, name, drafting)
         if not m.chat_template:
             log.warning(

@@ -23,6 +23,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from .. import gpu
 from .. import scheduler as sched
 from ..chat import ChatRenderer, NothinkGuard, ThoughtSplitter, make_nothink_guard, render_chat, render_close, split_reasoning, thought_markers
 from ..embeddings import embed
@@ -857,6 +858,12 @@ def build_app(server: Server) -> Starlette:
         ):
             lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} counter"]
             lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
+        st = gpu.gpu_tier_status()
+        lines += ["# HELP dasllama_gpu_memory_bytes Device memory dasllama holds (weights, K/V regions, activations).", "# TYPE dasllama_gpu_memory_bytes gauge"]
+        lines += [f'dasllama_gpu_memory_bytes{{device="{st.device}"}} {st.vram_bytes}']
+        lines += ["# HELP dasllama_gpu_budget_bytes The device's memory budget.", "# TYPE dasllama_gpu_budget_bytes gauge", f'dasllama_gpu_budget_bytes{{device="{st.device}"}} {st.budget_bytes}']
+        lines += ["# HELP dasllama_gpu_cpu_passes_total Calls that ran on the CPU while a model was on the device, by reason.", "# TYPE dasllama_gpu_cpu_passes_total counter"]
+        lines += [f'dasllama_gpu_cpu_passes_total{{reason="{p.words}"}} {p.count}' for p in gpu.gpu_cpu_passes()]
         lines += ["# HELP dasllama_ttft_seconds Time to first token.", "# TYPE dasllama_ttft_seconds histogram"]
         for name in server.engines:
             lines += mt.ttft.get(name, Histogram(TTFT_BUCKETS)).render("dasllama_ttft_seconds", f'model="{name}"')

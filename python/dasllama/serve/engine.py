@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from .. import gpu
 from .. import scheduler as sched
 from ..model import Model
 from ..speculative import mtp_capable
@@ -61,7 +62,9 @@ class EngineDead(RuntimeError):
 
 
 class Engine:
-    def __init__(self, m: Model, name: str, streams: int, queue: int, chunk: int, page_rows: int, kv_dtype: str = "f16", prefix_cache_mb: float = 256) -> None:
+    def __init__(
+        self, m: Model, name: str, streams: int, queue: int, chunk: int, page_rows: int, kv_dtype: str = "f16", prefix_cache_mb: float = 256, device_kv: bool = False
+    ) -> None:
         self.m = m
         self.name = name
         self.max_streams = streams
@@ -78,6 +81,10 @@ class Engine:
             kv_dtype=sched.KVDtype(kv_dtype),
             mtp=mtp_capable(m),
         )
+        if device_kv:
+            # Every stream's K/V in a device region; a finished conversation's rows stay there
+            # for its next turn.
+            gpu.set_device_kv(self.sch, True)
         # Handlers append (op, ...) tuples; deque appends and pops are atomic, so no lock is held
         # across a step.
         self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()

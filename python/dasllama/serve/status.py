@@ -19,26 +19,26 @@ RATE_WINDOW_S = 3.0  # the "now" figures average over this much history, so one 
 
 
 def tier_status() -> dict[str, Any]:
-    """The compute tier the process serves on. The GPU tier's `gpu_tier_status` is read when the
-    package has it (the seed's status-page call); until then every model runs on the CPU."""
-    import dasllama
+    """The compute tier the process serves on: the GPU tier's status (`dasllama.gpu`) and its
+    honesty counter, or the CPU's kernel threads."""
+    from .. import gpu
 
     threads = int(_native.n_threads())
-    fn = getattr(dasllama, "gpu_tier_status", None)
-    if fn is None:
-        return {"backend": "cpu", "device": "cpu", "detail": f"{threads} kernel threads", "threads": threads}
     try:
-        st = fn()
-        device = str(getattr(st, "device", st))
-        backend = "cpu" if device == "cpu" else str(getattr(st, "backend", "gpu"))
-        out: dict[str, Any] = {"backend": backend, "device": device, "detail": str(st), "threads": threads}
-        passes_fn = getattr(dasllama, "gpu_cpu_passes", None)
-        if passes_fn is not None:
-            passes = passes_fn()
-            out["gpu_cpu_passes"] = {str(k): v for k, v in passes.items()} if isinstance(passes, dict) else str(passes)
+        st = gpu.gpu_tier_status()
     except Exception as e:  # noqa: BLE001 - the status page reports a broken tier query instead of failing whole
         return {"backend": "unknown", "device": "unknown", "detail": f"gpu_tier_status failed: {type(e).__name__}: {e}", "threads": threads}
-    return out
+    if st.backend == "cpu":
+        return {"backend": "cpu", "device": "cpu", "detail": f"{threads} kernel threads" + (f"; GPU: {st.reason}" if st.reason else ""), "threads": threads}
+    return {
+        "backend": st.backend,
+        "device": st.device,
+        "detail": f"{st.weight_bytes >> 20} MiB of weights, {st.kv_bytes >> 20} MiB of K/V on the device",
+        "threads": threads,
+        "vram_bytes": st.vram_bytes,
+        "budget_bytes": st.budget_bytes,
+        "gpu_cpu_passes": {p.words: p.count for p in gpu.gpu_cpu_passes()},
+    }
 
 
 def rss_bytes() -> int | None:
