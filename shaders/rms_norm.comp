@@ -18,7 +18,7 @@ layout(push_constant) uniform P {
 shared float red[WG];
 
 void main() {
-    uint row = gl_WorkGroupID.x + gl_WorkGroupID.y * 65535u;
+    uint row = gl_WorkGroupID.x;
     uint tid = gl_LocalInvocationID.x;
     uint base = row * p.width;
     float s = 0.0;

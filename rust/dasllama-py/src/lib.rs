@@ -39,12 +39,7 @@ create_exception!(
     "A bug inside the engine (a caught panic). The call was abandoned; the model and other sessions are intact."
 );
 
-create_exception!(
-    dasllama._native,
-    DeviceError,
-    DasllamaError,
-    "The GPU device failed (lost mid-step, out of memory, or unusable); the call was abandoned."
-);
+create_exception!(dasllama._native, DeviceError, DasllamaError, "The GPU device failed (lost mid-step, out of memory, or unusable); the call was abandoned.");
 
 mod gpu;
 

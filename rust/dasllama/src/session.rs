@@ -132,11 +132,21 @@ pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessio
 
 /// One forward pass where the sessions' K/V lives: all on the device, or all on the host (a
 /// host pass while a model is on the device is counted in `vulkan::cpu_passes`).
-fn run(m: &Model, sessions: &mut [&mut Session], counts: &[usize], tokens: &[u32], want: LogitRows<'_>, scratch: &mut Scratch, logits: &mut Vec<f32>) -> Result<()> {
+fn run(
+    m: &Model,
+    sessions: &mut [&mut Session],
+    counts: &[usize],
+    tokens: &[u32],
+    want: LogitRows<'_>,
+    scratch: &mut Scratch,
+    logits: &mut Vec<f32>,
+) -> Result<()> {
     let on_device = sessions.iter().filter(|s| s.dev.is_some()).count();
     if on_device == 0 {
         if vulkan::holds(m) {
-            vulkan::cpu_pass("paged or private sessions keep their K/V in host memory, so their calls ran on the CPU (create_device_session for device-home streams)");
+            vulkan::cpu_pass(
+                "paged or private sessions keep their K/V in host memory, so their calls ran on the CPU (create_device_session for device-home streams)",
+            );
         }
         let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
         return forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits);

@@ -326,12 +326,7 @@ impl Scheduler {
     fn adopt_parked(&mut self, i: usize) {
         let s = self.slots[i].as_mut().expect("prefilling stream");
         let limit = s.req.prompt.len() - 1;
-        let best = self
-            .parked
-            .iter()
-            .enumerate()
-            .map(|(j, (toks, _))| (toks.iter().zip(&s.req.prompt[..limit]).take_while(|(a, b)| a == b).count(), j))
-            .max();
+        let best = self.parked.iter().enumerate().map(|(j, (toks, _))| (toks.iter().zip(&s.req.prompt[..limit]).take_while(|(a, b)| a == b).count(), j)).max();
         let Some((rows, j)) = best.filter(|&(rows, _)| rows > 0) else { return };
         let (_, claim) = self.parked.remove(j).expect("found above");
         let Some(dev) = s.session.dev.as_mut() else { return };
@@ -943,7 +938,8 @@ impl Scheduler {
         if s.session.dev.is_some() && ended_well {
             // Close the turn on the device and park the rows for the conversation's next turn.
             let close = s.req.close_toks.clone();
-            let closed = close.is_empty() || (s.in_kv.len() + close.len() <= crate::vulkan::session_ctx() && error::catch("closing a turn", || s.session.eval(m, &close)).is_ok());
+            let closed = close.is_empty()
+                || (s.in_kv.len() + close.len() <= crate::vulkan::session_ctx() && error::catch("closing a turn", || s.session.eval(m, &close)).is_ok());
             if closed {
                 s.in_kv.extend_from_slice(&close);
             }

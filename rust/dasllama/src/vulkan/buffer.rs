@@ -20,7 +20,10 @@ impl Buffer {
     /// metadata; GpuToCpu for what comes back).
     pub fn new(gpu: &Arc<Gpu>, name: &str, size: u64, loc: MemoryLocation) -> Result<Buffer> {
         let size = size.max(16);
-        let usage = vk::BufferUsageFlags::STORAGE_BUFFER | vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS | vk::BufferUsageFlags::TRANSFER_SRC | vk::BufferUsageFlags::TRANSFER_DST;
+        let usage = vk::BufferUsageFlags::STORAGE_BUFFER
+            | vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS
+            | vk::BufferUsageFlags::TRANSFER_SRC
+            | vk::BufferUsageFlags::TRANSFER_DST;
         let info = vk::BufferCreateInfo::default().size(size).usage(usage);
         let d = &gpu.device;
         // SAFETY: valid create info; the buffer is destroyed in Drop after its memory is freed.
@@ -37,7 +40,9 @@ impl Buffer {
             Err(e) => {
                 // SAFETY: no memory is bound and nothing uses the buffer yet.
                 unsafe { d.destroy_buffer(raw, None) };
-                return Err(Error::Device(format!("allocating {size} bytes of device memory for {name}: {e}; serve fewer streams, a shorter context or a smaller model")));
+                return Err(Error::Device(format!(
+                    "allocating {size} bytes of device memory for {name}: {e}; serve fewer streams, a shorter context or a smaller model"
+                )));
             }
         };
         // SAFETY: the allocation satisfies the buffer's requirements and outlives the binding.

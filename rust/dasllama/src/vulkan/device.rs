@@ -74,7 +74,9 @@ fn allow_cpu() -> bool {
 fn load_entry() -> Result<ash::Entry> {
     // SAFETY: loading libvulkan runs its initialisers; the loader is a well-behaved system library
     // and we keep the Entry alive for as long as anything made from it.
-    unsafe { ash::Entry::load() }.map_err(|e| Error::Device(format!("no Vulkan loader on this machine ({e}); install libvulkan1 and a driver (mesa-vulkan-drivers), or serve on the CPU")))
+    unsafe { ash::Entry::load() }.map_err(|e| {
+        Error::Device(format!("no Vulkan loader on this machine ({e}); install libvulkan1 and a driver (mesa-vulkan-drivers), or serve on the CPU"))
+    })
 }
 
 fn create_instance(entry: &ash::Entry) -> Result<ash::Instance> {
@@ -93,7 +95,8 @@ fn describe(instance: &ash::Instance, i: usize, pd: vk::PhysicalDevice) -> Devic
     // SAFETY: pd comes from this instance's enumeration.
     let (props, mem) = unsafe { (instance.get_physical_device_properties(pd), instance.get_physical_device_memory_properties(pd)) };
     let name = props.device_name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
-    let vram_bytes = mem.memory_heaps[..mem.memory_heap_count as usize].iter().filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL)).map(|h| h.size).sum();
+    let vram_bytes =
+        mem.memory_heaps[..mem.memory_heap_count as usize].iter().filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL)).map(|h| h.size).sum();
     let v = props.api_version;
     DeviceInfo {
         index: i,
@@ -123,7 +126,11 @@ pub fn choose(devices: &[DeviceInfo]) -> std::result::Result<usize, String> {
     }
     let usable = |d: &DeviceInfo| d.kind != "cpu" || allow_cpu();
     if let Ok(want) = std::env::var("DASLLAMA_VK_DEVICE") {
-        let hit = want.parse::<usize>().ok().filter(|&i| i < devices.len()).or_else(|| devices.iter().position(|d| d.name.to_lowercase().contains(&want.to_lowercase())));
+        let hit = want
+            .parse::<usize>()
+            .ok()
+            .filter(|&i| i < devices.len())
+            .or_else(|| devices.iter().position(|d| d.name.to_lowercase().contains(&want.to_lowercase())));
         return match hit {
             Some(i) if usable(&devices[i]) => Ok(i),
             Some(i) => Err(format!("DASLLAMA_VK_DEVICE picks '{}', a CPU-type Vulkan device; set DASLLAMA_VK_ALLOW_CPU=1 to use it anyway", devices[i].name)),
@@ -186,7 +193,10 @@ impl Gpu {
         // SAFETY: pd is a device of this instance.
         let props = unsafe { instance.get_physical_device_properties(pd) };
         if props.api_version < vk::API_VERSION_1_2 {
-            return Err(Error::Device(format!("'{}' offers Vulkan {}; dasllama needs 1.2 (buffer device addresses)", infos[pick].name, infos[pick].api_version)));
+            return Err(Error::Device(format!(
+                "'{}' offers Vulkan {}; dasllama needs 1.2 (buffer device addresses)",
+                infos[pick].name, infos[pick].api_version
+            )));
         }
         // SAFETY: as above.
         let families = unsafe { instance.get_physical_device_queue_family_properties(pd) };

@@ -17,13 +17,46 @@ macro_rules! spv {
 }
 
 static SPIRV: &[(&str, &[u8])] = spv![
-    "mul_mat_f32", "mul_mat_f16", "mul_mat_bf16", "mul_mat_q4_0", "mul_mat_q4_1", "mul_mat_q5_0", "mul_mat_q5_1", "mul_mat_q8_0",
-    "mul_mat_q4_k", "mul_mat_q5_k", "mul_mat_q6_k",
-    "mul_mat_rows_f32", "mul_mat_rows_f16", "mul_mat_rows_bf16", "mul_mat_rows_q4_0", "mul_mat_rows_q4_1", "mul_mat_rows_q5_0", "mul_mat_rows_q5_1",
-    "mul_mat_rows_q8_0", "mul_mat_rows_q4_k", "mul_mat_rows_q5_k", "mul_mat_rows_q6_k",
-    "get_rows_f32", "get_rows_f16", "get_rows_bf16", "get_rows_q4_0", "get_rows_q4_1", "get_rows_q5_0", "get_rows_q5_1", "get_rows_q8_0",
-    "get_rows_q4_k", "get_rows_q5_k", "get_rows_q6_k",
-    "rms_norm", "rope", "eltwise", "gather_rows", "kv_store", "attention", "round_act",
+    "mul_mat_f32",
+    "mul_mat_f16",
+    "mul_mat_bf16",
+    "mul_mat_q4_0",
+    "mul_mat_q4_1",
+    "mul_mat_q5_0",
+    "mul_mat_q5_1",
+    "mul_mat_q8_0",
+    "mul_mat_q4_k",
+    "mul_mat_q5_k",
+    "mul_mat_q6_k",
+    "mul_mat_rows_f32",
+    "mul_mat_rows_f16",
+    "mul_mat_rows_bf16",
+    "mul_mat_rows_q4_0",
+    "mul_mat_rows_q4_1",
+    "mul_mat_rows_q5_0",
+    "mul_mat_rows_q5_1",
+    "mul_mat_rows_q8_0",
+    "mul_mat_rows_q4_k",
+    "mul_mat_rows_q5_k",
+    "mul_mat_rows_q6_k",
+    "get_rows_f32",
+    "get_rows_f16",
+    "get_rows_bf16",
+    "get_rows_q4_0",
+    "get_rows_q4_1",
+    "get_rows_q5_0",
+    "get_rows_q5_1",
+    "get_rows_q8_0",
+    "get_rows_q4_k",
+    "get_rows_q5_k",
+    "get_rows_q6_k",
+    "rms_norm",
+    "rope",
+    "eltwise",
+    "gather_rows",
+    "kv_store",
+    "attention",
+    "round_act",
 ];
 
 /// The suffix of a weight-reading kernel's variant for a block format.
@@ -53,7 +86,7 @@ pub struct Push(Vec<u8>);
 
 impl Push {
     pub fn addr(mut self, a: u64) -> Self {
-        debug_assert!(self.0.len() % 8 == 0, "addresses come first");
+        debug_assert!(self.0.len().is_multiple_of(8), "addresses come first");
         self.0.extend_from_slice(&a.to_le_bytes());
         self
     }

@@ -430,7 +430,10 @@ pub fn create_session(m: &Model) -> Result<DevKv> {
         Error::InvalidArgument("this model is not on the device; arm the GPU tier before loading it (gpu_tier_status() says why not)".to_string())
     })?;
     let region = r.regions.take().ok_or_else(|| {
-        Error::PoolFull(format!("all {} device regions are held by live sessions; finish or park one first (set_gpu_resident_regions for more)", r.regions.count()))
+        Error::PoolFull(format!(
+            "all {} device regions are held by live sessions; finish or park one first (set_gpu_resident_regions for more)",
+            r.regions.count()
+        ))
     })?;
     Ok(DevKv { region, len: 0, generation })
 }

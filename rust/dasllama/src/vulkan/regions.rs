@@ -15,7 +15,10 @@ enum Slot {
     Held,
     /// Rows kept for a later turn; `claim` names them, and the oldest parked region is reused
     /// first when no region is free.
-    Parked { claim: u64, rows: usize },
+    Parked {
+        claim: u64,
+        rows: usize,
+    },
 }
 
 pub struct Regions {

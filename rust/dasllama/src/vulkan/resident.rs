@@ -14,8 +14,8 @@ use super::regions::Regions;
 use super::weights::{self, upload_f32, upload_weight, DevWeight};
 use crate::backend::Activation;
 use crate::cpu::ops;
-use crate::model::forward::LogitRows;
 use crate::kv::KvCache;
+use crate::model::forward::LogitRows;
 use crate::model::{AttnWeights, Config, Ffn, FfnWeights, Mixer, MixerWeights, Model, Numerics};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
@@ -97,7 +97,7 @@ pub fn decline(m: &Model) -> Option<String> {
             return Some(format!("layer {il} has routed experts; the device driver runs dense FFNs only (MoE models stay on the CPU)"));
         }
     }
-    if c.head_dim > 256 || c.head_dim % 2 != 0 {
+    if c.head_dim > 256 || !c.head_dim.is_multiple_of(2) {
         return Some(format!("heads of {} values; the device attention takes even sizes up to 256", c.head_dim));
     }
     let mut ws = vec![("token_embd", &m.tok_embd), ("output", &m.output)];
@@ -222,7 +222,16 @@ impl Resident {
     /// Advance the sessions holding `regions[i]` (at positions `lens[i]`) by `counts[i]` tokens
     /// each, taken in order from `tokens`; `logits` gets the rows `want` names, in order.
     #[allow(clippy::too_many_arguments)]
-    pub fn forward(&mut self, regions: &[usize], lens: &[usize], counts: &[usize], tokens: &[u32], want: LogitRows<'_>, logits: &mut Vec<f32>, factors: Option<&[f32]>) -> Result<()> {
+    pub fn forward(
+        &mut self,
+        regions: &[usize],
+        lens: &[usize],
+        counts: &[usize],
+        tokens: &[u32],
+        want: LogitRows<'_>,
+        logits: &mut Vec<f32>,
+        factors: Option<&[f32]>,
+    ) -> Result<()> {
         let width = if want == LogitRows::Hidden { self.cfg.dim } else { self.cfg.vocab_size };
         logits.clear();
         // Split into windows of at most PREFILL_WINDOW rows and MAX_OUT logit rows; a session's
@@ -344,7 +353,12 @@ impl Resident {
             let half = at.rope.dim / 2;
             for (buf, w) in [(&a.q, qd), (&a.k, kvd)] {
                 let total = n * (w / c.head_dim) * half;
-                r.dispatch_flat(k, "rope", Push::default().addr(buf.addr).addr(rope_a[ri]).u(w).u(c.head_dim).u(half).u(at.rope.neox as usize).u(total), total)?;
+                r.dispatch_flat(
+                    k,
+                    "rope",
+                    Push::default().addr(buf.addr).addr(rope_a[ri]).u(w).u(c.head_dim).u(half).u(at.rope.neox as usize).u(total),
+                    total,
+                )?;
             }
             r.barrier()?;
             let slot = c.kv_slot(il).expect("an attention layer has a K/V slot");
@@ -539,11 +553,9 @@ pub fn matmul(r: &mut Runner, k: &mut Kernels, w: &DevWeight, x: &Buffer, y: &Bu
 
 #[allow(clippy::too_many_arguments)]
 fn rms_norm(r: &mut Runner, k: &mut Kernels, x: &Buffer, out: &Buffer, w: &Buffer, width: usize, rows: usize, eps: f32) -> Result<()> {
-    let (gx, gy) = if rows > 65535 { (65535, rows.div_ceil(65535)) } else { (rows, 1) };
-    // Rows past `rows` in the last y slice would read past the buffer: the kernel has no bound, so
-    // only whole slices are dispatched when wrapping (rows is a multiple of 65535 or small).
-    debug_assert!(gy == 1 || rows % 65535 == 0, "rms_norm over {rows} rows");
-    r.dispatch(k, "rms_norm", Push::default().addr(x.addr).addr(w.addr).addr(out.addr).u(width).f(eps), [gx as u32, gy as u32, 1])
+    // A window has at most PREFILL_WINDOW rows of at most 128 heads: well inside one dimension.
+    assert!(rows <= 65535, "rms_norm over {rows} rows");
+    r.dispatch(k, "rms_norm", Push::default().addr(x.addr).addr(w.addr).addr(out.addr).u(width).f(eps), [rows as u32, 1, 1])
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -6,7 +6,7 @@ use super::buffer::Buffer;
 use super::device::Gpu;
 use super::kernels::{Kernels, Push, Runner};
 use super::weights::{upload_f32, upload_weight};
-use crate::cpu::{ops, Bytes, Weight};
+use crate::cpu::{Bytes, Weight};
 use crate::quant::{dequantize_row, quantize_row, GgmlType};
 use gpu_allocator::MemoryLocation;
 use std::sync::{Arc, OnceLock};
@@ -150,3 +150,221 @@ fn matmul_and_gather_match_dequantized_rows() {
     }
 }
 
+/// Run one kernel over host vectors: the buffers are uploaded, the kernel dispatched with
+/// `push(addresses)`, and buffer `out` read back.
+fn run_op(name: &str, bufs: &[&[f32]], out: usize, push: impl Fn(&[u64]) -> Push, count: usize) -> Option<Vec<f32>> {
+    let (g, mut k, mut run) = gpu()?;
+    let bs: Vec<Buffer> = bufs.iter().map(|b| upload_f32(&g, &mut run, "op", b).unwrap()).collect();
+    let addrs: Vec<u64> = bs.iter().map(|b| b.addr).collect();
+    run.dispatch_flat(&mut k, name, push(&addrs), count).unwrap();
+    Some(read(&g, &mut run, &bs[out], bufs[out].len()))
+}
+
+fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what} [{i}]: {a} vs {b}");
+    }
+}
+
+/// rms_norm against `ops::rms_norm` (which sums squares in f64): 1e-5 relative.
+#[test]
+fn rms_norm_matches_cpu() {
+    let Some((g, mut k, mut run)) = gpu() else { return };
+    let (width, rows) = (576, 5);
+    let x = rand(width * rows, 3);
+    let w = rand(width, 4);
+    let (xb, wb) = (upload_f32(&g, &mut run, "x", &x).unwrap(), upload_f32(&g, &mut run, "w", &w).unwrap());
+    run.dispatch(&mut k, "rms_norm", Push::default().addr(xb.addr).addr(wb.addr).addr(xb.addr).u(width).f(1e-6), [rows as u32, 1, 1]).unwrap();
+    let got = read(&g, &mut run, &xb, x.len());
+    let mut want = x.clone();
+    want.chunks_exact_mut(width).for_each(|r| crate::cpu::ops::rms_norm(r, &w, 1e-6));
+    close(&got, &want, 1e-5, "rms_norm");
+}
+
+/// RoPE, both pairings, partial rotation (rope dim < head dim), against `ops::rope` on the same
+/// table: the same fused multiply-adds, within an ulp (a driver may contract differently).
+#[test]
+fn rope_matches_cpu() {
+    for neox in [false, true] {
+        let (hd, heads, rows, rdim) = (64, 3, 4, 32);
+        let x = rand(hd * heads * rows, 5);
+        let mut tab = Vec::new();
+        let mut one = Vec::new();
+        for t in 0..rows {
+            crate::cpu::ops::rope_cache(rdim, 7 + 3 * t, 10000.0, 1.0, 1.0, None, &mut one);
+            tab.extend(one.iter().flat_map(|&(s, c)| [s, c]));
+        }
+        let total = rows * heads * rdim / 2;
+        let Some(got) =
+            run_op("rope", &[&x, &tab], 0, |a| Push::default().addr(a[0]).addr(a[1]).u(hd * heads).u(hd).u(rdim / 2).u(neox as usize).u(total), total)
+        else {
+            return;
+        };
+        let mut want = x.clone();
+        for (t, row) in want.chunks_exact_mut(hd * heads).enumerate() {
+            let pairs: Vec<(f32, f32)> = tab[t * rdim..(t + 1) * rdim].chunks_exact(2).map(|p| (p[0], p[1])).collect();
+            row.chunks_exact_mut(hd).for_each(|h| crate::cpu::ops::rope(h, &pairs, neox));
+        }
+        close(&got, &want, 1e-6, "rope");
+    }
+}
+
+/// The element-wise ops against their CPU forms: add and copy exact; SiLU-GLU 1e-6; GELU-GLU
+/// 2e-3 (the CPU rounds GELU's input to f16 for its table, as ggml does); soft-capping 1e-6.
+#[test]
+fn eltwise_ops_match_cpu() {
+    let n = 1000;
+    let x: Vec<f32> = rand(n, 6).iter().map(|v| v * 6.0).collect();
+    let y = rand(n, 7);
+    let bias = rand(10, 8);
+    let op =
+        |o: usize, yv: &[f32], width: usize, a: f32| run_op("eltwise", &[&x, yv], 0, |ad| Push::default().addr(ad[0]).addr(ad[1]).u(n).u(width).u(o).f(a), n);
+    let Some(got) = op(0, &bias, 10, 0.0) else { return };
+    close(&got, &x.iter().enumerate().map(|(i, v)| v + bias[i % 10]).collect::<Vec<_>>(), 0.0, "add");
+    let mut want = x.clone();
+    crate::cpu::ops::swiglu(&mut want, &y);
+    close(&op(1, &y, n, 0.0).unwrap(), &want, 1e-5, "silu glu");
+    let mut want = x.clone();
+    crate::cpu::ops::geglu(&mut want, &y);
+    close(&op(2, &y, n, 0.0).unwrap(), &want, 2e-3, "gelu glu");
+    let mut want = x.clone();
+    crate::cpu::ops::softcap(&mut want, 3.0);
+    close(&op(3, &y, n, 3.0).unwrap(), &want, 1e-6, "softcap");
+    close(&op(4, &y, n, 0.0).unwrap(), &y, 0.0, "copy");
+}
+
+/// Activation rounding against the CPU's quantizers: q8_0 (f16 scale), q8_K, f16, bf16: equal bits.
+#[test]
+fn round_act_matches_cpu_quantizers() {
+    let n = 512;
+    let x: Vec<f32> = rand(n, 9).iter().enumerate().map(|(i, v)| v * (1.0 + (i % 37) as f32)).collect();
+    for (mode, ty) in [(1, GgmlType::Q8_0), (2, GgmlType::Q8K), (3, GgmlType::F16), (4, GgmlType::BF16)] {
+        let blocks = match mode {
+            1 => n / 32,
+            2 => n / 256,
+            _ => n,
+        };
+        let out = vec![0f32; n];
+        let Some(got) = run_op("round_act", &[&x, &out], 1, |a| Push::default().addr(a[0]).addr(a[1]).u(blocks).u(mode), blocks) else { return };
+        let mut bytes = vec![0u8; crate::quant::act_row_bytes(ty, n)];
+        quantize_row(ty, &x, &mut bytes);
+        let want: Vec<f32> = match ty {
+            GgmlType::Q8_0 => bytes[..ty.row_bytes(n)]
+                .chunks_exact(34)
+                .flat_map(|b| {
+                    let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    b[2..34].iter().map(move |&q| q as i8 as f32 * d).collect::<Vec<_>>()
+                })
+                .collect(),
+            GgmlType::Q8K => bytes
+                .chunks_exact(292)
+                .take(n / 256)
+                .flat_map(|b| {
+                    let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    b[4..260].iter().map(move |&q| q as i8 as f32 * d).collect::<Vec<_>>()
+                })
+                .collect(),
+            _ => {
+                let mut v = vec![0f32; n];
+                dequantize_row(ty, &bytes[..ty.row_bytes(n)], &mut v);
+                v
+            }
+        };
+        close(&got, &want, 0.0, ty.name());
+    }
+}
+
+/// gather_rows, kv_store and attention: rows written into two regions at their positions, then
+/// each query row attends over its own region, against an f64 reference on the same f16 K/V
+/// with the query rounded to f16: 1e-4 relative. GQA (4 query heads on 2 KV heads), a window,
+/// soft-capping.
+#[test]
+fn kv_store_and_attention_match_a_reference() {
+    let Some((g, mut k, mut run)) = gpu() else { return };
+    let (nh, nkv, hd, ctx) = (4usize, 2usize, 64usize, 40usize);
+    let kvd = nkv * hd;
+    let regions = super::regions::Regions::new(&g, 2, ctx, 1, kvd).unwrap();
+    // Session 0 writes positions 0..23 in one pass, session 1 positions 0..9; then query rows.
+    let plan: Vec<(usize, usize)> = (0..23).map(|p| (0, p)).chain((0..9).map(|p| (1, p))).collect();
+    let n = plan.len();
+    let kx = rand(n * kvd, 10);
+    let vx = rand(n * kvd, 11);
+    let q: Vec<f32> = rand(n * nh * hd, 12).iter().map(|v| v * 3.0).collect();
+    let meta: Vec<f32> = plan.iter().flat_map(|&(r, p)| [f32::from_bits(regions.base_word(r) as u32), f32::from_bits(p as u32)]).collect();
+    let (kb, vb, qb, mb) = (
+        upload_f32(&g, &mut run, "k", &kx).unwrap(),
+        upload_f32(&g, &mut run, "v", &vx).unwrap(),
+        upload_f32(&g, &mut run, "q", &q).unwrap(),
+        upload_f32(&g, &mut run, "m", &meta).unwrap(),
+    );
+    let ob = Buffer::new(&g, "o", (n * nh * hd * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+    let (so, vo) = regions.slot_offsets(0);
+    run.dispatch_flat(
+        &mut k,
+        "kv_store",
+        Push::default().addr(kb.addr).addr(vb.addr).addr(regions.buf.addr).addr(mb.addr).u(kvd).u(n).u(so).u(vo),
+        n * kvd / 2,
+    )
+    .unwrap();
+    run.barrier().unwrap();
+    for (window, softcap) in [(0usize, 0.0f32), (8, 0.0), (0, 20.0)] {
+        let scale = 1.0 / (hd as f32).sqrt();
+        run.dispatch(
+            &mut k,
+            "attention",
+            Push::default()
+                .addr(qb.addr)
+                .addr(ob.addr)
+                .addr(regions.buf.addr)
+                .addr(mb.addr)
+                .u(nh)
+                .u(nkv)
+                .u(hd)
+                .u(window)
+                .f(1.0)
+                .f(scale)
+                .f(softcap)
+                .u(so)
+                .u(vo),
+            [nh as u32, n as u32, 1],
+        )
+        .unwrap();
+        let got = read(&g, &mut run, &ob, n * nh * hd);
+        let f16 = |v: f32| half::f16::from_f32(v).to_f32() as f64;
+        for (t, &(r, pos)) in plan.iter().enumerate() {
+            // The rows of this row's session at positions 0..=pos.
+            let rows: Vec<usize> = plan.iter().enumerate().filter(|(_, &(r2, p2))| r2 == r && p2 <= pos).map(|(i, _)| i).collect();
+            let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+            for h in 0..nh {
+                let kvh = h / (nh / nkv);
+                let qh: Vec<f64> = (0..hd).map(|d| f16(q[(t * nh + h) * hd + d])).collect();
+                let sc: Vec<(f64, usize)> = rows
+                    .iter()
+                    .filter(|&&i| plan[i].1 >= start)
+                    .map(|&i| {
+                        let s: f64 = (0..hd).map(|d| qh[d] * f16(kx[i * kvd + kvh * hd + d])).sum();
+                        let s = if softcap > 0.0 { softcap as f64 * (s / softcap as f64).tanh() } else { s };
+                        (s * scale as f64, i)
+                    })
+                    .collect();
+                let mx = sc.iter().map(|s| s.0).fold(f64::MIN, f64::max);
+                let z: f64 = sc.iter().map(|s| (s.0 - mx).exp()).sum();
+                for d in 0..hd {
+                    let want: f64 = sc.iter().map(|&(s, i)| (s - mx).exp() / z * f16(vx[i * kvd + kvh * hd + d])).sum();
+                    let got = got[(t * nh + h) * hd + d] as f64;
+                    assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {t} head {h} dim {d} (window {window}, cap {softcap}): {got} vs {want}");
+                }
+            }
+        }
+    }
+    // gather_rows: rows 3, 0, 31 of q.
+    let idx: Vec<f32> = [3u32, 0, 31].iter().map(|&i| f32::from_bits(i)).collect();
+    let ib = upload_f32(&g, &mut run, "idx", &idx).unwrap();
+    let width = nh * hd;
+    let db = Buffer::new(&g, "d", (3 * width * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+    run.dispatch_flat(&mut k, "gather_rows", Push::default().addr(qb.addr).addr(db.addr).addr(ib.addr).u(width).u(3), 3 * width).unwrap();
+    let got = read(&g, &mut run, &db, 3 * width);
+    for (j, &r) in [3usize, 0, 31].iter().enumerate() {
+        assert_eq!(&got[j * width..(j + 1) * width], &q[r * width..(r + 1) * width]);
+    }
+}

@@ -3,8 +3,8 @@
 //! `shaders/dequant.glsl` reads.
 
 use super::buffer::Buffer;
-use super::kernels::{format_suffix, Runner};
 use super::device::Gpu;
+use super::kernels::{format_suffix, Runner};
 use crate::cpu::Weight;
 use crate::quant::GgmlType;
 use crate::{Error, Result};
@@ -35,7 +35,7 @@ pub fn unsupported(w: &Weight) -> Option<String> {
     if format_suffix(w.ty).is_none() {
         return Some(format!("{} matrices", w.ty.name()));
     }
-    if w.cols % 16 != 0 {
+    if !w.cols.is_multiple_of(16) {
         return Some(format!("rows of {} values (the device kernels read 16 at a time)", w.cols));
     }
     None
