@@ -6,12 +6,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The web pages' tests drive Debian's chromium through Playwright (Playwright's own browser download
-# is not reachable from CI); installed once, quietly, when it is missing and we may install it.
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing chromium for the browser tests (apt-get)"
+# Installed once, quietly, when missing and we may install (Debian): Debian's chromium for the
+# web pages' Playwright tests (Playwright's own browser download is not reachable from CI); Mesa's
+# lavapipe (a CPU Vulkan device) and the Vulkan loader for the Vulkan driver's tests; glslc and
+# spirv-tools to recompile and validate the committed shaders.
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-liberation)
+ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 || missing+=(mesa-vulkan-drivers)
+ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1 ' || missing+=(libvulkan1)
+command -v glslc >/dev/null 2>&1 || missing+=(glslc)
+command -v spirv-val >/dev/null 2>&1 || missing+=(spirv-tools)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing ${missing[*]} (apt-get)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends chromium fonts-liberation >/dev/null
+    apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then
@@ -22,10 +30,17 @@ python -m pip install -q --upgrade pip
 python -m pip install -q -e '.[test]'
 
 cargo fmt --all --check
+if command -v glslc >/dev/null 2>&1 && command -v spirv-val >/dev/null 2>&1; then
+    bash scripts/build_shaders.sh --check
+else
+    echo "shader check skipped: glslc or spirv-val is missing (apt-get install glslc spirv-tools)"
+fi
 cargo clippy --release --all-targets -p dasllama -p dasllama-py -- -D warnings
 ruff check python tests benches examples scripts
 python -m mypy.stubtest dasllama._native --allowlist scripts/stubtest-allowlist.txt
 
+# The Vulkan tests may use lavapipe, a CPU Vulkan device, which dasllama otherwise never picks.
+export DASLLAMA_VK_ALLOW_CPU=1
 cargo test --release -p dasllama
 DASLLAMA_NO_SIMD=1 cargo test --release -p dasllama  # the scalar twins under the same tests
 python -m pytest -q tests "$@"

@@ -67,12 +67,12 @@ __all__ = [
     "moe_gpu_weight_budget",
     "reset_gpu_kv_dtype",
     "resident_prefill_allowed",
+    "set_device_kv",
     "set_gpu_ctx_max",
     "set_gpu_ctx_strict",
     "set_gpu_kv_dtype",
     "set_gpu_resident_regions",
     "set_gpu_tier_want",
-    "set_device_kv",
     "set_resident_prefill_allowed",
     "vulkan_devices",
 ]

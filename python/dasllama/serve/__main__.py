@@ -118,12 +118,15 @@ def arm_gpu(args: argparse.Namespace) -> bool:
         os.environ["DASLLAMA_VK_DEVICE"] = args.gpu_device
     if args.gpu == "off":
         return False
-    available = gpu.kernel_backend_available("vulkan")
+    available, name, kind = _native.vk_witness()
     if not available:
-        why = _native.vk_witness()[1]
         if args.gpu == "vulkan":
-            raise SystemExit(f"--gpu vulkan: no usable Vulkan device ({why})")
-        log.info("serving on the CPU: no usable Vulkan device (%s)", why)
+            raise SystemExit(f"--gpu vulkan: no usable Vulkan device ({name})")
+        log.info("serving on the CPU: no usable Vulkan device (%s)", name)
+        return False
+    if kind == "cpu" and args.gpu == "auto":
+        # A CPU-type Vulkan device (lavapipe) is slower than our own CPU path: only on request.
+        log.info("serving on the CPU: the only Vulkan device, '%s', runs on the CPU (--gpu vulkan uses it anyway)", name)
         return False
     gpu.set_gpu_resident_regions(args.gpu_regions or args.streams)
     gpu.set_gpu_ctx_max(args.ctx or 0)

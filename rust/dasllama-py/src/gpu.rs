@@ -9,12 +9,12 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-/// (available, device name or the reason there is none); enumerates once and caches.
+/// (available, device name or the reason there is none, device kind); enumerates once and caches.
 #[pyfunction]
-fn vk_witness(py: Python<'_>) -> (bool, String) {
+fn vk_witness(py: Python<'_>) -> (bool, String, &'static str) {
     py.allow_threads(|| match vulkan::witness() {
-        Ok(d) => (true, d.name.clone()),
-        Err(e) => (false, e.clone()),
+        Ok(d) => (true, d.name.clone(), d.kind),
+        Err(e) => (false, e.clone(), ""),
     })
 }
 
