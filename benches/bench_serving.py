@@ -4,7 +4,10 @@ cache as the server runs them (16-row pages). Each configuration runs `--repeat`
 alternating, and the median run is reported: aggregate tokens/s, TTFT p50/p99, decode steps and
 average batch. Writes a PNG plot of throughput against streams.
 
-    python benches/bench_serving.py [--streams 1 4 8 16] [--max-new 128] [--repeat 3] [--page-rows 16] [--plot benches/serving.png]
+    python benches/bench_serving.py [--streams 1 4 8 16] [--max-new 128] [--repeat 3] [--page-rows 16] [--plot benches/serving.png] [--backend cpu|vulkan]
+
+With ``--backend vulkan`` the model goes on the Vulkan device and every configuration also runs
+with the streams' K/V in device regions (``set_device_kv``): the device's tokens/s beside the CPU's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from tqdm import tqdm
 
 import dasllama as dl
+from dasllama import gpu
 
 TOPICS = ["the sea", "a robot", "autumn", "a lighthouse", "coffee", "mountains", "a city at night", "rain",
           "a library", "the moon", "a garden", "trains", "winter", "a violin", "the desert", "friendship"]
@@ -31,8 +35,10 @@ def requests(m: dl.Model, n: int, max_new: int, first_id: int) -> list[dl.Pendin
     return reqs
 
 
-def run(m: dl.Model, reqs: list[dl.PendingReq], streams: int, page_rows: int) -> dict[str, float]:
+def run(m: dl.Model, reqs: list[dl.PendingReq], streams: int, page_rows: int, device: bool = False) -> dict[str, float]:
     sch = dl.create_scheduler(m, max_streams=streams, max_queue=len(reqs), chunk_tokens=64, page_rows=page_rows)
+    if device:
+        gpu.set_device_kv(sch, True)
     t0 = time.perf_counter()
     for r in reqs:
         assert dl.submit(m, sch, r)
@@ -58,8 +64,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per configuration; the median is reported")
     ap.add_argument("--page-rows", type=int, default=16, help="KV page size (0: private KV, no prefix cache)")
     ap.add_argument("--plot", default="benches/serving.png")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "vulkan"], help="vulkan: also run every configuration from the Vulkan device")
     args = ap.parse_args()
+    device = args.backend == "vulkan"
+    if device:
+        gpu.set_gpu_resident_regions(max(args.streams))
+        gpu.set_gpu_ctx_max(2048)
+        gpu.set_gpu_tier_want(gpu.GpuTierWant(auto_tier=True))
+        if not gpu.moe_gpu_tier_arm():
+            raise SystemExit(f"--backend vulkan: {gpu.gpu_tier_status().reason}")
     m = dl.load_model(args.model)
+    if device and gpu.gpu_slot_capture(gpu.gpu_model_marks_init()) != "gpu:resident":
+        raise SystemExit(f"--backend vulkan: {gpu.gpu_install_reason()}")
+    dev_runs: dict[int, list] = {n: [] for n in args.streams}
     median = lambda runs: sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
     runs: dict[int, tuple[list, list]] = {n: ([], []) for n in args.streams}
     # Machines drift in speed over minutes: every repeat visits every configuration, batched and
@@ -70,6 +87,8 @@ def main() -> None:
             for n in args.streams:
                 runs[n][0].append(run(m, requests(m, n, args.max_new, 10_000 * k), n, args.page_rows))
                 runs[n][1].append(run(m, requests(m, n, args.max_new, 10_000 * k + 5000), 1, args.page_rows))
+                if device:
+                    dev_runs[n].append(run(m, requests(m, n, args.max_new, 10_000 * k + 7000), n, args.page_rows, device=True))
                 bar.update()
     rows = [(n, median(b), median(s)) for n, (b, s) in runs.items()]
     print(f"\n{m.path.name}, {dl.n_threads()} threads, {args.max_new}-token replies, page_rows={args.page_rows}, median of {args.repeat}")
@@ -77,6 +96,13 @@ def main() -> None:
     print("|--------:|--------------:|------------------:|-----------:|------------:|------------:|-------------:|----------:|")
     for n, b, s in rows:
         print(f"| {n:7d} | {b['tok_s']:13.1f} | {s['tok_s']:17.1f} | {b['wall'] / s['wall']:9.2f}x | {b['ttft_p50']:11.0f} | {b['ttft_p99']:11.0f} | {b['steps']:12.0f} | {b['avg_batch']:9.2f} |")
+    if device:
+        print(f"\nThe same, batched, from the Vulkan device ({gpu.gpu_tier_status().device}):")
+        print("| streams | device tok/s | CPU tok/s | device / CPU | TTFT p50 ms | avg batch |")
+        print("|--------:|-------------:|----------:|-------------:|------------:|----------:|")
+        for n, b, _ in rows:
+            d = median(dev_runs[n])
+            print(f"| {n:7d} | {d['tok_s']:12.1f} | {b['tok_s']:9.1f} | {d['tok_s'] / b['tok_s']:11.2f}x | {d['ttft_p50']:11.0f} | {d['avg_batch']:9.2f} |")
     single = rows[0][1]["tok_s"] if rows[0][0] == 1 else None
     if single:
         print(f"\n{rows[-1][0]} streams: {rows[-1][1]['tok_s'] / single:.2f}x the single-stream tokens/s")
