@@ -10,6 +10,11 @@
    prefilled: requests running together share a prompt prefix.)
 5. Speculative where the model can: the tutorial's MTP sidecar if one sits beside the model, else
    n-gram prompt lookup; the same replies, with the drafts the model accepted counted.
+6. Multi-model GPU serving, the slot dance: want, arm, load, capture; then a switch in the
+   contract's order (hydrate, drop, save; restore, re-arm). "cpu" and the reason on a box without
+   a usable Vulkan device (lavapipe counts only with DASLLAMA_VK_ALLOW_CPU=1).
+7. Streams served from the device: regions, a device-home session parked and adopted so turn two
+   prefills only its new tokens, the scheduler with device K/V, and the honesty counter.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 import time
 
 import dasllama as dl
+from dasllama import gpu
 
 SYSTEM = (
     "You are a concise assistant. Answer every question in one short, accurate sentence. "
@@ -114,6 +120,58 @@ def main() -> None:
     st = dl.scheduler_stats(sch)
     same = all(spec_texts[i] == texts[i] for i in texts)
     print(f"   drafter {dl.drafter_kind(m)}: {int(st['spec_accepted'])} of {int(st['spec_drafted'])} drafts accepted; replies as in round 2: {same}")
+
+    m = gpu_sections(m)
+
+
+def gpu_sections(m: dl.Model) -> dl.Model:
+    print("\n6. multi-model GPU serving: the slot dance")
+    print(f"   vulkan available: {gpu.kernel_backend_available('vulkan')}")
+    gpu.set_gpu_resident_regions(4)
+    pins = gpu.gpu_ctx_pins()
+    gpu.set_gpu_ctx_max(2048)
+    gpu.set_gpu_tier_want(gpu.GpuTierWant(auto_tier=True))
+    armed = gpu.moe_gpu_tier_arm()
+    print(f"   armed {armed}: budget {gpu.moe_gpu_weight_budget() >> 20} MiB on '{gpu.gpu_tier_status().device}'")
+    m = dl.load_model(m.path)  # an armed load goes to the device if it fits
+    slot = gpu.gpu_model_marks_init()
+    outcome = gpu.gpu_slot_capture(slot)
+    print(f"   {outcome}" + (f" ({slot.reason})" if slot.reason else ""))
+    s = dl.create_session(m)
+    dl.eval(m, s, dl.encode(m, "A live conversation"))
+    gpu.moe_gpu_hydrate_session(m, s)  # per live session
+    gpu.moe_gpu_drop_model()
+    gpu.moe_gpu_model_marks_save(slot)  # A is out
+    gpu.moe_gpu_model_marks_restore(slot)  # B (here: A again) is in...
+    print(f"   re-armed: {gpu.gpu_slot_rearm(gpu.GpuTierWant(auto_tier=True), m)}")
+    gpu.set_gpu_ctx_max(pins.ctx_max)
+
+    print("\n7. streams served from the device")
+    regions = gpu.gpu_device_sessions()
+    if regions == 0:
+        print(f"   no device-home sessions here: {gpu.gpu_resident_decline()}")
+    else:
+        print(f"   {regions} streams, {gpu.gpu_device_session_ctx()} positions each, K/V in {gpu.gpu_device_session_dtype().value}")
+        turn1 = dl.encode(m, "The capital of France is")
+        first = gpu.create_device_session(m, gpu.gpu_device_session_dtype())
+        dl.eval(m, first, turn1)
+        held = first.n_past
+        claim = gpu.gpu_device_kv_park(first)  # before every device-home delete
+        del first
+        second = gpu.create_device_session(m, gpu.gpu_device_session_dtype())
+        if gpu.gpu_device_prefill_continues(m) and gpu.gpu_device_kv_adopt(second, claim, held):
+            rest = dl.encode(m, " Paris, and", add_bos=False)
+            dl.eval(m, second, rest)  # turn one's rows are already there
+            print(f"   turn two adopted {held} rows and prefilled {len(rest)} new tokens")
+        gpu.gpu_device_kv_park(second)
+        del second
+        sch = dl.create_scheduler(m, max_streams=min(4, regions), max_queue=32)
+        gpu.set_device_kv(sch, True)
+        _, texts, _ = run(m, requests(m, 41, 16), min(4, regions), show=False, sch=sch)
+        print(f"   the scheduler from device memory: {texts[41].strip()!r}")
+    for p in gpu.gpu_cpu_passes():
+        print(f"   {p.count} calls ran on the CPU: {p.words}")
+    return m
 
 
 if __name__ == "__main__":
