@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -91,13 +90,17 @@ def test_status_json_reports_models_counts_and_the_tier(server: str, smollm: dl.
     assert s1["streams"]["active"] == 0 and s1["kv"]["pages_used"] + s1["kv"]["pages_free"] == s1["kv"]["pages_total"]
 
 
-def test_tier_status_reads_the_gpu_tier_once_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tier_status_reads_the_gpu_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dasllama import gpu
+
     assert tier_status()["device"] == "cpu"
-    monkeypatch.setattr(dl, "gpu_tier_status", lambda: SimpleNamespace(device="lavapipe", backend="vulkan"), raising=False)
-    monkeypatch.setattr(dl, "gpu_cpu_passes", lambda: {"op not on the device": 3}, raising=False)
+    st = gpu.GpuTierStatus("vulkan", "lavapipe", True, "", 300 << 20, 2 << 30, 30, 140 << 20, 48 << 20)
+    monkeypatch.setattr(gpu, "gpu_tier_status", lambda: st)
+    monkeypatch.setattr(gpu, "gpu_cpu_passes", lambda: [gpu.GpuCpuPass(3, "host sessions ran on the CPU")])
     t = tier_status()
-    assert (t["backend"], t["device"], t["gpu_cpu_passes"]) == ("vulkan", "lavapipe", {"op not on the device": 3})
-    monkeypatch.setattr(dl, "gpu_tier_status", lambda: 1 / 0)
+    assert (t["backend"], t["device"], t["gpu_cpu_passes"]) == ("vulkan", "lavapipe", {"host sessions ran on the CPU": 3})
+    assert t["detail"] == "140 MiB of weights, 48 MiB of K/V on the device"
+    monkeypatch.setattr(gpu, "gpu_tier_status", lambda: 1 / 0)
     assert tier_status()["detail"].startswith("gpu_tier_status failed: ZeroDivisionError")
 
 

@@ -389,7 +389,8 @@ impl Resident {
                     .f(sh.softcap.unwrap_or(0.0))
                     .u(slot_off)
                     .u(v_off),
-                [sh.n_heads as u32, n as u32, 1],
+                // One workgroup per KV head (per eight of the query heads sharing it) and row.
+                [(sh.n_kv_heads * (sh.n_heads / sh.n_kv_heads).div_ceil(8)) as u32, n as u32, 1],
             )?;
             r.barrier()?;
             mm(r, k, &[(&l.wo, &a.o)], &a.att, &a.xq, n)?;

@@ -276,12 +276,20 @@ fn round_act_matches_cpu_quantizers() {
 
 /// gather_rows, kv_store and attention: rows written into two regions at their positions, then
 /// each query row attends over its own region, against an f64 reference on the same f16 K/V
-/// with the query rounded to f16: 1e-4 relative. GQA (4 query heads on 2 KV heads), a window,
-/// soft-capping.
+/// with the query rounded to f16: 1e-4 relative. GQA (4 query heads on 2 KV heads; 18 on one), a
+/// window, soft-capping.
 #[test]
 fn kv_store_and_attention_match_a_reference() {
+    for (nh, nkv) in [(4usize, 2usize), (18, 1)] {
+        attention_case(nh, nkv);
+    }
+}
+
+/// One GQA shape of `kv_store_and_attention_match_a_reference` (18 query heads on one KV head
+/// take three workgroups of up to eight heads each).
+fn attention_case(nh: usize, nkv: usize) {
     let Some((g, mut k, mut run)) = gpu() else { return };
-    let (nh, nkv, hd, ctx) = (4usize, 2usize, 64usize, 40usize);
+    let (hd, ctx) = (64usize, 40usize);
     let kvd = nkv * hd;
     let regions = super::regions::Regions::new(&g, 2, ctx, 1, kvd).unwrap();
     // Session 0 writes positions 0..23 in one pass, session 1 positions 0..9; then query rows.
@@ -326,7 +334,7 @@ fn kv_store_and_attention_match_a_reference() {
                 .f(softcap)
                 .u(so)
                 .u(vo),
-            [nh as u32, n as u32, 1],
+            [(nkv * (nh / nkv).div_ceil(8)) as u32, n as u32, 1],
         )
         .unwrap();
         let got = read(&g, &mut run, &ob, n * nh * hd);
