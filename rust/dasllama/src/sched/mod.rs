@@ -3,8 +3,8 @@
 //! ONE chunk of prompt tokens (from the oldest admitted streams), all in ONE pass over the
 //! weights, so a long prompt delays the others by one chunk, never by its whole length. The chunk
 //! is sized by a time budget for the step (`budget`: the step's measured cost beside its decode
-//! rows), at most `chunk_tokens`; with no stream decoding, or under ggml numerics (whose sums
-//! depend on how a prompt is chunked), it is `chunk_tokens`.
+//! rows), at most `chunk_tokens`; under ggml numerics (whose sums depend on how a prompt is
+//! chunked) it is `chunk_tokens`.
 //! Rows are computed with the same arithmetic whatever the batch, so a request's output does not
 //! depend on what else runs beside it.
 //!
@@ -154,7 +154,7 @@ pub struct Scheduler {
     ws: BatchWorkspace,
     admitted: u64,
     spec: Option<Speculation>,
-    /// Seconds a step should take while streams decode (None: fixed `chunk_tokens` chunks).
+    /// Seconds a step should take (None: fixed `chunk_tokens` chunks).
     step_budget: Option<f64>,
     step_cost: StepCost,
     /// What a logit row costs beside a row through the layers (`logit_weight`).
@@ -162,12 +162,12 @@ pub struct Scheduler {
     pub stats: SchedStats,
 }
 
-/// The step budget while streams decode: their gap between tokens, and a long prompt gets what a
-/// step has left. `DASLLAMA_STEP_MS` overrides it (0: fixed chunks of `chunk_tokens`).
+/// The step budget: decoding streams' gap between tokens, and a long prompt gets what a step has
+/// left (with nothing decoding, how long an arriving request waits to be admitted). `DASLLAMA_STEP_MS` overrides it (0: fixed chunks of `chunk_tokens`).
 const STEP_BUDGET_S: f64 = 0.060;
 /// A prefilling stream gets at least this many tokens a step, however full the step is already.
 const MIN_CHUNK: usize = 16;
-/// Until the step's cost is measured, chunks are at most this long while streams decode.
+/// Until the step's cost is measured, chunks are at most this long.
 const FIRST_CHUNK: usize = 64;
 
 fn default_step_budget() -> Option<f64> {
@@ -225,7 +225,7 @@ impl Scheduler {
         })
     }
 
-    /// Size prefill chunks so that a step with decoding streams takes about `secs` (None: fixed
+    /// Size prefill chunks so that a step takes about `secs` (None: fixed
     /// chunks of `chunk_tokens`). Under ggml numerics chunks stay fixed whatever is asked, since
     /// there a prompt's results depend on how it is chunked.
     pub fn set_step_budget(&mut self, secs: Option<f64>) {
@@ -485,10 +485,12 @@ impl Scheduler {
     /// `MIN_CHUNK` for the first, so a prompt always advances).
     fn plan_prefill(&self, prefilling: &[usize], plan: &mut Vec<(usize, usize)>) {
         let (mut rows, mut keys) = self.pass_size(plan);
-        // Seconds the pass may take; None: fixed chunks (nothing decodes, or no budget). Where
-        // the decode rows alone overrun the budget, the prompt still gets half a budget a step:
-        // decoders wait that much longer, and the prompt is not starved.
-        let (allow, mut left) = match self.step_budget.filter(|_| !plan.is_empty()) {
+        // Seconds the pass may take; None: fixed chunks (no budget). Where the decode rows alone
+        // overrun the budget, the prompt still gets half a budget a step: decoders wait that much
+        // longer, and the prompt is not starved. With nothing decoding the budget holds too: a
+        // step is when requests are admitted, so a short request arriving behind long prompts
+        // waits one budget, not one long chunk.
+        let (allow, mut left) = match self.step_budget {
             None => (None, self.chunk_tokens),
             Some(b) => match self.step_cost.predict(rows, keys) {
                 Some(base) => (Some(b.max(base + b / 2.0)), self.chunk_tokens),
