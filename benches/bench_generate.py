@@ -1,7 +1,15 @@
 """Single-stream speed: prefill (pp128, pp512) and decode (tg128) tokens/s, median of 5 runs,
-for both test models, with llama.cpp's figures beside ours when llama-cpp-python is installed.
+for both test models, with llama.cpp's figures beside ours when llama-cpp-python is installed
+(here, or in the interpreter `--llama-python` names, run as a subprocess).
+
+Each row also prints how far it is from its bound: decode as GB/s of weights read per token
+against this box's read bandwidth (measured here with NumPy over 1 GiB, one reader per thread),
+prefill as int8 multiply-adds per second (the layers' weights once per token) against
+`--peak-gmacs` when given (the GEMM kernel's measured peak; the Rust `matmul` criterion bench
+prints it).
 
     python benches/bench_generate.py [--runs 5] [--threads N] [--models smollm2-135m-instruct gemma3-270m] [--backend cpu|vulkan]
+    python benches/bench_generate.py --models ~/.cache/dasllama/bench/bench-llama1b-Q4_K_M.gguf --llama-python /work/llamacpp-venv/bin/python
 
 With ``--backend vulkan`` each model also runs whole on the Vulkan device (a device-home session),
 its rows printed beside the CPU's (a CPU-type device such as lavapipe needs DASLLAMA_VK_ALLOW_CPU=1).
@@ -10,10 +18,14 @@ its rows printed beside the CPU's (a CPU-type device such as lavapipe needs DASL
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -91,13 +103,58 @@ def bench_llama_cpp(path: str, runs: int, threads: int) -> dict[str, float] | No
     return out
 
 
+def bench_llama_cpp_in(python: str, path: str, runs: int, threads: int) -> dict[str, float] | None:
+    """`bench_llama_cpp` in another interpreter (one that has llama_cpp)."""
+    cmd = [python, __file__, "--llama-only", path, "--runs", str(runs), "--threads", str(threads)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if r.returncode == 0 and lines else None
+
+
+def read_bandwidth(threads: int, gib: float = 1.0) -> float:
+    """GB/s that `threads` readers draw from memory: each sums its share of an array larger than
+    any cache (NumPy releases the GIL in the sum); best of 5."""
+    import numpy as np
+
+    a = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    parts = np.array_split(a, threads)
+    best = 0.0
+    for _ in range(5):
+        ts = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def weight_figures(path: str) -> tuple[float, float]:
+    """(bytes of weights a decoded token reads, weight multiply-adds of a prefilled token): every
+    tensor but the token embedding (one row of it is read), and the layers' matrices only (the
+    logits are one row per chunk)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    read = sum(int(t.n_bytes) for t in r.tensors if t.name != "token_embd.weight")
+    macs = sum(int(t.n_elements) for t in r.tensors if t.name.startswith("blk.") and len(t.shape) >= 2)
+    return read, macs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("DASLLAMA_THREADS", "2")))
     ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma3-270m"])
     ap.add_argument("--backend", default="cpu", choices=["cpu", "vulkan"], help="vulkan: also run each model on the Vulkan device")
+    ap.add_argument("--llama-python", default=None, help="an interpreter with llama_cpp, when this one has none")
+    ap.add_argument("--peak-gmacs", type=float, default=None, help="the GEMM kernel's measured peak, G int8 multiply-adds/s")
+    ap.add_argument("--llama-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.llama_only:
+        print(json.dumps(bench_llama_cpp(args.llama_only, args.runs, args.threads)))
+        return
     os.environ.setdefault("DASLLAMA_THREADS", str(args.threads))
     import dasllama as dl
 
@@ -108,25 +165,38 @@ def main() -> None:
         jobs.append((name, lambda p=path: bench_dasllama(p, args.runs)))
         if args.backend == "vulkan":
             jobs.append((name + " [vulkan]", lambda p=path: bench_dasllama(p, args.runs, device=True)))
-        jobs.append((name + " (llama.cpp)", lambda p=path: bench_llama_cpp(p, args.runs, args.threads)))
+        if args.llama_python:
+            jobs.append((name + " (llama.cpp)", lambda p=path: bench_llama_cpp_in(args.llama_python, p, args.runs, args.threads)))
+        else:
+            jobs.append((name + " (llama.cpp)", lambda p=path: bench_llama_cpp(p, args.runs, args.threads)))
     results: dict[str, dict[str, float] | None] = {}
     for label, job in tqdm(jobs, desc="benchmarking", unit="model"):
         results[label] = job()
+    bw = read_bandwidth(args.threads)
+    bound: dict[str, str] = {}
     for name in args.models:
         ours, ref = results[name], results[name + " (llama.cpp)"]
         assert ours is not None
+        read, macs = weight_figures(str(dl.fetch(name)))
         for test, _ in TESTS:
             rows.append((name, test, ours[test], ref[test] if ref else None))
+            if test.startswith("tg"):
+                gbs = ours[test] * read / 1e9
+                bound[name + test] = f"{gbs:.1f} GB/s = {gbs / bw:.0%} of {bw:.1f}"
+            else:
+                g = ours[test] * macs / 1e9
+                bound[name + test] = f"{g:.0f} GMAC/s" + (f" = {g / args.peak_gmacs:.0%} of {args.peak_gmacs:.0f}" if args.peak_gmacs else "")
         dev = results.get(name + " [vulkan]")
         for test, _ in TESTS if dev else []:
             rows.append((name + " [vulkan]", test, dev[test], ref[test] if ref else None))
-    print(f"\nthreads={args.threads}, median of {args.runs} runs, tokens/s")
-    print(f"| {'model':<24} | {'test':<6} | {'dasllama':>9} | {'llama.cpp':>9} | {'ratio':>6} |")
-    print(f"|{'-' * 26}|{'-' * 8}|{'-' * 11}|{'-' * 11}|{'-' * 8}|")
+            bound[name + " [vulkan]" + test] = "device"
+    print(f"\nthreads={args.threads}, median of {args.runs} runs, tokens/s; read bandwidth {bw:.1f} GB/s")
+    print(f"| {'model':<24} | {'test':<6} | {'dasllama':>9} | {'llama.cpp':>9} | {'ratio':>6} | bound (dasllama) |")
+    print(f"|{'-' * 26}|{'-' * 8}|{'-' * 11}|{'-' * 11}|{'-' * 8}|---|")
     for model, test, ours_v, ref_v in rows:
         ref_s = f"{ref_v:9.1f}" if ref_v else f"{'n/a':>9}"
         ratio = f"{ours_v / ref_v:5.2f}x" if ref_v else f"{'':>6}"
-        print(f"| {model:<24} | {test:<6} | {ours_v:9.1f} | {ref_s} | {ratio} |")
+        print(f"| {Path(model).name[:24]:<24} | {test:<6} | {ours_v:9.1f} | {ref_s} | {ratio} | {bound[model + test]} |")
 
 
 if __name__ == "__main__":

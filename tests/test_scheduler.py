@@ -235,3 +235,37 @@ def test_prefix_cache_hits_give_the_same_output(smollm: dl.Model) -> None:
     stats = dl.scheduler_stats(sch)
     assert stats["cached_tokens"] > 0 and stats["kv_cache_hits"] >= 3
     assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
+
+
+@pytest.mark.parametrize("step_ms", ["1", "0"])
+def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch, step_ms: str) -> None:
+    """A long prompt arriving while a stream decodes is prefilled in chunks sized by the step's
+    time budget (DASLLAMA_STEP_MS; a 1 ms budget leaves the least chunk, 16 tokens, per step) or
+    in fixed chunks of chunk_tokens (0); either way every token is what it is alone."""
+    monkeypatch.setenv("DASLLAMA_STEP_MS", step_ms)
+    long = dl.encode(smollm, "The history of the lighthouse keepers of the northern coast. " * 30)[:300]
+    short = dl.encode(smollm, "Tell me a story.")
+    news = (40, 4)
+    want = []
+    for p, n in zip((short, long), news):
+        s = dl.create_session(smollm)
+        # Greedy decoding past end-of-generation, one token at a time.
+        logits = dl.eval(smollm, s, p)
+        want.append([])
+        for _ in range(n):
+            want[-1].append(int(logits.argmax()))
+            logits = dl.eval(smollm, s, [want[-1][-1]])
+    sch = dl.create_scheduler(smollm, max_streams=2, chunk_tokens=128, page_rows=16)
+    assert dl.submit(smollm, sch, dl.PendingReq(id=0, prompt=short, max_new=news[0], ignore_eos=True))
+    evs: list[dl.SchedEvent] = []
+    dl.scheduler_step(smollm, sch, evs)
+    assert dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=long, max_new=news[1], ignore_eos=True))
+    run(smollm, sch, evs)
+    by_id: dict[int, list[dl.SchedEvent]] = {}
+    for e in evs:
+        by_id.setdefault(e.id, []).append(e)
+    assert [tokens_of(by_id[i]) for i in (0, 1)] == want
+    chunks = dl.scheduler_stats(sch)["prefill_chunks"] - 1
+    # The long prompt's chunks while the short one decodes: 64 tokens until a step's cost is
+    # measured (three passes), then 16; or 128, 128 and 44.
+    assert chunks == (2 + (300 - 2 * 64 + 15) // 16 if step_ms == "1" else 3), chunks

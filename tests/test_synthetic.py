@@ -88,3 +88,21 @@ def test_ggml_numerics_refuses_other_formats(tmp_path: Path, qt: QT) -> None:
     write_model(path, qt)
     with pytest.raises(dl.UnsupportedModelError, match=f"is {qt.name}.*numerics='fast'"):
         dl.load_model(path, numerics="ggml")
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0", "tq4"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_chunk_rows_equal_one_token_at_a_time(tmp_path: Path, arch: str, kv_dtype: str) -> None:
+    """Attention takes a chunk's rows in blocks that read each K/V page once for all of them:
+    every row's logits are still bit for bit those of decoding the tokens one by one, across page
+    boundaries, KV codecs and sliding windows (gemma3's even layers slide over 4 positions)."""
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_model(path, QT.Q8_0, arch, ctx=128)
+    m = dl.load_model(path)
+    ids = [int(t) for t in np.random.default_rng(3).integers(1, 250, size=70)]
+    pool = dl.create_kv_pool(m, page_rows=4, kv_dtype=kv_dtype)
+    one = dl.create_session(m, pool)
+    singles = np.stack([dl.eval(m, one, [t]) for t in ids])
+    s = dl.create_session(m, pool)
+    dl.eval(m, s, ids[:7])
+    np.testing.assert_array_equal(dl.eval_all(m, s, ids[7:]), singles[7:])

@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     ap.add_argument("--port", type=int, default=8080, help="port to listen on")
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams per model")
     ap.add_argument("--queue", type=int, default=64, help="requests waiting per model before 503")
-    ap.add_argument("--chunk", type=int, default=64, help="prefill tokens per scheduler step")
+    ap.add_argument("--chunk", type=int, default=512, help="most prefill tokens per scheduler step (a step-time budget sizes chunks below this; DASLLAMA_STEP_MS sets it, default 60)")
     ap.add_argument("--page-rows", type=int, default=16, help="KV page size; 0 turns the paged pool and prefix cache off")
     ap.add_argument("--ctx", type=int, default=0, help="cap on the context per request (0: the model's)")
     ap.add_argument("--kv-dtype", default="f16", choices=[k.value for k in KVDtype], help="how the KV cache stores K and V")

@@ -130,6 +130,11 @@ impl Ops for CpuOps<'_> {
 fn f16_queries(a: &AttnShape, q: &[f32], qs: &mut Vec<f32>) {
     qs.clear();
     qs.extend_from_slice(q);
+    round_queries(a, qs);
+}
+
+/// `f16_queries` in place.
+fn round_queries(a: &AttnShape, qs: &mut [f32]) {
     if a.scale_query {
         qs.iter_mut().for_each(|v| *v *= a.scale);
     }
@@ -137,70 +142,154 @@ fn f16_queries(a: &AttnShape, q: &[f32], qs: &mut Vec<f32>) {
 }
 
 thread_local! {
-    /// Queries and scores of the attention task a thread runs, kept for its next one (a task per
-    /// row, KV head and layer would otherwise allocate both, thousands of times a step).
-    static ATTENTION_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// Queries, scores and outputs of the attention task a thread runs, kept for its next one (a
+    /// task per block of rows, KV head and layer would otherwise allocate them thousands of times
+    /// a step).
+    static ATTENTION_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+}
+
+/// Query heads one attention task takes together: a block of a session's consecutive rows times
+/// the query heads of one KV head. Each K and V run (a page of one head) is read from memory once
+/// for all of them and then from L1 for each group of heads, so a prefill chunk at depth d reads
+/// the prefix once per block instead of once per row. Scores take 4 * heads * d bytes, which stay
+/// in L2 at 32 heads and a few thousand keys.
+const BLOCK_HEADS: usize = 32;
+
+/// One attention task: rows `t0..t0 + n` of one session (consecutive in the pass), one KV head,
+/// and the output slices those rows have for the query heads of that KV head.
+struct AttnTask<'o> {
+    t0: usize,
+    kvh: usize,
+    outs: Vec<&'o mut [f32]>,
 }
 
 /// Causal attention of each new query row over its own session's cached K/V (which already holds
 /// the row's own position).
 /// Q and the softmax weights are rounded to f16 as llama.cpp does against its f16 cache.
+///
+/// A session's rows are taken in blocks (`BLOCK_HEADS`): scores of every query head of the block
+/// against each run of keys, then each row's softmax over its own keys, then each V run added
+/// into every head whose row attends it. A row's scores, weights and sums are computed by the
+/// same kernels in the same order whatever its block (the kernels treat heads independently and
+/// sum a head's values over keys in order, split into runs or not), so a row's result does not
+/// depend on the rows beside it.
 #[allow(clippy::too_many_arguments)]
 fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)], q: &[f32], out: &mut [f32], team: &Team) {
     let window = a.window;
     let (hdim, qd) = (a.head_dim, a.q_dim());
     let group = a.n_heads / a.n_kv_heads;
+    let width = group * hdim;
     let n = rows.len();
-    // One task per (row, KV head): the query heads sharing that KV head are contiguous in `q` and
-    // `out`, so each K and V row is decoded once for all of them.
-    let one = |idx: usize, o: &mut [f32]| {
-        let (t, kvh) = (idx / a.n_kv_heads, idx % a.n_kv_heads);
-        let (si, pos) = rows[t];
+    let block = (BLOCK_HEADS / group).max(1);
+    // Blocks: runs of consecutive rows of one session, at most `block` rows each.
+    let mut blocks: Vec<(usize, usize)> = Vec::new();
+    for (t, r) in rows.iter().enumerate() {
+        match blocks.last_mut() {
+            Some((t0, len)) if rows[*t0].0 == r.0 && *len < block => *len += 1,
+            _ => blocks.push((t, 1)),
+        }
+    }
+    let mut tasks: Vec<AttnTask> = Vec::with_capacity(blocks.len() * a.n_kv_heads);
+    let mut row_outs = out[..n * qd].chunks_exact_mut(qd);
+    for &(t0, len) in &blocks {
+        let first = tasks.len();
+        tasks.extend((0..a.n_kv_heads).map(|kvh| AttnTask { t0, kvh, outs: Vec::with_capacity(len) }));
+        for _ in 0..len {
+            let row = row_outs.next().expect("a block's rows are rows of the pass");
+            for (kvh, o) in row.chunks_exact_mut(width).enumerate() {
+                tasks[first + kvh].outs.push(o);
+            }
+        }
+    }
+    let one = |_: usize, task: &mut [AttnTask]| {
+        let AttnTask { t0, kvh, outs } = &mut task[0];
+        let (t0, kvh, nb) = (*t0, *kvh, outs.len());
+        let si = rows[t0].0;
         let lv = kvs[si].layer(il);
         let codec = lv.codec();
-        let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
-        let nk = pos + 1 - start;
-        let base = t * qd + kvh * group * hdim;
-        // Rows come in runs that share a page (contiguous per head); a batch's KV outgrows L3,
-        // so the next run (after the last K run, the first V run) is fetched while one is read.
+        let span = |t: usize| {
+            let pos = rows[t].1;
+            (if window > 0 { (pos + 1).saturating_sub(window) } else { 0 }, pos + 1)
+        };
+        // Keys the block reads (kb..ke), and those every row of it attends (cs..ce).
+        let (mut kb, mut ke, mut cs, mut ce) = (usize::MAX, 0, 0, usize::MAX);
+        for t in t0..t0 + nb {
+            let (s, e) = span(t);
+            (kb, ke, cs, ce) = (kb.min(s), ke.max(e), cs.max(s), ce.min(e));
+        }
+        let nk = ke - kb;
+        let heads = nb * group;
+        // Runs come in pages (contiguous per head); a batch's KV outgrows L3, so the next run
+        // (after the last K run, the first V run) is fetched while one is read.
         let fetch = |v: bool, from: usize| {
-            let next = lv.rows(v, kvh, from, pos + 1).next().or_else(|| if v { None } else { lv.rows(true, kvh, start, pos + 1).next() });
+            let next = lv.rows(v, kvh, from, ke).next().or_else(|| if v { None } else { lv.rows(true, kvh, kb, ke).next() });
             if let Some((_, run)) = next {
                 ops::prefetch(run);
             }
         };
-        fetch(false, start);
-        ATTENTION_SCRATCH.with_borrow_mut(|(qs, sc)| {
-            f16_queries(a, &q[base..base + group * hdim], qs);
+        fetch(false, kb);
+        ATTENTION_SCRATCH.with_borrow_mut(|(qs, sc, os)| {
+            qs.clear();
+            for t in t0..t0 + nb {
+                let base = t * qd + kvh * width;
+                qs.extend_from_slice(&q[base..base + width]);
+            }
+            round_queries(a, qs);
             codec.prepare_query(qs, hdim);
             sc.clear();
-            sc.resize(group * nk, 0.0);
-            for (first, run) in lv.rows(false, kvh, start, pos + 1) {
+            sc.resize(heads * nk, 0.0);
+            for (first, run) in lv.rows(false, kvh, kb, ke) {
                 let cnt = run.len() / codec.bytes(hdim);
                 fetch(false, first + cnt);
-                codec.dot_rows(qs, hdim, run, cnt, &mut sc[first - start..], nk);
+                codec.dot_rows(qs, hdim, run, cnt, &mut sc[first - kb..], nk);
             }
             if let Some(cap) = a.softcap {
                 ops::softcap(sc, cap);
             }
-            for sg in sc.chunks_exact_mut(nk) {
-                ops::attention_weights(sg, a.score_scale());
+            // Each row's weights over its own keys (the block's other keys are never read).
+            for (r, t) in (t0..t0 + nb).enumerate() {
+                let (s, e) = span(t);
+                for sg in sc[r * group * nk..(r + 1) * group * nk].chunks_exact_mut(nk) {
+                    ops::attention_weights(&mut sg[s - kb..e - kb], a.score_scale());
+                }
             }
-            o.fill(0.0);
-            for (first, run) in lv.rows(true, kvh, start, pos + 1) {
-                let cnt = run.len() / codec.bytes(hdim);
+            os.clear();
+            os.resize(heads * hdim, 0.0);
+            let rb = codec.bytes(hdim);
+            for (first, run) in lv.rows(true, kvh, kb, ke) {
+                let cnt = run.len() / rb;
                 fetch(true, first + cnt);
-                codec.axpy_rows(o, hdim, &sc[first - start..], nk, run, cnt);
+                // Keys every row attends, with all heads at once; the others row by row, in key
+                // order so that each head's sum runs over its keys in order.
+                let (lo, hi) = (first.max(cs).min(first + cnt), (first + cnt).min(ce).max(first));
+                let (lo, hi) = if cs < ce { (lo, hi.max(lo)) } else { (first + cnt, first + cnt) };
+                let part = |os: &mut [f32], from: usize, to: usize| {
+                    for (r, t) in (t0..t0 + nb).enumerate() {
+                        let (s, e) = span(t);
+                        let (f, l) = (from.max(s), to.min(e));
+                        if f < l {
+                            let run = &run[(f - first) * rb..(l - first) * rb];
+                            codec.axpy_rows(&mut os[r * width..(r + 1) * width], hdim, &sc[r * group * nk + f - kb..], nk, run, l - f);
+                        }
+                    }
+                };
+                part(os, first, lo);
+                if lo < hi {
+                    codec.axpy_rows(os, hdim, &sc[lo - kb..], nk, &run[(lo - first) * rb..(hi - first) * rb], hi - lo);
+                }
+                part(os, hi, first + cnt);
             }
-            codec.finish_output(o, hdim);
+            codec.finish_output(os, hdim);
+            for (o, src) in outs.iter_mut().zip(os.chunks_exact(width)) {
+                o.copy_from_slice(src);
+            }
         });
     };
     let work: usize = rows.iter().map(|r| r.1 + 1).sum::<usize>() * a.n_heads;
-    let width = group * hdim;
-    if work * hdim > 1 << 16 {
-        team.for_each_chunk_mut(&mut out[..n * qd], width, &one);
+    if work * hdim > 1 << 16 && tasks.len() > 1 {
+        team.for_each_chunk_mut(&mut tasks, 1, &one);
     } else {
-        out[..n * qd].chunks_exact_mut(width).enumerate().for_each(|(i, o)| one(i, o));
+        tasks.chunks_mut(1).enumerate().for_each(|(i, t)| one(i, t));
     }
 }
 

@@ -1,13 +1,18 @@
 //! The continuous-batching scheduler: requests wait as token lists (no KV), are admitted FIFO into
 //! free streams, and every `step` advances every decoding stream by one token and prefills at most
-//! ONE chunk of `chunk_tokens` prompt tokens (from the oldest admitted streams), all in ONE pass
-//! over the weights, so a long prompt delays the others by one chunk, never by its whole length.
+//! ONE chunk of prompt tokens (from the oldest admitted streams), all in ONE pass over the
+//! weights, so a long prompt delays the others by one chunk, never by its whole length. The chunk
+//! is sized by a time budget for the step (`budget`: the step's measured cost beside its decode
+//! rows), at most `chunk_tokens`; under ggml numerics (whose sums depend on how a prompt is
+//! chunked) it is `chunk_tokens`.
 //! Rows are computed with the same arithmetic whatever the batch, so a request's output does not
 //! depend on what else runs beside it.
 //!
 //! With a drafter (`set_drafter`), decoding streams speculate: each proposes up to k tokens and
 //! its decode row becomes a verify chunk of k+1 rows in the same pass (`spec`); how many each
 //! proposes follows the measured cost of the pass's rows (`spec::policy`).
+
+mod budget;
 
 use crate::backend::Numerics;
 use crate::constrain::{self, Constraint};
@@ -19,6 +24,7 @@ use crate::session::{eval_rows, BatchWorkspace, Session};
 use crate::spec::policy::{self, Candidate, CostModel, Guard};
 use crate::spec::{draft, ngram, Drafter, StreamSpec};
 use crate::{error, Error, Result};
+use budget::StepCost;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
@@ -173,7 +179,28 @@ pub struct Scheduler {
     device_kv: bool,
     /// Parked conversations, oldest first: the tokens whose rows a claim names.
     parked: VecDeque<(Vec<u32>, u64)>,
+    /// Seconds a step should take (None: fixed `chunk_tokens` chunks).
+    step_budget: Option<f64>,
+    step_cost: StepCost,
+    /// What a logit row costs beside a row through the layers (`logit_weight`).
+    logit_weight: f64,
     pub stats: SchedStats,
+}
+
+/// The step budget: decoding streams' gap between tokens, and a long prompt gets what a step has
+/// left (with nothing decoding, how long an arriving request waits to be admitted). `DASLLAMA_STEP_MS` overrides it (0: fixed chunks of `chunk_tokens`).
+const STEP_BUDGET_S: f64 = 0.060;
+/// A prefilling stream gets at least this many tokens a step, however full the step is already.
+const MIN_CHUNK: usize = 16;
+/// Until the step's cost is measured, chunks are at most this long.
+const FIRST_CHUNK: usize = 64;
+
+fn default_step_budget() -> Option<f64> {
+    match std::env::var("DASLLAMA_STEP_MS").ok().and_then(|v| v.trim().parse::<f64>().ok()) {
+        Some(ms) if ms <= 0.0 => None,
+        Some(ms) => Some(ms / 1000.0),
+        None => Some(STEP_BUDGET_S),
+    }
 }
 
 impl Scheduler {
@@ -204,6 +231,8 @@ impl Scheduler {
         } else {
             None
         };
+        let (step_budget, step_cost, logit_weight) =
+            (if m.numerics == Numerics::Ggml { None } else { default_step_budget() }, StepCost::new(m), logit_weight(m));
         Ok(Scheduler {
             model,
             pool,
@@ -216,8 +245,18 @@ impl Scheduler {
             spec: None,
             device_kv: false,
             parked: VecDeque::new(),
+            step_budget,
+            step_cost,
+            logit_weight,
             stats: SchedStats::default(),
         })
+    }
+
+    /// Size prefill chunks so that a step takes about `secs` (None: fixed
+    /// chunks of `chunk_tokens`). Under ggml numerics chunks stay fixed whatever is asked, since
+    /// there a prompt's results depend on how it is chunked.
+    pub fn set_step_budget(&mut self, secs: Option<f64>) {
+        self.step_budget = secs.filter(|&s| s > 0.0 && self.model.numerics != Numerics::Ggml);
     }
 
     /// Speculate with `drafter` from the next step on (None: stop). Streams drop what an earlier
@@ -240,7 +279,7 @@ impl Scheduler {
         for s in self.slots.iter_mut().flatten() {
             s.spec = StreamSpec::default();
         }
-        let logit_weight = logit_weight(&self.model);
+        let logit_weight = self.logit_weight;
         self.spec = drafter.map(|drafter| Speculation {
             drafter,
             fixed_k: None,
@@ -461,26 +500,15 @@ impl Scheduler {
                 }
             }
         }
-        // (slot, token count) of this pass: decode rows first, then the prefill chunk's pieces.
+        // (slot, token count) of this pass: decode rows first (with their drafts), then the
+        // prefill chunk's pieces.
         let mut plan: Vec<(usize, usize)> = decoding.iter().map(|&i| (i, 1)).collect();
-        let mut budget = self.chunk_tokens;
-        for &i in &prefilling {
-            if budget == 0 {
-                break;
-            }
-            let s = self.slots[i].as_ref().expect("prefilling stream");
-            let k = (s.req.prompt.len() - s.fed).min(budget);
-            plan.push((i, k));
-            budget -= k;
-        }
         let t_step = Instant::now();
         let drafted = self.draft(&decoding, &plan);
         for p in plan.iter_mut() {
-            let s = self.slots[p.0].as_ref().expect("planned stream");
-            if s.next.is_some() {
-                p.1 += s.spec.drafts.len();
-            }
+            p.1 += self.slots[p.0].as_ref().expect("planned stream").spec.drafts.len();
         }
+        self.plan_prefill(&prefilling, &mut plan);
         // Pages first, per stream: a stream the pool cannot grow fails alone, before the pass
         // (one that cannot grow for its drafts decodes without them).
         plan.retain_mut(|(i, k)| {
@@ -508,8 +536,10 @@ impl Scheduler {
             return Ok(self.n_active() > 0 || !self.queue.is_empty());
         }
         let t_pass = Instant::now();
+        let (pass_rows, pass_keys) = self.pass_size(&plan);
         let logits = match self.eval_plan(m, &plan) {
             Ok(()) => {
+                self.step_cost.observe(pass_rows, pass_keys, t_pass.elapsed().as_secs_f64());
                 if let Some(sp) = &mut self.spec {
                     let rows = sp.pass_rows(plan.iter().map(|p| p.1).sum(), self.ws.logits.len() / m.config.vocab_size);
                     sp.target_cost.observe(rows, t_pass.elapsed().as_secs_f64());
@@ -561,6 +591,76 @@ impl Scheduler {
             sp.guard.observe(drafted, emitted, t_step.elapsed().as_secs_f64());
         }
         Ok(self.n_active() > 0 || !self.queue.is_empty())
+    }
+
+    /// Add this step's prefill chunk to `plan` (which holds its decode rows): prompt tokens of
+    /// the oldest admitted streams first, as many as the step budget leaves room for beside the
+    /// decode rows by the measured cost of passes, at most `chunk_tokens` (and at least
+    /// `MIN_CHUNK` for the first, so a prompt always advances).
+    fn plan_prefill(&self, prefilling: &[usize], plan: &mut Vec<(usize, usize)>) {
+        let (mut rows, mut keys) = self.pass_size(plan);
+        // Seconds the pass may take; None: fixed chunks (no budget). Where the decode rows alone
+        // overrun the budget, the prompt still gets half a budget a step: decoders wait that much
+        // longer, and the prompt is not starved. With nothing decoding the budget holds too: a
+        // step is when requests are admitted, so a short request arriving behind long prompts
+        // waits one budget, not one long chunk.
+        let (allow, mut left) = match self.step_budget {
+            None => (None, self.chunk_tokens),
+            Some(b) => match self.step_cost.predict(rows, keys) {
+                Some(base) => (Some(b.max(base + b / 2.0)), self.chunk_tokens),
+                // Nothing measured yet: a chunk of the old fixed size.
+                None => (None, self.chunk_tokens.min(FIRST_CHUNK)),
+            },
+        };
+        for &i in prefilling {
+            if left == 0 {
+                break;
+            }
+            let s = self.slots[i].as_ref().expect("prefilling stream");
+            let (rest, depth) = ((s.req.prompt.len() - s.fed).min(left), s.session.n_past() as f64);
+            // Rows and attended keys a piece of k tokens adds (and its one logit row).
+            let size = |k: usize| (k as f64 + self.logit_weight, k as f64 * depth + (k * (k + 1) / 2) as f64);
+            let k = match allow {
+                None => rest,
+                Some(allow) => {
+                    let cost = |k: usize| {
+                        let (r, kk) = size(k);
+                        self.step_cost.predict(rows + r, keys + kk).unwrap_or(f64::INFINITY)
+                    };
+                    let k = budget::largest_within(rest, allow, cost);
+                    // The first piece gets at least MIN_CHUNK tokens, so a prompt always advances.
+                    if plan.iter().all(|p| self.slots[p.0].as_ref().is_some_and(|s| s.next.is_some())) {
+                        k.max(MIN_CHUNK.min(rest))
+                    } else {
+                        k
+                    }
+                }
+            };
+            if k == 0 {
+                break;
+            }
+            plan.push((i, k));
+            let (r, kk) = size(k);
+            (rows, keys, left) = (rows + r, keys + kk, left - k);
+            if k < rest {
+                break;
+            }
+        }
+    }
+
+    /// A pass's size as the step's cost model counts it: rows through the layers plus logit rows
+    /// weighted (`logit_weight`), and the keys its rows attend. Every plan entry has one logit
+    /// row except a decoding stream's verify chunk, which has one per row.
+    fn pass_size(&self, plan: &[(usize, usize)]) -> (f64, f64) {
+        let (mut rows, mut keys) = (0.0, 0.0);
+        for &(i, k) in plan {
+            let s = self.slots[i].as_ref().expect("planned stream");
+            let logit_rows = if s.next.is_some() { k } else { 1 };
+            let n = s.session.n_past();
+            rows += k as f64 + self.logit_weight * logit_rows as f64;
+            keys += (k * n + k * (k + 1) / 2) as f64;
+        }
+        (rows, keys)
     }
 
     /// Evaluate the planned streams' tokens in one pass; logits land in `self.ws.logits`: every
@@ -987,6 +1087,11 @@ impl Speculation {
 
 /// Multiply-adds of one row's logits over those of one row through the layers.
 fn logit_weight(m: &Model) -> f64 {
+    (m.config.vocab_size * m.config.dim) as f64 / body_macs(m).max(1.0)
+}
+
+/// Weight multiply-adds of one row through the layers.
+fn body_macs(m: &Model) -> f64 {
     let c = &m.config;
     let attn = c.dim * (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() * c.dim;
     let body: usize = c
@@ -1002,7 +1107,7 @@ fn logit_weight(m: &Model) -> f64 {
             }
         })
         .sum();
-    (c.vocab_size * c.dim) as f64 / body.max(1) as f64
+    body as f64
 }
 
 fn finished_event(stream: usize, req: &PendingReq, finish: Finish, token: i64, n_gen: usize, ttft_us: u64, gen_us: u64) -> SchedEvent {
