@@ -162,11 +162,6 @@ fn gpu_cpu_passes() -> Vec<(u64, String)> {
     vulkan::cpu_passes()
 }
 
-#[pyfunction]
-fn gpu_reset_cpu_passes() {
-    vulkan::reset_cpu_passes()
-}
-
 /// A device-home session of `m` (its K/V in a device region).
 #[pyfunction]
 fn create_device_session(py: Python<'_>, m: &PyModel) -> PyResult<PySession> {
@@ -249,7 +244,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(gpu_decline, m)?,
         wrap_pyfunction!(gpu_prefill_window, m)?,
         wrap_pyfunction!(gpu_cpu_passes, m)?,
-        wrap_pyfunction!(gpu_reset_cpu_passes, m)?,
         wrap_pyfunction!(create_device_session, m)?,
         wrap_pyfunction!(gpu_park, m)?,
         wrap_pyfunction!(gpu_adopt, m)?,

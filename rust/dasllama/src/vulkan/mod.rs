@@ -376,10 +376,6 @@ pub fn cpu_passes() -> Vec<(u64, String)> {
     tier().passes.iter().map(|(w, &n)| (n, w.clone())).collect()
 }
 
-pub fn reset_cpu_passes() {
-    tier().passes.clear();
-}
-
 /// A session's K/V in a device region.
 #[derive(Debug)]
 pub struct DevKv {
