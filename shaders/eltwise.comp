@@ -3,7 +3,7 @@
 // The element-wise ops of a layer, one kernel with an op code:
 //   0 add:      x[i] += y[i % width]   (width = count: residual add; width = row: bias)
 //   1 silu GLU: x[i] = silu(x[i]) * y[i]
-//   2 gelu GLU: x[i] = gelu_tanh(x[i]) * y[i]
+//   2 gelu GLU: x[i] = gelu_tanh(x[i]) * y[i], GELU's input and result in f16
 //   3 softcap:  x[i] = a * tanh(x[i] / a)
 //   4 copy:     x[i] = y[i]
 #include "common.glsl"
@@ -30,8 +30,10 @@ void main() {
     } else if (p.op == 1u) {
         v = v / (1.0 + exp(-v)) * p.y.v[i];
     } else if (p.op == 2u) {
-        float inner = 0.7978845608028654 * (v + 0.044715 * v * v * v);
-        v = 0.5 * v * (1.0 + tanh(inner)) * p.y.v[i];
+        // As ggml's CPU build (and ours) computes it: from the f16 input, rounded to f16.
+        float h = round_f16(v);
+        float inner = fma(0.044715 * h, h, 1.0);
+        v = round_f16(0.5 * h * (1.0 + tanh(0.7978846 * h * inner))) * p.y.v[i];
     } else if (p.op == 3u) {
         v = p.a * tanh(v / p.a);
     } else {

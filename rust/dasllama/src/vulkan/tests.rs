@@ -209,8 +209,9 @@ fn rope_matches_cpu() {
     }
 }
 
-/// The element-wise ops against their CPU forms: add and copy exact; SiLU-GLU 1e-6; GELU-GLU
-/// 2e-3 (the CPU rounds GELU's input to f16 for its table, as ggml does); soft-capping 1e-6.
+/// The element-wise ops against their CPU forms: add and copy exact; SiLU-GLU 1e-5; GELU-GLU
+/// 1e-3 (both round GELU's input and result to f16, as ggml does: a driver's tanh may land a
+/// result on the next f16); soft-capping 1e-6.
 #[test]
 fn eltwise_ops_match_cpu() {
     let n = 1000;
@@ -226,7 +227,7 @@ fn eltwise_ops_match_cpu() {
     close(&op(1, &y, n, 0.0).unwrap(), &want, 1e-5, "silu glu");
     let mut want = x.clone();
     crate::cpu::ops::geglu(&mut want, &y);
-    close(&op(2, &y, n, 0.0).unwrap(), &want, 2e-3, "gelu glu");
+    close(&op(2, &y, n, 0.0).unwrap(), &want, 1e-3, "gelu glu");
     let mut want = x.clone();
     crate::cpu::ops::softcap(&mut want, 3.0);
     close(&op(3, &y, n, 3.0).unwrap(), &want, 1e-6, "softcap");
