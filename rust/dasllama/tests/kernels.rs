@@ -48,14 +48,8 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Lcg, edge: bool) -> Vec<u8> 
             // Random bytes everywhere, then overwrite the f16 scales with small finite values.
             let mut out: Vec<u8> = (0..ty.row_bytes(n)).map(|_| if edge { [0u8, 0xFF, 0x0F, 0xF0][rng.next() as usize % 4] } else { rng.byte() }).collect();
             let bb = ty.block_bytes();
-            let scale_at: &[usize] = match ty {
-                GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-                GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-                GgmlType::Q6K => &[208],
-                _ => &[],
-            };
             for b in out.chunks_exact_mut(bb) {
-                for &at in scale_at {
+                for &at in ty.f16_scale_offsets() {
                     let s = half::f16::from_f32(0.01 + (rng.next() % 100) as f32 * 0.001);
                     b[at..at + 2].copy_from_slice(&s.to_bits().to_le_bytes());
                 }

@@ -205,18 +205,22 @@ pub enum LogitRows<'a> {
 }
 
 impl LogitRows<'_> {
+    /// How many of session i's last rows (of its `cnt`) get logits.
+    pub fn tail(self, i: usize, cnt: usize) -> usize {
+        match self {
+            LogitRows::Last => 1,
+            LogitRows::All | LogitRows::Hidden => cnt,
+            LogitRows::Tail(t) => t[i].clamp(1, cnt),
+        }
+    }
+
     /// The batch rows that get logits, in order.
     fn picked(self, counts: &[usize]) -> Vec<usize> {
         let mut out = Vec::new();
         let mut end = 0;
         for (i, &cnt) in counts.iter().enumerate() {
             end += cnt;
-            let tail = match self {
-                LogitRows::Last => 1,
-                LogitRows::All | LogitRows::Hidden => cnt,
-                LogitRows::Tail(t) => t[i].clamp(1, cnt),
-            };
-            out.extend(end - tail..end);
+            out.extend(end - self.tail(i, cnt)..end);
         }
         out
     }

@@ -105,6 +105,17 @@ impl GgmlType {
         n / self.block_len() * self.block_bytes()
     }
 
+    /// Byte offsets of a block's f16 scale fields (d, and dmin or m where the format has one):
+    /// what a test overwrites with small finite values to make random bytes a sane block.
+    pub fn f16_scale_offsets(self) -> &'static [usize] {
+        match self {
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => &[0],
+            Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K => &[0, 2],
+            Self::Q6K => &[208],
+            _ => &[],
+        }
+    }
+
     /// The format activations are rounded to before a dot product with weights of this type.
     pub fn vec_dot_type(self) -> GgmlType {
         match self {

@@ -244,13 +244,14 @@ fn install_locked(t: &mut Tier, m: &Model) -> String {
         return "cpu".into();
     }
     let kv_bytes = (t.regions * m.config.kv_layers() * ctx * m.config.kv_dim() * 4) as u64;
-    let need = resident::weight_bytes(m) + kv_bytes;
+    let weight_bytes = resident::weight_bytes(m);
+    let need = weight_bytes + kv_bytes;
     let have = budget(t);
     if need > have {
         t.reason = format!(
             "the model needs {} MiB on the device ({} MiB of weights, {} MiB of K/V for {} regions of {ctx} positions) but the budget is {} MiB; lower --gpu-regions or the context, or serve on the CPU",
             need >> 20,
-            resident::weight_bytes(m) >> 20,
+            weight_bytes >> 20,
             kv_bytes >> 20,
             t.regions,
             have >> 20

@@ -236,20 +236,11 @@ impl Resident {
         logits.clear();
         // Split into windows of at most PREFILL_WINDOW rows and MAX_OUT logit rows; a session's
         // rows run in order, so its K/V holds every earlier row when a later window reads it.
-        let tails: Vec<usize> = counts
-            .iter()
-            .enumerate()
-            .map(|(i, &cnt)| match want {
-                LogitRows::Last => 1,
-                LogitRows::All | LogitRows::Hidden => cnt,
-                LogitRows::Tail(t) => t[i].clamp(1, cnt),
-            })
-            .collect();
         let mut win: Vec<Piece> = Vec::new();
         let (mut rows, mut outs, mut tok_at) = (0, 0, 0);
         for (i, &cnt) in counts.iter().enumerate() {
             // Logit rows of this session are its last tails[i] tokens.
-            let out_from = cnt - tails[i];
+            let out_from = cnt - want.tail(i, cnt);
             let mut done = 0;
             while done < cnt {
                 let first_out = out_from.max(done);

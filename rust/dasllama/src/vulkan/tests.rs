@@ -54,14 +54,9 @@ fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
         }
     } else {
         data.iter_mut().zip(&x).for_each(|(b, v)| *b = ((v + 1.0) * 127.9) as u8);
-        let halves: &[usize] = match ty {
-            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-            GgmlType::Q6K => &[208],
-            _ => &[0],
-        };
         let bb = ty.block_bytes();
         for (i, b) in data.chunks_exact_mut(bb).enumerate() {
-            for (j, &at) in halves.iter().enumerate() {
+            for (j, &at) in ty.f16_scale_offsets().iter().enumerate() {
                 let v = half::f16::from_f32(0.01 + 0.05 * x[(i * 7 + j) % x.len()].abs()).to_le_bytes();
                 b[at..at + 2].copy_from_slice(&v);
             }
