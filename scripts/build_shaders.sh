@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile shaders/*.comp to the SPIR-V the crate embeds (shaders/spv/, committed): one variant
-# per block format for the kernels that read weights. `--check` recompiles into a temporary
+# per block format for the kernels that read weights, and per K/V codec for the ones that
+# read or write the device's K/V. `--check` recompiles into a temporary
 # folder, validates every module with spirv-val and fails if the committed files differ.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,12 @@ for k in mul_mat mul_mat_rows get_rows; do
         glslc "${flags[@]}" -DFMT_$f "shaders/$k.comp" -o "$out/${k}_$(echo "$f" | tr 'A-Z' 'a-z').spv"
     done
 done
-for k in rms_norm rope eltwise gather_rows kv_store attention round_act; do
+for k in kv_store attention; do
+    for c in F16 Q8_0 TQ4; do
+        glslc "${flags[@]}" -DKV_$c "shaders/$k.comp" -o "$out/${k}_$(echo "$c" | tr 'A-Z' 'a-z').spv"
+    done
+done
+for k in rms_norm rope eltwise gather_rows round_act; do
     glslc "${flags[@]}" "shaders/$k.comp" -o "$out/$k.spv"
 done
 if [ $check = 1 ]; then

@@ -6,11 +6,14 @@
 // (flash-decode): every thread scores one position of the tile for each head, then owns head
 // dimensions tid, tid + 64, ... of the outputs. Every sum runs in a fixed order, so a row's
 // result is the same whatever else the batch holds.
+// One variant per K/V codec (kv.glsl): q8_0 rows are read block by block, scale times the block's
+// sum as the CPU's kv_dot does; tq4 rows are in a rotated basis, so the queries are rotated into
+// it first and the outputs rotated back at the end (kv::codec::rotate / unrotate).
 // Workgroups: x = KV head * ceil(group / MAX_G) + chunk of query heads, y = batch row.
 #include "common.glsl"
+#include "kv.glsl"
 
 #define WG 64u
-#define MAX_HD 256u
 #define MAX_G 8u
 layout(local_size_x = 64) in;
 
@@ -19,6 +22,7 @@ layout(push_constant) uniform P {
     F32s out_;
     U32s kv;
     U32s meta;
+    F32s signs;
     uint n_heads;
     uint n_kv_heads;
     uint head_dim;
@@ -28,9 +32,28 @@ layout(push_constant) uniform P {
     float softcap;
     uint slot_off;
     uint v_off;
+    uint row_words;
+    float rscale;
 } p;
 
 shared float qs[MAX_G][MAX_HD];
+
+// Value d of the stored row starting at word `row`, as (quant or value, the scale it takes).
+vec2 kv_value(uint row, uint d) {
+#if defined(KV_F16)
+    vec2 vv = unpackHalf2x16(p.kv.v[row + d / 2u]);
+    return vec2((d & 1u) != 0u ? vv.y : vv.x, 1.0);
+#elif defined(KV_Q8_0)
+    uint bw = row + (d / 32u) * Q8_WORDS, j = d % 32u;
+    float q = float(bitfieldExtract(int(p.kv.v[bw + 1u + j / 4u]), int(8u * (j % 4u)), 8));
+    return vec2(q, unpackHalf2x16(p.kv.v[bw]).x);
+#else
+    uint bw = row + (d / 32u) * Q4_WORDS, j = d % 32u, byte = j % 16u;
+    uint sh = 8u * (byte % 4u) + (j >= 16u ? 4u : 0u);
+    float q = float(int((p.kv.v[bw + 1u + byte / 4u] >> sh) & 15u) - 8);
+    return vec2(q, unpackHalf2x16(p.kv.v[bw]).x);
+#endif
+}
 shared float sc[MAX_G][WG];
 
 void main() {
@@ -42,15 +65,21 @@ void main() {
     uint t = gl_WorkGroupID.y;
     uint tid = gl_LocalInvocationID.x;
     uint hd = p.head_dim, hw = hd / 2u;
-    uint kvd = p.n_kv_heads * hd;
     // Queries as the CPU takes them against an f16 cache: scaled where the family scales them,
     // then rounded to f16.
     for (uint g = 0u; g < ng; g++) {
         for (uint d = tid; d < hd; d += WG) qs[g][d] = round_f16(p.q.v[(t * p.n_heads + h0 + g) * hd + d] * p.qmul);
     }
+#if defined(KV_TQ4)
+    for (uint g = 0u; g < ng; g++) {
+        for (uint d = tid; d < hd; d += WG) qs[g][d] *= p.signs.v[d];
+    }
+    barrier();
+    FWHT_BODY(qs, ng, hd, tid, p.rscale)
+#endif
     uint pos = p.meta.v[2u * t + 1u];
     uint start = (p.window > 0u && pos + 1u > p.window) ? pos + 1u - p.window : 0u;
-    uint kbase = p.meta.v[2u * t] + p.slot_off + kvh * hw;
+    uint kbase = p.meta.v[2u * t] + p.slot_off + kvh * HEAD_WORDS(hd);
     uint vbase = kbase + p.v_off;
     float m[MAX_G], l[MAX_G], acc[MAX_G][MAX_HD / WG];
     [[unroll]] for (uint g = 0u; g < MAX_G; g++) {
@@ -62,9 +91,10 @@ void main() {
     for (uint p0 = start; p0 <= pos; p0 += WG) {
         uint cnt = min(WG, pos + 1u - p0);
         if (tid < cnt) {
-            uint kr = kbase + (p0 + tid) * (kvd / 2u);
+            uint kr = kbase + (p0 + tid) * p.row_words;
             float s[MAX_G];
             [[unroll]] for (uint g = 0u; g < MAX_G; g++) s[g] = 0.0;
+#if defined(KV_F16)
             for (uint d = 0u; d < hw; d++) {
                 vec2 kk = unpackHalf2x16(p.kv.v[kr + d]);
                 [[unroll]] for (uint g = 0u; g < MAX_G; g++) {
@@ -74,6 +104,45 @@ void main() {
                     }
                 }
             }
+#else
+            for (uint b = 0u; b < hd / 32u; b++) {
+#if defined(KV_Q8_0)
+                uint bw = kr + b * Q8_WORDS;
+#else
+                uint bw = kr + b * Q4_WORDS;
+#endif
+                float scale = unpackHalf2x16(p.kv.v[bw]).x;
+                float bs[MAX_G];
+                [[unroll]] for (uint g = 0u; g < MAX_G; g++) bs[g] = 0.0;
+#if defined(KV_Q8_0)
+                for (uint w = 0u; w < 8u; w++) {
+                    int word = int(p.kv.v[bw + 1u + w]);
+                    [[unroll]] for (uint c = 0u; c < 4u; c++) {
+                        float kk = float(bitfieldExtract(word, int(8u * c), 8));
+                        [[unroll]] for (uint g = 0u; g < MAX_G; g++) {
+                            if (g < ng) bs[g] = fma(qs[g][32u * b + 4u * w + c], kk, bs[g]);
+                        }
+                    }
+                }
+#else
+                for (uint w = 0u; w < 4u; w++) {
+                    uint word = p.kv.v[bw + 1u + w];
+                    [[unroll]] for (uint c = 0u; c < 4u; c++) {
+                        uint j = 4u * w + c;
+                        float lo = float(int((word >> (8u * c)) & 15u) - 8);
+                        float hi = float(int((word >> (8u * c + 4u)) & 15u) - 8);
+                        [[unroll]] for (uint g = 0u; g < MAX_G; g++) {
+                            if (g < ng) {
+                                bs[g] = fma(qs[g][32u * b + j], lo, bs[g]);
+                                bs[g] = fma(qs[g][32u * b + 16u + j], hi, bs[g]);
+                            }
+                        }
+                    }
+                }
+#endif
+                [[unroll]] for (uint g = 0u; g < MAX_G; g++) s[g] = fma(scale, bs[g], s[g]);
+            }
+#endif
             [[unroll]] for (uint g = 0u; g < MAX_G; g++) {
                 if (g < ng) {
                     float v = s[g];
@@ -100,10 +169,9 @@ void main() {
                 float a[MAX_G];
                 [[unroll]] for (uint g = 0u; g < MAX_G; g++) a[g] = g < ng ? acc[g][k] * corr[g] : 0.0;
                 for (uint j = 0u; j < cnt; j++) {
-                    vec2 vv = unpackHalf2x16(p.kv.v[vbase + (p0 + j) * (kvd / 2u) + d / 2u]);
-                    float v = (d & 1u) != 0u ? vv.y : vv.x;
+                    vec2 v = kv_value(vbase + (p0 + j) * p.row_words, d);
                     [[unroll]] for (uint g = 0u; g < MAX_G; g++) {
-                        if (g < ng) a[g] = fma(exp(sc[g][j] - tm[g]), v, a[g]);
+                        if (g < ng) a[g] = fma(exp(sc[g][j] - tm[g]) * v.y, v.x, a[g]);
                     }
                 }
                 [[unroll]] for (uint g = 0u; g < MAX_G; g++) acc[g][k] = a[g];
@@ -114,6 +182,22 @@ void main() {
         }
         barrier();
     }
+#if defined(KV_TQ4)
+    // Back from the rotated basis: the outputs through the transform, then the signs.
+    [[unroll]] for (uint k = 0u; k < MAX_HD / WG; k++) {
+        uint d = tid + k * WG;
+        if (d < hd) {
+            [[unroll]] for (uint g = 0u; g < MAX_G; g++) {
+                if (g < ng) qs[g][d] = acc[g][k] / l[g];
+            }
+        }
+    }
+    barrier();
+    FWHT_BODY(qs, ng, hd, tid, p.rscale)
+    for (uint g = 0u; g < ng; g++) {
+        for (uint d = tid; d < hd; d += WG) p.out_.v[(t * p.n_heads + h0 + g) * hd + d] = qs[g][d] * p.signs.v[d];
+    }
+#else
     [[unroll]] for (uint k = 0u; k < MAX_HD / WG; k++) {
         uint d = tid + k * WG;
         if (d < hd) {
@@ -122,4 +206,5 @@ void main() {
             }
         }
     }
+#endif
 }

@@ -48,6 +48,7 @@ def tier_off_after():
     gpu.moe_gpu_drop_model()
     gpu.set_gpu_tier_want(gpu.GpuTierWant())
     gpu.moe_gpu_tier_arm()
+    gpu.reset_gpu_kv_dtype()
 
 
 def load_on_device(path: Path | str, **kw) -> dl.Model:
@@ -113,6 +114,67 @@ def test_synthetic_model_matches_the_float64_reference(tmp_path: Path, qt: QT) -
 
 
 @needs_device
+@pytest.mark.parametrize("dt", ["q8_0", "tq4"])
+def test_device_kv_codecs_track_the_cpu_codecs(tmp_path: Path, dt: str) -> None:
+    """K/V held on the device in q8_0 or tq4 (the CPU codec's blocks, padded to words; the kernel
+    test checks the bytes): a device session's logits track a CPU session on a pool of that
+    codec, and lie far closer to it than to the device's own f16 run (the codec is used). The
+    two compute K in their own summation orders, and a value on a rounding edge may land in the
+    next quantization step: on this tiny random model that costs up to 0.05 nats (f16: 0.014).
+    Hydrating keeps the rows: the session goes on on the CPU as the CPU session does."""
+    path = tmp_path / "m.gguf"
+    write_model(path, QT.F32)
+
+    def device_run(codec: str) -> tuple[np.ndarray, dl.Model, dl.Session]:
+        gpu.moe_gpu_drop_model()
+        gpu.set_gpu_kv_dtype(codec)
+        arm()
+        m = load_on_device(path)
+        assert gpu.gpu_device_session_dtype().value == codec
+        s = gpu.create_device_session(m)
+        got = [dl.eval_all(m, s, IDS[:4])] + [dl.eval(m, s, [t])[None] for t in IDS[4:-1]]
+        return np.concatenate(got), m, s
+
+    f16, _, _ = device_run("f16")
+    got, m, s = device_run(dt)
+    host = dl.create_session(m, dl.create_kv_pool(m, kv_dtype=dt))
+    cpu = dl.eval_all(m, host, IDS[:-1])
+    cpu_f16 = dl.eval_all(m, dl.create_session(m), IDS[:-1])
+    err = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(got, cpu))
+    f16_err = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(f16, cpu_f16))
+    codec_shift = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(got, f16))
+    assert err <= 5 * f16_err + 0.02, (dt, err, f16_err)
+    assert codec_shift > 4 * err, (dt, codec_shift, err)
+    gpu.moe_gpu_hydrate_session(m, s)
+    assert not gpu.is_device_session(s)
+    nxt, want = dl.eval(m, s, IDS[-1:]), dl.eval(m, host, IDS[-1:])
+    assert np.abs(lsm(nxt) - lsm(want)).max() <= 5 * f16_err + 0.02
+
+
+@needs_device
+def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tq4 needs power-of-two heads: 48-value heads keep the model on the CPU, saying why; so
+    does a DASLLAMA_GPU_KV that names no codec."""
+    import synthetic
+
+    path = tmp_path / "m.gguf"
+    with monkeypatch.context() as mp:
+        mp.setattr(synthetic, "HEAD_DIM", 48)
+        write_model(path, QT.F32)
+    for pin, env, words in [("tq4", None, "power of two"), (None, "q4", "DASLLAMA_GPU_KV")]:
+        if env:
+            monkeypatch.setenv("DASLLAMA_GPU_KV", env)
+        gpu.reset_gpu_kv_dtype()
+        if pin:
+            gpu.set_gpu_kv_dtype(pin)
+        arm()
+        dl.load_model(path)
+        slot = gpu.gpu_model_marks_init()
+        assert gpu.gpu_slot_capture(slot) == "cpu"
+        assert words in slot.reason, slot.reason
+
+
+@needs_device
 def test_gemma3_shape_on_the_device(tmp_path: Path) -> None:
     """QK-norm, post-norms, sliding-window layers, GELU, embedding scale, query scaling."""
     path = tmp_path / "g.gguf"
@@ -164,11 +226,14 @@ def test_real_models_against_llama_cpp_goldens(name: str, golden_file: str, case
 
 
 @needs_device
-def test_scheduler_streams_match_single_stream_device_output(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dt", ["f16", "tq4"])
+def test_scheduler_streams_match_single_stream_device_output(tmp_path: Path, dt: str) -> None:
     """Greedy text through the device scheduler at 1, 4 and 16 streams equals each prompt's own
-    single-stream device output, token for token (rows compute alike whatever the batch)."""
+    single-stream device output, token for token (rows compute alike whatever the batch), with
+    K/V in f16 and in tq4 (whose stores and reads rotate every head)."""
     path = tmp_path / "m.gguf"
     write_model(path, QT.Q4_0, ctx=128)
+    gpu.set_gpu_kv_dtype(dt)
     arm(regions=16, ctx=128)
     m = load_on_device(path)
     prompts = [[1, 259 + i % 8, 259 + (i * 3) % 6, 40 + i] for i in range(16)]

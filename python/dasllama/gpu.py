@@ -249,8 +249,10 @@ def gpu_ctx_pins() -> GpuCtxPins:
 
 
 def set_gpu_kv_dtype(dt: KVDtype | str) -> None:
-    """The codec the driver holds K/V in. Only f16 is implemented on the device; a load asked
-    for q8_0 or tq4 declines with that reason (and stays on the CPU)."""
+    """The codec the driver holds K/V in for the next load: f16, q8_0 (about half of f16) or tq4
+    (about a quarter), stored as the CPU's codecs store them. Unpinned, ``DASLLAMA_GPU_KV``
+    decides (default f16). A model whose head size the codec cannot take stays on the CPU, saying
+    so."""
     _native.gpu_set_kv_dtype(check_kv_dtype(dt))
 
 
@@ -298,11 +300,13 @@ def gpu_resident_experts_host() -> bool:
     return False
 
 
-def create_device_session(m: Model, dt: KVDtype | str = KVDtype.f16) -> Session:
-    """A device-home session: its K/V in a region of the device that holds ``m``. Raises
-    ValueError when ``m`` is not on the device, KvPoolFullError when every region is held."""
-    if check_kv_dtype(dt) != _native.gpu_session_dtype():
-        raise ValueError(f"device sessions carry K/V in {_native.gpu_session_dtype()}, not {dt}")
+def create_device_session(m: Model, dt: KVDtype | str | None = None) -> Session:
+    """A device-home session: its K/V in a region of the device that holds ``m``, in the codec
+    the model was installed with (``dt``, when given, must be that one). Raises ValueError when
+    ``m`` is not on the device, KvPoolFullError when every region is held."""
+    held = _native.gpu_session_dtype()
+    if dt is not None and check_kv_dtype(dt) != held:
+        raise ValueError(f"device sessions carry K/V in {held}, not {KVDtype(check_kv_dtype(dt)).value}; pin it with set_gpu_kv_dtype before the load")
     return _native.create_device_session(m._native)
 
 

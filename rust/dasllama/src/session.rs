@@ -48,9 +48,10 @@ impl Session {
     }
 
     /// A device-home session: its K/V in a region of the device that holds `m` (the driver
-    /// serves no recurrent model, so there is no state to keep beside it).
+    /// serves no recurrent model, so there is no state to keep beside it). Its host cache, filled
+    /// only when the session is hydrated, takes the device's codec, so hydrating loses nothing.
     pub fn on_device(m: &Model) -> Result<Self> {
-        let mut s = Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)));
+        let mut s = Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, vulkan::session_dtype())));
         s.dev = Some(vulkan::create_session(m)?);
         Ok(s)
     }

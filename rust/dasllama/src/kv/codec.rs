@@ -126,6 +126,11 @@ fn tq4_signs(n: usize) -> impl Iterator<Item = f32> {
     })
 }
 
+/// The tq4 signs of a head of `n` values, as the device's shaders take them.
+pub(crate) fn tq4_sign_vector(n: usize) -> Vec<f32> {
+    tq4_signs(n).collect()
+}
+
 /// Orthonormal fast Walsh–Hadamard transform in place (its own inverse).
 fn fwht(x: &mut [f32]) {
     let n = x.len();

@@ -54,8 +54,12 @@ static SPIRV: &[(&str, &[u8])] = spv![
     "rope",
     "eltwise",
     "gather_rows",
-    "kv_store",
-    "attention",
+    "kv_store_f16",
+    "kv_store_q8_0",
+    "kv_store_tq4",
+    "attention_f16",
+    "attention_q8_0",
+    "attention_tq4",
     "round_act",
 ];
 

@@ -26,6 +26,7 @@ use crate::model::forward::LogitRows;
 use crate::model::Model;
 use crate::{Error, Result};
 use device::Gpu;
+use regions::Regions;
 use resident::Resident;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -239,11 +240,23 @@ fn install_locked(t: &mut Tier, m: &Model) -> String {
         t.reason = format!("a strict context of {} positions was asked, past the model's {}", t.ctx_max, m.config.seq_len);
         return "cpu".into();
     }
-    if t.kv_dtype.is_some_and(|c| c != KvCodec::F16) {
-        t.reason = format!("device K/V in {} is not implemented; the driver keeps K/V in f16", t.kv_dtype.map(|c| c.name()).unwrap_or_default());
+    let codec = match wanted_codec(t) {
+        Ok(c) => c,
+        Err(why) => {
+            t.reason = why;
+            return "cpu".into();
+        }
+    };
+    if !codec.supports(m.config.head_dim) {
+        t.reason = format!(
+            "device K/V in {} needs {}; this model's heads have {} values (pin f16 with set_gpu_kv_dtype)",
+            codec.name(),
+            codec.requirement(),
+            m.config.head_dim
+        );
         return "cpu".into();
     }
-    let kv_bytes = (t.regions * m.config.kv_layers() * ctx * m.config.kv_dim() * 4) as u64;
+    let kv_bytes = Regions::bytes_for(t.regions, ctx, m.config.kv_layers(), m.config.kv_dim(), codec);
     let weight_bytes = resident::weight_bytes(m);
     let need = weight_bytes + kv_bytes;
     let have = budget(t);
@@ -259,9 +272,16 @@ fn install_locked(t: &mut Tier, m: &Model) -> String {
         return "cpu".into();
     }
     let gpu = t.gpu.clone().expect("armed means a device");
-    match Resident::upload(&gpu, m, t.regions, ctx) {
+    match Resident::upload(&gpu, m, t.regions, ctx, codec) {
         Ok(r) => {
-            log(&format!("{} on '{}': {} MiB of weights, {} regions of {ctx} positions", m.config.arch, gpu.info.name, r.weight_bytes >> 20, t.regions));
+            log(&format!(
+                "{} on '{}': {} MiB of weights, {} regions of {ctx} positions, K/V in {}",
+                m.config.arch,
+                gpu.info.name,
+                r.weight_bytes >> 20,
+                t.regions,
+                codec.name()
+            ));
             t.resident = Some(r);
             t.reason.clear();
             // The counter speaks of the model on the device.
@@ -327,9 +347,22 @@ pub fn set_kv_dtype(c: Option<KvCodec>) {
 pub fn kv_dtype_pin() -> Option<KvCodec> {
     tier().kv_dtype
 }
-/// The codec device-home sessions carry.
+/// The codec device-home sessions carry: the installed model's, else what the next install
+/// would use (f16 when the environment names no valid codec).
 pub fn session_dtype() -> KvCodec {
-    KvCodec::F16
+    let t = tier();
+    t.resident.as_ref().map_or_else(|| wanted_codec(&t).unwrap_or(KvCodec::F16), |r| r.regions.codec)
+}
+
+/// The pin, else `DASLLAMA_GPU_KV`, else f16.
+fn wanted_codec(t: &Tier) -> std::result::Result<KvCodec, String> {
+    if let Some(c) = t.kv_dtype {
+        return Ok(c);
+    }
+    match std::env::var("DASLLAMA_GPU_KV") {
+        Ok(v) if !v.is_empty() => KvCodec::parse(&v).ok_or_else(|| format!("DASLLAMA_GPU_KV={v:?} is not a K/V codec; use f16, q8_0 or tq4")),
+        _ => Ok(KvCodec::F16),
+    }
 }
 pub fn set_prefill_allowed(b: bool) {
     tier().prefill_allowed = b;

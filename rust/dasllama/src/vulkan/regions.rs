@@ -1,10 +1,12 @@
 //! The device's K/V memory, split into one region per stream. A region holds, for every
-//! attention layer, K then V as [ctx][kv_dim] f16. A finished stream parks its region: the rows
+//! attention layer, K then V as [ctx][row] in the region's codec (`row_words`; the shaders'
+//! `kv.glsl` describes the layouts). A finished stream parks its region: the rows
 //! stay, named by a claim, until another stream needs the region; the conversation's next turn
 //! adopts them and prefills only its new tokens.
 
 use super::buffer::Buffer;
 use super::device::Gpu;
+use crate::kv::KvCodec;
 use crate::Result;
 use gpu_allocator::MemoryLocation;
 use std::sync::Arc;
@@ -21,20 +23,40 @@ enum Slot {
     },
 }
 
+/// Words one position's K (or V) takes on the device: the host's blocks padded to whole words
+/// (q8_0: 36 bytes per 32 values, tq4: 20), so the shaders read them aligned.
+pub fn row_words(codec: KvCodec, kvd: usize) -> usize {
+    match codec {
+        KvCodec::F16 => kvd.div_ceil(2),
+        KvCodec::Q8_0 => kvd / 32 * 9,
+        KvCodec::Tq4 => kvd / 32 * 5,
+    }
+}
+
 pub struct Regions {
     pub buf: Buffer,
     pub ctx: usize,
-    kvd: usize,
+    pub codec: KvCodec,
+    row_words: usize,
     region_words: usize,
     slots: Vec<Slot>,
     next_claim: u64,
 }
 
 impl Regions {
-    pub fn new(gpu: &Arc<Gpu>, n: usize, ctx: usize, layers: usize, kvd: usize) -> Result<Regions> {
-        let region_words = layers * ctx * kvd;
-        let buf = Buffer::new(gpu, "K/V regions", (n * region_words * 4) as u64, MemoryLocation::GpuOnly)?;
-        Ok(Regions { buf, ctx, kvd, region_words, slots: vec![Slot::Free; n], next_claim: 1 })
+    pub fn new(gpu: &Arc<Gpu>, n: usize, ctx: usize, layers: usize, kvd: usize, codec: KvCodec) -> Result<Regions> {
+        let buf = Buffer::new(gpu, "K/V regions", Regions::bytes_for(n, ctx, layers, kvd, codec), MemoryLocation::GpuOnly)?;
+        let row_words = row_words(codec, kvd);
+        Ok(Regions { buf, ctx, codec, row_words, region_words: layers * ctx * 2 * row_words, slots: vec![Slot::Free; n], next_claim: 1 })
+    }
+
+    /// Device bytes of `n` regions (what the install checks against the budget).
+    pub fn bytes_for(n: usize, ctx: usize, layers: usize, kvd: usize, codec: KvCodec) -> u64 {
+        (n * layers * ctx * 2 * row_words(codec, kvd) * 4) as u64
+    }
+
+    pub fn row_words(&self) -> usize {
+        self.row_words
     }
 
     pub fn count(&self) -> usize {
@@ -51,14 +73,14 @@ impl Regions {
 
     /// Word offsets of layer slot `slot`'s K from a region's start, and of its V from its K.
     pub fn slot_offsets(&self, slot: usize) -> (usize, usize) {
-        (slot * self.ctx * self.kvd, self.ctx * self.kvd / 2)
+        (2 * slot * self.ctx * self.row_words, self.ctx * self.row_words)
     }
 
     /// Byte range of layer slot `slot`'s K (v = false) or V rows 0..rows in `region`.
     pub fn rows_bytes(&self, region: usize, slot: usize, v: bool, rows: usize) -> (u64, u64) {
         let (so, vo) = self.slot_offsets(slot);
         let w = self.base_word(region) + so + if v { vo } else { 0 };
-        (4 * w as u64, (rows * self.kvd * 2) as u64)
+        (4 * w as u64, (rows * self.row_words * 4) as u64)
     }
 
     /// A region for a new stream: a free one, else the oldest parked one (its rows are lost).

@@ -14,7 +14,7 @@ use super::regions::Regions;
 use super::weights::{self, upload_f32, upload_weight, DevWeight};
 use crate::backend::Activation;
 use crate::cpu::ops;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvCodec};
 use crate::model::forward::LogitRows;
 use crate::model::{AttnWeights, Config, Ffn, FfnWeights, Mixer, MixerWeights, Model, Numerics};
 use crate::quant::GgmlType;
@@ -63,6 +63,8 @@ struct Acts {
     logits: Buffer,
     meta: Buffer,
     readback: Buffer,
+    /// The tq4 rotation's signs for one head (read by the tq4 kernels only).
+    signs: Buffer,
 }
 
 pub struct Resident {
@@ -131,8 +133,8 @@ fn act(gpu: &Arc<Gpu>, name: &str, floats: usize) -> Result<Buffer> {
 }
 
 impl Resident {
-    /// Upload `m` whole, with `regions` K/V regions of `ctx` positions each.
-    pub fn upload(gpu: &Arc<Gpu>, m: &Model, n_regions: usize, ctx: usize) -> Result<Resident> {
+    /// Upload `m` whole, with `regions` K/V regions of `ctx` positions each in `codec`.
+    pub fn upload(gpu: &Arc<Gpu>, m: &Model, n_regions: usize, ctx: usize, codec: KvCodec) -> Result<Resident> {
         if let Some(why) = decline(m) {
             return Err(Error::UnsupportedModel(why));
         }
@@ -185,11 +187,13 @@ impl Resident {
             logits: act(gpu, "logits", MAX_OUT * c.vocab_size)?,
             meta: Buffer::new(gpu, "step metadata", (meta_words * 4) as u64, MemoryLocation::CpuToGpu)?,
             readback: Buffer::new(gpu, "readback", (out_floats * 4) as u64, MemoryLocation::GpuToCpu)?,
+            signs: upload_f32(gpu, &mut run, "tq4 signs", &crate::kv::codec::tq4_sign_vector(c.head_dim))?,
         };
-        let regions = Regions::new(gpu, n_regions, ctx, c.kv_layers(), kvd)?;
+        let regions = Regions::new(gpu, n_regions, ctx, c.kv_layers(), kvd, codec)?;
         let mut kernels = Kernels::new(gpu)?;
         // Compile every pipeline the model uses now, not in its first request.
-        let mut names = vec!["rms_norm", "rope", "eltwise", "gather_rows", "kv_store", "attention", "round_act"];
+        let kv_kernels = [format!("kv_store_{}", codec.name()), format!("attention_{}", codec.name())];
+        let mut names = vec!["rms_norm", "rope", "eltwise", "gather_rows", "round_act", &kv_kernels[0], &kv_kernels[1]];
         let fmts: std::collections::BTreeSet<&str> = std::iter::once(&tok_embd)
             .chain(layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]))
             .chain(std::iter::once(&output))
@@ -354,23 +358,37 @@ impl Resident {
             r.barrier()?;
             let slot = c.kv_slot(il).expect("an attention layer has a K/V slot");
             let (slot_off, v_off) = self.regions.slot_offsets(slot);
-            let pairs = n * kvd / 2;
-            r.dispatch_flat(
-                k,
-                "kv_store",
-                Push::default().addr(a.k.addr).addr(a.v.addr).addr(self.regions.buf.addr).addr(row_a).u(kvd).u(n).u(slot_off).u(v_off),
-                pairs,
-            )?;
+            let codec = self.regions.codec;
+            let rscale = 1.0 / (c.head_dim as f32).sqrt();
+            let store = Push::default()
+                .addr(a.k.addr)
+                .addr(a.v.addr)
+                .addr(self.regions.buf.addr)
+                .addr(row_a)
+                .addr(a.signs.addr)
+                .u(kvd)
+                .u(n)
+                .u(slot_off)
+                .u(v_off)
+                .u(c.head_dim)
+                .f(rscale);
+            match codec {
+                KvCodec::F16 => r.dispatch_flat(k, "kv_store_f16", store, n * kvd / 2)?,
+                KvCodec::Q8_0 => r.dispatch_flat(k, "kv_store_q8_0", store, n * kvd / 32)?,
+                // A workgroup per KV head of each row: the rotation needs the whole head.
+                KvCodec::Tq4 => r.dispatch(k, "kv_store_tq4", store, [c.n_kv_heads as u32, n as u32, 1])?,
+            }
             r.barrier()?;
             let sh = at.shape(c);
             r.dispatch(
                 k,
-                "attention",
+                &format!("attention_{}", codec.name()),
                 Push::default()
                     .addr(a.q.addr)
                     .addr(a.att.addr)
                     .addr(self.regions.buf.addr)
                     .addr(row_a)
+                    .addr(a.signs.addr)
                     .u(sh.n_heads)
                     .u(sh.n_kv_heads)
                     .u(sh.head_dim)
@@ -379,7 +397,9 @@ impl Resident {
                     .f(sh.score_scale())
                     .f(sh.softcap.unwrap_or(0.0))
                     .u(slot_off)
-                    .u(v_off),
+                    .u(v_off)
+                    .u(self.regions.row_words())
+                    .f(rscale),
                 // One workgroup per KV head (per eight of the query heads sharing it) and row.
                 [(sh.n_kv_heads * (sh.n_heads / sh.n_kv_heads).div_ceil(8)) as u32, n as u32, 1],
             )?;
@@ -440,18 +460,19 @@ impl Resident {
         self.layers.len()
     }
 
-    /// Copy rows 0..len of `region` into the empty host cache `kv` (f16 on the device, decoded
-    /// and re-encoded in the cache's codec).
+    /// Copy rows 0..len of `region` into the empty host cache `kv` (decoded from the device's
+    /// codec and re-encoded in the cache's).
     pub fn read_rows(&mut self, region: usize, len: usize, kv: &mut KvCache) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
-        let kvd = self.cfg.kv_dim();
-        let bytes = (len * kvd * 2) as u64;
+        let (kvd, hd, codec) = (self.cfg.kv_dim(), self.cfg.head_dim, self.regions.codec);
+        let (_, bytes) = self.regions.rows_bytes(region, 0, false, len);
         let mut back = Buffer::new(&self.gpu, "hydrate", 2 * bytes, MemoryLocation::GpuToCpu)?;
         kv.reserve(len)?;
         let mut k = vec![0f32; len * kvd];
         let mut v = vec![0f32; len * kvd];
+        let row_bytes = bytes as usize / len;
         for slot in 0..self.cfg.kv_layers() {
             let (ko, _) = self.regions.rows_bytes(region, slot, false, len);
             let (vo, _) = self.regions.rows_bytes(region, slot, true, len);
@@ -459,17 +480,41 @@ impl Resident {
             self.run.copy(&self.regions.buf, vo, &back, bytes, bytes)?;
             self.run.submit()?;
             let m = back.mapped();
-            for (i, x) in k.iter_mut().enumerate() {
-                *x = half::f16::from_le_bytes([m[2 * i], m[2 * i + 1]]).to_f32();
-            }
-            let mv = &m[bytes as usize..];
-            for (i, x) in v.iter_mut().enumerate() {
-                *x = half::f16::from_le_bytes([mv[2 * i], mv[2 * i + 1]]).to_f32();
+            for (x, src) in [(&mut k, &m[..bytes as usize]), (&mut v, &m[bytes as usize..2 * bytes as usize])] {
+                for (row, out) in src.chunks_exact(row_bytes).zip(x.chunks_exact_mut(kvd)) {
+                    decode_row(codec, row, hd, out);
+                }
             }
             kv.append(slot, &k, &v);
         }
         kv.commit(len);
         Ok(())
+    }
+}
+
+/// One position's K or V as the device stores it (`regions::row_words`) back to the model's
+/// basis, f32.
+pub(crate) fn decode_row(codec: KvCodec, row: &[u8], hd: usize, out: &mut [f32]) {
+    match codec {
+        KvCodec::F16 => {
+            for (i, x) in out.iter_mut().enumerate() {
+                *x = half::f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32();
+            }
+        }
+        // Device blocks are the host's with the scale padded to a word: drop the padding and
+        // decode as the host codec does.
+        KvCodec::Q8_0 | KvCodec::Tq4 => {
+            let (dev, host) = if codec == KvCodec::Q8_0 { (36, 34) } else { (20, 18) };
+            let mut blocks = Vec::with_capacity(out.len() / 32 * host);
+            for b in row.chunks_exact(dev) {
+                blocks.extend_from_slice(&b[..2]);
+                blocks.extend_from_slice(&b[4..]);
+            }
+            codec.decode(&blocks, out);
+            if codec == KvCodec::Tq4 {
+                out.chunks_exact_mut(hd).for_each(crate::kv::codec::unrotate);
+            }
+        }
     }
 }
 

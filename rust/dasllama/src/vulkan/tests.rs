@@ -7,6 +7,7 @@ use super::device::Gpu;
 use super::kernels::{Kernels, Push, Runner};
 use super::weights::{upload_f32, upload_weight};
 use crate::cpu::{Bytes, Weight};
+use crate::kv::KvCodec;
 use crate::quant::{dequantize_row, quantize_row, GgmlType};
 use gpu_allocator::MemoryLocation;
 use std::sync::{Arc, OnceLock};
@@ -271,23 +272,27 @@ fn round_act_matches_cpu_quantizers() {
 }
 
 /// gather_rows, kv_store and attention: rows written into two regions at their positions, then
-/// each query row attends over its own region, against an f64 reference on the same f16 K/V
-/// with the query rounded to f16: 1e-4 relative. GQA (4 query heads on 2 KV heads; 18 on one), a
-/// window, soft-capping.
+/// each query row attends over its own region, against an f64 reference on the K/V the CPU's
+/// codec stores (decoded back to the model's basis) with the query rounded to f16: 1e-4 relative
+/// (3e-4 for tq4, whose rotations add f32 rounding). The stored blocks themselves must be the
+/// CPU codec's bytes. GQA (4 query heads on 2 KV heads; 18 on one), a window, soft-capping, for
+/// every codec.
 #[test]
 fn kv_store_and_attention_match_a_reference() {
-    for (nh, nkv) in [(4usize, 2usize), (18, 1)] {
-        attention_case(nh, nkv);
+    for codec in [KvCodec::F16, KvCodec::Q8_0, KvCodec::Tq4] {
+        for (nh, nkv) in [(4usize, 2usize), (18, 1)] {
+            attention_case(codec, nh, nkv);
+        }
     }
 }
 
-/// One GQA shape of `kv_store_and_attention_match_a_reference` (18 query heads on one KV head
-/// take three workgroups of up to eight heads each).
-fn attention_case(nh: usize, nkv: usize) {
+/// One codec and GQA shape of `kv_store_and_attention_match_a_reference` (18 query heads on one
+/// KV head take three workgroups of up to eight heads each).
+fn attention_case(codec: KvCodec, nh: usize, nkv: usize) {
     let Some((g, mut k, mut run)) = gpu() else { return };
     let (hd, ctx) = (64usize, 40usize);
     let kvd = nkv * hd;
-    let regions = super::regions::Regions::new(&g, 2, ctx, 1, kvd).unwrap();
+    let regions = super::regions::Regions::new(&g, 2, ctx, 1, kvd, codec).unwrap();
     // Session 0 writes positions 0..23 in one pass, session 1 positions 0..9; then query rows.
     let plan: Vec<(usize, usize)> = (0..23).map(|p| (0, p)).chain((0..9).map(|p| (1, p))).collect();
     let n = plan.len();
@@ -295,32 +300,70 @@ fn attention_case(nh: usize, nkv: usize) {
     let vx = rand(n * kvd, 11);
     let q: Vec<f32> = rand(n * nh * hd, 12).iter().map(|v| v * 3.0).collect();
     let meta: Vec<f32> = plan.iter().flat_map(|&(r, p)| [f32::from_bits(regions.base_word(r) as u32), f32::from_bits(p as u32)]).collect();
-    let (kb, vb, qb, mb) = (
+    let signs = crate::kv::codec::tq4_sign_vector(hd);
+    let (kb, vb, qb, mb, sb) = (
         upload_f32(&g, &mut run, "k", &kx).unwrap(),
         upload_f32(&g, &mut run, "v", &vx).unwrap(),
         upload_f32(&g, &mut run, "q", &q).unwrap(),
         upload_f32(&g, &mut run, "m", &meta).unwrap(),
+        upload_f32(&g, &mut run, "signs", &signs).unwrap(),
     );
     let ob = Buffer::new(&g, "o", (n * nh * hd * 4) as u64, MemoryLocation::GpuOnly).unwrap();
     let (so, vo) = regions.slot_offsets(0);
-    run.dispatch_flat(
-        &mut k,
-        "kv_store",
-        Push::default().addr(kb.addr).addr(vb.addr).addr(regions.buf.addr).addr(mb.addr).u(kvd).u(n).u(so).u(vo),
-        n * kvd / 2,
-    )
+    let rscale = 1.0 / (hd as f32).sqrt();
+    let store = Push::default().addr(kb.addr).addr(vb.addr).addr(regions.buf.addr).addr(mb.addr).addr(sb.addr).u(kvd).u(n).u(so).u(vo).u(hd).f(rscale);
+    let name = format!("kv_store_{}", codec.name());
+    match codec {
+        KvCodec::F16 => run.dispatch_flat(&mut k, &name, store, n * kvd / 2),
+        KvCodec::Q8_0 => run.dispatch_flat(&mut k, &name, store, n * kvd / 32),
+        KvCodec::Tq4 => run.dispatch(&mut k, &name, store, [nkv as u32, n as u32, 1]),
+    }
     .unwrap();
-    run.barrier().unwrap();
+    // What the CPU's codec stores for each row, and those rows decoded back to the model's basis.
+    let rb = codec.bytes(kvd);
+    let host = |x: &[f32]| -> (Vec<u8>, Vec<f64>) {
+        let mut bytes = vec![0u8; n * rb];
+        let mut back = vec![0f32; n * kvd];
+        for ((src, dst), out) in x.chunks_exact(kvd).zip(bytes.chunks_exact_mut(rb)).zip(back.chunks_exact_mut(kvd)) {
+            for ((s, d), o) in src.chunks_exact(hd).zip(dst.chunks_exact_mut(codec.bytes(hd))).zip(out.chunks_exact_mut(hd)) {
+                codec.encode(s, d);
+                codec.decode(d, o);
+                if codec == KvCodec::Tq4 {
+                    crate::kv::codec::unrotate(o);
+                }
+            }
+        }
+        (bytes, back.iter().map(|&v| v as f64).collect())
+    };
+    let ((kbytes, kref), (vbytes, vref)) = (host(&kx), host(&vx));
+    if codec != KvCodec::F16 {
+        let words = regions.row_words();
+        let all = read(&g, &mut run, &regions.buf, regions.bytes() as usize / 4);
+        for (t, &(r, pos)) in plan.iter().enumerate() {
+            for (v, want) in [(0, &kbytes), (vo, &vbytes)] {
+                let at = regions.base_word(r) + so + v + pos * words;
+                let dev: Vec<u8> = all[at..at + words].iter().flat_map(|w| w.to_bits().to_le_bytes()).collect();
+                let (db, hb) = if codec == KvCodec::Q8_0 { (36, 34) } else { (20, 18) };
+                let got: Vec<u8> = dev.chunks_exact(db).flat_map(|b| b[..2].iter().chain(&b[4..]).copied().collect::<Vec<u8>>()).collect();
+                assert_eq!(got.len(), rb);
+                for (bi, (gb, wb)) in got.chunks_exact(hb).zip(want[t * rb..(t + 1) * rb].chunks_exact(hb)).enumerate() {
+                    assert_eq!(gb, wb, "{} row {t} block {bi} ({})", codec.name(), if v == 0 { "K" } else { "V" });
+                }
+            }
+        }
+    }
+    let tol = if codec == KvCodec::Tq4 { 3e-4 } else { 1e-4 };
     for (window, softcap) in [(0usize, 0.0f32), (8, 0.0), (0, 20.0)] {
         let scale = 1.0 / (hd as f32).sqrt();
         run.dispatch(
             &mut k,
-            "attention",
+            &format!("attention_{}", codec.name()),
             Push::default()
                 .addr(qb.addr)
                 .addr(ob.addr)
                 .addr(regions.buf.addr)
                 .addr(mb.addr)
+                .addr(sb.addr)
                 .u(nh)
                 .u(nkv)
                 .u(hd)
@@ -329,7 +372,9 @@ fn attention_case(nh: usize, nkv: usize) {
                 .f(scale)
                 .f(softcap)
                 .u(so)
-                .u(vo),
+                .u(vo)
+                .u(regions.row_words())
+                .f(rscale),
             [(nkv * (nh / nkv).div_ceil(8)) as u32, n as u32, 1],
         )
         .unwrap();
@@ -346,7 +391,7 @@ fn attention_case(nh: usize, nkv: usize) {
                     .iter()
                     .filter(|&&i| plan[i].1 >= start)
                     .map(|&i| {
-                        let s: f64 = (0..hd).map(|d| qh[d] * f16(kx[i * kvd + kvh * hd + d])).sum();
+                        let s: f64 = (0..hd).map(|d| qh[d] * kref[i * kvd + kvh * hd + d]).sum();
                         let s = if softcap > 0.0 { softcap as f64 * (s / softcap as f64).tanh() } else { s };
                         (s * scale as f64, i)
                     })
@@ -354,9 +399,13 @@ fn attention_case(nh: usize, nkv: usize) {
                 let mx = sc.iter().map(|s| s.0).fold(f64::MIN, f64::max);
                 let z: f64 = sc.iter().map(|s| (s.0 - mx).exp()).sum();
                 for d in 0..hd {
-                    let want: f64 = sc.iter().map(|&(s, i)| (s - mx).exp() / z * f16(vx[i * kvd + kvh * hd + d])).sum();
+                    let want: f64 = sc.iter().map(|&(s, i)| (s - mx).exp() / z * vref[i * kvd + kvh * hd + d]).sum();
                     let got = got[(t * nh + h) * hd + d] as f64;
-                    assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {t} head {h} dim {d} (window {window}, cap {softcap}): {got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= tol * (1.0 + want.abs()),
+                        "{} row {t} head {h} dim {d} (window {window}, cap {softcap}): {got} vs {want}",
+                        codec.name()
+                    );
                 }
             }
         }
