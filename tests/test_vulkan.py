@@ -187,6 +187,34 @@ def test_gemma3_shape_on_the_device(tmp_path: Path) -> None:
         assert np.abs(lsm(got[i]) - lsm(ref[i])).max() < 0.05, i
 
 
+@needs_device
+def test_recorded_chains_are_replayed_for_steps_of_the_same_shape(tmp_path: Path) -> None:
+    """A step records its dispatch chain once per shape (rows, output rows) and replays it after
+    with only the metadata rewritten: decoding two sessions token by token records one chain for
+    the one-row steps and replays it for the rest. Replayed steps read their own tokens and
+    positions (they track the CPU on the same history as closely as recorded ones do), and a
+    second load, whose chains are recorded anew, gives the same logits bit for bit."""
+    path = tmp_path / "m.gguf"
+    write_model(path, QT.F32)
+    steps = [(0, IDS[:3]), (1, IDS[2:6])] + [(i, [t]) for t in IDS[3:8] for i in (0, 1)]
+
+    def decode() -> tuple[list[np.ndarray], gpu.GpuTierStatus, dl.Model]:
+        gpu.moe_gpu_drop_model()
+        arm()
+        m = load_on_device(path)
+        ss = [gpu.create_device_session(m), gpu.create_device_session(m)]
+        return [dl.eval(m, ss[i], toks) for i, toks in steps], gpu.gpu_tier_status(), m
+
+    first, st, m = decode()
+    assert (st.chains_recorded, st.chains_replayed) == (3, len(steps) - 3), st
+    host = [dl.create_session(m), dl.create_session(m)]
+    for (i, toks), got in zip(steps, first):
+        assert np.abs(lsm(got) - lsm(dl.eval(m, host[i], toks))).max() < 0.05, (i, toks)
+    again, _, _ = decode()
+    for x, y in zip(first, again):
+        np.testing.assert_array_equal(x, y)
+
+
 def golden_errors(m: dl.Model, g: dict, cases: list[int] | None, steps: int) -> tuple[list[float], int, int]:
     """Teacher-forced along llama.cpp's greedy path (one eval_all per case): max |Δ log p| over
     llama.cpp's top-5 per step; argmax flips where llama.cpp leads by >= 0.15."""

@@ -114,6 +114,8 @@ class GpuTierStatus:
     resident_layers: int
     weight_bytes: int
     kv_bytes: int
+    chains_recorded: int = 0  # device steps that recorded their dispatch chain
+    chains_replayed: int = 0  # device steps that replayed a chain kept from an earlier step of that shape
 
 
 def set_gpu_tier_want(want: GpuTierWant) -> None:

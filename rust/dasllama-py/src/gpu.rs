@@ -63,6 +63,8 @@ fn gpu_status<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
     o.set_item("resident_layers", s.resident_layers)?;
     o.set_item("weight_bytes", s.weight_bytes)?;
     o.set_item("kv_bytes", s.kv_bytes)?;
+    o.set_item("chains_recorded", s.chains_recorded)?;
+    o.set_item("chains_replayed", s.chains_replayed)?;
     Ok(o)
 }
 

@@ -1,6 +1,8 @@
 //! The compute pipelines (SPIR-V compiled from `shaders/` by `scripts/build_shaders.sh` and
-//! embedded) and the one command buffer a step records into: dispatches with push constants,
-//! barriers, copies, then submit and wait.
+//! embedded) and the command buffers steps record into: dispatches with push constants,
+//! barriers, copies, then submit and wait. A step's chain can be kept (`record_chain` / `keep`)
+//! and replayed: buffers are reached by addresses fixed at upload, so a chain recorded for one
+//! shape of step serves every later step of that shape once its metadata buffer is rewritten.
 
 use super::buffer::Buffer;
 use super::device::{vk_err, Gpu};
@@ -156,12 +158,18 @@ impl Drop for Kernels {
 /// Largest workgroup count per dimension every device accepts.
 const MAX_GROUPS: u32 = 65535;
 
-/// One command buffer, recorded per step and submitted with a fence that is waited for before
-/// `submit` returns: nothing the step used can be freed while the device still reads it.
+/// A recorded chain kept for replay (freed with its runner's pool, or by `Runner::free`).
+pub struct Chain(vk::CommandBuffer);
+
+/// A one-shot command buffer, recorded per use, and chains kept for replay; every submission
+/// is waited for (its fence) before it returns: nothing a step used can be freed while the
+/// device still reads it.
 pub struct Runner {
     gpu: Arc<Gpu>,
     pool: vk::CommandPool,
+    /// What dispatches record into: the one-shot buffer, or a chain being recorded.
     cmd: vk::CommandBuffer,
+    one_shot: vk::CommandBuffer,
     fence: vk::Fence,
     recording: bool,
     pub dispatches: usize,
@@ -177,7 +185,7 @@ impl Runner {
             let ai = vk::CommandBufferAllocateInfo::default().command_pool(pool).level(vk::CommandBufferLevel::PRIMARY).command_buffer_count(1);
             let cmd = d.allocate_command_buffers(&ai).map_err(vk_err("allocating a command buffer"))?[0];
             let fence = d.create_fence(&vk::FenceCreateInfo::default(), None).map_err(vk_err("creating a fence"))?;
-            Ok(Runner { gpu: gpu.clone(), pool, cmd, fence, recording: false, dispatches: 0 })
+            Ok(Runner { gpu: gpu.clone(), pool, cmd, one_shot: cmd, fence, recording: false, dispatches: 0 })
         }
     }
 
@@ -244,19 +252,76 @@ impl Runner {
         Ok(())
     }
 
+    /// Record what follows into a new chain to keep (`keep` ends it), instead of the one-shot
+    /// buffer. Anything recorded but not submitted is submitted first.
+    pub fn record_chain(&mut self) -> Result<()> {
+        self.submit()?;
+        let ai = vk::CommandBufferAllocateInfo::default().command_pool(self.pool).level(vk::CommandBufferLevel::PRIMARY).command_buffer_count(1);
+        let bi = vk::CommandBufferBeginInfo::default();
+        // SAFETY: the pool is live; the new buffer is in the initial state.
+        unsafe {
+            self.cmd = self.gpu.device.allocate_command_buffers(&ai).map_err(vk_err("allocating a command buffer"))?[0];
+            self.gpu.device.begin_command_buffer(self.cmd, &bi).map_err(vk_err("recording a step"))?;
+        }
+        self.recording = true;
+        self.dispatches = 0;
+        Ok(())
+    }
+
+    /// End the chain `record_chain` started; later dispatches go to the one-shot buffer again.
+    pub fn keep(&mut self) -> Result<Chain> {
+        assert!(self.recording && self.cmd != self.one_shot, "keep without record_chain");
+        let c = Chain(self.cmd);
+        (self.cmd, self.recording) = (self.one_shot, false);
+        // SAFETY: the chain is in the recording state.
+        unsafe { self.gpu.device.end_command_buffer(c.0) }.map_err(vk_err("recording a step"))?;
+        Ok(c)
+    }
+
+    /// Drop a chain whose recording failed part way; later dispatches go to the one-shot buffer.
+    pub fn abandon(&mut self) {
+        if self.cmd != self.one_shot {
+            let c = Chain(self.cmd);
+            (self.cmd, self.recording) = (self.one_shot, false);
+            // SAFETY: the chain was never submitted.
+            unsafe {
+                let _ = self.gpu.device.end_command_buffer(c.0);
+            }
+            self.free(c);
+        }
+    }
+
+    /// Run a kept chain and wait for it.
+    pub fn replay(&mut self, c: &Chain) -> Result<()> {
+        self.submit()?;
+        self.run(c.0)
+    }
+
+    /// Free a kept chain.
+    pub fn free(&mut self, c: Chain) {
+        // SAFETY: nothing is pending (every submission is waited for); the chain came from this pool.
+        unsafe { self.gpu.device.free_command_buffers(self.pool, &[c.0]) };
+    }
+
     /// Submit what was recorded and wait for it.
     pub fn submit(&mut self) -> Result<()> {
         if !self.recording {
             return Ok(());
         }
+        assert!(self.cmd == self.one_shot, "a chain is being recorded: keep it first");
         self.recording = false;
+        // SAFETY: the one-shot buffer is in the recording state.
+        unsafe { self.gpu.device.end_command_buffer(self.cmd) }.map_err(vk_err("recording a step"))?;
+        self.run(self.cmd)
+    }
+
+    fn run(&mut self, cmd: vk::CommandBuffer) -> Result<()> {
         let d = &self.gpu.device;
-        let cmds = [self.cmd];
+        let cmds = [cmd];
         let si = [vk::SubmitInfo::default().command_buffers(&cmds)];
-        // SAFETY: the buffer was recorded on this device; the fence is unsignalled; we wait for
-        // it before touching anything the step used.
+        // SAFETY: the buffer was recorded on this device and ended; the fence is unsignalled; we
+        // wait for it before touching anything the step used.
         unsafe {
-            d.end_command_buffer(self.cmd).map_err(vk_err("recording a step"))?;
             d.queue_submit(self.gpu.queue, &si, self.fence).map_err(vk_err("submitting a step"))?;
             let waited = d.wait_for_fences(&[self.fence], true, u64::MAX);
             d.reset_fences(&[self.fence]).map_err(vk_err("resetting a fence"))?;

@@ -72,6 +72,10 @@ pub struct Status {
     pub resident_layers: usize,
     pub weight_bytes: u64,
     pub kv_bytes: u64,
+    /// Device steps (windows) that recorded their dispatch chain, and those that replayed one
+    /// recorded for an earlier step of the same shape.
+    pub chains_recorded: u64,
+    pub chains_replayed: u64,
 }
 
 struct Tier {
@@ -195,6 +199,7 @@ pub fn status() -> Status {
         s.resident_layers = r.layers();
         s.weight_bytes = r.weight_bytes;
         s.kv_bytes = r.regions.bytes();
+        (s.chains_recorded, s.chains_replayed) = (r.recorded, r.replayed);
     }
     s.reason = match (&t.resident, witness()) {
         (Some(_), _) => String::new(),

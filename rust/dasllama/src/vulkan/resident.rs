@@ -9,14 +9,14 @@
 
 use super::buffer::Buffer;
 use super::device::Gpu;
-use super::kernels::{format_suffix, Kernels, Push, Runner};
+use super::kernels::{format_suffix, Chain, Kernels, Push, Runner};
 use super::regions::Regions;
 use super::weights::{self, upload_f32, upload_weight, DevWeight};
 use crate::backend::Activation;
 use crate::cpu::ops;
 use crate::kv::{KvCache, KvCodec};
 use crate::model::forward::LogitRows;
-use crate::model::{AttnWeights, Config, Ffn, FfnWeights, Mixer, MixerWeights, Model, Numerics};
+use crate::model::{AttnWeights, Config, Ffn, FfnWeights, Mixer, MixerWeights, Model, Numerics, Rope};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
 use gpu_allocator::MemoryLocation;
@@ -28,6 +28,9 @@ pub const PREFILL_WINDOW: usize = 256;
 /// Logit rows one chain produces at most (a verify chunk or `eval_all` over a long prompt runs
 /// in several windows).
 const MAX_OUT: usize = 64;
+/// Recorded chains kept for replay, one per shape of window (rows, output rows, hidden or
+/// logits): decode steps at each batch size and the common prefill windows.
+const MAX_CHAINS: usize = 64;
 
 struct DevLayer {
     attn_norm: Buffer,
@@ -79,6 +82,11 @@ pub struct Resident {
     acts: Acts,
     pub regions: Regions,
     pub weight_bytes: u64,
+    /// Kept chains by window shape, least recently used first.
+    chains: Vec<((usize, usize, bool), Chain)>,
+    /// Windows that recorded their chain, and windows that replayed a kept one.
+    pub recorded: u64,
+    pub replayed: u64,
     /// The model this was uploaded from (identity only: never dereferenced).
     pub model_id: usize,
 }
@@ -219,6 +227,9 @@ impl Resident {
             acts,
             regions,
             weight_bytes: weight_bytes(m),
+            chains: Vec::new(),
+            recorded: 0,
+            replayed: 0,
             model_id: m as *const Model as usize,
         })
     }
@@ -272,7 +283,6 @@ impl Resident {
     fn window(&mut self, pieces: &[Piece], tokens: &[u32], want: LogitRows<'_>, width: usize, factors: Option<&[f32]>, logits: &mut Vec<f32>) -> Result<()> {
         let c = &self.cfg;
         let n: usize = pieces.iter().map(|p| p.len).sum();
-        let (d, qd, kvd) = (c.dim, c.q_dim(), c.kv_dim());
         // Step metadata: tokens, (region word, position) per row, the rows that get logits, and
         // the RoPE tables.
         let mut words: Vec<u32> = Vec::with_capacity(n * 3 + MAX_OUT);
@@ -314,6 +324,45 @@ impl Resident {
         let (tok_a, row_a, pick_a) = (mw(0), mw(rowmeta_at), mw(picked_at));
         let rope_a: Vec<u64> = rope_at.iter().map(|&i| mw(i)).collect();
 
+        let hidden = want == LogitRows::Hidden;
+        let floats = n_out * width;
+        let key = (n, n_out, hidden);
+        if let Some(i) = self.chains.iter().position(|(k, _)| *k == key) {
+            // Most recently used last: the front is what goes when the cache is full.
+            let entry = self.chains.remove(i);
+            let replayed = self.run.replay(&entry.1);
+            self.chains.push(entry);
+            replayed?;
+            self.replayed += 1;
+        } else {
+            self.run.record_chain()?;
+            if let Err(e) = self.record(n, n_out, hidden, [tok_a, row_a, pick_a], &rope_a, &ropes) {
+                self.run.abandon();
+                return Err(e);
+            }
+            let chain = self.run.keep()?;
+            if self.chains.len() == MAX_CHAINS {
+                let (_, old) = self.chains.remove(0);
+                self.run.free(old);
+            }
+            self.chains.push((key, chain));
+            self.recorded += 1;
+            self.run.replay(&self.chains.last().expect("just pushed").1)?;
+        }
+        let back = self.acts.readback.mapped();
+        logits.extend(back[..floats * 4].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        Ok(())
+    }
+    /// Record the dispatch chain of a window of `n` rows with `n_out` output rows (`hidden`: the
+    /// final hidden states, else logits). Everything that varies between steps of one shape is
+    /// in the metadata buffer at the addresses given (`meta`: tokens, row metadata, picked rows;
+    /// `rope_a`: each RoPE table), so the chain is replayed for every later step of that shape.
+    #[allow(clippy::too_many_arguments)]
+    fn record(&mut self, n: usize, n_out: usize, hidden: bool, meta: [u64; 3], rope_a: &[u64], ropes: &[Rope]) -> Result<()> {
+        let c = &self.cfg;
+        let (d, qd, kvd) = (c.dim, c.q_dim(), c.kv_dim());
+        let width = if hidden { d } else { c.vocab_size };
+        let [tok_a, row_a, pick_a] = meta;
         let a = &self.acts;
         let (k, r) = (&mut self.kernels, &mut self.run);
         let eps = c.norm_eps;
@@ -436,7 +485,7 @@ impl Resident {
         r.barrier()?;
         rms_norm(r, k, &a.last, &a.last, &self.output_norm, d, n_out, eps)?;
         r.barrier()?;
-        let (src, floats) = if want == LogitRows::Hidden {
+        let (src, floats) = if hidden {
             (&a.last, n_out * d)
         } else {
             mm(r, k, &[(&self.output, &a.logits)], &a.last, &a.xq, n_out)?;
@@ -448,9 +497,6 @@ impl Resident {
             (&a.logits, n_out * width)
         };
         r.copy(src, 0, &a.readback, 0, (floats * 4) as u64)?;
-        r.submit()?;
-        let back = self.acts.readback.mapped();
-        logits.extend(back[..floats * 4].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
         Ok(())
     }
 }
