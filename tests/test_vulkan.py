@@ -175,6 +175,62 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
 
 
 @needs_device
+@pytest.mark.parametrize("name, why", [("qwen3moe", "experts"), ("qwen35", "recurrent")])
+def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why: str) -> None:
+    """A MoE or a DeltaNet hybrid, which the resident driver declines, goes on the per-op rails:
+    capture says "gpu:rails", the decline says why not resident, there are no device regions,
+    and its matrices multiply on the device (activations rounded as the CPU rounds them) while
+    attention, routing and the recurrence stay on the CPU over host K/V. Logits track the CPU's;
+    scheduler streams equal the single-stream output; dropping it frees what it held."""
+    from synthetic import family_reference_logits, write_family
+
+    path = tmp_path / f"{name}.gguf"
+    wt = write_family(path, name)
+    ref = family_reference_logits(wt, name, IDS)
+    cpu_m = dl.load_model(path)
+    want = dl.eval_all(cpu_m, dl.create_session(cpu_m), IDS)
+    del cpu_m
+    arm()
+    m = dl.load_model(path)
+    slot = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot) == "gpu:rails", slot.reason
+    assert why in gpu.gpu_resident_decline() and why in slot.reason, (gpu.gpu_resident_decline(), slot.reason)
+    st = gpu.gpu_tier_status()
+    assert (st.backend, st.reason, gpu.gpu_device_sessions()) == ("vulkan", "", 0) and st.weight_bytes > 0, st
+    with pytest.raises(ValueError, match="per-op rails"):
+        gpu.create_device_session(m)
+    got = dl.eval_all(m, dl.create_session(m), IDS)
+    # As close to float64 as the CPU lands (the device sums in its own order; these tiny random
+    # models, a hybrid's recurrence and a MoE's routing near ties amplify rounding).
+    for i in range(len(IDS)):
+        dev_err, cpu_err = (np.abs(lsm(x[i]) - lsm(ref[i])).max() for x in (got, want))
+        assert dev_err <= 1.5 * cpu_err + 0.05, (i, dev_err, cpu_err)
+    prompts = [[1, 259 + i % 8, 40 + i] for i in range(4)]
+    solo = [dl.generate(m, dl.create_session(m), p, dl.SamplingParams(temp=0.0), 6) for p in prompts]
+    sch = dl.create_scheduler(m, max_streams=4, chunk_tokens=2)
+    for i, p in enumerate(prompts):
+        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=6))
+    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for ev in drain(m, sch):
+        assert ev.finish != "error", ev.error
+        if ev.kind == "piece" or (ev.finish == "stop" and ev.token >= 0):
+            toks[ev.id].append(ev.token)
+    for i in range(len(prompts)):
+        assert toks[i] == solo[i][: len(toks[i])] and toks[i], (i, toks[i], solo[i])
+    assert gpu.gpu_cpu_passes() == []
+    del sch
+    # Dropping it (or the model going away) frees what it held: a second load and drop ends
+    # where the first did.
+    gpu.moe_gpu_drop_model()
+    after = gpu.gpu_tier_status()
+    assert (after.backend, after.weight_bytes) == ("cpu", 0), after
+    m2 = dl.load_model(path)
+    assert gpu.gpu_tier_status().backend == "vulkan"
+    del m2
+    assert gpu.gpu_tier_status().vram_bytes == after.vram_bytes
+
+
+@needs_device
 def test_gemma3_shape_on_the_device(tmp_path: Path) -> None:
     """QK-norm, post-norms, sliding-window layers, GELU, embedding scale, query scaling."""
     path = tmp_path / "g.gguf"

@@ -8,18 +8,22 @@ dance" and § "Streams served from the device")::
     moe_gpu_tier_arm()                    # open the device; False (and a reason) where there is none
     m = load_model(path)                  # an armed load puts the model on the device if it fits
     slot = gpu_model_marks_init()
-    gpu_slot_capture(slot)                # "cpu" | "gpu:resident"
+    gpu_slot_capture(slot)                # "cpu" | "gpu:rails" | "gpu:resident"
 
 On a machine without Vulkan every call is a cheap no-op that reports "cpu", so the same code runs
 anywhere. The tier is per process: one model on the device at a time. CPU-type Vulkan devices
 (Mesa's lavapipe) are used only with ``DASLLAMA_VK_ALLOW_CPU=1``; ``DASLLAMA_VK_DEVICE`` picks a
 device by index or name; ``DASLLAMA_GPU=0`` keeps everything on the CPU.
 
-What the driver serves: attention models with dense FFNs (llama, gemma3, qwen2, qwen3, phi3,
-gemma2) in every block format dasllama reads; K/V on the device in f16. MoE and recurrent models,
-and ``numerics="ggml"``, stay on the CPU (:func:`gpu_resident_decline` says why). There is no
-"gpu:rails" form (weights on the device, K/V on the host): sessions whose K/V lives in host memory
-run on the CPU, and :func:`gpu_cpu_passes` counts them.
+"gpu:resident": the resident driver runs the whole forward pass of attention models with dense
+FFNs (llama, gemma3, qwen2, qwen3, phi3, gemma2) on the device, for device-home sessions whose K/V
+lives in device regions (f16, q8_0 or tq4: :func:`set_gpu_kv_dtype`). Sessions whose K/V lives in
+host memory run on the CPU then, and :func:`gpu_cpu_passes` counts them.
+
+"gpu:rails": a model the resident driver declines (MoE, DeltaNet hybrids, gated attention;
+:func:`gpu_resident_decline` says why) has its matrices put on the device, densest first, as far
+as the budget allows, and every session's matmuls over them run there, while attention, routing
+and the recurrence stay on the CPU over host K/V. ``numerics="ggml"`` stays on the CPU.
 """
 
 from __future__ import annotations
@@ -155,7 +159,8 @@ def gpu_model_marks_init() -> GpuModelMarks:
 
 
 def gpu_slot_capture(st: GpuModelMarks) -> str:
-    """Right after a load: move its outcome into ``st`` and classify it, "cpu" or "gpu:resident"."""
+    """Right after a load: move its outcome into ``st`` and classify it: "cpu", "gpu:rails" or
+    "gpu:resident"."""
     st.outcome, st.reason = _native.gpu_outcome()
     return st.outcome
 

@@ -131,6 +131,9 @@ def arm_gpu(args: argparse.Namespace) -> bool:
     gpu.set_gpu_resident_regions(args.gpu_regions or args.streams)
     gpu.set_gpu_ctx_max(args.ctx or 0)
     gpu.set_gpu_ctx_strict(bool(args.ctx))
+    # The device holds K/V in the codec the host pool uses (a model whose heads the codec cannot
+    # take stays on the CPU, saying so).
+    gpu.set_gpu_kv_dtype(args.kv_dtype)
     gpu.set_gpu_tier_want(gpu.GpuTierWant(auto_tier=True))
     if not gpu.moe_gpu_tier_arm():
         why = gpu.gpu_tier_status().reason
@@ -150,10 +153,13 @@ def load_models(server: Server, args: argparse.Namespace) -> None:
         on_device = False
         if armed:
             slot = gpu.gpu_model_marks_init()
-            on_device = gpu.gpu_slot_capture(slot) == "gpu:resident"
+            outcome = gpu.gpu_slot_capture(slot)
+            on_device = outcome == "gpu:resident"
+            st = gpu.gpu_tier_status()
             if on_device:
-                st = gpu.gpu_tier_status()
                 log.info("gpu backend auto-detected: %s on '%s' (%d MiB of weights, %d streams from device memory)", m.path.name, st.device, st.weight_bytes >> 20, gpu.gpu_device_sessions())
+            elif outcome == "gpu:rails":
+                log.info("gpu backend auto-detected: %s on the per-op rails of '%s' (%d MiB of matrices on the device, K/V in host memory; not resident because %s)", m.path.name, st.device, st.weight_bytes >> 20, slot.reason)
             elif args.gpu == "vulkan" and i == 0:
                 raise SystemExit(f"--gpu vulkan: {m.path.name} cannot go on the device: {slot.reason}")
             else:

@@ -42,7 +42,7 @@ pub fn embed(m: &Model, inputs: &[&[u32]], pooling: Pooling, normalize: bool) ->
     let counts: Vec<usize> = inputs.iter().map(|t| t.len()).collect();
     let tokens: Vec<u32> = inputs.concat();
     let mut hidden = Vec::new();
-    forward_batch(m, &mut refs, &counts, &tokens, LogitRows::Hidden, &mut Scratch::new(), &mut hidden)?;
+    forward_batch(m, &mut refs, &counts, &tokens, LogitRows::Hidden, &mut Scratch::new(), &mut hidden, None)?;
     let d = m.config.dim;
     let mut out = Vec::with_capacity(inputs.len());
     let mut at = 0;

@@ -150,7 +150,10 @@ fn run(
             );
         }
         let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
-        return forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits);
+        if vulkan::on_rails(m) {
+            return vulkan::with_rails(m, |rails| forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits, rails));
+        }
+        return forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits, None);
     }
     if on_device != sessions.len() {
         return Err(Error::InvalidArgument("a batch mixes device-home and host sessions; evaluate them in separate batches".into()));

@@ -27,6 +27,13 @@ pub enum Numerics {
     Ggml,
 }
 
+/// Where a backend may hand its matrix products (the Vulkan driver's per-op rails): `matmul`
+/// runs `segs[i].1 = x · segs[i].0ᵀ` over `n` rows when it holds every weight of the call and
+/// returns true; false leaves the call to the backend (nothing was written).
+pub trait MatmulOffload {
+    fn matmul(&mut self, segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize) -> bool;
+}
+
 /// One attention layer as the kernels see it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnShape {

@@ -3,20 +3,26 @@
 
 use super::deltanet::{self, DnParams};
 use super::{matmul_many, ops, Team, Weight};
-use crate::backend::{Activation, AttnShape, Numerics, Ops, RopeTable};
+use crate::backend::{Activation, AttnShape, MatmulOffload, Numerics, Ops, RopeTable};
 use crate::kv::{KvCache, RecIo};
 use crate::model::DeltaNet;
 
-/// The CPU ops of one forward pass: the team held spinning for it, and the activation buffer its
-/// matmuls quantize into.
+/// The CPU ops of one forward pass: the team held spinning for it, the activation buffer its
+/// matmuls quantize into, and where matmuls may go instead (the Vulkan rails).
 pub struct CpuOps<'a> {
     pub team: &'a Team<'a>,
     pub act: &'a mut Vec<u8>,
     pub numerics: Numerics,
+    pub offload: Option<&'a mut dyn MatmulOffload>,
 }
 
 impl Ops for CpuOps<'_> {
     fn matmul(&mut self, segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usize]) {
+        if let Some(o) = self.offload.as_deref_mut() {
+            if o.matmul(segs, x, counts.iter().sum()) {
+                return;
+            }
+        }
         // One parallel pass when the weights share an input format, else one pass each.
         let vt = segs[0].0.ty.vec_dot_type();
         if segs.iter().all(|(w, _)| w.ty.vec_dot_type() == vt) {

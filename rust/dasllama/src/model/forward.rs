@@ -4,7 +4,7 @@
 //! Multi-token calls (prefill, verify chunks, batches) run every matmul as one GEMM over all rows.
 
 use super::{BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model};
-use crate::backend::{Activation, Ops, RopeTable};
+use crate::backend::{Activation, MatmulOffload, Ops, RopeTable};
 use crate::cpu::backend::CpuOps;
 use crate::cpu::deltanet::DnParams;
 use crate::cpu::{ops, team};
@@ -229,6 +229,8 @@ impl LogitRows<'_> {
 /// Advance several sessions in one pass over the weights: session i takes `counts[i]` tokens from
 /// `tokens` (in order: decode steps and prefill chunks alike). `logits` receives the rows `want`
 /// asks for. Every row is computed with the same arithmetic as when its session runs alone.
+/// `offload` takes the matmuls it can (the Vulkan rails); the CPU runs the rest.
+#[allow(clippy::too_many_arguments)]
 pub fn forward_batch(
     m: &Model,
     kvs: &mut [&mut KvCache],
@@ -237,6 +239,7 @@ pub fn forward_batch(
     want: LogitRows<'_>,
     s: &mut Scratch,
     logits: &mut Vec<f32>,
+    mut offload: Option<&mut dyn MatmulOffload>,
 ) -> Result<()> {
     check(m, kvs.iter().map(|kv| kv.len()), counts, tokens, want)?;
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
@@ -245,7 +248,12 @@ pub fn forward_batch(
     }
     let mut act = std::mem::take(&mut s.act);
     team().session(|t| {
-        let mut cpu = CpuOps { team: t, act: &mut act, numerics: m.numerics };
+        // A reborrow, so the offload's trait object may live as briefly as the team's session.
+        let offload: Option<&mut dyn MatmulOffload> = match offload.as_mut() {
+            Some(o) => Some(&mut **o),
+            None => None,
+        };
+        let mut cpu = CpuOps { team: t, act: &mut act, numerics: m.numerics, offload };
         forward_rows(m, &mut cpu, kvs, counts, tokens, want, s, logits);
     });
     s.act = act;

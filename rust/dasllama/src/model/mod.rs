@@ -143,6 +143,12 @@ pub struct Model {
     pub numerics: Numerics,
 }
 
+impl Drop for Model {
+    fn drop(&mut self) {
+        crate::vulkan::forget(self);
+    }
+}
+
 /// One entry of the GGUF tensor table, as read by the Python loader.
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
@@ -390,6 +396,40 @@ impl<'a> TensorTable<'a> {
             norm: self.vector(&n("ssm_norm"), dn.head_dim)?,
             out: self.matrix(&n("ssm_out"), d, vd)?,
         })
+    }
+}
+
+impl Model {
+    /// Every matrix the layers and the head multiply by (not the token embedding, which is
+    /// gathered), the ones every row reads first and the routed experts (which rows choose) last.
+    pub fn matrices(&self) -> Vec<&Weight> {
+        let mut dense = Vec::new();
+        let mut experts = Vec::new();
+        for l in &self.layers {
+            match &l.mixer {
+                MixerWeights::Attention(a) => dense.extend([&a.wq, &a.wk, &a.wv, &a.wo]),
+                MixerWeights::DeltaNet(d) => {
+                    dense.extend([&d.qkv, &d.gate, &d.out]);
+                    match &d.ba {
+                        BetaAlpha::Split { beta, alpha } => dense.extend([beta, alpha]),
+                        BetaAlpha::Fused(w) => dense.push(w),
+                    }
+                }
+            }
+            match &l.ffn {
+                FfnWeights::Dense { gate, up, down } => dense.extend([gate, up, down]),
+                FfnWeights::Moe(e) => {
+                    dense.push(&e.router);
+                    if let Some(s) = &e.shared {
+                        dense.extend([&s.gate_inp, &s.gate, &s.up, &s.down]);
+                    }
+                    experts.extend(e.gate.iter().chain(&e.up).chain(&e.down));
+                }
+            }
+        }
+        dense.push(&self.output);
+        dense.extend(experts);
+        dense
     }
 }
 

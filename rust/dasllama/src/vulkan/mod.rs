@@ -14,6 +14,7 @@
 mod buffer;
 mod device;
 mod kernels;
+mod rails;
 mod regions;
 mod resident;
 mod weights;
@@ -21,11 +22,13 @@ mod weights;
 pub use device::DeviceInfo;
 pub use resident::PREFILL_WINDOW;
 
+use crate::backend::MatmulOffload;
 use crate::kv::{KvCache, KvCodec};
 use crate::model::forward::LogitRows;
 use crate::model::Model;
 use crate::{Error, Result};
 use device::Gpu;
+use rails::Rails;
 use regions::Regions;
 use resident::Resident;
 use std::collections::BTreeMap;
@@ -85,6 +88,8 @@ struct Tier {
     /// Why the device is not used (empty while it is).
     reason: String,
     resident: Option<Resident>,
+    /// A model the resident driver declined, its matrices on the device (the per-op rails).
+    rails: Option<Rails>,
     /// Bumped whenever the resident model goes: device sessions of an older one are stale.
     generation: u64,
     /// "cpu" | "gpu:resident": what the last install did, and why "cpu".
@@ -105,6 +110,7 @@ fn tier() -> MutexGuard<'static, Tier> {
         gpu: None,
         reason: String::new(),
         resident: None,
+        rails: None,
         generation: 0,
         outcome: String::new(),
         install_reason: String::new(),
@@ -176,7 +182,7 @@ fn budget(t: &Tier) -> u64 {
     let want = t.want.with_env();
     let (total, used) = g.memory();
     // What is free now plus what the resident model holds, less a margin for the driver.
-    let held = t.resident.as_ref().map_or(0, |r| r.weight_bytes + r.regions.bytes());
+    let held = t.resident.as_ref().map_or(0, |r| r.weight_bytes + r.regions.bytes()) + t.rails.as_ref().map_or(0, |r| r.weight_bytes);
     let free = (total.saturating_sub(used) + held) / 10 * 9;
     if want.vram_mb > 0 {
         free.min(want.vram_mb << 20)
@@ -201,8 +207,13 @@ pub fn status() -> Status {
         s.kv_bytes = r.regions.bytes();
         (s.chains_recorded, s.chains_replayed) = (r.recorded, r.replayed);
     }
+    if let Some(r) = &t.rails {
+        s.backend = "vulkan".into();
+        s.weight_bytes = r.weight_bytes;
+    }
     s.reason = match (&t.resident, witness()) {
         (Some(_), _) => String::new(),
+        (None, _) if t.rails.is_some() => String::new(),
         (None, Err(w)) => w.clone(),
         (None, Ok(_)) if !t.reason.is_empty() => t.reason.clone(),
         (None, Ok(_)) => "no model is on the device".into(),
@@ -211,13 +222,14 @@ pub fn status() -> Status {
 }
 
 /// After a load: put `m` on the device if the tier is armed and the model fits. Returns the
-/// outcome, "cpu" or "gpu:resident"; the reason for "cpu" is in `status().reason` and
-/// `decline()`.
+/// outcome: "gpu:resident" (the whole forward pass on the device), "gpu:rails" (a model the
+/// resident driver declines: its matrices on the device, the rest on the CPU; `decline()` says
+/// why not resident) or "cpu" (the reason is in `status().reason` and `decline()`).
 pub fn install(m: &Model) -> String {
     let mut t = tier();
     let outcome = install_locked(&mut t, m);
     t.outcome = outcome.clone();
-    t.install_reason = if outcome == "cpu" { t.reason.clone() } else { String::new() };
+    t.install_reason = if outcome == "gpu:resident" { String::new() } else { t.reason.clone() };
     if t.resident.is_some() {
         // The device goes on serving the model it holds.
         t.reason.clear();
@@ -232,13 +244,16 @@ fn install_locked(t: &mut Tier, m: &Model) -> String {
         }
         return "cpu".into();
     }
-    if t.resident.is_some() {
+    if t.resident.is_some() || t.rails.is_some() {
         t.reason = "the device still holds another model: hydrate its sessions and drop it first (the switch order)".into();
         return "cpu".into();
     }
     if let Some(why) = resident::decline(m) {
         t.reason = why;
-        return "cpu".into();
+        if m.numerics == crate::model::Numerics::Ggml {
+            return "cpu".into();
+        }
+        return install_rails(t, m);
     }
     let ctx = if t.ctx_max == 0 { m.config.seq_len } else { t.ctx_max.min(m.config.seq_len) };
     if t.ctx_strict && t.ctx_max > m.config.seq_len {
@@ -300,6 +315,64 @@ fn install_locked(t: &mut Tier, m: &Model) -> String {
     }
 }
 
+/// The per-op rails for a model the resident driver declined (`t.reason` says why, and stays).
+fn install_rails(t: &mut Tier, m: &Model) -> String {
+    let gpu = t.gpu.clone().expect("armed means a device");
+    match Rails::upload(&gpu, m, budget(t)) {
+        Ok(r) if r.matrices() > 0 => {
+            log(&format!(
+                "{} on '{}' on the per-op rails: {} matrices ({} MiB) on the device, {} on the CPU; {}",
+                m.config.arch,
+                gpu.info.name,
+                r.matrices(),
+                r.weight_bytes >> 20,
+                r.left_on_cpu,
+                t.reason
+            ));
+            t.rails = Some(r);
+            // The counter speaks of the model on the device.
+            t.passes.clear();
+            "gpu:rails".into()
+        }
+        Ok(_) => {
+            t.reason = format!("{}; and no matrix fits the device budget of {} MiB for the per-op rails", t.reason, budget(t) >> 20);
+            "cpu".into()
+        }
+        Err(e) => {
+            t.reason = format!("{}; and uploading its matrices for the per-op rails failed: {e}", t.reason);
+            "cpu".into()
+        }
+    }
+}
+
+/// Whether `m` runs on the per-op rails.
+pub fn on_rails(m: &Model) -> bool {
+    tier().rails.as_ref().is_some_and(|r| r.model_id == m as *const Model as usize)
+}
+
+/// Run `f` with `m`'s rails as the CPU backend's matmul offload (None when `m` is not on them).
+/// A device that fails under the rails is let go of: that pass and every later one run on the
+/// CPU, and the reason says what happened.
+pub fn with_rails<R>(m: &Model, f: impl FnOnce(Option<&mut dyn MatmulOffload>) -> R) -> R {
+    let mut t = tier();
+    let Some(r) = t.rails.as_mut().filter(|r| r.model_id == m as *const Model as usize) else {
+        drop(t);
+        return f(None);
+    };
+    let out = f(Some(r));
+    if let Some(e) = r.failed.take() {
+        let lost = device::take_lost();
+        t.rails = None;
+        t.outcome = "cpu".into();
+        t.reason = format!("the per-op rails failed ({e}); the model runs on the CPU{}", if lost { " (the device was lost)" } else { "" });
+        if lost {
+            t.gpu = None;
+            t.armed = false;
+        }
+    }
+    out
+}
+
 fn log(msg: &str) {
     if std::env::var("DASLLAMA_VK_LOG").is_ok_and(|v| v == "1") {
         eprintln!("dasllama vulkan: {msg}");
@@ -323,7 +396,24 @@ pub fn drop_model() {
     if t.resident.take().is_some() {
         t.generation += 1;
     }
+    t.rails = None;
     t.outcome = "cpu".into();
+}
+
+/// A model is going away: whatever the device holds for it goes too (its identity is its
+/// address, which a later model may reuse).
+pub fn forget(m: &Model) {
+    let id = m as *const Model as usize;
+    let mut t = tier();
+    if t.resident.as_ref().is_some_and(|r| r.model_id == id) {
+        t.resident = None;
+        t.generation += 1;
+        t.outcome = "cpu".into();
+    }
+    if t.rails.as_ref().is_some_and(|r| r.model_id == id) {
+        t.rails = None;
+        t.outcome = "cpu".into();
+    }
 }
 
 /// Whether `m` is the model on the device.
@@ -461,6 +551,12 @@ fn stale(t: &Tier) -> Error {
 pub fn create_session(m: &Model) -> Result<DevKv> {
     let mut t = tier();
     let generation = t.generation;
+    if t.rails.as_ref().is_some_and(|r| r.model_id == m as *const Model as usize) {
+        return Err(Error::InvalidArgument(format!(
+            "this model runs on the per-op rails (its matrices on the device, K/V in host memory); device-home sessions need the resident driver, which declined it: {}",
+            t.reason
+        )));
+    }
     let r = t.resident.as_mut().filter(|r| r.model_id == m as *const Model as usize).ok_or_else(|| {
         Error::InvalidArgument("this model is not on the device; arm the GPU tier before loading it (gpu_tier_status() says why not)".to_string())
     })?;

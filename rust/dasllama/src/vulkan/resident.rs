@@ -588,7 +588,7 @@ fn round_mode(ty: GgmlType) -> usize {
 
 /// Products of several weights with the same input `x` (`n` rows): the input rounded once per
 /// activation format among them (into `xq`), as the CPU rounds it, then one matmul each.
-fn mm(r: &mut Runner, k: &mut Kernels, ws: &[(&DevWeight, &Buffer)], x: &Buffer, xq: &Buffer, n: usize) -> Result<()> {
+pub(super) fn mm(r: &mut Runner, k: &mut Kernels, ws: &[(&DevWeight, &Buffer)], x: &Buffer, xq: &Buffer, n: usize) -> Result<()> {
     let cols = ws[0].0.cols;
     let mut modes: Vec<usize> = ws.iter().map(|(w, _)| round_mode(w.ty)).collect();
     modes.sort_unstable();
