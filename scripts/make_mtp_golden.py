@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from make_family_goldens import top5  # noqa: E402
+
 from synthetic import family_cases, write_family  # noqa: E402
 
 

@@ -216,7 +216,7 @@ def test_bad_sidecars_are_refused_whole(files: dict[str, Path], tmp_path: Path, 
     # A file that declares its head but lacks a tensor of it is refused at load, naming it.
     bad = tmp_path / "bad-mtp.gguf"
     write_family(bad, "qwen35", mtp=True, drop="blk.4.nextn.hnorm.weight")
-    with pytest.raises(dl.GgufError, match="blk.4.nextn.hnorm.weight"):
+    with pytest.raises(dl.GgufError, match=r"blk\.4\.nextn\.hnorm\.weight"):
         dl.load_model(bad)
 
 

@@ -664,4 +664,49 @@ mod tests {
         let mut c = KvCache::paged(&pool);
         assert!(c.reserve(1).is_err());
     }
+
+    #[test]
+    fn a_recurrent_state_goes_back_by_replaying_the_last_pass() {
+        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16 };
+        let mut kv = KvCache::private(geo).with_recurrent(vec![(2, 3)]);
+        // Each pass writes its state as the copy it does not read; `committed` reads it back.
+        let pass = |kv: &mut KvCache, rows: usize, mark: f32, journal: bool| {
+            let len = kv.len();
+            kv.reserve(len + rows).unwrap();
+            let io = kv.rec_io(0);
+            io.conv_out.fill(mark);
+            io.ssm_out.fill(mark);
+            if journal {
+                let q: Vec<f32> = (0..rows * 4).map(|i| i as f32).collect();
+                let b: Vec<f32> = (0..rows).map(|i| 100.0 + i as f32).collect();
+                kv.journal(0, &q, &b, &b, rows);
+            }
+            kv.commit(len + rows);
+        };
+        let committed = |kv: &mut KvCache| {
+            let len = kv.len();
+            kv.reserve(len).unwrap();
+            let io = kv.rec_io(0);
+            (io.conv_in[0], io.ssm_in[0])
+        };
+        pass(&mut kv, 2, 1.0, false);
+        assert_eq!(kv.rewind_floor(), 2, "a pass that recorded nothing cannot be taken back");
+        pass(&mut kv, 3, 2.0, true);
+        assert_eq!((kv.rewind_floor(), committed(&mut kv)), (2, (2.0, 2.0)));
+        // Back to 4: the first 2 recorded rows replayed from the state before the pass.
+        let mut calls = 0;
+        kv.rewind(4, |slot, io, q, b, _a, rows| {
+            calls += 1;
+            assert_eq!((slot, rows, io.conv_in[0], io.ssm_in[0]), (0, 2, 1.0, 1.0));
+            assert_eq!((q, b), (&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0][..], &[100.0, 101.0][..]));
+            io.conv_out.fill(3.0);
+            io.ssm_out.fill(3.0);
+        });
+        assert_eq!((calls, kv.len(), committed(&mut kv)), (1, 4, (3.0, 3.0)));
+        // Back to the pass's start: the state before it, nothing to replay.
+        kv.rewind(2, |_, _, _, _, _, _| panic!("nothing to replay"));
+        assert_eq!((kv.len(), committed(&mut kv), kv.rewind_floor()), (2, (1.0, 1.0), 2));
+        pass(&mut kv, 1, 4.0, false);
+        assert_eq!(kv.rewind_floor(), 3);
+    }
 }

@@ -332,7 +332,7 @@ fn forward_rows(
     let journal: Vec<bool> = counts.iter().enumerate().map(|(i, &cnt)| want != LogitRows::Hidden && want.tail(i, cnt) > 1).collect();
     for (il, (l, desc)) in m.layers.iter().zip(&c.layers).enumerate() {
         let slot = c.kv_slot(il).or(c.rec_slot(il)).expect("every layer keeps K/V or a recurrent state");
-        block(m, b, desc, l, slot, kvs, counts, &rows, (&ropes, &tables), x, &journal, s);
+        block(m, b, desc, l, slot, kvs, counts, &rows, &ropes, &tables, x, &journal, s);
     }
     if s.keep_hidden {
         // Every row's hidden state after the final norm, for a drafter that reads it (MTP).
@@ -390,7 +390,8 @@ pub(super) fn block(
     kvs: &mut [&mut KvCache],
     counts: &[usize],
     rows: &[(usize, usize)],
-    (ropes, tables): (&[Rope], &[Vec<(f32, f32)>]),
+    ropes: &[Rope],
+    tables: &[Vec<(f32, f32)>],
     x: &mut [f32],
     journal: &[bool],
     s: &mut Scratch,

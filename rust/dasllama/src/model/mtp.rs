@@ -93,7 +93,13 @@ impl MtpHead {
         if config.nextn.is_empty() {
             return Ok(Err(format!("it declares no MTP layers ({arch}.nextn_predict_layers is missing or 0)")));
         }
-        let theirs = [("width", config.dim), ("heads", config.n_heads), ("K/V heads", config.n_kv_heads), ("head size", config.head_dim), ("trunk blocks", config.n_layers)];
+        let theirs = [
+            ("width", config.dim),
+            ("heads", config.n_heads),
+            ("K/V heads", config.n_kv_heads),
+            ("head size", config.head_dim),
+            ("trunk blocks", config.n_layers),
+        ];
         let ours = [tc.dim, tc.n_heads, tc.n_kv_heads, tc.head_dim, tc.n_layers];
         for ((what, a), b) in theirs.iter().zip(ours) {
             if *a != b {
@@ -191,7 +197,7 @@ pub fn forward(
         }
         x.resize(n * d, 0.0);
         b.matmul(&mut [(&head.eh_proj, &mut x[..])], cat, counts);
-        block(m, b, &head.desc, &head.layer, 0, kvs, counts, &rows, (&ropes, &tables), x, &vec![false; counts.len()], s);
+        block(m, b, &head.desc, &head.layer, 0, kvs, counts, &rows, &ropes, &tables, x, &vec![false; counts.len()], s);
         let picked = want.picked(counts);
         hidden_out.clear();
         for &r in &picked {
