@@ -1,10 +1,10 @@
-"""Write tests/golden/families/qwen35-mtp.json: llama.cpp's top-5 log-probabilities of the MTP
-head of the synthetic qwen35 model with an MTP block (tests/synthetic.py, ``write_family(...,
-mtp=True)``), for tests/test_mtp.py.
+"""Write tests/golden/families/<family>-mtp.json: llama.cpp's top-5 log-probabilities of the MTP
+head of a synthetic hybrid model with an MTP block (tests/synthetic.py, ``write_family(...,
+mtp=True)``; qwen35 and qwen3next), for tests/test_mtp.py.
 
 Run with the llama-cpp-python 0.3.36 environment (see scripts/make_family_goldens.py):
 
-    /work/llamacpp-venv/bin/python scripts/make_mtp_golden.py
+    /work/llamacpp-venv/bin/python scripts/make_mtp_golden.py [qwen35 qwen3next]
 
 For each case the trunk runs the ids one token per decode call in a context with embeddings on
 (pooling none), which gives its hidden state after the final norm at every position (what
@@ -38,9 +38,14 @@ from synthetic import family_cases, write_family  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "tests" / "golden" / "families" / "qwen35-mtp.json"))
+    ap.add_argument("families", nargs="*", default=["qwen35", "qwen3next"])
+    ap.add_argument("--out", default=str(ROOT / "tests" / "golden" / "families"))
     args = ap.parse_args()
+    for name in args.families:
+        golden(name, Path(args.out) / f"{name}-mtp.json")
 
+
+def golden(name: str, out: Path) -> None:
     from importlib.metadata import version
 
     import llama_cpp
@@ -48,8 +53,8 @@ def main() -> None:
 
     L.llama_backend_init()
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "qwen35-mtp.gguf"
-        write_family(path, "qwen35", mtp=True)
+        path = Path(tmp) / f"{name}-mtp.gguf"
+        write_family(path, name, mtp=True)
         mp = L.llama_model_default_params()
         mp.load_mtp = True
         model = L.llama_model_load_from_file(str(path).encode(), mp)
@@ -73,7 +78,7 @@ def main() -> None:
             return ctx
 
         rows = []
-        for ids in family_cases("qwen35"):
+        for ids in family_cases(name):
             trunk, head = context(False), context(True)
             hidden = np.zeros((len(ids), n_embd), np.float32)
             for p, t in enumerate(ids):
@@ -102,7 +107,7 @@ def main() -> None:
             L.llama_free(head)
             rows.append({"ids": ids, "steps": top5(np.array(logits))})
         doc = {
-            "family": "qwen35",
+            "family": name,
             "mtp": True,
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "made_with": {"llama_cpp_python": llama_cpp.__version__, "gguf": version("gguf"), "numpy": np.__version__},
@@ -111,9 +116,9 @@ def main() -> None:
             "cases": rows,
         }
         L.llama_model_free(model)
-    Path(args.out).write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
+    out.write_text(json.dumps(doc, indent=None, separators=(",", ":")) + "\n")
     gaps = [s["top"][0][1] - s["top"][1][1] for c in rows for s in c["steps"]]
-    print(f"qwen35 MTP head: {len(gaps)} rows, median top-1 lead {np.median(gaps):.3f}")
+    print(f"{name} MTP head: {len(gaps)} rows, median top-1 lead {np.median(gaps):.3f}")
 
 
 if __name__ == "__main__":

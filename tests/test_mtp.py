@@ -1,5 +1,5 @@
-"""MTP heads and speculation on DeltaNet hybrids: the head's logits on a synthetic qwen35 file with
-an MTP block are llama.cpp's within 0.15 nats; a sidecar holds the same head; greedy (and seeded)
+"""MTP heads and speculation on DeltaNet hybrids: the head's logits on synthetic qwen35 and
+qwen3next files with an MTP block are llama.cpp's within 0.15 nats; a sidecar holds the same head; greedy (and seeded)
 output with MTP or n-gram speculation on a hybrid is token for token the output without it, at 1,
 4 and 16 streams, while the recurrent state is rolled back after partial acceptances and many
 rejections (checked against each stream's length after every step); sidecars made for another
@@ -19,7 +19,7 @@ from dasllama import _native
 from dasllama.speculative import configure
 from synthetic import FAMILIES, write_family, write_model
 
-GOLDEN = Path(__file__).parent / "golden" / "families" / "qwen35-mtp.json"
+GOLDEN = Path(__file__).parent / "golden" / "families"
 HYBRIDS = sorted(n for n in FAMILIES if "hybrid" in FAMILIES[n])
 
 
@@ -36,6 +36,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def with_head(files: dict[str, Path]) -> dl.Model:
     return dl.load_model(files["in_file"])
+
+
+@pytest.fixture(scope="module")
+def headed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dl.Model]:
+    """Each hybrid family's synthetic file with an MTP block, loaded."""
+    d = tmp_path_factory.mktemp("headed")
+    for name in HYBRIDS:
+        write_family(d / f"{name}-mtp.gguf", name, mtp=True)
+    return {name: dl.load_model(d / f"{name}-mtp.gguf") for name in HYBRIDS}
 
 
 def own_head(m: dl.Model) -> _native.Drafter:
@@ -59,16 +68,18 @@ def test_the_head_is_loaded_and_not_run_in_the_trunk(with_head: dl.Model, files:
     np.testing.assert_array_equal(dl.eval_all(with_head, dl.create_session(with_head), ids), dl.eval_all(plain, dl.create_session(plain), ids))
 
 
-def test_head_logits_within_015_of_llamacpp(with_head: dl.Model, files: dict[str, Path]) -> None:
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_head_logits_within_015_of_llamacpp(headed: dict[str, dl.Model], name: str) -> None:
     import json
 
-    doc = json.loads(GOLDEN.read_text())
-    assert doc["sha256"] == hashlib.sha256(files["in_file"].read_bytes()).hexdigest(), "the synthetic file differs from the one llama.cpp ran"
-    head = own_head(with_head)
+    m = headed[name]
+    doc = json.loads((GOLDEN / f"{name}-mtp.json").read_text())
+    assert doc["sha256"] == hashlib.sha256(m.path.read_bytes()).hexdigest(), "the synthetic file differs from the one llama.cpp ran"
+    head = own_head(m)
     worst, rows = 0.0, 0
     for case in doc["cases"]:
-        lp = log_softmax(_native.mtp_head_logits(with_head._native, head, case["ids"]))
-        assert lp.shape == (len(case["ids"]) - 1, with_head.n_vocab)
+        lp = log_softmax(_native.mtp_head_logits(m._native, head, case["ids"]))
+        assert lp.shape == (len(case["ids"]) - 1, m.n_vocab)
         for i, step in enumerate(case["steps"]):
             top = step["top"]
             for t, v in top:
@@ -133,15 +144,16 @@ def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[1] + [int(t) for t in rng.integers(3, 267, size=int(rng.integers(3, 20)))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("streams", [1, 4, 16])
-def test_mtp_greedy_output_is_unchanged(with_head: dl.Model, streams: int) -> None:
+@pytest.mark.parametrize(("name", "streams"), [("qwen35", 1), ("qwen35", 4), ("qwen35", 16), ("qwen3next", 4)])
+def test_mtp_greedy_output_is_unchanged(headed: dict[str, dl.Model], name: str, streams: int) -> None:
+    m = headed[name]
     prompts = random_prompts(16 if streams == 16 else 6)
-    want, _ = run(with_head, prompts, streams, mtp=False)
+    want, _ = run(m, prompts, streams, mtp=False)
     # The file's own head drafts (nothing attached); a random model's head is nearly always
     # wrong, so almost every verify chunk rolls the recurrent state back to its first row.
-    assert dl.drafter_kind(with_head) is None
+    assert dl.drafter_kind(m) is None
     for fixed in (None, 3):
-        got, stats = run(with_head, prompts, streams, mtp=True, fixed=fixed, page_rows=16 if fixed else 0)
+        got, stats = run(m, prompts, streams, mtp=True, fixed=fixed, page_rows=16 if fixed else 0)
         assert got == want, fixed
     assert stats["spec_drafted"] > 2 * stats["spec_verifies"] > 20 and stats["spec_accepted"] < stats["spec_drafted"], stats
 

@@ -29,10 +29,11 @@ impl MtpStream {
         MtpStream { kv: head.new_kv(m), pending: Vec::new() }
     }
 
-    /// Whether the head's K/V and the hidden states waiting cover exactly `ctx` positions (a
-    /// stream whose hidden states were not all seen cannot draft with the head).
+    /// Whether the head's K/V and the hidden states waiting cover exactly `ctx` positions, the
+    /// last still waiting for the stream's next token (a stream whose hidden states were not all
+    /// seen cannot draft with the head).
     pub fn covers(&self, ctx: usize, dim: usize) -> bool {
-        self.kv.len() + self.pending.len() / dim == ctx
+        !self.pending.is_empty() && self.kv.len() + self.pending.len() / dim == ctx
     }
 }
 
