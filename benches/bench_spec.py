@@ -3,7 +3,14 @@ interleaved: single-stream decode tokens/s with n-gram prompt lookup on input-gr
 (summarise, rewrite, extract, edit code) and on open-ended chat; a Q4_0 draft model for its F16
 and Q8_0 originals; 4 and 16 streams end to end. Prints acceptance and the pass cost the policy measured.
 
-    python benches/bench_spec.py [--runs 3] [--max-new 128] [--only ngram,draft,batch]
+    python benches/bench_spec.py [--runs 3] [--max-new 128] [--only ngram,draft,batch,mtp]
+
+`mtp` runs the MTP head of a synthetic qwen35 hybrid (tests/synthetic.py: 4 layers of width 256,
+random weights, an MTP block after them). Its drafts are right by chance only, so acceptance
+there says nothing about a real model's: those rows measure what the machinery costs where
+drafts fail, the head's passes plus the verify rows plus replaying the DeltaNet state back to the
+accepted row, under the adaptive policy (which should back off to about plain speed) and with
+3 drafts forced every step (the full price).
 
 The F16 and Q8_0 targets and the Q4_0 draft are made once from SmolLM2's Q4_1 file (dequantized,
 then written as F16 or requantized with gguf-py) and cached beside it.
@@ -14,6 +21,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,11 +95,13 @@ def run(m: dl.Model, sch: dl.Scheduler, prompts: list[list[int]], max_new: int) 
 IDS = itertools.count()
 
 
-def compare(label: str, m: dl.Model, prompts: list[list[int]], streams: int, max_new: int, runs: int, key: str, bar: tqdm) -> list[str]:
+def compare(label: str, m: dl.Model, prompts: list[list[int]], streams: int, max_new: int, runs: int, key: str, bar: tqdm, fixed: int | None = None) -> list[str]:
     # One long-lived scheduler per mode, as a server has: what speculation measures about the
     # machine (pass cost, acceptance, the guard) carries over from run to run, as it does there.
     # A warm-up run each, not counted.
     plain, spec_sch = (dl.create_scheduler(m, max_streams=streams, max_queue=len(prompts), page_rows=16, mtp=mtp) for mtp in (False, True))
+    if fixed is not None:
+        dl.fix_draft_len(spec_sch, fixed)
     run(m, plain, prompts, max_new)
     run(m, spec_sch, prompts, max_new)
     base, spec = [], []
@@ -152,13 +163,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--only", default="ngram,draft,batch")
+    ap.add_argument("--only", default="ngram,draft,batch,mtp")
     args = ap.parse_args()
     only = set(args.only.split(","))
     src = Path(dl.fetch("smollm2-135m-instruct"))
     m = dl.load_model(src)
     grounded, open_ = [chat_ids(m, t) for t in GROUNDED], [chat_ids(m, t) for t in OPEN]
-    jobs = 4 * ("ngram" in only) + 4 * ("batch" in only) + 4 * ("draft" in only)
+    jobs = 4 * ("ngram" in only) + 4 * ("batch" in only) + 4 * ("draft" in only) + 6 * ("mtp" in only)
     rows = []
     with tqdm(total=jobs * args.runs, desc="bench_spec", unit="run") as bar:
         if "ngram" in only:
@@ -178,6 +189,19 @@ def main() -> None:
                 dl.attach_draft_model(target, draft)
                 prompts = [chat_ids(target, t) for t in GROUNDED + OPEN]
                 rows.append(single_stream(f"Q4_0 draft for {qt.name}", target, prompts, args.max_new, args.runs, bar))
+        if "mtp" in only:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            from synthetic import write_family
+
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "qwen35-mtp.gguf"
+                write_family(path, "qwen35", mtp=True, meta={"context_length": 512})
+                hy = dl.load_model(path)
+                rng = np.random.default_rng(0)
+                ps = [[1] + [int(t) for t in rng.integers(3, 267, size=40)] for _ in range(8)]
+                rows.append(compare("MTP head, synthetic qwen35 (random)", hy, ps[:4], 1, args.max_new, args.runs, "decode", bar))
+                rows.append(compare("  same, 3 drafts forced", hy, ps[:4], 1, args.max_new, args.runs, "decode", bar, fixed=3))
+                rows.append(compare("  same, 3 drafts forced (end to end)", hy, ps, 4, args.max_new, args.runs, "e2e", bar, fixed=3))
     head = ["case", "streams", "plain tok/s", "spec tok/s", "speedup", "accepted", "pass cost ms (a + b/row)"]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, ["-" * w for w in widths], *rows]:

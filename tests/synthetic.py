@@ -353,12 +353,25 @@ def _k_blocks(rows: int, cols: int, qt: QT, std: float, rng: np.random.Generator
 
 
 def write_family(
-    path: Path, name: str, drop: str | None = None, meta: dict[str, Any] | None = None, replace: dict[str, np.ndarray] | None = None, extra: dict[str, np.ndarray] | None = None
+    path: Path,
+    name: str,
+    drop: str | None = None,
+    meta: dict[str, Any] | None = None,
+    replace: dict[str, np.ndarray] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
+    mtp: bool | Path = False,
 ) -> dict[str, np.ndarray]:
     """Write family ``name`` of ``FAMILIES`` deterministically (the same bytes on every call with
     the same gguf and numpy); return the exact weights (numpy order: rows x cols). ``drop`` leaves
     a tensor out, ``meta`` overrides ``<arch>.`` keys (None drops one), ``replace`` writes given
-    values in place of a tensor and ``extra`` adds tensors (bad-input tests)."""
+    values in place of a tensor and ``extra`` adds tensors (bad-input tests).
+
+    ``mtp`` (hybrid families): True adds an MTP head after the trunk (block ``layers``: gated
+    attention and the family's FFN, ``nextn.eh_proj``, ``enorm``, ``hnorm`` and
+    ``shared_head_norm``; ``nextn_predict_layers`` 1, counted in ``block_count``), as llama.cpp's
+    converter writes Qwen3.5; a path writes the same head to that sidecar file instead (its
+    metadata the model's plus the MTP keys; ``meta``, ``drop`` and ``extra`` then apply to the
+    sidecar) and leaves the model file as without ``mtp``."""
     f = FAMILIES[name]
     arch, heads, kvh, hd = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
     layers = f.get("layers", LAYERS)
@@ -378,20 +391,27 @@ def write_family(
         "rope.freq_base": 10000.0,
     }
     keys.update(f.get("meta", {}))
-    keys.update(meta or {})
+    sidecar = isinstance(mtp, Path)
+    mtp_keys = {"block_count": layers + 1, "nextn_predict_layers": 1}
+    if mtp is True:
+        keys.update(mtp_keys)
+    side_keys = {**keys, **mtp_keys, **(meta or {})}
+    if not sidecar:
+        keys.update(meta or {})
     _add_keys(w, arch, keys)
     _write_vocab(w)
     weights: dict[str, np.ndarray] = {}
     count = [0]
+    out = [w]
 
     def put(name: str, data: np.ndarray, kind: QT | None = None) -> None:
         if name == drop:
             return
         data = replace.get(name, data) if replace else data
         if kind is not None and data.dtype == np.uint8:
-            w.add_tensor(name, data, raw_dtype=kind)
+            out[0].add_tensor(name, data, raw_dtype=kind)
         else:
-            w.add_tensor(name, data)
+            out[0].add_tensor(name, data)
 
     def mat(name: str, rows: int, cols: int, scale: float = 0.08, kind: QT | None = None) -> None:
         if kind is None:
@@ -505,12 +525,33 @@ def write_family(
     vec("output_norm.weight", DIM)
     if f.get("output"):
         mat("output.weight", len(VOCAB), DIM, *f["output"])
+    if mtp is not False:
+        if sidecar:
+            sw = GGUFWriter(str(mtp), arch)
+            _add_keys(sw, arch, side_keys)
+            _write_vocab(sw)
+            out[0] = sw
+        p = f"blk.{layers}."
+        vec(p + "attn_norm.weight", DIM)
+        mat(p + "attn_q.weight", 2 * qd, DIM)
+        mat(p + "attn_k.weight", kvd, DIM)
+        mat(p + "attn_v.weight", kvd, DIM)
+        vec(p + "attn_q_norm.weight", hd)
+        vec(p + "attn_k_norm.weight", hd)
+        mat(p + "attn_output.weight", DIM, qd)
+        vec(p + "post_attention_norm.weight", DIM)
+        _ffn(f, p, mat, stack, vec)
+        mat(p + "nextn.eh_proj.weight", DIM, 2 * DIM)
+        vec(p + "nextn.enorm.weight", DIM)
+        vec(p + "nextn.hnorm.weight", DIM)
+        vec(p + "nextn.shared_head_norm.weight", DIM)
     for tname, t in (extra or {}).items():
-        w.add_tensor(tname, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        out[0].add_tensor(tname, t)
+    for wr in {id(x): x for x in (w, out[0])}.values():
+        wr.write_header_to_file()
+        wr.write_kv_data_to_file()
+        wr.write_tensors_to_file()
+        wr.close()
     return weights
 
 

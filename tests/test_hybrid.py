@@ -2,11 +2,10 @@
 session and per stream, carried by eval, eval_batch and the scheduler; batched, chunked (down to
 7 tokens) and paged runs at 1-8 streams give each stream the tokens it gets alone; the prefix
 cache refuses a hybrid (and says so in the stats) instead of attaching K/V without the state;
-speculation is off for a hybrid, with the reason; `gpu_dn_room` is a no-op on the CPU."""
+a hybrid speculates (its state rolls back by replay) but cannot be a draft model; `gpu_dn_room`
+is a no-op on the CPU."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,16 +107,16 @@ def test_second_round_of_shared_prompts_prefills_whole(hybrid: dl.Model) -> None
     assert dl.scheduler_stats(sch)["prefix_refused"] == 8
 
 
-def test_speculation_is_off_for_hybrids(hybrid: dl.Model, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_hybrid_speculates(hybrid: dl.Model) -> None:
+    # A verify chunk's rejected rows are taken back by replaying the DeltaNet state over the
+    # accepted ones (tests/test_mtp.py checks the tokens); only as a draft model is a hybrid refused.
     from dasllama.speculative import configure, no_speculation
 
-    why = no_speculation(hybrid)
-    assert why is not None and "recurrent (DeltaNet) layers" in why
-    assert not dl.attach_ngram_drafter(hybrid) and not dl.mtp_capable(hybrid)
-    assert "cannot be rolled back past a rejected draft" in caplog.text
-    assert configure(hybrid, "auto").startswith("off: ")
-    with pytest.raises(ValueError, match=r"speculation \(ngram\) is not available: .*recurrent \(DeltaNet\) layers"):
-        configure(hybrid, "ngram")
+    assert no_speculation(hybrid) is None
+    assert dl.attach_ngram_drafter(hybrid) and dl.mtp_capable(hybrid)
+    assert configure(hybrid, "auto").startswith("n-gram")
+    dl.detach_drafter(hybrid)
+    assert not dl.mtp_capable(hybrid)
 
 
 def test_gpu_dn_room_is_a_noop_on_the_cpu(hybrid: dl.Model) -> None:
@@ -133,8 +132,10 @@ def test_gpu_dn_room_is_a_noop_on_the_cpu(hybrid: dl.Model) -> None:
         dl.gpu_dn_room(-1)
 
 
-def test_native_scheduler_refuses_a_drafter_for_a_hybrid(hybrid: dl.Model, tmp_path: Path) -> None:
+def test_native_scheduler_refuses_a_hybrid_draft_model(hybrid: dl.Model) -> None:
     from dasllama import _native
 
-    with pytest.raises(ValueError, match="recurrent \\(DeltaNet\\) layers, whose state cannot be rolled back"):
-        _native.create_scheduler(hybrid._native, 2, 8, 64, 0, 0, "f16", _native.ngram_drafter(4))
+    drafter, why = _native.model_drafter(hybrid._native, hybrid._native, 4)
+    assert drafter is not None, why
+    with pytest.raises(ValueError, match="draft model has recurrent \\(DeltaNet\\) layers"):
+        _native.create_scheduler(hybrid._native, 2, 8, 64, 0, 0, "f16", drafter)

@@ -70,20 +70,21 @@ def create_scheduler(
     """A scheduler of ``max_streams`` concurrent streams over ``m``. ``page_rows > 0`` gives them a
     paged pool and a prefix cache (of at most ``prefix_groups`` pages; 0: as the pool allows):
     a finished stream donates its full pages and a new request attaches the longest cached prefix.
-    ``mtp=True`` speculates with the drafter attached to ``m`` (see :mod:`dasllama.speculative`;
-    ``mtp_capable(m)`` says whether one is): output is the same, decoding faster where drafts
+    ``mtp=True`` speculates with the drafter attached to ``m``, else with the MTP head its file
+    carries (see :mod:`dasllama.speculative`; ``mtp_capable(m)`` says whether one is): output is the same, decoding faster where drafts
     are accepted."""
     codec = check_kv_dtype(kv_dtype)
     if page_rows < 0 or prefix_groups < 0:
         raise ValueError("page_rows and prefix_groups must be >= 0")
-    if mtp and m._drafter is None:
+    # Without an attached drafter, the MTP head of the model's own file drafts, if it has one.
+    drafter = (m._drafter or _native.own_mtp_drafter(m._native, 8)) if mtp else None
+    if mtp and drafter is None:
         raise ValueError(
             "mtp=True needs a drafter attached to the model: attach_ngram_drafter(m), attach_draft_model(m, draft) "
             "or attach_mtp_drafter(m, path); mtp_capable(m) says whether one is"
         )
     if max_streams < 1 or chunk_tokens < 1 or max_queue < 0:
         raise ValueError("max_streams and chunk_tokens must be at least 1, max_queue at least 0")
-    drafter = m._drafter if mtp else None
     return _native.create_scheduler(m._native, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec, drafter)
 
 

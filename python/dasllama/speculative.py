@@ -7,6 +7,10 @@ acceptance, and what an extra row costs at the current batch)::
     attach_ngram_drafter(m)                       # prompt lookup: no extra model
     sch = create_scheduler(m, 4, mtp=mtp_capable(m))
 
+A model whose file carries an MTP head (Qwen3.5, Qwen3-Next: ``<arch>.nextn_predict_layers``)
+drafts with it when no other drafter is attached; ``attach_mtp_drafter(m, path)`` attaches the
+head in a sidecar file instead.
+
 Output does not depend on speculation: the target verifies each draft by sampling from its own
 logits for that position with the stream's own sampler, so greedy and seeded streams produce
 exactly the tokens they produce without a drafter.
@@ -29,11 +33,9 @@ MAX_DRAFT = 32
 
 
 def no_speculation(m: Model) -> str | None:
-    """Why ``m`` cannot speculate, or None when it can: a hybrid's recurrent (DeltaNet) layers
-    hold every position in one state that cannot be rolled back past a rejected draft (K/V is
-    rolled back by truncation), so hybrids decode without drafts."""
-    if m.config.get("recurrent_layers", 0):
-        return f"{m.path.name} ({m.arch}) has recurrent (DeltaNet) layers, whose state cannot be rolled back past a rejected draft"
+    """Why ``m`` cannot speculate, or None when it can. Every family can: K/V rolls back by
+    truncation, and a hybrid's recurrent (DeltaNet) state by replaying the accepted rows of the
+    verify chunk. (A hybrid cannot be a *draft model*: see :func:`attach_draft_model`.)"""
     return None
 
 
@@ -52,11 +54,12 @@ def attach_ngram_drafter(m: Model, max_draft: int = 8) -> bool:
 def attach_draft_model(m: Model, draft: Model, max_draft: int = 8) -> bool:
     """Draft with a smaller model (or a coarser quantization of the same one) that shares ``m``'s
     vocabulary; it decodes greedily, batched across streams. False, with the reason logged and
-    nothing attached, when its vocabulary differs or either model is a hybrid (:func:`no_speculation`)."""
+    nothing attached, when its vocabulary differs or the draft is a hybrid (its DeltaNet state
+    goes back over its last pass only, and a draft model takes a pass per draft)."""
     if not isinstance(draft, Model):
         raise TypeError(f"draft must be a dasllama Model (from load_model), not {type(draft).__name__}")
-    if why := no_speculation(m) or no_speculation(draft):
-        log.warning("not speculating: %s", why)
+    if draft.config.get("recurrent_layers", 0):
+        log.warning("not speculating: the draft model %s (%s) has recurrent (DeltaNet) layers, which cannot draft", draft.path.name, draft.arch)
         return False
     drafter, why = _native.model_drafter(m._native, draft._native, _check_max_draft(max_draft))
     if drafter is None:
@@ -76,19 +79,41 @@ def mtp_drafter_sidecar(path: str | os.PathLike[str]) -> str:
     return ""
 
 
-def attach_mtp_drafter(m: Model, path: str | os.PathLike[str]) -> bool:
-    """Attach the MTP (NextN) head in ``path``. False, with the reason logged, when the file is
-    not an MTP sidecar for ``m`` or when ``m``'s family has no MTP head in this build."""
+def attach_mtp_drafter(m: Model, path: str | os.PathLike[str] | None = None, max_draft: int = 8) -> bool:
+    """Attach an MTP (NextN) head: the one in the sidecar ``path`` (``mtp_drafter_sidecar``
+    finds it beside the model), or with ``path=None`` the one ``m``'s own file carries. It drafts
+    by chaining: the next token's draft from the trunk's last hidden state, each further one from
+    the head's own. False, with the reason logged and nothing attached, when the file holds no MTP
+    head or was made for another model (architecture, width, attention shape, vocabulary)."""
+    _check_max_draft(max_draft)
+    if path is None:
+        drafter = _native.own_mtp_drafter(m._native, max_draft)
+        if drafter is None:
+            log.warning("not attaching an MTP head: %s carries none (%s.nextn_predict_layers and blk.N.nextn.* tensors)", m.path.name, m.arch)
+            return False
+        m._drafter = drafter
+        return True
     hdr = read_header(path)
-    arch = str(hdr.metadata.get("general.architecture", ""))
-    layers = hdr.metadata.get(f"{arch}.nextn_predict_layers")
-    if not layers or not any(".nextn." in t.name for t in hdr.tensors):
-        why = f"{path} holds no MTP layers ({arch}.nextn_predict_layers and blk.N.nextn.* tensors)"
-    elif arch != m.arch or hdr.metadata.get(f"{arch}.embedding_length") != m.config.get("dim"):
-        why = f"{path} was made for another model ({arch}, width {hdr.metadata.get(f'{arch}.embedding_length')}) than {m.path.name} ({m.arch}, width {m.config.get('dim')})"
+    meta = hdr.metadata
+    arch = str(meta.get("general.architecture", ""))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    why = None
+    if not meta.get(f"{arch}.nextn_predict_layers") or not any(".nextn." in t.name for t in hdr.tensors):
+        why = f"it holds no MTP layers ({arch}.nextn_predict_layers and blk.N.nextn.* tensors)"
+    elif arch != m.arch:
+        why = f"it was made for a {arch} model, and {m.path.name} is {m.arch}"
+    elif tokens is not None and len(tokens) != m.n_vocab:
+        why = f"its vocabulary has {len(tokens)} tokens, and {m.path.name}'s has {m.n_vocab}"
     else:
-        why = f"MTP heads are not implemented for the {m.arch} family in this build; use attach_ngram_drafter or attach_draft_model"
-    log.warning("not attaching %s: %s", path, why)
+        from .model import _arch_meta
+
+        tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
+        drafter, reason = _native.sidecar_mtp_drafter(m._native, str(path), arch, _arch_meta(meta, arch), tensors, max_draft)
+        if drafter is not None:
+            m._drafter = drafter
+            return True
+        why = reason
+    log.warning("not attaching %s to %s: %s", path, m.path.name, why)
     return False
 
 
@@ -106,12 +131,13 @@ def detach_drafter(m: Model) -> None:
 
 
 def mtp_capable(m: Model) -> bool:
-    """Whether a drafter is attached, so that ``create_scheduler(m, ..., mtp=True)`` speculates."""
-    return m._drafter is not None
+    """Whether ``create_scheduler(m, ..., mtp=True)`` speculates: a drafter is attached, or the
+    model's file carries an MTP head (which drafts when nothing else is attached)."""
+    return m._drafter is not None or bool(m.config.get("mtp_layers", 0))
 
 
 def drafter_kind(m: Model) -> str | None:
-    """"ngram", "draft", or None when no drafter is attached."""
+    """"ngram", "draft", "mtp", or None when no drafter is attached."""
     return None if m._drafter is None else m._drafter.kind
 
 
@@ -120,8 +146,9 @@ SPEC_MODES = ("auto", "off", "ngram", "draft", "mtp")
 
 def configure(m: Model, mode: str = "auto", draft: Model | None = None, max_draft: int = 8) -> str:
     """Attach the drafter ``mode`` asks for and say in words what runs: "off", "ngram" (prompt
-    lookup), "draft" (``draft`` is required), "mtp" (the sidecar beside ``m``'s file), or "auto":
-    the draft model if one is given, else an MTP sidecar that attaches, else prompt lookup.
+    lookup), "draft" (``draft`` is required), "mtp" (the head in ``m``'s own file, else the
+    sidecar beside it), or "auto": the draft model if one is given, else an MTP head that
+    attaches, else prompt lookup.
     Raises ValueError when the drafter asked for cannot be attached."""
     if mode not in SPEC_MODES:
         raise ValueError(f"unknown speculation mode {mode!r} (use {', '.join(SPEC_MODES)})")
@@ -138,11 +165,13 @@ def configure(m: Model, mode: str = "auto", draft: Model | None = None, max_draf
         if not attach_draft_model(m, draft, max_draft):
             raise ValueError(f"{draft.path.name} cannot draft for {m.path.name}: their vocabularies differ (see the log)")
         return f"draft model {draft.path.name}, up to {max_draft} tokens"
+    if mode in ("mtp", "auto") and m.config.get("mtp_layers", 0) and attach_mtp_drafter(m, None, max_draft):
+        return f"MTP head in {m.path.name}, up to {max_draft} tokens"
     sidecar = mtp_drafter_sidecar(m.path) if mode in ("mtp", "auto") else ""
     if mode == "mtp" and not sidecar:
-        raise ValueError(f"no MTP sidecar beside {m.path} (looked for mtp-{m.path.stem}-Q8_0.gguf and mtp-{m.path.stem}.gguf)")
-    if sidecar and attach_mtp_drafter(m, sidecar):
-        return f"MTP head {Path(sidecar).name}"
+        raise ValueError(f"{m.path.name} carries no MTP head and there is no MTP sidecar beside it (looked for mtp-{m.path.stem}-Q8_0.gguf and mtp-{m.path.stem}.gguf)")
+    if sidecar and attach_mtp_drafter(m, sidecar, max_draft):
+        return f"MTP head {Path(sidecar).name}, up to {max_draft} tokens"
     if mode == "mtp":
         raise ValueError(f"the MTP sidecar {sidecar} cannot draft for {m.path.name} (see the log)")
     attach_ngram_drafter(m, max_draft)

@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     ap.add_argument("--prefix-cache-mb", type=float, default=256, help="memory the prefix cache may keep per model, in MiB")
     ap.add_argument("--numerics", default="fast", choices=["fast", "ggml"], help="ggml: logits bit for bit those of llama.cpp's AVX2 CPU build (slower; f16 KV only)")
     ap.add_argument("--max-prompt-bytes", type=int, default=0, help="refuse prompts longer than this many bytes before any tokenizer work (0: 16 per token of context)")
-    ap.add_argument("--spec", default="auto", choices=list(SPEC_MODES), help="speculative decoding: auto = a --model-draft if given, else an MTP sidecar beside the model, else n-gram prompt lookup")
+    ap.add_argument("--spec", default="auto", choices=list(SPEC_MODES), help="speculative decoding: auto = a --model-draft if given, else the model's MTP head (in its file, or a sidecar mtp-<stem>.gguf beside it), else n-gram prompt lookup")
     ap.add_argument("--model-draft", default=None, help="a draft model (path or known name) sharing the model's vocabulary, for --spec draft/auto")
     ap.add_argument("--spec-max", type=int, default=8, help=f"most tokens a stream drafts per step (1-{MAX_DRAFT}); fewer are drafted as the batch grows")
     ap.add_argument(

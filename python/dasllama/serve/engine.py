@@ -17,7 +17,7 @@ from typing import Any, Union
 from .. import gpu
 from .. import scheduler as sched
 from ..model import Model
-from ..speculative import mtp_capable
+from ..speculative import drafter_kind
 
 log = logging.getLogger("dasllama.serve")
 
@@ -79,7 +79,9 @@ class Engine:
             page_rows=page_rows,
             prefix_groups=groups,
             kv_dtype=sched.KVDtype(kv_dtype),
-            mtp=mtp_capable(m),
+            # What `speculative.configure` attached (--spec): with --spec off nothing is, and
+            # a file's own MTP head does not draft either.
+            mtp=drafter_kind(m) is not None,
         )
         if device_kv:
             # Every stream's K/V in a device region; a finished conversation's rows stay there

@@ -7,7 +7,8 @@
 
 use dasllama::embed::Pooling;
 use dasllama::kv::{KvCodec, KvPool, PoolStats};
-use dasllama::model::{Attention, MetaValue, Metadata, Mixer, Model, Numerics, QuantMode, TensorInfo};
+use dasllama::model::forward::LogitRows;
+use dasllama::model::{Attention, MetaValue, Metadata, Mixer, Model, MtpHead, Numerics, QuantMode, TensorInfo};
 use dasllama::sampling::SamplingParams;
 use dasllama::sched::{EventKind, Finish, Nothink, PendingReq, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
@@ -120,6 +121,8 @@ impl PyModel {
             .collect();
         // Hybrids: how many layers keep a recurrent (DeltaNet) state instead of K/V.
         d.set_item("recurrent_layers", c.rec_layers().len())?;
+        // MTP (NextN) blocks the file carries with their tensors (0: none, or not loaded).
+        d.set_item("mtp_layers", usize::from(self.inner.mtp.is_some()))?;
         // The global layers' base; the widest window of the sliding ones (0: none slide).
         d.set_item("rope_freq_base", attn.iter().find(|a| a.window == 0).or(attn.first()).map_or(0.0, |a| a.rope.base))?;
         d.set_item("sliding_window", attn.iter().map(|a| a.window).max().unwrap_or(0))?;
@@ -620,7 +623,7 @@ struct PyDrafter {
 
 #[pymethods]
 impl PyDrafter {
-    /// "ngram" (prompt lookup) or "draft" (a draft model).
+    /// "ngram" (prompt lookup), "draft" (a draft model) or "mtp" (an MTP head).
     #[getter]
     fn kind(&self) -> &'static str {
         self.inner.kind()
@@ -649,6 +652,76 @@ fn model_drafter(m: &PyModel, draft: &PyModel, max_draft: usize) -> PyResult<(Op
         Ok(inner) => (Some(PyDrafter { inner }), String::new()),
         Err(why) => (None, why),
     })
+}
+
+/// The MTP head of `m`'s own file, as a drafter (None when the file has none).
+#[pyfunction]
+fn own_mtp_drafter(m: &PyModel, max_draft: usize) -> PyResult<Option<PyDrafter>> {
+    match &m.inner.mtp {
+        Some(head) => Ok(Some(PyDrafter { inner: Drafter::mtp(head.clone(), max_draft).map_err(map_err)? })),
+        None => Ok(None),
+    }
+}
+
+/// The MTP head in the sidecar `path` (its header as the Python loader read it) for `m`:
+/// (drafter, "") or (None, why it does not fit).
+#[allow(clippy::too_many_arguments)]
+#[pyfunction]
+fn sidecar_mtp_drafter(
+    py: Python<'_>,
+    m: &PyModel,
+    path: String,
+    arch: String,
+    meta: HashMap<String, PyMeta>,
+    tensors: Vec<(String, u32, Vec<u64>, u64)>,
+    max_draft: usize,
+) -> PyResult<(Option<PyDrafter>, String)> {
+    let meta = Metadata::new(&arch, meta.into_iter().map(|(k, v)| (k, v.into())).collect());
+    let tensors: Vec<TensorInfo> = tensors.into_iter().map(|(name, ty, shape, offset)| TensorInfo { name, ty, shape, offset }).collect();
+    let target = m.inner.clone();
+    let head = native(py, "loading an MTP sidecar", || MtpHead::sidecar(&target, std::path::Path::new(&path), &arch, &meta, &tensors))?;
+    Ok(match head {
+        Ok(head) => (Some(PyDrafter { inner: Drafter::mtp(head, max_draft).map_err(map_err)? }), String::new()),
+        Err(why) => (None, why),
+    })
+}
+
+/// The MTP head's logits over `ids` (rows x vocab): the trunk runs the ids, and row p of the
+/// head pairs the trunk's hidden state at p with ids[p + 1], at position p (what its K/V holds
+/// while drafting). For comparisons with llama.cpp.
+#[pyfunction]
+fn mtp_head_logits<'py>(py: Python<'py>, m: &PyModel, drafter: &PyDrafter, ids: Vec<u32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let Drafter::Mtp { head, .. } = &drafter.inner else {
+        return Err(PyValueError::new_err(format!("this drafter is {}, not an MTP head", drafter.inner.kind())));
+    };
+    if ids.len() < 2 {
+        return Err(PyValueError::new_err("the MTP head needs at least two ids: each row pairs a position with the token after it"));
+    }
+    let (model, head) = (m.inner.clone(), head.clone());
+    let v = model.config.vocab_size;
+    let logits = native(py, "running the MTP head", || {
+        let mut ws = BatchWorkspace::default();
+        ws.keep_hidden(true);
+        let mut s = Session::new(&model);
+        dasllama::session::eval_multi(&model, &mut ws, &mut [&mut s], &[ids.len()], &ids)?;
+        let hidden = ws.take_hidden();
+        let n = ids.len() - 1;
+        let d = model.config.dim;
+        let mut kv = head.new_kv(&model);
+        let (mut logits, mut out) = (Vec::new(), Vec::new());
+        let mut scratch = dasllama::model::mtp::MtpScratch::default();
+        dasllama::model::mtp::forward(&model, &head, &mut [&mut kv], &[n], &ids[1..], &hidden[..n * d], LogitRows::All, &mut scratch, &mut logits, &mut out)?;
+        Ok(logits)
+    })?;
+    let rows = logits.len() / v;
+    PyArray1::from_vec_bound(py, logits).reshape([rows, v])
+}
+
+/// Per live stream: (request id, context tokens, positions its session holds, positions the MTP
+/// head's K/V holds plus the hidden states waiting for it; -1 without a head). A test hook.
+#[pyfunction]
+fn scheduler_streams(sch: &PyScheduler) -> Vec<(i64, usize, usize, i64)> {
+    sch.inner.stream_positions()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -825,6 +898,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(embed, m)?)?;
     m.add_function(wrap_pyfunction!(fix_draft_len, m)?)?;
     m.add_function(wrap_pyfunction!(model_drafter, m)?)?;
+    m.add_function(wrap_pyfunction!(own_mtp_drafter, m)?)?;
+    m.add_function(wrap_pyfunction!(sidecar_mtp_drafter, m)?)?;
+    m.add_function(wrap_pyfunction!(mtp_head_logits, m)?)?;
+    m.add_function(wrap_pyfunction!(scheduler_streams, m)?)?;
     m.add_class::<PyDrafter>()?;
     m.add_function(wrap_pyfunction!(submit, m)?)?;
     m.add_function(wrap_pyfunction!(check_grammar, m)?)?;

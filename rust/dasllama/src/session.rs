@@ -60,11 +60,13 @@ impl Session {
         self.dev.as_ref().map_or(self.kv.len(), DevKv::len)
     }
 
-    /// Forget positions from `pos` on, wherever the K/V lives.
-    pub fn truncate(&mut self, pos: usize) {
+    /// Go back to position `pos`, wherever the K/V lives: K/V past it is forgotten, and a
+    /// hybrid's recurrent state replayed over the rows of its last pass it keeps (a hybrid goes
+    /// back no further than the start of its last pass: `KvCache::rewind_floor`).
+    pub fn rewind(&mut self, m: &Model, pos: usize) {
         match &mut self.dev {
             Some(d) => d.truncate(pos),
-            None => self.kv.truncate(pos),
+            None => crate::model::forward::rewind(m, &mut self.kv, pos),
         }
     }
 
@@ -107,6 +109,33 @@ pub struct BatchWorkspace {
     scratch: Scratch,
     /// Logits of the last step, one row of `vocab_size` per session.
     pub logits: Vec<f32>,
+}
+
+impl BatchWorkspace {
+    /// Keep every row's hidden state after the final norm (host passes), for an MTP head.
+    pub fn keep_hidden(&mut self, on: bool) {
+        self.scratch.keep_hidden = on;
+        if !on {
+            self.scratch.hidden = Vec::new();
+        }
+    }
+
+    /// The last pass's hidden states (rows of `dim` in batch order; empty unless kept), taken
+    /// out; `put_hidden` gives the buffer back.
+    pub fn take_hidden(&mut self) -> Vec<f32> {
+        if self.scratch.keep_hidden {
+            std::mem::take(&mut self.scratch.hidden)
+        } else {
+            Vec::new()
+        }
+    }
+
+    pub fn put_hidden(&mut self, mut h: Vec<f32>) {
+        if self.scratch.keep_hidden {
+            h.clear();
+            self.scratch.hidden = h;
+        }
+    }
 }
 
 /// Advance every session by one token (`tokens[i]` for `sessions[i]`) in one pass over the

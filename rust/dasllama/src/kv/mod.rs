@@ -326,7 +326,8 @@ pub struct KvCache {
 /// convolution's last inputs and every value head's state matrix, in f32. It has two copies: a
 /// pass reads the committed one and writes the other, and `commit` makes the written one current,
 /// so a pass that fails midway leaves the session as it was (as K/V rows past `len` do). Unlike
-/// K/V it cannot go back to an earlier position: it is the sum of every position so far.
+/// K/V it cannot go back to an earlier position by forgetting rows: it is the sum of every
+/// position so far. It goes back by replay instead (`Journal`).
 pub struct RecState {
     /// (conv, ssm) floats of each layer.
     sizes: Vec<(usize, usize)>,
@@ -335,6 +336,29 @@ pub struct RecState {
     ssm: Vec<[Vec<f32>; 2]>,
     /// The committed copy.
     cur: usize,
+    journal: Journal,
+}
+
+/// How a hybrid's session takes back rows of its last pass (a speculative verify chunk whose
+/// later drafts were rejected). Keeping a copy of the whole state after every row of the chunk
+/// would cost k+1 state copies a step (megabytes per layer on real models); instead the pass
+/// records each DeltaNet layer's raw inputs of those rows (the Q/K/V projection before the
+/// convolution, beta and alpha: a few thousand floats a row), and the state before the pass is
+/// still there, in the copy the pass did not write. Going back to m rows replays the recurrence
+/// over the first m recorded rows from that copy, with the very arithmetic of the pass (rows are
+/// computed alike however they are split into passes), so the result is the state plain
+/// decoding of those m rows would have left.
+#[derive(Default)]
+struct Journal {
+    /// The first recorded position, and how many rows from there can be replayed.
+    from: usize,
+    rows: usize,
+    /// Recorded by the pass now running (`commit` makes it the one to replay)...
+    fresh: bool,
+    /// ...and by the last committed pass: only then is the state before it the other copy.
+    valid: bool,
+    /// Per DeltaNet layer: rows of raw Q/K/V (conv_dim each), beta and alpha (n_v each).
+    layers: Vec<[Vec<f32>; 3]>,
 }
 
 /// One layer's recurrent state in a pass: the committed copy to read and the other to write.
@@ -402,7 +426,7 @@ impl KvCache {
     /// (none: a model of attention layers only). Allocated at the first pass, freed on release.
     pub fn with_recurrent(mut self, sizes: Vec<(usize, usize)>) -> Self {
         if !sizes.is_empty() {
-            self.rec = Some(RecState { sizes, conv: Vec::new(), ssm: Vec::new(), cur: 0 });
+            self.rec = Some(RecState { sizes, conv: Vec::new(), ssm: Vec::new(), cur: 0, journal: Journal::default() });
         }
         self
     }
@@ -427,6 +451,66 @@ impl KvCache {
         RecIo { conv_in: ci, conv_out: co, ssm_in: si, ssm_out: so }
     }
 
+    /// Record DeltaNet layer `slot`'s raw inputs of this pass's `rows` rows (see `Journal`), so
+    /// that the session can go back to any position inside them.
+    pub(crate) fn journal(&mut self, slot: usize, qkv: &[f32], beta: &[f32], alpha: &[f32], rows: usize) {
+        let len = self.len;
+        let r = self.rec.as_mut().expect("a DeltaNet layer's session keeps a recurrent state");
+        let j = &mut r.journal;
+        if !j.fresh {
+            j.fresh = true;
+            j.from = len;
+            j.rows = rows;
+            j.layers.resize_with(r.sizes.len(), Default::default);
+        }
+        for (v, src) in j.layers[slot].iter_mut().zip([qkv, beta, alpha]) {
+            v.clear();
+            v.extend_from_slice(src);
+        }
+    }
+
+    /// The earliest position this session can go back to: 0 for attention only, else the first
+    /// row its last pass recorded (its length if that pass recorded none).
+    pub fn rewind_floor(&self) -> usize {
+        match &self.rec {
+            None => 0,
+            Some(r) if r.journal.valid => r.journal.from,
+            Some(_) => self.len,
+        }
+    }
+
+    /// Go back to `pos` (at least `rewind_floor`): K/V past it is forgotten as by `truncate`, and
+    /// each DeltaNet layer's state is rebuilt from the state before the last pass by
+    /// `replay(slot, state, raw Q/K/V, beta, alpha, rows)` over the recorded rows it keeps.
+    pub(crate) fn rewind(&mut self, pos: usize, mut replay: impl FnMut(usize, RecIo<'_>, &[f32], &[f32], &[f32], usize)) {
+        if pos >= self.len {
+            return;
+        }
+        if let Some(r) = &mut self.rec {
+            let j = &mut r.journal;
+            assert!(j.valid && pos >= j.from, "a recurrent state cannot go back from position {} to {pos}: its last pass recorded no rows before it", self.len);
+            let keep = pos - j.from;
+            if keep == 0 {
+                // The state before the pass is the other copy: make it the committed one again.
+                r.cur ^= 1;
+            } else {
+                let cur = r.cur;
+                for slot in 0..r.sizes.len() {
+                    let [c0, c1] = &mut r.conv[slot];
+                    let [s0, s1] = &mut r.ssm[slot];
+                    // Read the copy before the pass, overwrite the committed one.
+                    let ((ci, co), (si, so)) = if cur == 0 { ((&*c1, c0), (&*s1, s0)) } else { ((&*c0, c1), (&*s0, s1)) };
+                    let [q, b, a] = &j.layers[slot];
+                    let (wq, wb) = (q.len() / j.rows, b.len() / j.rows);
+                    replay(slot, RecIo { conv_in: ci, conv_out: co, ssm_in: si, ssm_out: so }, &q[..keep * wq], &b[..keep * wb], &a[..keep * wb], keep);
+                }
+            }
+            j.rows = keep;
+        }
+        self.len = pos;
+        self.pages.truncate(pos.div_ceil(self.geo.page_rows));
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -447,6 +531,8 @@ impl KvCache {
     pub(crate) fn reserve(&mut self, positions: usize) -> Result<()> {
         if let Some(rec) = &mut self.rec {
             rec.grow();
+            // What a pass that failed midway recorded is not the next pass's.
+            rec.journal.fresh = false;
         }
         let r = self.geo.page_rows;
         while self.pages.len() * r < positions {
@@ -489,6 +575,8 @@ impl KvCache {
         if len > self.len {
             if let Some(r) = &mut self.rec {
                 r.cur ^= 1;
+                r.journal.valid = r.journal.fresh;
+                r.journal.fresh = false;
             }
         }
         self.len = len;
@@ -499,8 +587,8 @@ impl KvCache {
     }
 
     /// Forget positions from `pos` on (pages past it go back; a later write into a page still
-    /// shared is copied first). A recurrent state cannot go back, so a hybrid's session only
-    /// truncates at or past its length (callers never draft for one: `Scheduler::set_drafter`).
+    /// shared is copied first). A recurrent state cannot go back by forgetting rows, so a hybrid's
+    /// session only truncates at or past its length here (`model::forward::rewind` replays).
     pub fn truncate(&mut self, pos: usize) {
         assert!(self.rec.is_none() || pos >= self.len, "a recurrent state cannot go back from position {} to {pos}", self.len);
         self.len = self.len.min(pos);
@@ -513,6 +601,7 @@ impl KvCache {
         self.pages.clear();
         if let Some(r) = &mut self.rec {
             (r.conv, r.ssm) = (Vec::new(), Vec::new());
+            r.journal = Journal::default();
         }
     }
 }
@@ -574,5 +663,50 @@ mod tests {
         assert_eq!(pool.stats().pages_cached, 0);
         let mut c = KvCache::paged(&pool);
         assert!(c.reserve(1).is_err());
+    }
+
+    #[test]
+    fn a_recurrent_state_goes_back_by_replaying_the_last_pass() {
+        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16 };
+        let mut kv = KvCache::private(geo).with_recurrent(vec![(2, 3)]);
+        // Each pass writes its state as the copy it does not read; `committed` reads it back.
+        let pass = |kv: &mut KvCache, rows: usize, mark: f32, journal: bool| {
+            let len = kv.len();
+            kv.reserve(len + rows).unwrap();
+            let io = kv.rec_io(0);
+            io.conv_out.fill(mark);
+            io.ssm_out.fill(mark);
+            if journal {
+                let q: Vec<f32> = (0..rows * 4).map(|i| i as f32).collect();
+                let b: Vec<f32> = (0..rows).map(|i| 100.0 + i as f32).collect();
+                kv.journal(0, &q, &b, &b, rows);
+            }
+            kv.commit(len + rows);
+        };
+        let committed = |kv: &mut KvCache| {
+            let len = kv.len();
+            kv.reserve(len).unwrap();
+            let io = kv.rec_io(0);
+            (io.conv_in[0], io.ssm_in[0])
+        };
+        pass(&mut kv, 2, 1.0, false);
+        assert_eq!(kv.rewind_floor(), 2, "a pass that recorded nothing cannot be taken back");
+        pass(&mut kv, 3, 2.0, true);
+        assert_eq!((kv.rewind_floor(), committed(&mut kv)), (2, (2.0, 2.0)));
+        // Back to 4: the first 2 recorded rows replayed from the state before the pass.
+        let mut calls = 0;
+        kv.rewind(4, |slot, io, q, b, _a, rows| {
+            calls += 1;
+            assert_eq!((slot, rows, io.conv_in[0], io.ssm_in[0]), (0, 2, 1.0, 1.0));
+            assert_eq!((q, b), (&[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0][..], &[100.0, 101.0][..]));
+            io.conv_out.fill(3.0);
+            io.ssm_out.fill(3.0);
+        });
+        assert_eq!((calls, kv.len(), committed(&mut kv)), (1, 4, (3.0, 3.0)));
+        // Back to the pass's start: the state before it, nothing to replay.
+        kv.rewind(2, |_, _, _, _, _, _| panic!("nothing to replay"));
+        assert_eq!((kv.len(), committed(&mut kv), kv.rewind_floor()), (2, (1.0, 1.0), 2));
+        pass(&mut kv, 1, 4.0, false);
+        assert_eq!(kv.rewind_floor(), 3);
     }
 }

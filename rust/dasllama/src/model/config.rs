@@ -208,6 +208,9 @@ pub struct Config {
     /// `post_attention_norm` where the family names it so (qwen35, qwen3next).
     pub ffn_norm: &'static str,
     pub layers: Vec<LayerDesc>,
+    /// The MTP (NextN) blocks the file declares after the trunk's (`nextn_predict_layers`):
+    /// blocks n_layers.., which the forward pass does not run (`model::mtp`).
+    pub nextn: Vec<LayerDesc>,
 }
 
 impl Config {
@@ -391,6 +394,7 @@ pub(crate) fn base_config(m: &Metadata, arch: &str, layer: impl Fn(usize, &Share
         rope_factors: None,
         ffn_norm: "ffn_norm",
         layers: (0..n_layers).map(|il| layer(il, &shared)).collect(),
+        nextn: Vec::new(),
     })
 }
 

@@ -3,7 +3,7 @@
 //! activation rows and no kernel: every op goes through the backend boundary (`backend::Ops`).
 //! Multi-token calls (prefill, verify chunks, batches) run every matmul as one GEMM over all rows.
 
-use super::{BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model};
+use super::{BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model, Rope};
 use crate::backend::{Activation, MatmulOffload, Ops, RopeTable};
 use crate::cpu::backend::CpuOps;
 use crate::cpu::deltanet::DnParams;
@@ -32,6 +32,10 @@ pub struct Scratch {
     moe: MoeScratch,
     /// The backend's own buffer (the CPU's quantized activations).
     act: Vec<u8>,
+    /// Keep every row's hidden state after the final norm in `hidden` (rows of `dim`, in batch
+    /// order): what an MTP head reads beside the next token.
+    pub keep_hidden: bool,
+    pub hidden: Vec<f32>,
 }
 
 impl Scratch {
@@ -51,6 +55,8 @@ impl Scratch {
             dn: DnScratch { qkv: Vec::new(), z: Vec::new(), beta: Vec::new(), alpha: Vec::new(), ba: Vec::new(), out: Vec::new() },
             moe: MoeScratch { route: Vec::new(), rows: Vec::new(), x: Vec::new(), gate: Vec::new(), up: Vec::new(), out: Vec::new() },
             act: Vec::new(),
+            keep_hidden: false,
+            hidden: Vec::new(),
         }
     }
 }
@@ -75,6 +81,7 @@ fn delta_net(
     slot: usize,
     kvs: &mut [&mut KvCache],
     counts: &[usize],
+    journal: &[bool],
     h: &[f32],
     d: usize,
     eps: f32,
@@ -106,6 +113,14 @@ fn delta_net(
                 }
             }
         }
+    }
+    let mut first = 0;
+    for ((kv, &cnt), &rec) in kvs.iter_mut().zip(counts).zip(journal) {
+        if rec {
+            let r = first..first + cnt;
+            kv.journal(slot, &s.qkv[r.start * cd..r.end * cd], &s.beta[r.start * nv..r.end * nv], &s.alpha[r.start * nv..r.end * nv], cnt);
+        }
+        first += cnt;
     }
     let mut states: Vec<RecIo> = kvs.iter_mut().map(|kv| kv.rec_io(slot)).collect();
     let p = DnParams { conv: &w.conv, dt_bias: &w.dt_bias, a: &w.a };
@@ -215,7 +230,7 @@ impl LogitRows<'_> {
     }
 
     /// The batch rows that get logits, in order.
-    fn picked(self, counts: &[usize]) -> Vec<usize> {
+    pub(crate) fn picked(self, counts: &[usize]) -> Vec<usize> {
         let mut out = Vec::new();
         let mut end = 0;
         for (i, &cnt) in counts.iter().enumerate() {
@@ -310,7 +325,7 @@ fn forward_rows(
     for (si, (kv, &cnt)) in kvs.iter().zip(counts).enumerate() {
         rows.extend((0..cnt).map(|j| (si, kv.len() + j)));
     }
-    let (d, qd, kvd) = (c.dim, c.q_dim(), c.kv_dim());
+    let d = c.dim;
     let mut xbuf = std::mem::take(&mut s.x);
     let x = grow(&mut xbuf, n * d);
     for (t, &tok) in tokens.iter().enumerate() {
@@ -320,100 +335,19 @@ fn forward_rows(
             row.iter_mut().for_each(|v| *v *= sc);
         }
     }
-    // RoPE sines and cosines per row, once for every layer (one table per distinct RoPE).
     let ropes = c.ropes();
-    let mut tables: Vec<Vec<(f32, f32)>> = Vec::with_capacity(ropes.len());
-    let mut one = Vec::new();
-    for r in &ropes {
-        let mut tab = Vec::with_capacity(n * r.dim / 2);
-        for &(_, pos) in &rows {
-            ops::rope_cache(r.dim, pos, r.base, r.freq_scale, r.mscale, m.rope_factors.as_deref(), &mut one);
-            tab.extend_from_slice(&one);
-        }
-        tables.push(tab);
-    }
+    let tables = rope_tables(m, &ropes, &rows);
+    let journal: Vec<bool> = counts.iter().enumerate().map(|(i, &cnt)| want != LogitRows::Hidden && want.tail(i, cnt) > 1).collect();
     for (il, (l, desc)) in m.layers.iter().zip(&c.layers).enumerate() {
-        let LayerDesc { mixer, ffn, .. } = desc;
-        let h = grow(&mut s.h, n * d);
-        h.copy_from_slice(x);
-        b.rms_norm(h, &l.attn_norm, c.norm_eps);
-        match mixer {
-            Mixer::Attention(a) => {
-                let MixerWeights::Attention(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
-                let slot = c.kv_slot(il).expect("an attention layer has a K/V slot");
-                grow(&mut s.q, n * qd);
-                grow(&mut s.k, n * kvd);
-                grow(&mut s.v, n * kvd);
-                if a.gated {
-                    // Q and its gate come interleaved per head: split them.
-                    grow(&mut s.qg, n * 2 * qd);
-                    grow(&mut s.attn_gate, n * qd);
-                    b.matmul(&mut [(&w.wq, &mut s.qg[..n * 2 * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
-                    let hd = c.head_dim;
-                    for (i, pair) in s.qg[..n * 2 * qd].chunks_exact(2 * hd).enumerate() {
-                        s.q[i * hd..(i + 1) * hd].copy_from_slice(&pair[..hd]);
-                        s.attn_gate[i * hd..(i + 1) * hd].copy_from_slice(&pair[hd..]);
-                    }
-                } else {
-                    b.matmul(&mut [(&w.wq, &mut s.q[..n * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
-                }
-                for (bias, out) in [(&w.bq, &mut s.q[..n * qd]), (&w.bk, &mut s.k[..n * kvd]), (&w.bv, &mut s.v[..n * kvd])] {
-                    if let Some(bias) = bias {
-                        b.add_bias(out, bias);
-                    }
-                }
-                let ri = ropes.iter().position(|r| *r == a.rope).expect("every layer's RoPE is tabulated");
-                let rope = RopeTable { pairs: &tables[ri], half: a.rope.dim / 2, neox: a.rope.neox };
-                b.norm_rope(&mut s.q[..n * qd], qd, c.head_dim, w.q_norm.as_deref(), c.norm_eps, &rope);
-                b.norm_rope(&mut s.k[..n * kvd], kvd, c.head_dim, w.k_norm.as_deref(), c.norm_eps, &rope);
-                let mut off = 0;
-                for (kv, &cnt) in kvs.iter_mut().zip(counts) {
-                    kv.append(slot, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);
-                    off += cnt;
-                }
-                let att = grow(&mut s.att, n * qd);
-                b.attention(&a.shape(c), slot, kvs, &rows, counts, &s.q[..n * qd], att);
-                if a.gated {
-                    b.sigmoid(&mut s.attn_gate[..n * qd]);
-                    b.mul(&mut s.att[..n * qd], &s.attn_gate[..n * qd]);
-                }
-                let o = grow(&mut s.o, n * d);
-                b.matmul(&mut [(&w.wo, o)], &s.att[..n * qd], counts);
-            }
-            Mixer::DeltaNet(dn) => {
-                let MixerWeights::DeltaNet(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
-                let slot = c.rec_slot(il).expect("a DeltaNet layer has a recurrent slot");
-                delta_net(b, dn, w, slot, kvs, counts, &s.h[..n * d], d, c.norm_eps, &mut s.dn, &mut s.o);
-            }
-        }
-        let o = &mut s.o[..n * d];
-        if let Some(w) = &l.post_attn_norm {
-            b.rms_norm(o, w, c.norm_eps);
-        }
-        b.add(x, o);
-
-        let h = grow(&mut s.h, n * d);
-        h.copy_from_slice(x);
-        b.rms_norm(h, &l.ffn_norm, c.norm_eps);
-        match (*ffn, &l.ffn) {
-            (Ffn::Dense { hidden: hd, act, .. }, FfnWeights::Dense { gate, up, down }) => {
-                grow(&mut s.gate, n * hd);
-                grow(&mut s.up, n * hd);
-                b.matmul(&mut [(gate, &mut s.gate[..n * hd]), (up, &mut s.up[..n * hd])], &s.h[..n * d], counts);
-                b.glu(&mut s.gate[..n * hd], &s.up[..n * hd], hd, act);
-                let o = grow(&mut s.o, n * d);
-                b.matmul(&mut [(down, o)], &s.gate[..n * hd], counts);
-            }
-            (Ffn::Moe { n_expert, n_used, hidden, norm_weights, .. }, FfnWeights::Moe(e)) => {
-                moe(b, e, &s.h[..n * d], d, n_expert, n_used, hidden, norm_weights, &mut s.moe, &mut s.o);
-            }
-            _ => unreachable!("the loader builds each layer's FFN weights from its description"),
-        }
-        let o = &mut s.o[..n * d];
-        if let Some(w) = &l.post_ffn_norm {
-            b.rms_norm(o, w, c.norm_eps);
-        }
-        b.add(x, o);
+        let slot = c.kv_slot(il).or(c.rec_slot(il)).expect("every layer keeps K/V or a recurrent state");
+        block(m, b, desc, l, slot, kvs, counts, &rows, &ropes, &tables, x, &journal, s);
+    }
+    if s.keep_hidden {
+        // Every row's hidden state after the final norm, for a drafter that reads it (MTP).
+        s.hidden.resize(n * d, 0.0);
+        let hid = &mut s.hidden[..];
+        hid.copy_from_slice(x);
+        b.rms_norm(hid, &m.output_norm, c.norm_eps);
     }
     let picked = want.picked(counts);
     let out_rows = picked.len();
@@ -434,4 +368,155 @@ fn forward_rows(
     if let Some(cap) = c.final_softcap {
         b.softcap(logits, cap);
     }
+}
+
+/// RoPE sines and cosines per row, once for every layer (one table per distinct RoPE).
+pub(super) fn rope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)]) -> Vec<Vec<(f32, f32)>> {
+    let mut tables = Vec::with_capacity(ropes.len());
+    let mut one = Vec::new();
+    for r in ropes {
+        let mut tab = Vec::with_capacity(rows.len() * r.dim / 2);
+        for &(_, pos) in rows {
+            ops::rope_cache(r.dim, pos, r.base, r.freq_scale, r.mscale, m.rope_factors.as_deref(), &mut one);
+            tab.extend_from_slice(&one);
+        }
+        tables.push(tab);
+    }
+    tables
+}
+
+/// One layer over the batch's rows `x` (updated in place): its mixer (attention in K/V slot
+/// `slot`, or a DeltaNet in recurrent slot `slot`, recording the raw inputs of the sessions
+/// `journal` marks), then its FFN, each with its residual. `rows[t]` = (session, position).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn block(
+    m: &Model,
+    b: &mut dyn Ops,
+    desc: &LayerDesc,
+    l: &super::Layer,
+    slot: usize,
+    kvs: &mut [&mut KvCache],
+    counts: &[usize],
+    rows: &[(usize, usize)],
+    ropes: &[Rope],
+    tables: &[Vec<(f32, f32)>],
+    x: &mut [f32],
+    journal: &[bool],
+    s: &mut Scratch,
+) {
+    let c = &m.config;
+    let n = rows.len();
+    let (d, qd, kvd) = (c.dim, c.q_dim(), c.kv_dim());
+    let LayerDesc { mixer, ffn, .. } = desc;
+    let h = grow(&mut s.h, n * d);
+    h.copy_from_slice(x);
+    b.rms_norm(h, &l.attn_norm, c.norm_eps);
+    match mixer {
+        Mixer::Attention(a) => {
+            let MixerWeights::Attention(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
+            grow(&mut s.q, n * qd);
+            grow(&mut s.k, n * kvd);
+            grow(&mut s.v, n * kvd);
+            if a.gated {
+                // Q and its gate come interleaved per head: split them.
+                grow(&mut s.qg, n * 2 * qd);
+                grow(&mut s.attn_gate, n * qd);
+                b.matmul(&mut [(&w.wq, &mut s.qg[..n * 2 * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
+                let hd = c.head_dim;
+                for (i, pair) in s.qg[..n * 2 * qd].chunks_exact(2 * hd).enumerate() {
+                    s.q[i * hd..(i + 1) * hd].copy_from_slice(&pair[..hd]);
+                    s.attn_gate[i * hd..(i + 1) * hd].copy_from_slice(&pair[hd..]);
+                }
+            } else {
+                b.matmul(&mut [(&w.wq, &mut s.q[..n * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
+            }
+            for (bias, out) in [(&w.bq, &mut s.q[..n * qd]), (&w.bk, &mut s.k[..n * kvd]), (&w.bv, &mut s.v[..n * kvd])] {
+                if let Some(bias) = bias {
+                    b.add_bias(out, bias);
+                }
+            }
+            let ri = ropes.iter().position(|r| *r == a.rope).expect("every layer's RoPE is tabulated");
+            let rope = RopeTable { pairs: &tables[ri], half: a.rope.dim / 2, neox: a.rope.neox };
+            b.norm_rope(&mut s.q[..n * qd], qd, c.head_dim, w.q_norm.as_deref(), c.norm_eps, &rope);
+            b.norm_rope(&mut s.k[..n * kvd], kvd, c.head_dim, w.k_norm.as_deref(), c.norm_eps, &rope);
+            let mut off = 0;
+            for (kv, &cnt) in kvs.iter_mut().zip(counts) {
+                kv.append(slot, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);
+                off += cnt;
+            }
+            let att = grow(&mut s.att, n * qd);
+            b.attention(&a.shape(c), slot, kvs, rows, counts, &s.q[..n * qd], att);
+            if a.gated {
+                b.sigmoid(&mut s.attn_gate[..n * qd]);
+                b.mul(&mut s.att[..n * qd], &s.attn_gate[..n * qd]);
+            }
+            let o = grow(&mut s.o, n * d);
+            b.matmul(&mut [(&w.wo, o)], &s.att[..n * qd], counts);
+        }
+        Mixer::DeltaNet(dn) => {
+            let MixerWeights::DeltaNet(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
+            delta_net(b, dn, w, slot, kvs, counts, journal, &s.h[..n * d], d, c.norm_eps, &mut s.dn, &mut s.o);
+        }
+    }
+    let o = &mut s.o[..n * d];
+    if let Some(w) = &l.post_attn_norm {
+        b.rms_norm(o, w, c.norm_eps);
+    }
+    b.add(x, o);
+
+    let h = grow(&mut s.h, n * d);
+    h.copy_from_slice(x);
+    b.rms_norm(h, &l.ffn_norm, c.norm_eps);
+    match (*ffn, &l.ffn) {
+        (Ffn::Dense { hidden: hd, act, .. }, FfnWeights::Dense { gate, up, down }) => {
+            grow(&mut s.gate, n * hd);
+            grow(&mut s.up, n * hd);
+            b.matmul(&mut [(gate, &mut s.gate[..n * hd]), (up, &mut s.up[..n * hd])], &s.h[..n * d], counts);
+            b.glu(&mut s.gate[..n * hd], &s.up[..n * hd], hd, act);
+            let o = grow(&mut s.o, n * d);
+            b.matmul(&mut [(down, o)], &s.gate[..n * hd], counts);
+        }
+        (Ffn::Moe { n_expert, n_used, hidden, norm_weights, .. }, FfnWeights::Moe(e)) => {
+            moe(b, e, &s.h[..n * d], d, n_expert, n_used, hidden, norm_weights, &mut s.moe, &mut s.o);
+        }
+        _ => unreachable!("the loader builds each layer's FFN weights from its description"),
+    }
+    let o = &mut s.o[..n * d];
+    if let Some(w) = &l.post_ffn_norm {
+        b.rms_norm(o, w, c.norm_eps);
+    }
+    b.add(x, o);
+}
+
+/// Take a session back to position `pos`: K/V past it is forgotten, and a hybrid's recurrent
+/// state is replayed from the state before its last pass over the rows it keeps (`kv::Journal`),
+/// which must have recorded them (`pos >= kv.rewind_floor()`).
+pub fn rewind(m: &Model, kv: &mut KvCache, pos: usize) {
+    if !kv.recurrent() || pos >= kv.len() {
+        kv.truncate(pos);
+        return;
+    }
+    let dns = m.config.rec_layers();
+    let weights: Vec<&super::DeltaNetWeights> = m
+        .layers
+        .iter()
+        .filter_map(|l| match &l.mixer {
+            MixerWeights::DeltaNet(w) => Some(&**w),
+            MixerWeights::Attention(_) => None,
+        })
+        .collect();
+    let (mut q, mut bt, mut al, mut out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    team().session(|t| {
+        kv.rewind(pos, |slot, io, qkv, beta, alpha, rows| {
+            let (dn, w) = (&dns[slot], weights[slot]);
+            // delta_net works in place: replay on copies, the journal keeps the raw rows.
+            for (dst, src) in [(&mut q, qkv), (&mut bt, beta), (&mut al, alpha)] {
+                dst.clear();
+                dst.extend_from_slice(src);
+            }
+            out.resize(rows * dn.value_dim(), 0.0);
+            let p = DnParams { conv: &w.conv, dt_bias: &w.dt_bias, a: &w.a };
+            crate::cpu::deltanet::delta_net(dn, &p, &mut [io], &[rows], &mut q, &mut bt, &mut al, &mut out, Some(t));
+        })
+    });
 }

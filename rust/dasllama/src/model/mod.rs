@@ -7,6 +7,7 @@ mod gemma2;
 mod gemma3;
 mod llama;
 mod meta;
+pub mod mtp;
 mod phi3;
 mod qwen2;
 mod qwen2moe;
@@ -19,6 +20,7 @@ pub use crate::backend::{Activation, Numerics};
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
 pub use config::{Attention, Config, DeltaNet, Ffn, HeadMap, LayerDesc, Mixer, Rope};
 pub use meta::{MetaValue, Metadata};
+pub use mtp::MtpHead;
 
 use crate::cpu::{convert_weight, Bytes, Weight};
 use crate::kv::{Geometry, KvCodec};
@@ -141,6 +143,8 @@ pub struct Model {
     pub rope_factors: Option<Vec<f32>>,
     pub tokenizer: Tokenizer,
     pub numerics: Numerics,
+    /// The MTP head the file carries after the trunk's blocks, if any (`mtp`).
+    pub mtp: Option<Arc<MtpHead>>,
 }
 
 impl Drop for Model {
@@ -160,7 +164,7 @@ pub struct TensorInfo {
     pub offset: u64,
 }
 
-struct TensorTable<'a> {
+pub(crate) struct TensorTable<'a> {
     file: &'a str,
     map: Arc<memmap2::Mmap>,
     by_name: HashMap<&'a str, &'a TensorInfo>,
@@ -171,7 +175,7 @@ struct TensorTable<'a> {
 impl<'a> TensorTable<'a> {
     /// Index the table, refusing what no model file can hold: 0-D tensors, and the block formats
     /// that exist only for activations (Q8_1, Q8_K).
-    fn new(file: &'a str, map: Arc<memmap2::Mmap>, tensors: &'a [TensorInfo], quant: QuantMode, numerics: Numerics) -> Result<Self> {
+    pub(crate) fn new(file: &'a str, map: Arc<memmap2::Mmap>, tensors: &'a [TensorInfo], quant: QuantMode, numerics: Numerics) -> Result<Self> {
         for t in tensors {
             if t.shape.is_empty() || t.shape.contains(&0) {
                 return Err(Error::Gguf(format!(
@@ -354,6 +358,89 @@ impl<'a> TensorTable<'a> {
         Ok((ws, bs))
     }
 
+    /// Block `il`'s weights as `desc` describes them (a trunk layer, or an MTP block's).
+    fn layer(&self, config: &Config, il: usize, desc: &LayerDesc) -> Result<Layer> {
+        let (table, numerics, file) = (self, self.numerics, self.file);
+        let (d, qd, kvd) = (config.dim, config.q_dim(), config.kv_dim());
+        let n = |s: &str| format!("blk.{il}.{s}.weight");
+        let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
+        let mixer = match &desc.mixer {
+            Mixer::Attention(a) => {
+                // A gated layer's Q projection carries each head's gate after its queries.
+                let q_rows = if a.gated { 2 * qd } else { qd };
+                let ([wq, wk, wv], [bq, bk, bv]) = table.qkv(il, [q_rows, kvd, kvd], d)?;
+                MixerWeights::Attention(AttnWeights {
+                    wq,
+                    wk,
+                    wv,
+                    bq,
+                    bk,
+                    bv,
+                    wo: table.matrix(&n("attn_output"), d, qd)?,
+                    q_norm: norm(a.qk_norm, "attn_q_norm", config.head_dim)?,
+                    k_norm: norm(a.qk_norm, "attn_k_norm", config.head_dim)?,
+                })
+            }
+            Mixer::DeltaNet(dn) => {
+                if numerics == Numerics::Ggml {
+                    return Err(Error::UnsupportedModel(format!(
+                        "{file}: numerics='ggml' does not reproduce ggml's order for DeltaNet layers; load with numerics='fast'"
+                    )));
+                }
+                MixerWeights::DeltaNet(Box::new(table.deltanet(il, dn, d)?))
+            }
+        };
+        let ffn = match desc.ffn {
+            Ffn::Dense { hidden: hd, fused, .. } => {
+                let (gate, up) = if fused {
+                    let mut p = table.matrix_parts(&n("ffn_up"), &[hd, hd], d)?.into_iter();
+                    (p.next().expect("two parts"), p.next().expect("two parts"))
+                } else {
+                    (table.matrix(&n("ffn_gate"), hd, d)?, table.matrix(&n("ffn_up"), hd, d)?)
+                };
+                FfnWeights::Dense { gate, up, down: table.matrix(&n("ffn_down"), d, hd)? }
+            }
+            Ffn::Moe { n_expert, hidden: hd, shared, .. } => {
+                if numerics == Numerics::Ggml {
+                    return Err(Error::UnsupportedModel(format!(
+                        "{file}: numerics='ggml' does not reproduce ggml's order for routed experts; load with numerics='fast'"
+                    )));
+                }
+                let shared = match shared {
+                    Some(sh) => Some(SharedExpert {
+                        gate_inp: table.matrix(&n("ffn_gate_inp_shexp"), 1, d)?,
+                        gate: table.matrix(&n("ffn_gate_shexp"), sh, d)?,
+                        up: table.matrix(&n("ffn_up_shexp"), sh, d)?,
+                        down: table.matrix(&n("ffn_down_shexp"), d, sh)?,
+                    }),
+                    None => None,
+                };
+                FfnWeights::Moe(Box::new(Experts {
+                    router: table.matrix(&n("ffn_gate_inp"), n_expert, d)?,
+                    gate: table.stack(&n("ffn_gate_exps"), n_expert, hd, d)?,
+                    up: table.stack(&n("ffn_up_exps"), n_expert, hd, d)?,
+                    down: table.stack(&n("ffn_down_exps"), n_expert, d, hd)?,
+                    shared,
+                }))
+            }
+        };
+        Ok(Layer {
+            attn_norm: table.vector(&n("attn_norm"), d)?,
+            mixer,
+            post_attn_norm: if desc.post_norms {
+                Some(table.vector(&n("post_attention_norm"), d)?)
+            } else if config.ffn_norm == "post_attention_norm" {
+                // The family's name for its FFN norm (qwen35): not a norm of the mixer's output.
+                None
+            } else {
+                table.opt_vector(&n("post_attention_norm"), d)?
+            },
+            ffn_norm: table.vector(&n(config.ffn_norm), d)?,
+            ffn,
+            post_ffn_norm: norm(desc.post_norms, "post_ffw_norm", d)?,
+        })
+    }
+
     /// Layer `il`'s DeltaNet weights, every shape checked against the `ssm.*` sizes.
     fn deltanet(&self, il: usize, dn: &DeltaNet, d: usize) -> Result<DeltaNetWeights> {
         let n = |s: &str| format!("blk.{il}.{s}.weight");
@@ -463,87 +550,9 @@ impl Model {
             )));
         }
         config.vocab_size = tok_embd.rows;
-        let (d, qd, kvd) = (config.dim, config.q_dim(), config.kv_dim());
-        let mut layers = Vec::with_capacity(config.n_layers);
-        for (il, desc) in config.layers.iter().enumerate() {
-            let n = |s: &str| format!("blk.{il}.{s}.weight");
-            let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
-            let mixer = match &desc.mixer {
-                Mixer::Attention(a) => {
-                    // A gated layer's Q projection carries each head's gate after its queries.
-                    let q_rows = if a.gated { 2 * qd } else { qd };
-                    let ([wq, wk, wv], [bq, bk, bv]) = table.qkv(il, [q_rows, kvd, kvd], d)?;
-                    MixerWeights::Attention(AttnWeights {
-                        wq,
-                        wk,
-                        wv,
-                        bq,
-                        bk,
-                        bv,
-                        wo: table.matrix(&n("attn_output"), d, qd)?,
-                        q_norm: norm(a.qk_norm, "attn_q_norm", config.head_dim)?,
-                        k_norm: norm(a.qk_norm, "attn_k_norm", config.head_dim)?,
-                    })
-                }
-                Mixer::DeltaNet(dn) => {
-                    if numerics == Numerics::Ggml {
-                        return Err(Error::UnsupportedModel(format!(
-                            "{file}: numerics='ggml' does not reproduce ggml's order for DeltaNet layers; load with numerics='fast'"
-                        )));
-                    }
-                    MixerWeights::DeltaNet(Box::new(table.deltanet(il, dn, d)?))
-                }
-            };
-            let ffn = match desc.ffn {
-                Ffn::Dense { hidden: hd, fused, .. } => {
-                    let (gate, up) = if fused {
-                        let mut p = table.matrix_parts(&n("ffn_up"), &[hd, hd], d)?.into_iter();
-                        (p.next().expect("two parts"), p.next().expect("two parts"))
-                    } else {
-                        (table.matrix(&n("ffn_gate"), hd, d)?, table.matrix(&n("ffn_up"), hd, d)?)
-                    };
-                    FfnWeights::Dense { gate, up, down: table.matrix(&n("ffn_down"), d, hd)? }
-                }
-                Ffn::Moe { n_expert, hidden: hd, shared, .. } => {
-                    if numerics == Numerics::Ggml {
-                        return Err(Error::UnsupportedModel(format!(
-                            "{file}: numerics='ggml' does not reproduce ggml's order for routed experts; load with numerics='fast'"
-                        )));
-                    }
-                    let shared = match shared {
-                        Some(sh) => Some(SharedExpert {
-                            gate_inp: table.matrix(&n("ffn_gate_inp_shexp"), 1, d)?,
-                            gate: table.matrix(&n("ffn_gate_shexp"), sh, d)?,
-                            up: table.matrix(&n("ffn_up_shexp"), sh, d)?,
-                            down: table.matrix(&n("ffn_down_shexp"), d, sh)?,
-                        }),
-                        None => None,
-                    };
-                    FfnWeights::Moe(Box::new(Experts {
-                        router: table.matrix(&n("ffn_gate_inp"), n_expert, d)?,
-                        gate: table.stack(&n("ffn_gate_exps"), n_expert, hd, d)?,
-                        up: table.stack(&n("ffn_up_exps"), n_expert, hd, d)?,
-                        down: table.stack(&n("ffn_down_exps"), n_expert, d, hd)?,
-                        shared,
-                    }))
-                }
-            };
-            layers.push(Layer {
-                attn_norm: table.vector(&n("attn_norm"), d)?,
-                mixer,
-                post_attn_norm: if desc.post_norms {
-                    Some(table.vector(&n("post_attention_norm"), d)?)
-                } else if config.ffn_norm == "post_attention_norm" {
-                    // The family's name for its FFN norm (qwen35): not a norm of the mixer's output.
-                    None
-                } else {
-                    table.opt_vector(&n("post_attention_norm"), d)?
-                },
-                ffn_norm: table.vector(&n(config.ffn_norm), d)?,
-                ffn,
-                post_ffn_norm: norm(desc.post_norms, "post_ffw_norm", d)?,
-            });
-        }
+        let d = config.dim;
+        let layers = config.layers.iter().enumerate().map(|(il, desc)| table.layer(&config, il, desc)).collect::<Result<Vec<_>>>()?;
+        let mtp = MtpHead::in_file(&table, &config)?.map(Arc::new);
         let output_norm = table.vector("output_norm.weight", d)?;
         let output = if table.has("output.weight") {
             table.matrix("output.weight", config.vocab_size, d)?
@@ -569,7 +578,7 @@ impl Model {
                 config.head_dim
             )));
         }
-        Ok(Model { config, tok_embd, layers, output_norm, output, rope_factors, tokenizer, numerics })
+        Ok(Model { config, tok_embd, layers, output_norm, output, rope_factors, tokenizer, numerics, mtp })
     }
 }
 

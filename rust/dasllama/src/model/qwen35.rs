@@ -31,7 +31,7 @@ pub(crate) fn hybrid(m: &Metadata, arch: &str, k_of_v: HeadMap, fused_ba: bool, 
         post_norms: false,
     })?;
     c.n_layers = all - nextn;
-    c.layers.truncate(c.n_layers);
+    c.nextn = c.layers.split_off(c.n_layers);
     c.ffn_norm = "post_attention_norm";
     if let Some(r) = c.ropes().first() {
         check_text_sections(m, r.dim)?;

@@ -22,7 +22,7 @@ use crate::model::{Ffn, Model};
 use crate::sampling::{self, SamplingParams};
 use crate::session::{eval_rows, BatchWorkspace, Session};
 use crate::spec::policy::{self, Candidate, CostModel, Guard};
-use crate::spec::{draft, ngram, Drafter, StreamSpec};
+use crate::spec::{draft, mtp, ngram, Drafter, StreamSpec};
 use crate::{error, Error, Result};
 use budget::StepCost;
 use std::collections::VecDeque;
@@ -160,6 +160,7 @@ struct Speculation {
     draft_cost: CostModel,
     guard: Guard,
     draft_ws: BatchWorkspace,
+    mtp_ws: crate::model::mtp::MtpScratch,
 }
 
 pub struct Scheduler {
@@ -262,14 +263,15 @@ impl Scheduler {
     /// Speculate with `drafter` from the next step on (None: stop). Streams drop what an earlier
     /// drafter kept for them.
     pub fn set_drafter(&mut self, drafter: Option<Drafter>) -> Result<()> {
-        // A rejected draft is rolled back by truncating K/V; a DeltaNet layer's state holds every
-        // position at once and cannot go back, so hybrids (as target or as draft) never speculate.
-        let draft_recurrent = matches!(&drafter, Some(Drafter::Model { draft, .. }) if draft.config.recurrent());
-        if drafter.is_some() && (self.model.config.recurrent() || draft_recurrent) {
-            let who = if draft_recurrent { "the draft model" } else { "this model" };
-            return Err(Error::InvalidArgument(format!(
-                "speculation is not available: {who} has recurrent (DeltaNet) layers, whose state cannot be rolled back past a rejected draft; run it without a drafter"
-            )));
+        // A rejected draft is rolled back by truncating K/V, and a hybrid's DeltaNet state by
+        // replaying the verify chunk's accepted rows (`kv::Journal`), which covers the last pass
+        // only: a draft model runs a pass per draft, so a hybrid cannot be one.
+        if let Some(Drafter::Model { draft, .. }) = &drafter {
+            if draft.config.recurrent() {
+                return Err(Error::InvalidArgument(
+                    "this draft model has recurrent (DeltaNet) layers, whose state goes back only over its last pass, and a draft model takes one pass per draft; draft with an attention-only model, prompt lookup or an MTP head".into(),
+                ));
+            }
         }
         if drafter.is_some() && self.model.numerics == Numerics::Ggml {
             return Err(Error::InvalidArgument(
@@ -279,6 +281,8 @@ impl Scheduler {
         for s in self.slots.iter_mut().flatten() {
             s.spec = StreamSpec::default();
         }
+        // An MTP head reads the trunk's hidden state of every row.
+        self.ws.keep_hidden(matches!(drafter, Some(Drafter::Mtp { .. })));
         let logit_weight = self.logit_weight;
         self.spec = drafter.map(|drafter| Speculation {
             drafter,
@@ -288,6 +292,7 @@ impl Scheduler {
             draft_cost: CostModel::default(),
             guard: Guard::default(),
             draft_ws: BatchWorkspace::default(),
+            mtp_ws: Default::default(),
         });
         Ok(())
     }
@@ -374,6 +379,17 @@ impl Scheduler {
             s.in_kv = s.req.prompt[..rows].to_vec();
             self.stats.cached_tokens += rows as u64;
         }
+    }
+
+    /// Per live stream: (request id, context tokens, positions its session holds, positions
+    /// the MTP head's K/V holds plus the trunk's hidden states waiting for it, or -1).
+    pub fn stream_positions(&self) -> Vec<(i64, usize, usize, i64)> {
+        let d = self.model.config.dim;
+        self.slots
+            .iter()
+            .flatten()
+            .map(|s| (s.req.id, s.in_kv.len(), s.session.n_past(), s.spec.mtp.as_ref().map_or(-1, |st| (st.kv.len() + st.pending.len() / d) as i64)))
+            .collect()
     }
 
     pub fn n_active(&self) -> usize {
@@ -560,13 +576,31 @@ impl Scheduler {
         let mut prefilled = false;
         let mut r = 0;
         let mut emitted = 0;
+        // The trunk's hidden states of the pass's rows, in plan order, for an MTP head.
+        let hidden = self.ws.take_hidden();
+        let d = m.config.dim;
+        let hidden_ok = hidden.len() == plan.iter().map(|p| p.1).sum::<usize>() * d;
+        let mut hr = 0;
         for &(i, k) in plan.iter() {
+            let hid = if hidden_ok { &hidden[hr * d..(hr + k) * d] } else { &[][..] };
+            hr += k;
             let s = self.slots[i].as_mut().expect("planned stream");
             if let Some(t) = s.next.take() {
                 s.in_kv.push(t);
+                let before = s.in_kv.len() - 1;
                 emitted += self.verify(m, i, &logits[r * v..(r + k) * v], events);
                 r += k;
+                if let Some(s) = self.slots[i].as_mut() {
+                    // The rows the stream kept.
+                    let kept = s.in_kv.len() - before;
+                    if let Some(st) = &mut s.spec.mtp {
+                        st.pending.extend_from_slice(&hid[..(kept * d).min(hid.len())]);
+                    }
+                }
                 continue;
+            }
+            if let Some(st) = &mut s.spec.mtp {
+                st.pending.extend_from_slice(hid);
             }
             let row = &logits[r * v..(r + 1) * v];
             r += 1;
@@ -584,6 +618,7 @@ impl Scheduler {
             }
         }
         self.ws.logits = logits;
+        self.ws.put_hidden(hidden);
         if prefilled {
             self.stats.prefill_chunks += 1;
         }
@@ -757,7 +792,7 @@ impl Scheduler {
                 t_submit,
                 t_first: None,
                 order: self.admitted,
-                spec: StreamSpec::default(),
+                spec: StreamSpec::with_mtp(self.spec.as_ref().and_then(|sp| sp.new_mtp_stream(m))),
                 constraint,
                 seen_content: false,
                 in_thought: false,
@@ -801,6 +836,11 @@ impl Scheduler {
                     cap = s.spec.drafts.len();
                 }
                 Drafter::Model { draft, .. } => cap = cap.min(draft.config.seq_len.saturating_sub(s.in_kv.len() + 1)),
+                Drafter::Mtp { .. } => {
+                    if !s.spec.mtp.as_ref().is_some_and(|st| st.covers(s.in_kv.len(), self.model.config.dim)) {
+                        cap = 0;
+                    }
+                }
             }
             if cap > 0 {
                 cands.push(Candidate { alpha: s.spec.alpha(), cap });
@@ -814,6 +854,8 @@ impl Scheduler {
         let draft_line = match &sp.drafter {
             Drafter::Ngram { .. } => None,
             Drafter::Model { .. } => Some(sp.draft_cost.line().unwrap_or((line.0 / 4.0, line.1 / 4.0))),
+            // One block of the target's: guess a twentieth of its pass until measured.
+            Drafter::Mtp { .. } => Some(sp.draft_cost.line().unwrap_or((line.0 / 20.0, line.1 / 20.0))),
         };
         let ks = match sp.fixed_k {
             Some(k) => cands.iter().map(|c| c.cap.min(k)).collect(),
@@ -823,6 +865,35 @@ impl Scheduler {
             self.slots[i].as_mut().expect("decoding stream").spec.idle();
         }
         let drafting = ks.iter().any(|&k| k > 0);
+        if let Drafter::Mtp { head, .. } = &sp.drafter {
+            let mut by_slot: Vec<Option<&mut Stream>> = self.slots.iter_mut().map(|s| s.as_mut()).collect();
+            let mut streams: Vec<(&mut Stream, usize)> =
+                who.iter().zip(&ks).filter(|p| *p.1 > 0).map(|(&i, &k)| (by_slot[i].take().expect("each stream once"), k)).collect();
+            let t_draft = Instant::now();
+            let d = self.model.config.dim;
+            let draft_rows: usize = streams.iter().map(|(s, k)| k - 1 + s.spec.mtp.as_ref().map_or(0, |st| st.pending.len() / d)).sum();
+            let mut jobs: Vec<mtp::Job<'_>> = streams
+                .iter_mut()
+                .map(|(s, k)| {
+                    let Stream { spec, in_kv, next, .. } = &mut **s;
+                    let StreamSpec { mtp, drafts, .. } = spec;
+                    mtp::Job { state: mtp.as_mut().expect("checked in the candidates"), ctx: in_kv, next: next.expect("decoding stream"), k: *k, out: drafts }
+                })
+                .collect();
+            let depth = jobs.iter().map(|j| j.k).max().unwrap_or(0);
+            let (model, head, ws) = (&*self.model, &**head, &mut sp.mtp_ws);
+            if error::catch("drafting with the MTP head", || mtp::propose(model, head, ws, &mut jobs)).is_ok() {
+                sp.draft_cost.observe(draft_rows as f64 / depth.max(1) as f64, t_draft.elapsed().as_secs_f64() / depth.max(1) as f64);
+                return drafting;
+            }
+            // A head that fails costs the streams their speculation, never their output.
+            drop(jobs);
+            for (s, _) in streams.iter_mut() {
+                s.spec.drafts.clear();
+                s.spec.mtp = None;
+            }
+            return false;
+        }
         let Drafter::Model { draft, .. } = &sp.drafter else {
             for (&i, &k) in who.iter().zip(&ks) {
                 self.slots[i].as_mut().expect("decoding stream").spec.drafts.truncate(k);
@@ -886,7 +957,7 @@ impl Scheduler {
                 continue;
             }
             let s = self.slots[i].as_mut().expect("decoding stream");
-            s.session.truncate(s.in_kv.len());
+            s.session.rewind(m, s.in_kv.len());
             if let Some(ds) = &mut s.spec.draft {
                 ds.kv.truncate(s.in_kv.len());
             }
@@ -1033,7 +1104,7 @@ impl Scheduler {
     fn finish_stream(&mut self, slot: usize, mut s: Stream, finish: Finish, token: i64) -> SchedEvent {
         let m = &*self.model;
         // A stream that ends inside a verify chunk holds rows past what it emitted.
-        s.session.truncate(s.in_kv.len());
+        s.session.rewind(m, s.in_kv.len());
         let ended_well = matches!(finish, Finish::Stop | Finish::Length);
         if s.session.dev.is_some() && ended_well {
             // Close the turn on the device and park the rows for the conversation's next turn.
@@ -1079,6 +1150,14 @@ impl Scheduler {
 }
 
 impl Speculation {
+    /// A new stream's MTP state, when the drafter is an MTP head.
+    fn new_mtp_stream(&self, m: &Model) -> Option<mtp::MtpStream> {
+        match &self.drafter {
+            Drafter::Mtp { head, .. } => Some(mtp::MtpStream::new(m, head)),
+            _ => None,
+        }
+    }
+
     /// A pass's size as its cost model counts it: its rows, plus its logit rows weighted.
     fn pass_rows(&self, rows: usize, logit_rows: usize) -> f64 {
         rows as f64 + self.logit_weight * logit_rows as f64

@@ -9,10 +9,11 @@
 //! back: the KV is truncated to the accepted length, the token record never saw them.
 
 pub mod draft;
+pub mod mtp;
 pub mod ngram;
 pub mod policy;
 
-use crate::model::Model;
+use crate::model::{Model, MtpHead};
 use crate::session::Session;
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -27,6 +28,8 @@ pub enum Drafter {
     Ngram { max_draft: usize },
     /// A draft model with the target's vocabulary, decoding greedily (`draft`).
     Model { draft: Arc<Model>, max_draft: usize },
+    /// The target's own MTP head (in its file or a sidecar), chained greedily (`mtp`).
+    Mtp { head: Arc<MtpHead>, max_draft: usize },
 }
 
 fn check_max_draft(max_draft: usize) -> Result<()> {
@@ -54,9 +57,16 @@ impl Drafter {
         Ok(Ok(Drafter::Model { draft, max_draft }))
     }
 
+    /// The MTP head `head` (made for `target`: `MtpHead::sidecar` checked it, or it is the
+    /// target's own).
+    pub fn mtp(head: Arc<MtpHead>, max_draft: usize) -> Result<Drafter> {
+        check_max_draft(max_draft)?;
+        Ok(Drafter::Mtp { head, max_draft })
+    }
+
     pub fn max_draft(&self) -> usize {
         match self {
-            Drafter::Ngram { max_draft } | Drafter::Model { max_draft, .. } => *max_draft,
+            Drafter::Ngram { max_draft } | Drafter::Model { max_draft, .. } | Drafter::Mtp { max_draft, .. } => *max_draft,
         }
     }
 
@@ -64,6 +74,7 @@ impl Drafter {
         match self {
             Drafter::Ngram { .. } => "ngram",
             Drafter::Model { .. } => "draft",
+            Drafter::Mtp { .. } => "mtp",
         }
     }
 }
@@ -75,6 +86,8 @@ pub struct StreamSpec {
     judged: f64,
     /// The draft model's session for this stream, made on its first draft.
     pub draft: Option<Session>,
+    /// The MTP head's state for this stream, made at admission (it follows the whole context).
+    pub mtp: Option<mtp::MtpStream>,
     /// This step's drafts.
     pub drafts: Vec<u32>,
 }
@@ -90,11 +103,16 @@ const IDLE_FORGET: f64 = 0.9;
 
 impl Default for StreamSpec {
     fn default() -> Self {
-        StreamSpec { accepted: PRIOR.0, judged: PRIOR.1, draft: None, drafts: Vec::new() }
+        StreamSpec { accepted: PRIOR.0, judged: PRIOR.1, draft: None, mtp: None, drafts: Vec::new() }
     }
 }
 
 impl StreamSpec {
+    /// A new stream's state, with the MTP head's state when the drafter is one.
+    pub fn with_mtp(mtp: Option<mtp::MtpStream>) -> StreamSpec {
+        StreamSpec { mtp, ..StreamSpec::default() }
+    }
+
     /// The estimated chance that the next draft is accepted, given the previous ones were.
     pub fn alpha(&self) -> f64 {
         self.accepted / self.judged
