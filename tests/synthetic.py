@@ -403,12 +403,20 @@ def _iq4_blocks(rows: int, cols: int, qt: QT, std: float, rng: np.random.Generat
 
 
 def write_family(
-    path: Path, name: str, drop: str | None = None, meta: dict[str, Any] | None = None, replace: dict[str, np.ndarray] | None = None, extra: dict[str, np.ndarray] | None = None
+    path: Path,
+    name: str,
+    drop: str | None = None,
+    meta: dict[str, Any] | None = None,
+    replace: dict[str, np.ndarray] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
+    legacy_qkvz: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write family ``name`` of ``FAMILIES`` deterministically (the same bytes on every call with
     the same gguf and numpy); return the exact weights (numpy order: rows x cols). ``drop`` leaves
     a tensor out, ``meta`` overrides ``<arch>.`` keys (None drops one), ``replace`` writes given
-    values in place of a tensor and ``extra`` adds tensors (bad-input tests)."""
+    values in place of a tensor and ``extra`` adds tensors (bad-input tests). ``legacy_qkvz``
+    writes a hybrid's Q/K/V and gate as older qwen3next files did: one F32 ``ssm_in`` of the
+    same values, grouped per key head (query, key, its value heads' values, their gates)."""
     f = FAMILIES[name]
     arch, heads, kvh, hd = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
     layers = f.get("layers", LAYERS)
@@ -435,8 +443,10 @@ def write_family(
     count = [0]
     formats = f.get("formats", FAMILY_FORMATS)
 
+    held: set[str] = set()  # written another way (legacy_qkvz)
+
     def put(name: str, data: np.ndarray, kind: QT | None = None) -> None:
-        if name == drop:
+        if name == drop or name in held:
             return
         data = replace.get(name, data) if replace else data
         if kind is not None and data.dtype == np.uint8:
@@ -481,8 +491,15 @@ def write_family(
         if _recurrent(f, keys, i):
             hy = f["hybrid"]
             kd, vd = hy["nk"] * hy["hd"], hy["nv"] * hy["hd"]
+            if legacy_qkvz:
+                held.update({p + "attn_qkv.weight", p + "attn_gate.weight"})
             mat(p + "attn_qkv.weight", 2 * kd + vd, DIM)
             mat(p + "attn_gate.weight", vd, DIM)
+            if legacy_qkvz:
+                qkv, z = weights[p + "attn_qkv.weight"], weights[p + "attn_gate.weight"]
+                hd, nk, gv = hy["hd"], hy["nk"], vd // hy["nk"]
+                groups = [[qkv[g * hd : (g + 1) * hd], qkv[kd + g * hd : kd + (g + 1) * hd], qkv[2 * kd + g * gv : 2 * kd + (g + 1) * gv], z[g * gv : (g + 1) * gv]] for g in range(nk)]
+                put(p + "ssm_in.weight", np.concatenate([m for grp in groups for m in grp]).astype(np.float32))
             if hy["fused_ba"]:
                 mat(p + "ssm_ba.weight", 2 * hy["nv"], DIM, 0.08, QT.F32)
             else:
