@@ -262,6 +262,30 @@ FAMILIES: dict[str, dict[str, Any]] = {
         moe=dict(n=8, used=3, hidden=256),
         meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 3, "expert_feed_forward_length": 256},
     ),
+    # qwen3 with every matrix in the non-linear 4-bit formats (IQ4_XS and IQ4_NL in turn), the
+    # token embedding (and so the tied output) in IQ4_NL.
+    "qwen3-iq4": dict(
+        arch="qwen3",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.IQ4_NL),
+        formats=[QT.IQ4_XS, QT.IQ4_NL],
+        meta={"rope.freq_base": 1000000.0},
+    ),
+    # qwen3moe's experts as IQ4 files ship them (each stack in one of the two formats).
+    "qwen3moe-iq4": dict(
+        arch="qwen3moe",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.Q8_0),
+        formats=[QT.IQ4_NL, QT.IQ4_XS],
+        moe=dict(n=8, used=3, hidden=256),
+        meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 3, "expert_feed_forward_length": 256},
+    ),
     # Gated DeltaNet hybrid: layers 0-2 recurrent (2 key heads, 4 value heads of 64, a 4-tap
     # convolution), layer 3 gated full attention (QK-norm, NEOX RoPE on 16 of 64 values, Q's
     # sigmoid gate on the output); value heads read key heads tiled; dense FFN under
@@ -352,6 +376,32 @@ def _k_blocks(rows: int, cols: int, qt: QT, std: float, rng: np.random.Generator
     return raw.reshape(rows, -1)
 
 
+IQ4 = {QT.IQ4_NL, QT.IQ4_XS}
+# ggml's kvalues_iq4nl: the sixteen levels an IQ4 nibble picks.
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float64)
+
+
+def _iq4_blocks(rows: int, cols: int, qt: QT, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random IQ4_NL / IQ4_XS blocks of about zero mean and the given spread (gguf cannot quantize
+    to these): random nibbles, block scales of random sign (the levels lean negative), and for
+    IQ4_XS 6-bit sub-block scales ls with ls - 32 in +-[4, 12]."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qt]
+    nb = rows * (cols // block)
+    raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+    sign = rng.choice([-1.0, 1.0], size=nb)
+    if qt == QT.IQ4_NL:
+        d = sign * std / IQ4_LEVELS.std() * rng.uniform(0.8, 1.2, size=nb)
+    else:
+        ls = 32 + rng.choice([-1, 1], size=(nb, 8)) * rng.integers(4, 13, size=(nb, 8))
+        raw[:, 2:4] = (ls >> 4 << (2 * np.arange(8))).sum(axis=1).astype(np.uint16).view(np.uint8).reshape(nb, 2)
+        raw[:, 4:8] = (ls[:, 0::2] & 0xF) | ((ls[:, 1::2] & 0xF) << 4)
+        d = sign * std / (IQ4_LEVELS.std() * np.abs(ls - 32).mean()) * rng.uniform(0.8, 1.2, size=nb)
+    raw[:, 0:2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return raw.reshape(rows, -1)
+
+
 def write_family(
     path: Path,
     name: str,
@@ -360,11 +410,14 @@ def write_family(
     replace: dict[str, np.ndarray] | None = None,
     extra: dict[str, np.ndarray] | None = None,
     mtp: bool | Path = False,
+    legacy_qkvz: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write family ``name`` of ``FAMILIES`` deterministically (the same bytes on every call with
     the same gguf and numpy); return the exact weights (numpy order: rows x cols). ``drop`` leaves
     a tensor out, ``meta`` overrides ``<arch>.`` keys (None drops one), ``replace`` writes given
-    values in place of a tensor and ``extra`` adds tensors (bad-input tests).
+    values in place of a tensor and ``extra`` adds tensors (bad-input tests). ``legacy_qkvz``
+    writes a hybrid's Q/K/V and gate as older qwen3next files did: one F32 ``ssm_in`` of the
+    same values, grouped per key head (query, key, its value heads' values, their gates).
 
     ``mtp`` (hybrid families): True adds an MTP head after the trunk (block ``layers``: gated
     attention and the family's FFN, ``nextn.eh_proj``, ``enorm``, ``hnorm`` and
@@ -403,9 +456,12 @@ def write_family(
     weights: dict[str, np.ndarray] = {}
     count = [0]
     out = [w]
+    formats = f.get("formats", FAMILY_FORMATS)
+
+    held: set[str] = set()  # written another way (legacy_qkvz)
 
     def put(name: str, data: np.ndarray, kind: QT | None = None) -> None:
-        if name == drop:
+        if name == drop or name in held:
             return
         data = replace.get(name, data) if replace else data
         if kind is not None and data.dtype == np.uint8:
@@ -415,10 +471,10 @@ def write_family(
 
     def mat(name: str, rows: int, cols: int, scale: float = 0.08, kind: QT | None = None) -> None:
         if kind is None:
-            kind = FAMILY_FORMATS[count[0] % len(FAMILY_FORMATS)]
+            kind = formats[count[0] % len(formats)]
             count[0] += 1
-        if kind in K_QUANTS:
-            raw = _k_blocks(rows, cols, kind, scale, rng)
+        if kind in K_QUANTS | IQ4:
+            raw = (_k_blocks if kind in K_QUANTS else _iq4_blocks)(rows, cols, kind, scale, rng)
             data, exact = raw, dequantize(raw, kind).reshape(rows, cols).astype(np.float32)
         else:
             data, exact = encode_weight(rng.normal(0, scale, size=(rows, cols)), kind, rng)
@@ -427,10 +483,10 @@ def write_family(
 
     def stack(name: str, n: int, rows: int, cols: int, scale: float = 0.08) -> None:
         # n experts' matrices as one 3-D tensor (GGUF shape [cols, rows, n]).
-        kind = FAMILY_FORMATS[count[0] % len(FAMILY_FORMATS)]
+        kind = formats[count[0] % len(formats)]
         count[0] += 1
-        if kind in K_QUANTS:
-            raw = _k_blocks(n * rows, cols, kind, scale, rng)
+        if kind in K_QUANTS | IQ4:
+            raw = (_k_blocks if kind in K_QUANTS else _iq4_blocks)(n * rows, cols, kind, scale, rng)
             data, exact = raw, dequantize(raw, kind).reshape(n * rows, cols).astype(np.float32)
         else:
             data, exact = encode_weight(rng.normal(0, scale, size=(n * rows, cols)), kind, rng)
@@ -450,8 +506,15 @@ def write_family(
         if _recurrent(f, keys, i):
             hy = f["hybrid"]
             kd, vd = hy["nk"] * hy["hd"], hy["nv"] * hy["hd"]
+            if legacy_qkvz:
+                held.update({p + "attn_qkv.weight", p + "attn_gate.weight"})
             mat(p + "attn_qkv.weight", 2 * kd + vd, DIM)
             mat(p + "attn_gate.weight", vd, DIM)
+            if legacy_qkvz:
+                qkv, z = weights[p + "attn_qkv.weight"], weights[p + "attn_gate.weight"]
+                hd, nk, gv = hy["hd"], hy["nk"], vd // hy["nk"]
+                groups = [[qkv[g * hd : (g + 1) * hd], qkv[kd + g * hd : kd + (g + 1) * hd], qkv[2 * kd + g * gv : 2 * kd + (g + 1) * gv], z[g * gv : (g + 1) * gv]] for g in range(nk)]
+                put(p + "ssm_in.weight", np.concatenate([m for grp in groups for m in grp]).astype(np.float32))
             if hy["fused_ba"]:
                 mat(p + "ssm_ba.weight", 2 * hy["nv"], DIM, 0.08, QT.F32)
             else:

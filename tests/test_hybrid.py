@@ -12,7 +12,7 @@ import pytest
 from conftest import drain
 
 import dasllama as dl
-from synthetic import FAMILIES, write_family
+from synthetic import FAMILIES, family_cases, family_reference_logits, write_family
 
 HYBRIDS = sorted(n for n in FAMILIES if "hybrid" in FAMILIES[n])
 MAX_NEW = 10
@@ -139,3 +139,25 @@ def test_native_scheduler_refuses_a_hybrid_draft_model(hybrid: dl.Model) -> None
     assert drafter is not None, why
     with pytest.raises(ValueError, match="draft model has recurrent \\(DeltaNet\\) layers"):
         _native.create_scheduler(hybrid._native, 2, 8, 64, 0, 0, "f16", drafter)
+
+
+def test_older_fused_qkvz_files_read_as_the_split_ones(tmp_path: Path) -> None:
+    # Older qwen3next files fuse Q, K, V and the output gate into one `ssm_in` a layer, grouped per
+    # key head: the same values there are the same model (fp32 mode: both read exactly the values
+    # the files hold), and it is the float64 reading of those values.
+    split, legacy = tmp_path / "split.gguf", tmp_path / "legacy.gguf"
+    write_family(split, "qwen3next")
+    weights = write_family(legacy, "qwen3next", legacy_qkvz=True)
+    ids = family_cases("qwen3next")[0]
+    a, b = dl.load_model(split, dl.QuantMode.fp32), dl.load_model(legacy, dl.QuantMode.fp32)
+    la, lb = dl.eval_all(a, dl.create_session(a), ids), dl.eval_all(b, dl.create_session(b), ids)
+    np.testing.assert_allclose(lb, la, rtol=0, atol=1e-4 * np.abs(la).max())
+    ref = family_reference_logits(weights, "qwen3next", ids)
+    assert np.abs(lb - ref).max() <= 0.005 * np.abs(ref).max()
+
+
+def test_a_fused_qkvz_of_the_wrong_size_names_itself(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    write_family(path, "qwen3next", legacy_qkvz=True, replace={"blk.0.ssm_in.weight": np.zeros((100, 256), np.float32)})
+    with pytest.raises(dl.GgufError, match=r"tensor 'blk.0.ssm_in.weight' is 100x256 but the model's metadata implies 768x256"):
+        dl.load_model(path)

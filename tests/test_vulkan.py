@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 
 import dasllama as dl
 from dasllama import gpu
-from synthetic import reference_logits, write_model
+from synthetic import reference_logits, write_family, write_model
 
 os.environ.setdefault("DASLLAMA_VK_ALLOW_CPU", "1")
 HAVE = gpu.kernel_backend_available("vulkan")
@@ -437,6 +437,19 @@ def test_cpu_passes_name_host_sessions_only(tmp_path: Path) -> None:
     dl.eval(m, dl.create_session(m, pool), IDS)
     passes = gpu.gpu_cpu_passes()
     assert len(passes) == 1 and passes[0].count == 1 and "host memory" in passes[0].words
+
+
+@needs_device
+def test_iq4_weights_stay_on_the_cpu_and_say_why(tmp_path: Path) -> None:
+    # No shader reads IQ4_NL / IQ4_XS: the driver declines the model, naming the tensor and format.
+    path = tmp_path / "iq4.gguf"
+    write_family(path, "qwen3-iq4")
+    arm()
+    m = dl.load_model(path)
+    slot = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot) == "cpu"
+    assert "the device kernels do not read IQ4_" in slot.reason and "token_embd" in slot.reason, slot.reason
+    assert int(dl.eval(m, dl.create_session(m), [1, 5, 9]).argmax()) >= 0
 
 
 @needs_device

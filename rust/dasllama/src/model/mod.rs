@@ -441,17 +441,45 @@ impl<'a> TensorTable<'a> {
         })
     }
 
+    /// Older qwen3next files fuse Q, K, V and the output gate Z into one `ssm_in`, grouped per key
+    /// head (its query, its key, its value heads' values, their gates). Rows are whole blocks, so
+    /// they are gathered at load into `attn_qkv`'s order (every query, every key, every value) and
+    /// `attn_gate`'s: the same products llama.cpp's legacy path computes, then reorders.
+    fn legacy_qkvz(&self, name: &str, dn: &DeltaNet, d: usize) -> Result<(Weight, Weight)> {
+        let (nk, hd, kd, vd) = (dn.n_k_heads, dn.head_dim, dn.key_dim(), dn.value_dim());
+        let w = self.raw(name)?;
+        if w.rows != 2 * kd + 2 * vd || w.cols != d || !vd.is_multiple_of(nk) {
+            return Err(Error::Gguf(format!(
+                "{}: tensor '{name}' is {}x{} but the model's metadata implies {}x{d} (the query, key, values and gates of {nk} key heads)",
+                self.file,
+                w.rows,
+                w.cols,
+                2 * kd + 2 * vd
+            )));
+        }
+        let (rb, gv) = (w.row_bytes(), vd / nk);
+        let group = 2 * hd + 2 * gv;
+        let src = w.data.as_slice();
+        let rows = |g: usize, at: usize, n: usize| &src[(g * group + at) * rb..(g * group + at + n) * rb];
+        let mut qkv = Vec::with_capacity((2 * kd + vd) * rb);
+        for (at, n) in [(0, hd), (hd, hd), (2 * hd, gv)] {
+            (0..nk).for_each(|g| qkv.extend_from_slice(rows(g, at, n)));
+        }
+        let mut gate = Vec::with_capacity(vd * rb);
+        (0..nk).for_each(|g| gate.extend_from_slice(rows(g, 2 * hd + gv, gv)));
+        let owned = |data: Vec<u8>, rows: usize| Weight { rows, data: Bytes::Owned(Arc::new(data)), ..w.clone() };
+        Ok((self.prepare(owned(qkv, 2 * kd + vd), name)?, self.prepare(owned(gate, vd), name)?))
+    }
+
     /// Layer `il`'s DeltaNet weights, every shape checked against the `ssm.*` sizes.
     fn deltanet(&self, il: usize, dn: &DeltaNet, d: usize) -> Result<DeltaNetWeights> {
         let n = |s: &str| format!("blk.{il}.{s}.weight");
         let (nv, vd, cd, kk) = (dn.n_v_heads, dn.value_dim(), dn.conv_dim(), dn.conv_kernel);
-        if !self.has(&n("attn_qkv")) && self.has(&n("ssm_in")) {
-            return Err(Error::UnsupportedModel(format!(
-                "{}: tensor '{}' is the older fused Q/K/V/Z layout of qwen3next files, which is not supported; convert the model again with a current llama.cpp (attn_qkv and attn_gate)",
-                self.file,
-                n("ssm_in")
-            )));
-        }
+        let (qkv, gate) = if !self.has(&n("attn_qkv")) && self.has(&n("ssm_in")) {
+            self.legacy_qkvz(&n("ssm_in"), dn, d)?
+        } else {
+            (self.matrix(&n("attn_qkv"), cd, d)?, self.matrix(&n("attn_gate"), vd, d)?)
+        };
         let ba = if dn.fused_ba {
             BetaAlpha::Fused(self.matrix(&n("ssm_ba"), 2 * nv, d)?)
         } else {
@@ -474,8 +502,8 @@ impl<'a> TensorTable<'a> {
         }
         let a = self.vector(&format!("blk.{il}.ssm_a"), nv)?;
         Ok(DeltaNetWeights {
-            qkv: self.matrix(&n("attn_qkv"), cd, d)?,
-            gate: self.matrix(&n("attn_gate"), vd, d)?,
+            qkv,
+            gate,
             ba,
             conv,
             dt_bias: self.vector(&format!("blk.{il}.ssm_dt.bias"), nv)?,

@@ -49,6 +49,7 @@ pub fn kernels(ty: GgmlType) -> Option<Kernels> {
         GgmlType::F32 => Kernels::Rows(dot_f32),
         GgmlType::F16 => Kernels::Rows(dot_f16),
         GgmlType::BF16 => Kernels::Rows(dot_bf16),
+        GgmlType::IQ4NL | GgmlType::IQ4XS => Kernels::Rows(super::iq4::dot_fn(ty)),
         _ => return None,
     })
 }

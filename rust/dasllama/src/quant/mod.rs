@@ -8,6 +8,7 @@
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 pub mod ggml;
+pub mod iq4;
 pub mod scalar;
 pub mod tile;
 
@@ -30,6 +31,8 @@ pub enum GgmlType {
     Q6K,
     Q8K,
     BF16,
+    IQ4NL,
+    IQ4XS,
 }
 
 impl GgmlType {
@@ -47,10 +50,12 @@ impl GgmlType {
             13 => Self::Q5K,
             14 => Self::Q6K,
             15 => Self::Q8K,
+            20 => Self::IQ4NL,
+            23 => Self::IQ4XS,
             30 => Self::BF16,
             _ => {
                 return Err(Error::UnsupportedModel(format!(
-                    "tensor type id {id} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)"
+                    "tensor type id {id} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)"
                 )))
             }
         })
@@ -71,6 +76,8 @@ impl GgmlType {
             Self::Q6K => "Q6_K",
             Self::Q8K => "Q8_K",
             Self::BF16 => "BF16",
+            Self::IQ4NL => "IQ4_NL",
+            Self::IQ4XS => "IQ4_XS",
         }
     }
 
@@ -78,8 +85,8 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Q8_1 => 32,
-            Self::Q4K | Self::Q5K | Self::Q6K | Self::Q8K => 256,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Q8_1 | Self::IQ4NL => 32,
+            Self::Q4K | Self::Q5K | Self::Q6K | Self::Q8K | Self::IQ4XS => 256,
         }
     }
 
@@ -98,6 +105,8 @@ impl GgmlType {
             Self::Q5K => 176,
             Self::Q6K => 210,
             Self::Q8K => 292,
+            Self::IQ4NL => iq4::NL_BLOCK_BYTES,
+            Self::IQ4XS => iq4::XS_BLOCK_BYTES,
         }
     }
 
@@ -109,7 +118,7 @@ impl GgmlType {
     /// what a test overwrites with small finite values to make random bytes a sane block.
     pub fn f16_scale_offsets(self) -> &'static [usize] {
         match self {
-            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => &[0],
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::IQ4NL | Self::IQ4XS => &[0],
             Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q5K => &[0, 2],
             Self::Q6K => &[208],
             _ => &[],
@@ -122,9 +131,9 @@ impl GgmlType {
             Self::F32 => Self::F32,
             Self::F16 => Self::F16,
             Self::BF16 => Self::BF16,
-            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 => Self::Q8_0,
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::IQ4NL => Self::Q8_0,
             Self::Q4_1 | Self::Q5_1 => Self::Q8_1,
-            Self::Q4K | Self::Q5K | Self::Q6K => Self::Q8K,
+            Self::Q4K | Self::Q5K | Self::Q6K | Self::IQ4XS => Self::Q8K,
             Self::Q8_1 | Self::Q8K => self,
         }
     }
@@ -279,6 +288,8 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        GgmlType::IQ4NL => iq4::dequantize_nl(src, out),
+        GgmlType::IQ4XS => iq4::dequantize_xs(src, out),
         GgmlType::Q6K => {
             for ib in 0..n / 256 {
                 let b = &src[ib * bb..(ib + 1) * bb];

@@ -56,6 +56,8 @@ pub fn dot_fn(ty: GgmlType) -> super::DotFn {
         GgmlType::Q4K => dot_q4_k,
         GgmlType::Q5K => dot_q5_k,
         GgmlType::Q6K => dot_q6_k,
+        GgmlType::IQ4NL => super::iq4::dot_nl_scalar,
+        GgmlType::IQ4XS => super::iq4::dot_xs_scalar,
         GgmlType::Q8_1 | GgmlType::Q8K => unreachable!("activation-only format"),
     }
 }

@@ -79,7 +79,8 @@ pub fn format_suffix(ty: GgmlType) -> Option<&'static str> {
         GgmlType::Q4K => "q4_k",
         GgmlType::Q5K => "q5_k",
         GgmlType::Q6K => "q6_k",
-        GgmlType::Q8_1 | GgmlType::Q8K => return None,
+        // Activation-only formats, and weight formats the shaders do not read (`decline` names them).
+        GgmlType::Q8_1 | GgmlType::Q8K | GgmlType::IQ4NL | GgmlType::IQ4XS => return None,
     })
 }
 
