@@ -99,16 +99,20 @@ unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, ab: &[*cons
     }
     // Mins: over sub-blocks, m * (sum of the sub-block's activations), as i16 pairs
     // (m_s, m_s+1) against (sum_s, sum_s+1).
+    // The eight sub-block sums (pairs of q8_K's sixteen block sums, |s| <= 32·127) as i16, so that
+    // dword p holds (sum_2p, sum_2p+1): vpermd broadcasts it.
+    let sums: [__m256i; R] = std::array::from_fn(|r| {
+        let s32 = _mm256_madd_epi16(_mm256_loadu_si256(ab[r].add(K_BSUMS) as *const __m256i), _mm256_set1_epi16(1));
+        _mm256_castsi128_si256(_mm_packs_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256::<1>(s32)))
+    });
     let mut mins = [_mm256_setzero_si256(); R];
     for p in 0..4 {
         let m0 = _mm_loadl_epi64(sb.add(K45_M + 16 * p) as *const __m128i);
         let m1 = _mm_loadl_epi64(sb.add(K45_M + 8 + 16 * p) as *const __m128i);
         let mm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m0, m1));
+        let at = _mm256_set1_epi32(p as i32);
         for r in 0..R {
-            let bs = ab[r].add(K_BSUMS) as *const i16;
-            let pair = |s: usize| bs.add(2 * s).read_unaligned() as i32 + bs.add(2 * s + 1).read_unaligned() as i32;
-            let both = (pair(2 * p) & 0xFFFF) | (pair(2 * p + 1) << 16);
-            mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mm, _mm256_set1_epi32(both)));
+            mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(mm, _mm256_permutevar8x32_epi32(sums[r], at)));
         }
     }
     (total, Some(mins))
