@@ -237,12 +237,16 @@ def test_prefix_cache_hits_give_the_same_output(smollm: dl.Model) -> None:
     assert stats["kv_pages_free"] + stats["kv_pages_cached"] == stats["kv_pages_total"]
 
 
-@pytest.mark.parametrize("step_ms", ["1", "0"])
-def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch, step_ms: str) -> None:
+@pytest.mark.parametrize(("step_ms", "how"), [("1", "env"), ("0", "env"), ("1", "api"), ("0", "api")])
+def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch, step_ms: str, how: str) -> None:
     """A long prompt arriving while a stream decodes is prefilled in chunks sized by the step's
-    time budget (DASLLAMA_STEP_MS; a 1 ms budget leaves the least chunk, 16 tokens, per step) or
-    in fixed chunks of chunk_tokens (0); either way every token is what it is alone."""
-    monkeypatch.setenv("DASLLAMA_STEP_MS", step_ms)
+    time budget (DASLLAMA_STEP_MS, or set_step_budget over a contrary DASLLAMA_STEP_MS; a 1 ms
+    budget leaves the least chunk, 16 tokens, per step) or in fixed chunks of chunk_tokens (0 /
+    None); either way every token is what it is alone."""
+    if how == "env":
+        monkeypatch.setenv("DASLLAMA_STEP_MS", step_ms)
+    else:
+        monkeypatch.setenv("DASLLAMA_STEP_MS", "0" if step_ms == "1" else "1")
     long = dl.encode(smollm, "The history of the lighthouse keepers of the northern coast. " * 30)[:300]
     short = dl.encode(smollm, "Tell me a story.")
     news = (40, 4)
@@ -256,6 +260,9 @@ def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch
             want[-1].append(int(logits.argmax()))
             logits = dl.eval(smollm, s, [want[-1][-1]])
     sch = dl.create_scheduler(smollm, max_streams=2, chunk_tokens=128, page_rows=16)
+    if how == "api":
+        budget = 1.0 if step_ms == "1" else None
+        assert dl.set_step_budget(sch, budget) == budget == dl.step_budget(sch)
     assert dl.submit(smollm, sch, dl.PendingReq(id=0, prompt=short, max_new=news[0], ignore_eos=True))
     evs: list[dl.SchedEvent] = []
     dl.scheduler_step(smollm, sch, evs)
@@ -269,3 +276,23 @@ def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch
     # The long prompt's chunks while the short one decodes: 64 tokens until a step's cost is
     # measured (three passes), then 16; or 128, 128 and 44.
     assert chunks == (2 + (300 - 2 * 64 + 15) // 16 if step_ms == "1" else 3), chunks
+
+
+def test_step_budget_setter(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """set_step_budget takes milliseconds or None and refuses anything else, leaving the budget as
+    it was; the default comes from DASLLAMA_STEP_MS (60 ms without it); under ggml numerics
+    chunks stay fixed whatever is asked."""
+    monkeypatch.delenv("DASLLAMA_STEP_MS", raising=False)
+    sch = dl.create_scheduler(smollm, max_streams=2, page_rows=16)
+    assert dl.step_budget(sch) == pytest.approx(60.0)
+    assert dl.set_step_budget(sch, 25) == pytest.approx(25.0)
+    for bad, err in [(0, ValueError), (-5.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError), ("60", TypeError), (True, TypeError)]:
+        with pytest.raises(err, match="step budget"):
+            dl.set_step_budget(sch, bad)  # type: ignore[arg-type]
+        assert dl.step_budget(sch) == pytest.approx(25.0)
+    assert dl.set_step_budget(sch, None) is None and dl.step_budget(sch) is None
+    monkeypatch.setenv("DASLLAMA_STEP_MS", "0")
+    assert dl.step_budget(dl.create_scheduler(smollm, max_streams=2)) is None
+    ggml = dl.load_model(dl.fetch("smollm2-135m-instruct"), numerics=dl.Numerics.ggml)
+    sch = dl.create_scheduler(ggml, max_streams=2)
+    assert dl.set_step_budget(sch, 30.0) is None and dl.step_budget(sch) is None

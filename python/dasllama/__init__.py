@@ -31,7 +31,7 @@ from .errors import ContextOverflowError, DasllamaError, EngineError, FetchError
 from .fetch import DEFAULT_MODEL, fetch
 from .grammar import check_grammar, json_object_grammar, json_schema_grammar
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
-from .scheduler import PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, submit
+from .scheduler import PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, set_step_budget, step_budget, submit
 from .session import (
     BatchWorkspace,
     KVDtype,
@@ -123,8 +123,10 @@ __all__ = [
     "sample",
     "scheduler_stats",
     "scheduler_step",
+    "set_step_budget",
     "set_thinking",
     "split_reasoning",
+    "step_budget",
     "submit",
     "token_piece",
     "turn_stop_ids",

@@ -16,6 +16,7 @@ prefill chunk of ``chunk_tokens``. Results come back as :class:`SchedEvent` valu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from . import _native
@@ -86,6 +87,29 @@ def create_scheduler(
     if max_streams < 1 or chunk_tokens < 1 or max_queue < 0:
         raise ValueError("max_streams and chunk_tokens must be at least 1, max_queue at least 0")
     return _native.create_scheduler(m._native, max_streams, max_queue, chunk_tokens, page_rows, prefix_groups, codec, drafter)
+
+
+def set_step_budget(sch: Scheduler, ms: float | None) -> float | None:
+    """Size each step's prefill chunk so the whole step (the decode rows plus the chunk) takes about
+    ``ms`` milliseconds: streams that are decoding keep a gap of about ``ms`` between tokens while a
+    long prompt is prefilled, and the prompt gets what each step has left (at most ``chunk_tokens``,
+    at least 16 tokens). ``None`` turns the budget off: fixed chunks of ``chunk_tokens``. Overrides
+    ``DASLLAMA_STEP_MS`` (default 60 ms) for this scheduler. Returns the budget now in force, in ms:
+    ``None`` under ``numerics="ggml"``, where a prompt's sums depend on its chunking, so chunks stay
+    fixed whatever is asked."""
+    if ms is not None:
+        if isinstance(ms, bool) or not isinstance(ms, int | float):
+            raise TypeError(f"step budget: expected milliseconds as a number, or None for fixed chunks; got {type(ms).__name__}")
+        if not math.isfinite(ms) or ms <= 0:
+            raise ValueError(f"step budget must be a positive, finite number of milliseconds (got {ms}); pass None for fixed chunks")
+    secs = _native.set_step_budget(sch, None if ms is None else ms / 1000.0)
+    return None if secs is None else secs * 1000.0
+
+
+def step_budget(sch: Scheduler) -> float | None:
+    """The step budget in force, in milliseconds (None: fixed chunks); see :func:`set_step_budget`."""
+    secs = _native.step_budget(sch)
+    return None if secs is None else secs * 1000.0
 
 
 def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:

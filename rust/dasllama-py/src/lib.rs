@@ -819,6 +819,23 @@ fn fix_draft_len(sch: &mut PyScheduler, k: Option<usize>) -> PyResult<()> {
     sch.inner.fix_draft_len(k).map_err(map_err)
 }
 
+/// Size each step's prefill so the step takes about `secs` (None: fixed chunks); returns the
+/// budget in force, which stays None under ggml numerics.
+#[pyfunction]
+#[pyo3(signature = (sch, secs=None))]
+fn set_step_budget(sch: &mut PyScheduler, secs: Option<f64>) -> PyResult<Option<f64>> {
+    if let Some(s) = secs.filter(|s| !(s.is_finite() && *s > 0.0)) {
+        return Err(PyValueError::new_err(format!("step budget must be a positive, finite number of seconds (got {s}); pass None for fixed chunks")));
+    }
+    sch.inner.set_step_budget(secs);
+    Ok(sch.inner.step_budget())
+}
+
+#[pyfunction]
+fn step_budget(sch: &PyScheduler) -> Option<f64> {
+    sch.inner.step_budget()
+}
+
 #[pyfunction]
 fn scheduler_counts(sch: &PyScheduler) -> (usize, usize) {
     (sch.inner.n_active(), sch.inner.n_queued())
@@ -908,6 +925,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scheduler_step, m)?)?;
     m.add_function(wrap_pyfunction!(evict, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(set_step_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(step_budget, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_stats, m)?)?;
     m.add_function(wrap_pyfunction!(arch_names, m)?)?;
     m.add_function(wrap_pyfunction!(n_threads, m)?)?;

@@ -382,7 +382,7 @@ unsafe fn dp<const ISA: u8>(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
 }
 
 #[inline(always)]
-unsafe fn bcast4(p: *const u8) -> __m256i {
+pub(super) unsafe fn bcast4(p: *const u8) -> __m256i {
     _mm256_set1_epi32((p as *const i32).read_unaligned())
 }
 
@@ -501,11 +501,11 @@ struct Q5K;
 struct Q6K;
 
 /// q8_K field offsets.
-const K_QS: usize = 4;
-const K_BSUMS: usize = 260;
+pub(super) const K_QS: usize = 4;
+pub(super) const K_BSUMS: usize = 260;
 const K_BYTES: usize = 292;
 
-fn check_kquant(sb: usize, t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+pub(super) fn check_kquant(sb: usize, t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
     let nsb = n / 256;
     (nsb, check_call(t, nsb * sb, a, nsb * K_BYTES, out))
 }
@@ -515,7 +515,7 @@ fn check_kquant(sb: usize, t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) ->
 /// land in the accumulators as d_w·d_a·sum − dmin_w·d_a·mins (d_w at the superblock's start,
 /// dmin_w at `K45_DMIN`).
 #[inline(always)]
-unsafe fn kquant_tiles<const T: usize, const R: usize>(
+pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
     t: *const u8,
     a: [*const u8; R],
     nsb: usize,
@@ -735,5 +735,10 @@ pub fn tile_variants(ty: GgmlType) -> Vec<(&'static str, TileFn)> {
         _ => return Vec::new(),
     };
     let usable = [has_avx2(), has_avx2() && has_vnni(), has_avx2() && has_avx512()];
-    ["avx2", "avx-vnni", "avx512"].into_iter().zip(all).zip(usable).filter(|(_, ok)| *ok).map(|(v, _)| v).collect()
+    let mut v: Vec<_> = ["avx2", "avx-vnni", "avx512"].into_iter().zip(all).zip(usable).filter(|(_, ok)| *ok).map(|(v, _)| v).collect();
+    // K-quants without VNNI: scales folded into the i16 stage beats the generic AVX2 kernel.
+    if let Some(k) = super::avx2_kquant::tile_fn(ty).filter(|_| has_avx2()) {
+        v.insert(1, ("avx2-i16", k));
+    }
+    v
 }

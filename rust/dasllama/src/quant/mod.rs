@@ -7,6 +7,8 @@
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2_kquant;
 pub mod ggml;
 pub mod iq4;
 pub mod scalar;

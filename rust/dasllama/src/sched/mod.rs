@@ -260,6 +260,11 @@ impl Scheduler {
         self.step_budget = secs.filter(|&s| s > 0.0 && self.model.numerics != Numerics::Ggml);
     }
 
+    /// The step budget in force, in seconds (None: fixed chunks).
+    pub fn step_budget(&self) -> Option<f64> {
+        self.step_budget
+    }
+
     /// Speculate with `drafter` from the next step on (None: stop). Streams drop what an earlier
     /// drafter kept for them.
     pub fn set_drafter(&mut self, drafter: Option<Drafter>) -> Result<()> {
