@@ -7,6 +7,8 @@ is a no-op on the CPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import drain
