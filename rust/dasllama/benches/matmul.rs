@@ -2,24 +2,8 @@
 //! SmolLM2's shape, decode (1 activation row) and prefill (64 rows).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use dasllama::cpu::{matmul, Bytes, Weight};
+use dasllama::cpu::{matmul, Weight};
 use dasllama::quant::GgmlType;
-use std::sync::Arc;
-
-fn weight(ty: GgmlType, rows: usize, cols: usize) -> Weight {
-    let mut state = 0x9E37_79B9u64;
-    let mut data: Vec<u8> = (0..ty.row_bytes(cols) * rows)
-        .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
-            (state >> 56) as u8
-        })
-        .collect();
-    // Keep every f16 field finite: clear the exponent's top bit of every second byte.
-    for b in data.iter_mut().skip(1).step_by(2) {
-        *b &= 0x3B;
-    }
-    Weight { ty, rows, cols, data: Bytes::Owned(Arc::new(data)), tiled: false, ggml_dot: None }.for_kernels()
-}
 
 fn bench(c: &mut Criterion) {
     let (rows, cols) = (1536, 768);
@@ -36,7 +20,7 @@ fn bench(c: &mut Criterion) {
         GgmlType::F16,
         GgmlType::F32,
     ] {
-        let w = weight(ty, rows, cols);
+        let w = Weight::random_blocks(ty, rows, cols);
         for n in [1usize, 16, 64] {
             let x: Vec<f32> = (0..n * cols).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
             let mut out = vec![0.0f32; n * rows];
@@ -49,7 +33,7 @@ fn bench(c: &mut Criterion) {
     }
     // Gemma 3's tied output head: 178 MB of Q8_0, far past the caches: decode is a memory stream.
     let (rows, cols) = (262144, 640);
-    let w = weight(GgmlType::Q8_0, rows, cols);
+    let w = Weight::random_blocks(GgmlType::Q8_0, rows, cols);
     let x: Vec<f32> = (0..cols).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
     let (mut out, mut act) = (vec![0.0f32; rows], Vec::new());
     g.throughput(Throughput::Bytes(GgmlType::Q8_0.row_bytes(cols) as u64 * rows as u64));

@@ -6,25 +6,9 @@
 //!
 //! With `GEMM_RATE_VARIANTS=1`: every tile kernel variant of each format, one thread, side by side.
 
-use dasllama::cpu::{matmul, team, Bytes, Weight};
+use dasllama::cpu::{matmul, team, Weight};
 use dasllama::quant::GgmlType;
-use std::sync::Arc;
 use std::time::Instant;
-
-fn weight(ty: GgmlType, rows: usize, cols: usize) -> Weight {
-    let mut state = 0x9E37_79B9u64;
-    let mut data: Vec<u8> = (0..ty.row_bytes(cols) * rows)
-        .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
-            (state >> 56) as u8
-        })
-        .collect();
-    // Keep every f16 field finite: clear the exponent's top bit of every second byte.
-    for b in data.iter_mut().skip(1).step_by(2) {
-        *b &= 0x3B;
-    }
-    Weight { ty, rows, cols, data: Bytes::Owned(Arc::new(data)), tiled: false, ggml_dot: None }.for_kernels()
-}
 
 fn parse(name: &str) -> GgmlType {
     [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K]
@@ -59,7 +43,7 @@ fn main() {
     }
     println!("{:<6} {:>5} {:>12} {:>12}", "format", "rows", "2048->8192", "8192->2048");
     for ty in types {
-        let ws = [weight(ty, 8192, 2048), weight(ty, 2048, 8192)];
+        let ws = [Weight::random_blocks(ty, 8192, 2048), Weight::random_blocks(ty, 2048, 8192)];
         for &n in &ns {
             let mut rates = Vec::new();
             for w in &ws {
@@ -89,7 +73,7 @@ fn variants(ty: GgmlType, n: usize) {
     use dasllama::quant::tile::{tile_bytes, TILE_ROWS};
     use dasllama::quant::{act_row_bytes, quantize_row};
     for (rows, cols) in [(8192, 2048), (2048, 8192), (64, 256), (256, 2048)] {
-        let w = weight(ty, rows, cols);
+        let w = Weight::random_blocks(ty, rows, cols);
         let vt = ty.vec_dot_type();
         let arb = act_row_bytes(vt, cols);
         let mut act = vec![0u8; n * arb];

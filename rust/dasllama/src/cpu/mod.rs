@@ -67,6 +67,24 @@ pub struct Weight {
 }
 
 impl Weight {
+    /// A matrix of pseudo-random blocks with every f16 field finite, in the kernels' layout: what
+    /// the kernel benches (`benches/matmul.rs`, `examples/gemm_rate.rs`) multiply by.
+    #[doc(hidden)]
+    pub fn random_blocks(ty: GgmlType, rows: usize, cols: usize) -> Weight {
+        let mut state = 0x9E37_79B9u64;
+        let mut data: Vec<u8> = (0..ty.row_bytes(cols) * rows)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
+                (state >> 56) as u8
+            })
+            .collect();
+        // Clear the exponent's top bit of every second byte.
+        for b in data.iter_mut().skip(1).step_by(2) {
+            *b &= 0x3B;
+        }
+        Weight { ty, rows, cols, data: Bytes::Owned(std::sync::Arc::new(data)), tiled: false, ggml_dot: None }.for_kernels()
+    }
+
     /// Put the rows in the layout this CPU's kernels read (a copy, when that means tiling).
     pub fn for_kernels(self) -> Weight {
         if self.tiled || !matches!(kernels(self.ty), Kernels::Tiles(_)) {

@@ -548,35 +548,43 @@ pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
     acc
 }
 
+/// Chunk `c` of sub-block `sub` of a Q4_K/Q5_K tile as unsigned 4- (5-) bit values: sub-block
+/// 2j takes the low nibbles of chunks 8j.., 2j+1 the high ones; in Q5_K (`FIVE`) the fifth bits
+/// are bit `sub` of the qh bytes of the same values.
+#[inline(always)]
+pub(super) unsafe fn q45k_chunk<const FIVE: bool>(sb: *const u8, sub: usize, c: usize, m4: __m256i, b4: __m256i) -> __m256i {
+    let (j, high) = (sub / 2, sub % 2 == 1);
+    let qs = if FIVE { Q5K_QS } else { Q4K_QS };
+    let raw = _mm256_loadu_si256(sb.add(qs + 256 * j + 32 * c) as *const __m256i);
+    let w = if high { _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) } else { _mm256_and_si256(raw, m4) };
+    if !FIVE {
+        return w;
+    }
+    let qh = _mm256_loadu_si256(sb.add(Q5K_QH + 32 * c) as *const __m256i);
+    let bit = match sub {
+        0 => _mm256_slli_epi16(qh, 4),
+        1 => _mm256_slli_epi16(qh, 3),
+        2 => _mm256_slli_epi16(qh, 2),
+        3 => _mm256_slli_epi16(qh, 1),
+        4 => qh,
+        5 => _mm256_srli_epi16(qh, 1),
+        6 => _mm256_srli_epi16(qh, 2),
+        _ => _mm256_srli_epi16(qh, 3),
+    };
+    _mm256_or_si256(w, _mm256_and_si256(bit, b4))
+}
+
 /// Q4_K and Q5_K (`FIVE`: a fifth bit per value from the tile's qh chunks) share everything but
 /// where the quants start and that bit.
 #[inline(always)]
 unsafe fn q45k_sums<const R: usize, const ISA: u8, const FIVE: bool>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
     let (m4, b4) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x10));
-    let qs = if FIVE { Q5K_QS } else { Q4K_QS };
     let mut total = [_mm256_setzero_si256(); R];
     for sub in 0..8 {
-        // Sub-block 2j takes the low nibbles of chunks 8j.., 2j+1 the high ones; in Q5_K its
-        // fifth bits are bit `sub` of the qh bytes of the same values.
         let (j, high) = (sub / 2, sub % 2 == 1);
         let mut isum = [_mm256_setzero_si256(); R];
         for c in 0..8 {
-            let raw = _mm256_loadu_si256(sb.add(qs + 256 * j + 32 * c) as *const __m256i);
-            let mut w = if high { _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) } else { _mm256_and_si256(raw, m4) };
-            if FIVE {
-                let qh = _mm256_loadu_si256(sb.add(Q5K_QH + 32 * c) as *const __m256i);
-                let bit = match sub {
-                    0 => _mm256_slli_epi16(qh, 4),
-                    1 => _mm256_slli_epi16(qh, 3),
-                    2 => _mm256_slli_epi16(qh, 2),
-                    3 => _mm256_slli_epi16(qh, 1),
-                    4 => qh,
-                    5 => _mm256_srli_epi16(qh, 1),
-                    6 => _mm256_srli_epi16(qh, 2),
-                    _ => _mm256_srli_epi16(qh, 3),
-                };
-                w = _mm256_or_si256(w, _mm256_and_si256(bit, b4));
-            }
+            let w = q45k_chunk::<FIVE>(sb, sub, c, m4, b4);
             for r in 0..R {
                 isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 64 * j + 32 * high as usize + 4 * c)));
             }

@@ -14,8 +14,8 @@
 //! is that kernel's own (`avx2::kquant_tiles`): the results are bit-identical to the other
 //! variants, and through them within the tested tolerance of the scalar twins (`scalar.rs`).
 
-use super::avx2::{bcast4, check_kquant, kquant_tiles, K_BSUMS, K_QS};
-use super::tile::{K45_M, K45_SC, Q4K_QS, Q4K_TILE_BLOCK, Q5K_QH, Q5K_QS, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
+use super::avx2::{bcast4, check_kquant, kquant_tiles, q45k_chunk, K_BSUMS, K_QS};
+use super::tile::{K45_M, K45_SC, Q4K_TILE_BLOCK, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
 use super::{GgmlType, TileFn};
 use std::arch::x86_64::*;
 
@@ -60,33 +60,15 @@ unsafe fn scale_pairs<const SIGNED: bool>(p: *const u8) -> __m256i {
 #[inline(always)]
 unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
     let (m4, b4) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x10));
-    let qs = if FIVE { Q5K_QS } else { Q4K_QS };
     let run = if FIVE { 4 } else { 8 };
     let mut total = [_mm256_setzero_si256(); R];
     for sub in 0..8 {
-        // Sub-block 2j takes the low nibbles of chunks 8j.., 2j+1 the high ones; in Q5_K its
-        // fifth bits are bit `sub` of the qh bytes of the same values.
         let (j, high) = (sub / 2, sub % 2 == 1);
         let sc = scale_pairs::<false>(sb.add(K45_SC + 8 * sub));
         for c0 in (0..8).step_by(run) {
             let mut acc = [_mm256_setzero_si256(); R];
             for c in c0..c0 + run {
-                let raw = _mm256_loadu_si256(sb.add(qs + 256 * j + 32 * c) as *const __m256i);
-                let mut w = if high { _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4) } else { _mm256_and_si256(raw, m4) };
-                if FIVE {
-                    let qh = _mm256_loadu_si256(sb.add(Q5K_QH + 32 * c) as *const __m256i);
-                    let bit = match sub {
-                        0 => _mm256_slli_epi16(qh, 4),
-                        1 => _mm256_slli_epi16(qh, 3),
-                        2 => _mm256_slli_epi16(qh, 2),
-                        3 => _mm256_slli_epi16(qh, 1),
-                        4 => qh,
-                        5 => _mm256_srli_epi16(qh, 1),
-                        6 => _mm256_srli_epi16(qh, 2),
-                        _ => _mm256_srli_epi16(qh, 3),
-                    };
-                    w = _mm256_or_si256(w, _mm256_and_si256(bit, b4));
-                }
+                let w = q45k_chunk::<FIVE>(sb, sub, c, m4, b4);
                 for r in 0..R {
                     let y = bcast4(ab[r].add(K_QS + 64 * j + 32 * high as usize + 4 * c));
                     acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(w, y));
