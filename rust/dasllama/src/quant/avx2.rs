@@ -574,6 +574,22 @@ pub(super) unsafe fn q45k_chunk<const FIVE: bool>(sb: *const u8, sub: usize, c: 
     _mm256_or_si256(w, _mm256_and_si256(bit, b4))
 }
 
+/// Chunk `c` of quarter `q` of half `h` of a Q6_K tile as unsigned 6-bit values: four bits from
+/// ql (low nibbles for q < 2, high ones after), two from qh.
+#[inline(always)]
+pub(super) unsafe fn q6k_chunk(sb: *const u8, h: usize, q: usize, c: usize, m4: __m256i, m30: __m256i) -> __m256i {
+    let qh = _mm256_loadu_si256(sb.add(Q6K_QH + 256 * h + 32 * c) as *const __m256i);
+    let ql = _mm256_loadu_si256(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (q % 2))) as *const __m256i);
+    let lo = if q < 2 { _mm256_and_si256(ql, m4) } else { _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) };
+    let hi = match q {
+        0 => _mm256_slli_epi16(qh, 4),
+        1 => _mm256_slli_epi16(qh, 2),
+        2 => qh,
+        _ => _mm256_srli_epi16(qh, 2),
+    };
+    _mm256_or_si256(lo, _mm256_and_si256(hi, m30))
+}
+
 /// Q4_K and Q5_K (`FIVE`: a fifth bit per value from the tile's qh chunks) share everything but
 /// where the quants start and that bit.
 #[inline(always)]
@@ -648,16 +664,7 @@ impl TileFormat for Q6K {
                             _mm256_set1_epi32(-32 * bs)
                         });
                         for c in 4 * half..4 * half + 4 {
-                            let qh = _mm256_loadu_si256(sb.add(Q6K_QH + 256 * h + 32 * c) as *const __m256i);
-                            let ql = _mm256_loadu_si256(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (q % 2))) as *const __m256i);
-                            let lo = if q < 2 { _mm256_and_si256(ql, m4) } else { _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) };
-                            let hi = match q {
-                                0 => _mm256_slli_epi16(qh, 4),
-                                1 => _mm256_slli_epi16(qh, 2),
-                                2 => qh,
-                                _ => _mm256_srli_epi16(qh, 2),
-                            };
-                            let w = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                            let w = q6k_chunk(sb, h, q, c, m4, m30);
                             for r in 0..R {
                                 isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * q + 4 * c)));
                             }

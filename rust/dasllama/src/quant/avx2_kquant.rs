@@ -14,8 +14,8 @@
 //! is that kernel's own (`avx2::kquant_tiles`): the results are bit-identical to the other
 //! variants, and through them within the tested tolerance of the scalar twins (`scalar.rs`).
 
-use super::avx2::{bcast4, check_kquant, kquant_tiles, q45k_chunk, K_BSUMS, K_QS};
-use super::tile::{K45_M, K45_SC, Q4K_TILE_BLOCK, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
+use super::avx2::{bcast4, check_kquant, kquant_tiles, q45k_chunk, q6k_chunk, K_BSUMS, K_QS};
+use super::tile::{K45_M, K45_SC, Q4K_TILE_BLOCK, Q5K_TILE_BLOCK, Q6K_SC, Q6K_TILE_BLOCK};
 use super::{GgmlType, TileFn};
 use std::arch::x86_64::*;
 
@@ -131,16 +131,7 @@ impl KSums for Q6K {
                     for c0 in (4 * half..4 * half + 4).step_by(2) {
                         let mut acc = [_mm256_setzero_si256(); R];
                         for c in c0..c0 + 2 {
-                            let qh = _mm256_loadu_si256(sb.add(Q6K_QH + 256 * h + 32 * c) as *const __m256i);
-                            let ql = _mm256_loadu_si256(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (q % 2))) as *const __m256i);
-                            let lo = if q < 2 { _mm256_and_si256(ql, m4) } else { _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4) };
-                            let hi = match q {
-                                0 => _mm256_slli_epi16(qh, 4),
-                                1 => _mm256_slli_epi16(qh, 2),
-                                2 => qh,
-                                _ => _mm256_srli_epi16(qh, 2),
-                            };
-                            let w = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                            let w = q6k_chunk(sb, h, q, c, m4, m30);
                             for r in 0..R {
                                 let y = bcast4(ab[r].add(K_QS + 128 * h + 32 * q + 4 * c));
                                 acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(w, y));
