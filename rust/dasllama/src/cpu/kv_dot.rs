@@ -72,10 +72,10 @@ impl KvCodec {
         let (rb, heads) = (self.bytes(hd), q.len() / hd);
         assert!(k.len() >= n * rb && out.len() >= (heads - 1) * stride + n, "KV rows or scores too short");
         #[cfg(target_arch = "x86_64")]
-        if self == KvCodec::F16 && hd.is_multiple_of(32) && crate::quant::avx2::has_avx2() {
-            for (g0, qg) in q.chunks(GROUP * hd).enumerate() {
+        if self == KvCodec::F16 && hd.is_multiple_of(8) && crate::quant::avx2::has_avx2() {
+            for (g0, qg) in q.chunks(QK_GROUP * hd).enumerate() {
                 // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
-                unsafe { simd::dot_rows_f16(qg, hd, k.as_ptr(), n, &mut out[GROUP * g0 * stride..], stride) };
+                unsafe { simd::dot_rows_f16(qg, hd, k.as_ptr(), n, &mut out[QK_GROUP * g0 * stride..], stride) };
             }
             return;
         }
@@ -93,10 +93,10 @@ impl KvCodec {
         let (rb, heads) = (self.bytes(hd), o.len() / hd);
         assert!(v.len() >= n * rb && p.len() >= (heads - 1) * stride + n, "KV rows or weights too short");
         #[cfg(target_arch = "x86_64")]
-        if self == KvCodec::F16 && hd.is_multiple_of(32) && crate::quant::avx2::has_avx2() {
-            for (g0, og) in o.chunks_mut(GROUP * hd).enumerate() {
+        if self == KvCodec::F16 && hd.is_multiple_of(16) && crate::quant::avx2::has_avx2() {
+            for (g0, og) in o.chunks_mut(PV_GROUP * hd).enumerate() {
                 // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
-                unsafe { simd::axpy_rows_f16(og, hd, &p[GROUP * g0 * stride..], stride, v.as_ptr(), n) };
+                unsafe { simd::axpy_rows_f16(og, hd, &p[PV_GROUP * g0 * stride..], stride, v.as_ptr(), n) };
             }
             return;
         }
@@ -108,24 +108,29 @@ impl KvCodec {
     }
 }
 
-/// Query heads the f16 attention kernels take per pass over the K or V rows (Gemma 3 and Llama 3
-/// group four query heads per KV head).
+/// Query heads the f16 kernels take per pass over the K or V rows: each head holds two
+/// accumulators (two keys' scores, or 16 output values), so six heads plus the row being read
+/// fill the sixteen AVX2 registers for q·k; p·v measured best at four.
 #[cfg(target_arch = "x86_64")]
-const GROUP: usize = 4;
+const QK_GROUP: usize = 6;
+#[cfg(target_arch = "x86_64")]
+const PV_GROUP: usize = 4;
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use crate::quant::avx2::hsum;
     use std::arch::x86_64::*;
 
-    /// Calls `$kernel::<G>` for the number of query heads sharing a KV head (1 to 4).
+    /// Calls `$kernel::<G>` for the number of query heads sharing a KV head (1 to 6).
     macro_rules! per_group {
         ($kernel:ident, $g:expr, $($arg:expr),*) => {
             match $g {
                 1 => $kernel::<1>($($arg),*),
                 2 => $kernel::<2>($($arg),*),
                 3 => $kernel::<3>($($arg),*),
-                _ => $kernel::<4>($($arg),*),
+                4 => $kernel::<4>($($arg),*),
+                5 => $kernel::<5>($($arg),*),
+                _ => $kernel::<6>($($arg),*),
             }
         };
     }
@@ -135,24 +140,21 @@ mod simd {
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
 
+    /// q · k over one f16 row: one accumulator, its lane l summing q[d]·k[d] for d = l mod 8 in
+    /// order, then `hsum`. Every f16 score is summed in this order (`dot_rows` too), so a score does
+    /// not depend on how many heads or keys a call takes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_f16(q: &[f32], k: *const u8) -> f32 {
         let n = q.len();
         let a = q.as_ptr();
-        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut acc = _mm256_setzero_ps();
         let mut i = 0;
-        while i + 32 <= n {
-            for (j, ac) in acc.iter_mut().enumerate() {
-                *ac = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i + 8 * j)), f16x8(k.add(2 * (i + 8 * j))), *ac);
-            }
-            i += 32;
-        }
         while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), f16x8(k.add(2 * i)), acc[0]);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), f16x8(k.add(2 * i)), acc);
             i += 8;
         }
-        let mut s = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        let mut s = hsum(acc);
         while i < n {
             s += *a.add(i) * super::f16::from_bits((k.add(2 * i) as *const u16).read_unaligned()).to_f32();
             i += 1;
@@ -176,84 +178,27 @@ mod simd {
         }
     }
 
-    /// Up to four query heads against each K row, converted once; per head the summation order
-    /// is `dot_f16`'s (four accumulators, 32 values apart), so scores do not depend on grouping.
+    /// Up to four query heads against each K row; per head the summation order is `dot_f16`'s,
+    /// so scores do not depend on grouping. Keys go in pairs (p, p + 4), each pair's 2G chains
+    /// interleaved: one accumulator per score keeps them all in registers.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_rows_f16(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        if crate::quant::avx2::has_avx512() {
-            dot_rows_f16_512(q, hd, k, n, out, stride)
-        } else {
-            dot_rows_f16_256(q, hd, k, n, out, stride)
-        }
+        per_group!(scores, q.len() / hd, q, hd, k, n, out, stride)
     }
 
-    /// The AVX-512 build: each 16-wide register holds two of the 8-wide accumulators of the AVX2
-    /// build (the same lanes, the same chains), so a K row and a query take half the loads and
-    /// the scores are bit for bit the same.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    pub(super) unsafe fn dot_rows_f16_512(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        if !hd.is_multiple_of(32) {
-            return dot_rows_any(q, hd, k, n, out, stride);
-        }
-        per_group!(heads_f16_512, q.len() / hd, q, hd, k, n, out, stride)
-    }
-
+    /// The eight lanes each of G query heads sum against keys `x` and `y` (`dot_f16`'s chains).
     #[inline(always)]
-    unsafe fn heads_f16_512<const G: usize>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        scores::<G, Keys512>(q, hd, k, n, out, stride)
-    }
-
-    /// What `hsum` finishes for one key and each of G query heads: the eight lanes of its
-    /// partial sums. The two builds differ only here, in how they get them.
-    trait KeySums {
-        unsafe fn sums<const G: usize>(q: *const f32, hd: usize, row: *const u8) -> [__m256; G];
-    }
-
-    struct Keys512;
-    impl KeySums for Keys512 {
-        #[inline(always)]
-        unsafe fn sums<const G: usize>(q: *const f32, hd: usize, row: *const u8) -> [__m256; G] {
-            // acc[g][h]: lanes 0..8 are the AVX2 build's accumulator 2h, lanes 8..16 its 2h+1.
-            let mut acc = [[_mm512_setzero_ps(); 2]; G];
-            for i in (0..hd).step_by(32) {
-                let kv: [__m512; 2] = std::array::from_fn(|h| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2 * (i + 16 * h)) as *const __m256i)));
-                for (g, ac) in acc.iter_mut().enumerate() {
-                    for h in 0..2 {
-                        ac[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(g * hd + i + 16 * h)), kv[h], ac[h]);
-                    }
-                }
-            }
-            let mut v = [_mm256_setzero_ps(); G];
+    unsafe fn key_sums<const G: usize>(q: *const f32, hd: usize, x: *const u8, y: *const u8) -> ([__m256; G], [__m256; G]) {
+        let (mut ax, mut ay) = ([_mm256_setzero_ps(); G], [_mm256_setzero_ps(); G]);
+        for i in (0..hd).step_by(8) {
+            let (kx, ky) = (f16x8(x.add(2 * i)), f16x8(y.add(2 * i)));
             for g in 0..G {
-                v[g] = _mm256_add_ps(half512(acc[g][0]), half512(acc[g][1]));
+                let qv = _mm256_loadu_ps(q.add(g * hd + i));
+                ax[g] = _mm256_fmadd_ps(qv, kx, ax[g]);
+                ay[g] = _mm256_fmadd_ps(qv, ky, ay[g]);
             }
-            v
         }
-    }
-
-    #[inline(always)]
-    unsafe fn half512(v: __m512) -> __m256 {
-        _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))))
-    }
-
-    struct Keys256;
-    impl KeySums for Keys256 {
-        #[inline(always)]
-        unsafe fn sums<const G: usize>(q: *const f32, hd: usize, row: *const u8) -> [__m256; G] {
-            let mut acc = [[_mm256_setzero_ps(); 4]; G];
-            for i in (0..hd).step_by(32) {
-                let kv: [__m256; 4] = std::array::from_fn(|m| f16x8(row.add(2 * (i + 8 * m))));
-                for (g, ac) in acc.iter_mut().enumerate() {
-                    for m in 0..4 {
-                        ac[m] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(g * hd + i + 8 * m)), kv[m], ac[m]);
-                    }
-                }
-            }
-            let mut v = [_mm256_setzero_ps(); G];
-            for g in 0..G {
-                v[g] = _mm256_add_ps(_mm256_add_ps(acc[g][0], acc[g][1]), _mm256_add_ps(acc[g][2], acc[g][3]));
-            }
-            v
-        }
+        (ax, ay)
     }
 
     /// Eight keys' lanes, transposed: [a.lo + a.hi | b.lo + b.hi] (`hsum`'s first step for a and b).
@@ -279,15 +224,16 @@ mod simd {
     /// op per step for all eight instead of a shuffle chain per key, and the same bits.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // g indexes two arrays in step
-    unsafe fn scores<const G: usize, K: KeySums>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+    unsafe fn scores<const G: usize>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
         assert!(out.len() >= (G - 1) * stride + n, "score rows out of bounds");
         let (a, o) = (q.as_ptr(), out.as_mut_ptr());
+        let row = |j: usize| k.add(2 * hd * j);
         let mut j = 0;
         while j + 8 <= n {
             // Keys p and p + 4 share a vector after the first step, so the last one lands in order.
             let mut t = [[_mm256_setzero_ps(); G]; 4];
             for (p, tp) in t.iter_mut().enumerate() {
-                let (x, y) = (K::sums::<G>(a, hd, k.add(2 * hd * (j + p))), K::sums::<G>(a, hd, k.add(2 * hd * (j + p + 4))));
+                let (x, y) = key_sums::<G>(a, hd, row(j + p), row(j + p + 4));
                 for g in 0..G {
                     tp[g] = fold_halves(x[g], y[g]);
                 }
@@ -298,67 +244,38 @@ mod simd {
             }
             j += 8;
         }
-        for j in j..n {
-            let v = K::sums::<G>(a, hd, k.add(2 * hd * j));
+        while j < n {
+            let (x, y) = key_sums::<G>(a, hd, row(j), row((j + 1).min(n - 1)));
             for g in 0..G {
-                out[g * stride + j] = hsum(v[g]);
+                out[g * stride + j] = hsum(x[g]);
+                if j + 1 < n {
+                    out[g * stride + j + 1] = hsum(y[g]);
+                }
             }
+            j += 2;
         }
     }
 
+    /// Up to four heads' outputs, 16 values at a time, stay in registers while every V row
+    /// (converted once for all of them) adds into them: 2G accumulators, two V vectors and a
+    /// broadcast, so nothing spills.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_rows_f16_256(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        dot_rows_any(q, hd, k, n, out, stride)
-    }
-
-    #[inline(always)]
-    unsafe fn dot_rows_any(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        per_group!(heads_f16, q.len() / hd, q, hd, k, n, out, stride)
-    }
-
-    #[inline(always)]
-    unsafe fn heads_f16<const G: usize>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        scores::<G, Keys256>(q, hd, k, n, out, stride)
-    }
-
-    /// Up to four heads' outputs, 32 values at a time, stay in registers while every V row
-    /// (converted once for all of them) adds into them.
     pub unsafe fn axpy_rows_f16(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
-        if crate::quant::avx2::has_avx512() {
-            axpy_rows_f16_512(o, hd, p, stride, v, n)
-        } else {
-            axpy_rows_f16_256(o, hd, p, stride, v, n)
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-    pub(super) unsafe fn axpy_rows_f16_512(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
-        axpy_rows_any(o, hd, p, stride, v, n)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_rows_f16_256(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
-        axpy_rows_any(o, hd, p, stride, v, n)
-    }
-
-    #[inline(always)]
-    unsafe fn axpy_rows_any(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
         per_group!(values_f16, o.len() / hd, o, hd, p, stride, v, n)
     }
 
     #[inline(always)]
     unsafe fn values_f16<const G: usize>(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
-        for c in (0..hd).step_by(32) {
-            let y = o.as_mut_ptr();
-            let mut acc: [[__m256; 4]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm256_loadu_ps(y.add(g * hd + c + 8 * m))));
+        let y = o.as_mut_ptr();
+        for c in (0..hd).step_by(16) {
+            let mut acc: [[__m256; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm256_loadu_ps(y.add(g * hd + c + 8 * m))));
             for j in 0..n {
                 let row = v.add(2 * (hd * j + c));
-                let vv: [__m256; 4] = std::array::from_fn(|m| f16x8(row.add(16 * m)));
+                let vv = [f16x8(row), f16x8(row.add(16))];
                 for (g, ac) in acc.iter_mut().enumerate() {
-                    let pv = _mm256_set1_ps(p[g * stride + j]);
-                    for (a, x) in ac.iter_mut().zip(&vv) {
-                        *a = _mm256_fmadd_ps(pv, *x, *a);
-                    }
+                    let pv = _mm256_set1_ps(*p.get_unchecked(g * stride + j));
+                    ac[0] = _mm256_fmadd_ps(pv, vv[0], ac[0]);
+                    ac[1] = _mm256_fmadd_ps(pv, vv[1], ac[1]);
                 }
             }
             for (g, ac) in acc.iter().enumerate() {
@@ -488,35 +405,34 @@ mod tests {
         }
     }
 
-    /// The AVX2 and AVX-512VL builds of the f16 attention kernels run the same operations.
+    /// A score is the single-query dot's bits whatever the call takes with it (heads in groups of
+    /// one to four, keys eight at a time or in the tail), which is what keeps a row's attention
+    /// independent of the rows batched beside it.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn f16_attention_kernels_agree_across_instruction_sets() {
-        if !crate::quant::avx2::has_avx512() {
-            eprintln!("this CPU has no AVX-512VL: one build of the kernels runs, checked by row_products_match_the_decoded_rows");
+    fn f16_scores_do_not_depend_on_grouping() {
+        if !crate::quant::avx2::has_avx2() {
+            eprintln!("this CPU has no AVX2: the scalar products run, checked by row_products_match_the_decoded_rows");
             return;
         }
-        let (hd, n, heads) = (128, 37, 4);
-        let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
-        let mut rows = vec![0u8; 2 * n * hd];
-        KvCodec::F16.encode(&vals, &mut rows);
-        let q: Vec<f32> = (0..heads * hd).map(|i| ((i * 31 % 97) as f32 - 48.0) * 0.02).collect();
-        let (mut a, mut b) = (vec![0.0f32; heads * n], vec![0.0f32; heads * n]);
-        let (mut oa, mut ob) = (vec![0.5f32; heads * hd], vec![0.5f32; heads * hd]);
-        // SAFETY: AVX-512VL (and so AVX2/FMA/F16C) detected; buffers sized for n rows and 4 heads.
-        unsafe {
-            simd::dot_rows_f16_512(&q, hd, rows.as_ptr(), n, &mut a, n);
-            simd::dot_rows_f16_256(&q, hd, rows.as_ptr(), n, &mut b, n);
-            simd::axpy_rows_f16_512(&mut oa, hd, &a, n, rows.as_ptr(), n);
-            simd::axpy_rows_f16_256(&mut ob, hd, &a, n, rows.as_ptr(), n);
-        }
-        assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-        // Eight keys finished at once (transposed) or one at a time: the single-query dot's bits.
-        for (g, qg) in q.chunks_exact(hd).enumerate() {
-            for j in 0..n {
-                assert_eq!(a[g * n + j].to_bits(), KvCodec::F16.dot(qg, &rows[2 * hd * j..]).to_bits(), "head {g} key {j}");
+        for (hd, n, heads) in [(128, 37, 4), (64, 19, 7), (72, 9, 3)] {
+            let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
+            let mut rows = vec![0u8; 2 * n * hd];
+            KvCodec::F16.encode(&vals, &mut rows);
+            let q: Vec<f32> = (0..heads * hd).map(|i| ((i * 31 % 97) as f32 - 48.0) * 0.02).collect();
+            let mut a = vec![0.0f32; heads * n];
+            KvCodec::F16.dot_rows(&q, hd, &rows, n, &mut a, n);
+            for (g, qg) in q.chunks_exact(hd).enumerate() {
+                let mut one = vec![0.0f32; n];
+                KvCodec::F16.dot_rows(qg, hd, &rows[2 * hd * 3..], n - 3, &mut one, n);
+                for j in 0..n {
+                    let want = KvCodec::F16.dot(qg, &rows[2 * hd * j..]).to_bits();
+                    assert_eq!(a[g * n + j].to_bits(), want, "hd {hd} head {g} key {j}");
+                    if j >= 3 {
+                        assert_eq!(one[j - 3].to_bits(), want, "hd {hd} head {g} key {j} alone");
+                    }
+                }
             }
         }
-        assert_eq!(oa.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), ob.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
     }
 }
