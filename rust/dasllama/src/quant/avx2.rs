@@ -421,7 +421,31 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(t: 
             }
             let mut isum = start;
             let mut isum2 = [_mm256_setzero_si256(); R];
-            for p in 0..4 {
+            if ISA == AVX2 && !F::SIGNED {
+                // maddubs pairs add as 16-bit numbers across the block before one madd widens
+                // them: a pair is at most 2 * 31 * 128 (5-bit weights) or 2 * 15 * 128 (4-bit),
+                // so four pairs per half (5-bit) or all eight (4-bit) stay below 2^15. The
+                // integers, and so the results, are the generic loop's.
+                let mut h0 = [_mm256_setzero_si256(); R];
+                let mut h1 = [_mm256_setzero_si256(); R];
+                for p in 0..4 {
+                    let (w0, w1) = pair::<F, ISA>(t, nb, i, p);
+                    for r in 0..R {
+                        let q = a[r].add(i * F::ABYTES + F::AQ + 4 * p);
+                        h0[r] = _mm256_add_epi16(h0[r], _mm256_maddubs_epi16(w0, bcast4(q)));
+                        h1[r] = _mm256_add_epi16(h1[r], _mm256_maddubs_epi16(w1, bcast4(q.add(16))));
+                    }
+                }
+                let ones = _mm256_set1_epi16(1);
+                for r in 0..R {
+                    isum[r] = if F::FIVE {
+                        _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(h0[r], ones), _mm256_madd_epi16(h1[r], ones)))
+                    } else {
+                        _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(h0[r], h1[r]), ones))
+                    };
+                }
+            }
+            for p in (0..4).filter(|_| ISA != AVX2 || F::SIGNED) {
                 let (w0, w1) = pair::<F, ISA>(t, nb, i, p);
                 let (u0, u1) = if flip {
                     let top = _mm256_set1_epi8(0x80u8 as i8);
