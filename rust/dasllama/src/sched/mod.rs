@@ -561,7 +561,11 @@ impl Scheduler {
         let logits = match self.eval_plan(m, &plan) {
             Ok(()) => {
                 self.step_cost.observe(pass_rows, pass_keys, t_pass.elapsed().as_secs_f64());
-                if let Some(sp) = &mut self.spec {
+                // Verify rows are priced in decode passes, which read the weights for a few rows;
+                // a prefill chunk's rows are compute-bound and cost more each, so they would
+                // teach the line a slope that starves speculation.
+                let decode_only = plan.iter().all(|&(i, _)| self.slots[i].as_ref().is_some_and(|s| s.next.is_some()));
+                if let (Some(sp), true) = (&mut self.spec, decode_only) {
                     let rows = sp.pass_rows(plan.iter().map(|p| p.1).sum(), self.ws.logits.len() / m.config.vocab_size);
                     sp.target_cost.observe(rows, t_pass.elapsed().as_secs_f64());
                 }
@@ -817,11 +821,13 @@ impl Scheduler {
         if !sp.guard.allow() && sp.fixed_k.is_none() {
             return false;
         }
-        // In decode rows (a row with logits): the policy's unit. Every plan entry has one logit row.
-        let w = 1.0 + sp.logit_weight;
-        let rows = sp.pass_rows(plan.iter().map(|p| p.1).sum(), plan.len()) / w;
+        // Every plan entry has one logit row so far; each draft adds a row with logits.
+        let row = 1.0 + sp.logit_weight;
+        let rows = sp.pass_rows(plan.iter().map(|p| p.1).sum(), plan.len());
         // Nothing is known of this machine before the first pass: no drafts until it is measured.
-        let Some(line) = sp.target_cost.line() else { return false };
+        if sp.target_cost.line().is_none() {
+            return false;
+        }
         let max_draft = sp.drafter.max_draft();
         let (mut cands, mut who) = (Vec::new(), Vec::new());
         for &i in decoding {
@@ -855,16 +861,23 @@ impl Scheduler {
         if who.is_empty() {
             return false;
         }
-        // Before the draft model's first pass is measured, guess a quarter of the target's cost.
-        let draft_line = match &sp.drafter {
+        let (target_cost, draft_cost) = (&sp.target_cost, &sp.draft_cost);
+        let target = |r: f64| target_cost.cost(r).expect("measured above");
+        // Until the drafter's own passes are measured, guess: a draft model a quarter of the
+        // target's cost, an MTP head (one block of the target's) a twentieth.
+        let guess = match &sp.drafter {
             Drafter::Ngram { .. } => None,
-            Drafter::Model { .. } => Some(sp.draft_cost.line().unwrap_or((line.0 / 4.0, line.1 / 4.0))),
-            // One block of the target's: guess a twentieth of its pass until measured.
-            Drafter::Mtp { .. } => Some(sp.draft_cost.line().unwrap_or((line.0 / 20.0, line.1 / 20.0))),
+            Drafter::Model { .. } => Some(4.0),
+            Drafter::Mtp { .. } => Some(20.0),
         };
+        let drafting = guess.map(|g| move |r: f64| draft_cost.cost(r).unwrap_or_else(|| target(r) / g));
         let ks = match sp.fixed_k {
             Some(k) => cands.iter().map(|c| c.cap.min(k)).collect(),
-            None => policy::choose(&cands, decoding.len(), rows, (line.0, line.1 * w), draft_line),
+            None => {
+                let mut ks = policy::choose(&cands, decoding.len(), rows, row, &target, drafting.as_ref().map(|d| d as &dyn Fn(f64) -> f64));
+                policy::probe(&mut ks, &cands, sp.guard.step());
+                ks
+            }
         };
         for (&i, _) in who.iter().zip(&ks).filter(|p| *p.1 == 0) {
             self.slots[i].as_mut().expect("decoding stream").spec.idle();
