@@ -158,6 +158,23 @@ unsafe impl Sync for SharedOut {}
 /// Activation rows dotted against one weight row per pass of the inner loop: a tile small enough
 /// to stay in L1 while a task walks its weight rows.
 const TOKEN_TILE: usize = 16;
+/// Activation bytes a tile kernel task keeps in L1 while it walks its weight rows.
+const TOKEN_BYTES: usize = 24 << 10;
+
+/// Activation rows per walk over a task's weight rows: as many as `TOKEN_BYTES` holds (at least
+/// `TOKEN_TILE`), in walks of even length, so that a row or two past a walk (a verify chunk, a
+/// seventeenth stream) do not walk the weights again alone: a task's share of a large matrix,
+/// such as the output one, outgrows L2 and would come from memory a second time.
+fn token_tile(n: usize, act_row_bytes: usize) -> usize {
+    let fit = (TOKEN_BYTES / act_row_bytes.max(1)).max(TOKEN_TILE) / MAX_R * MAX_R;
+    if n <= fit {
+        n.max(1)
+    } else {
+        // Even walks: no short one at the end.
+        n.div_ceil(n.div_ceil(fit)).next_multiple_of(MAX_R)
+    }
+}
+
 /// Activation rows per tile kernel call.
 const MAX_R: usize = 8;
 
@@ -235,8 +252,9 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
                 debug_assert!(w.tiled, "weight layout does not match its kernels");
                 let tb = tile::tile_bytes(w.ty, k);
                 let mut out = [[0.0f32; TILE_ROWS]; MAX_R];
-                for t0 in (0..n).step_by(TOKEN_TILE) {
-                    let t1 = (t0 + TOKEN_TILE).min(n);
+                let tt = token_tile(n, arb);
+                for t0 in (0..n).step_by(tt) {
+                    let t1 = (t0 + tt).min(n);
                     let mut r0 = lo;
                     while r0 < hi {
                         // One or two activation rows (decode): two tiles at once, two memory streams.
