@@ -158,6 +158,17 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
                 let a: Vec<&[u8]> = acts.iter().map(|v| &v[..]).collect();
                 match kernels(ty) {
                     Kernels::Rows(_) => {}
+                    Kernels::Floats(dots) => {
+                        let mut one = [0.0f32];
+                        for r in 1..=4 {
+                            let mut many = vec![0.0f32; r];
+                            dots(&ws[0], &a[..r], n, &mut many);
+                            for j in 0..r {
+                                dots(&ws[0], &a[j..j + 1], n, &mut one);
+                                assert_eq!(many[j].to_bits(), one[0].to_bits(), "{} float rows, {r} at once, row {j}", ty.name());
+                            }
+                        }
+                    }
                     Kernels::Tiles(tile_fn) => {
                         let t = tile(ty, &ws, n);
                         let mut one = [[0.0f32; TILE_ROWS]; 1];
@@ -217,6 +228,11 @@ fn tile(ty: GgmlType, rows: &[Vec<u8>], n: usize) -> Vec<u8> {
 fn simd_dot(ty: GgmlType, w: &[u8], a: &[u8], n: usize, lane: usize) -> f32 {
     match kernels(ty) {
         Kernels::Rows(dot) => dot(w, a, n),
+        Kernels::Floats(dots) => {
+            let mut out = [0.0f32];
+            dots(w, &[a], n, &mut out);
+            out[0]
+        }
         Kernels::Tiles(tile_fn) => {
             let mut rng = Lcg(lane as u64);
             let mut rows: Vec<Vec<u8>> = (0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng, false)).collect();

@@ -279,6 +279,25 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
                     }
                 }
             }
+            Kernels::Floats(dots) => {
+                let wrb = w.row_bytes();
+                let tt = token_tile(n, arb);
+                let mut o = [0.0f32; 4];
+                for t0 in (0..n).step_by(tt) {
+                    let t1 = (t0 + tt).min(n);
+                    for r in lo..hi {
+                        let wr = &wb[r * wrb..(r + 1) * wrb];
+                        for t in (t0..t1).step_by(4) {
+                            let nt = (t1 - t).min(4);
+                            let acts: [&[u8]; 4] = std::array::from_fn(|j| arow((t + j).min(t1 - 1)));
+                            dots(wr, &acts[..nt], k, &mut o[..nt]);
+                            for (j, &v) in o[..nt].iter().enumerate() {
+                                put(t + j, r, v);
+                            }
+                        }
+                    }
+                }
+            }
             Kernels::Rows(dot) => {
                 let wrb = w.row_bytes();
                 for t0 in (0..n).step_by(TOKEN_TILE) {

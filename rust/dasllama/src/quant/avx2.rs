@@ -46,9 +46,9 @@ pub fn kernels(ty: GgmlType) -> Option<Kernels> {
         return Some(Kernels::Tiles(best));
     }
     Some(match ty {
-        GgmlType::F32 => Kernels::Rows(dot_f32),
-        GgmlType::F16 => Kernels::Rows(dot_f16),
-        GgmlType::BF16 => Kernels::Rows(dot_bf16),
+        GgmlType::F32 => Kernels::Floats(dots_f32),
+        GgmlType::F16 => Kernels::Floats(dots_f16),
+        GgmlType::BF16 => Kernels::Floats(dots_bf16),
         GgmlType::IQ4NL | GgmlType::IQ4XS => Kernels::Rows(super::iq4::dot_fn(ty)),
         _ => return None,
     })
@@ -149,21 +149,6 @@ unsafe fn q8k_block_impl(x: *const f32, b: *mut u8) {
     (b as *mut f32).write_unaligned(1.0 / iscale);
 }
 
-macro_rules! safe_entry {
-    ($name:ident, $inner:ident, $wb:expr, $ab:expr, $blk:expr) => {
-        pub fn $name(w: &[u8], a: &[u8], n: usize) -> f32 {
-            assert!(w.len() >= n / $blk * $wb && a.len() >= n / $blk * $ab);
-            // SAFETY: dot_fn hands these out only after detecting AVX2, FMA and F16C, and the
-            // assert above bounds every load the kernel makes.
-            unsafe { $inner(w.as_ptr(), a.as_ptr(), n / $blk) }
-        }
-    };
-}
-
-safe_entry!(dot_f32, f32_impl, 4, 4, 1);
-safe_entry!(dot_f16, f16_impl, 2, 2, 1);
-safe_entry!(dot_bf16, bf16_impl, 2, 2, 1);
-
 #[inline(always)]
 pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -227,36 +212,63 @@ impl Floats for BF16s {
     }
 }
 
+/// One float weight row against R activation rows of its format. Each row's sum runs in two
+/// accumulators (alternate groups of eight values), so the fmas do not wait on each other at one
+/// row and a row's result is the same whatever R is.
 #[inline(always)]
-unsafe fn float_dot<F: Floats>(w: *const u8, a: *const u8, n: usize) -> f32 {
-    let mut acc = _mm256_setzero_ps();
+unsafe fn float_dots<F: Floats, const R: usize>(w: *const u8, a: [*const u8; R], n: usize) -> [f32; R] {
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
     let mut i = 0;
-    while i + 8 <= n {
-        acc = _mm256_fmadd_ps(F::eight(w, i), F::eight(a, i), acc);
+    while i + 16 <= n {
+        let (w0, w1) = (F::eight(w, i), F::eight(w, i + 8));
+        for r in 0..R {
+            acc[r][0] = _mm256_fmadd_ps(w0, F::eight(a[r], i), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, F::eight(a[r], i + 8), acc[r][1]);
+        }
+        i += 16;
+    }
+    if i + 8 <= n {
+        let w0 = F::eight(w, i);
+        for r in 0..R {
+            acc[r][0] = _mm256_fmadd_ps(w0, F::eight(a[r], i), acc[r][0]);
+        }
         i += 8;
     }
-    let mut s = hsum(acc);
-    while i < n {
-        s += F::one(w, i) * F::one(a, i);
-        i += 1;
+    let mut s: [f32; R] = std::array::from_fn(|r| hsum(_mm256_add_ps(acc[r][0], acc[r][1])));
+    for i in i..n {
+        for r in 0..R {
+            s[r] += F::one(w, i) * F::one(a[r], i);
+        }
     }
     s
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f32_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
-    float_dot::<F32s>(w, a, n)
+macro_rules! float_entry {
+    ($name:ident, $fmt:ty, $bytes:expr) => {
+        pub fn $name(w: &[u8], a: &[&[u8]], n: usize, out: &mut [f32]) {
+            assert!((1..=4).contains(&a.len()) && out.len() >= a.len(), "one to four activation rows");
+            assert!(w.len() >= n * $bytes && a.iter().all(|r| r.len() >= n * $bytes), "rows shorter than {n} values");
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn k<const R: usize>(w: *const u8, a: &[&[u8]], n: usize, out: &mut [f32]) {
+                out[..R].copy_from_slice(&float_dots::<$fmt, R>(w, std::array::from_fn(|r| a[r].as_ptr()), n));
+            }
+            // SAFETY: handed out only after detecting AVX2, FMA and F16C; the asserts above bound
+            // every load.
+            unsafe {
+                match a.len() {
+                    1 => k::<1>(w.as_ptr(), a, n, out),
+                    2 => k::<2>(w.as_ptr(), a, n, out),
+                    3 => k::<3>(w.as_ptr(), a, n, out),
+                    _ => k::<4>(w.as_ptr(), a, n, out),
+                }
+            }
+        }
+    };
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
-    float_dot::<F16s>(w, a, n)
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bf16_impl(w: *const u8, a: *const u8, n: usize) -> f32 {
-    float_dot::<BF16s>(w, a, n)
-}
+float_entry!(dots_f32, F32s, 4);
+float_entry!(dots_f16, F16s, 2);
+float_entry!(dots_bf16, BF16s, 2);
 
 // ---- The 32-value formats, on tiles of eight interleaved rows (see `tile`) ----------------
 //

@@ -414,8 +414,10 @@ pub fn quantize_weights_q8_0(x: &[f32], out: &mut [u8]) {
 /// The kernels for one weight format on this CPU, and the weight layout they read.
 #[derive(Clone, Copy)]
 pub enum Kernels {
-    /// GGUF rows, one dot product at a time (the scalar twins, and F32 on AVX2).
+    /// GGUF rows, one dot product at a time (the scalar twins, IQ4 on AVX2).
     Rows(DotFn),
+    /// Float rows (F32, F16, BF16 on AVX2): one weight row against up to four activation rows.
+    Floats(DotsFn),
     /// Weights in the `tile` layout: eight rows against one to four activation rows at once.
     Tiles(TileFn),
 }
@@ -430,6 +432,9 @@ pub fn kernels(ty: GgmlType) -> Kernels {
 
 /// `dot(weight_row, activation_row, n)`; the activation row is `act_row_bytes` long.
 pub type DotFn = fn(&[u8], &[u8], usize) -> f32;
+/// `dots(weight_row, activation_rows, n, out)`: out[r] = dot(weight_row, activation_rows[r]) for
+/// one to four rows, each the same sums whatever the number of rows.
+pub type DotsFn = fn(&[u8], &[&[u8]], usize, &mut [f32]);
 /// `tile(weight_tiles, activation_rows, n, out)` for T = out.len() / activation_rows.len()
 /// consecutive tiles (1 with up to 8 rows, or 2 with at most 2): out[k*R + r][j] = dot(row j of tile k, row r).
 pub type TileFn = fn(&[u8], &[&[u8]], usize, &mut [[f32; 8]]);
