@@ -155,8 +155,8 @@ struct SharedOut(*mut f32);
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
-/// Activation rows dotted against one weight row per pass of the inner loop: a tile small enough
-/// to stay in L1 while a task walks its weight rows.
+/// Activation rows dotted against one weight row per pass of the inner loop: at least this many
+/// (a tile that stays in L1 while a task walks its weight rows for any width).
 const TOKEN_TILE: usize = 16;
 /// Activation bytes a tile kernel task keeps in L1 while it walks its weight rows.
 const TOKEN_BYTES: usize = 24 << 10;

@@ -315,7 +315,7 @@ impl Scheduler {
         Ok(())
     }
 
-    /// The measured cost of this scheduler's passes, seconds = a + b * rows (None before the
+    /// The line fitted to this scheduler's passes, seconds = a + b * rows (None before the
     /// first pass, or without a drafter).
     pub fn pass_cost(&self) -> Option<(f64, f64)> {
         self.spec.as_ref().and_then(|s| s.target_cost.line())
@@ -563,7 +563,7 @@ impl Scheduler {
                 self.step_cost.observe(pass_rows, pass_keys, t_pass.elapsed().as_secs_f64());
                 // Verify rows are priced in decode passes, which read the weights for a few rows;
                 // a prefill chunk's rows are compute-bound and cost more each, so they would
-                // teach the line a slope that starves speculation.
+                // teach the cost model sizes that starve speculation.
                 let decode_only = plan.iter().all(|&(i, _)| self.slots[i].as_ref().is_some_and(|s| s.next.is_some()));
                 if let (Some(sp), true) = (&mut self.spec, decode_only) {
                     let rows = sp.pass_rows(plan.iter().map(|p| p.1).sum(), self.ws.logits.len() / m.config.vocab_size);
