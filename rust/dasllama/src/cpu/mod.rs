@@ -225,6 +225,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
             lo = hi;
         }
     }
+    let tt = token_tile(n, arb);
     let ptrs: Vec<(&Weight, SharedOut)> = segs.iter_mut().map(|(w, o)| (&**w, SharedOut(o.as_mut_ptr()))).collect();
     let run = |&(si, lo, hi): &(usize, usize, usize)| {
         let (w, dst) = (ptrs[si].0, ptrs[si].1);
@@ -252,7 +253,6 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
                 debug_assert!(w.tiled, "weight layout does not match its kernels");
                 let tb = tile::tile_bytes(w.ty, k);
                 let mut out = [[0.0f32; TILE_ROWS]; MAX_R];
-                let tt = token_tile(n, arb);
                 for t0 in (0..n).step_by(tt) {
                     let t1 = (t0 + tt).min(n);
                     let mut r0 = lo;
@@ -281,7 +281,6 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
             }
             Kernels::Floats(dots) => {
                 let wrb = w.row_bytes();
-                let tt = token_tile(n, arb);
                 let mut o = [0.0f32; 4];
                 for t0 in (0..n).step_by(tt) {
                     let t1 = (t0 + tt).min(n);
@@ -300,10 +299,10 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
             }
             Kernels::Rows(dot) => {
                 let wrb = w.row_bytes();
-                for t0 in (0..n).step_by(TOKEN_TILE) {
+                for t0 in (0..n).step_by(tt) {
                     for r in lo..hi {
                         let wr = &wb[r * wrb..(r + 1) * wrb];
-                        for t in t0..(t0 + TOKEN_TILE).min(n) {
+                        for t in t0..(t0 + tt).min(n) {
                             put(t, r, dot(wr, arow(t), k));
                         }
                     }
