@@ -96,11 +96,13 @@ pub struct Candidate {
 /// such as prompt lookup).
 pub fn choose(cands: &[Candidate], decoding: usize, rows: f64, row: f64, target: &dyn Fn(f64) -> f64, draft: Option<&dyn Fn(f64) -> f64>) -> Vec<usize> {
     let mut ks = vec![0usize; cands.len()];
-    let (mut tokens, mut rows, mut secs) = (decoding as f64, rows, target(rows));
+    let (mut tokens, mut rows, mut pass) = (decoding as f64, rows, target(rows));
+    let mut secs = pass;
     // A draft model runs one batched pass per depth: how many streams draft at each.
     let mut at_depth: Vec<usize> = Vec::new();
     loop {
-        let verify = target(rows + row) - target(rows);
+        let grown = target(rows + row);
+        let verify = grown - pass;
         let cost = |k: usize| {
             let n = at_depth.get(k).copied().unwrap_or(0) as f64;
             let drafting = draft.map_or(0.0, |d| d(n + 1.0) - if n > 0.0 { d(n) } else { 0.0 });
@@ -123,6 +125,7 @@ pub fn choose(cands: &[Candidate], decoding: usize, rows: f64, row: f64, target:
         tokens += gain;
         secs += c;
         rows += row;
+        pass = grown;
     }
     ks
 }
