@@ -67,7 +67,7 @@ fn main() {
 }
 
 /// Every tile kernel variant of `ty` on one thread, walked as `matmul` walks them (sixteen
-/// activation rows per pass over a tile, eight per call): the kernels' own rate, for A/B.
+/// activation rows per pass over a pair of tiles, eight per call): the kernels' own rate, for A/B.
 #[cfg(target_arch = "x86_64")]
 fn variants(ty: GgmlType, n: usize) {
     use dasllama::quant::tile::{tile_bytes, TILE_ROWS};
@@ -86,17 +86,17 @@ fn variants(ty: GgmlType, n: usize) {
         // This thread's CPU time, interleaved, best of many: the box is shared.
         let vs = dasllama::quant::avx2::tile_variants(ty);
         let mut best = vec![f64::MAX; vs.len()];
-        let mut out = [[0.0f32; TILE_ROWS]; 8];
+        let mut out = [[0.0f32; TILE_ROWS]; 16];
         for _ in 0..15 {
             for (i, (_, f)) in vs.iter().enumerate() {
                 let t0 = thread_cpu_s();
                 for t0 in (0..n).step_by(16) {
                     let t1 = (t0 + 16).min(n);
-                    for tile in wb.chunks_exact(tb) {
+                    for pair in wb.chunks_exact(2 * tb) {
                         for t in (t0..t1).step_by(8) {
                             let nt = (t1 - t).min(8);
                             let acts: Vec<&[u8]> = (t..t + nt).map(|j| &act[j * arb..(j + 1) * arb]).collect();
-                            f(tile, &acts, cols, &mut out[..nt]);
+                            f(pair, &acts, cols, &mut out[..2 * nt]);
                         }
                     }
                 }

@@ -180,10 +180,10 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
                                 assert_eq!(many[j].map(f32::to_bits), one[0].map(f32::to_bits), "{} tile of {r} rows, row {j}", ty.name());
                             }
                         }
-                        // Two tiles at once (decode) against one tile at a time.
+                        // Two tiles at once (decode; AVX-512's 512-bit pairs) against one tile at a time.
                         let mut rng2 = Lcg(n as u64);
                         let t2 = [t.clone(), tile(ty, &(0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng2, false)).collect::<Vec<_>>(), n)].concat();
-                        for r in 1..=2 {
+                        for r in 1..=8 {
                             let mut two = vec![[0.0f32; TILE_ROWS]; 2 * r];
                             tile_fn(&t2, &a[..r], n, &mut two);
                             for k in 0..2 {
@@ -268,23 +268,27 @@ fn tile_kernel_variants_match_the_scalar_twin() {
         let mut rng = Lcg(ty as u64 + 17);
         for edge in [false, true] {
             let n = 512;
-            let ws: Vec<Vec<u8>> = (0..TILE_ROWS).map(|_| random_weights(ty, n, &mut rng, edge)).collect();
-            let t = tile(ty, &ws, n);
+            // Two tiles: the kernels take one or a pair (AVX-512 puts a pair in one register).
+            let ws: Vec<Vec<u8>> = (0..2 * TILE_ROWS).map(|_| random_weights(ty, n, &mut rng, edge)).collect();
+            let t = [tile(ty, &ws[..TILE_ROWS], n), tile(ty, &ws[TILE_ROWS..], n)].concat();
             let acts: Vec<Vec<u8>> = (0..7).map(|_| act(ty, &(0..n).map(|_| rng.f() * 5.0).collect::<Vec<_>>())).collect();
             let a: Vec<&[u8]> = acts.iter().map(|v| &v[..]).collect();
             let run = |f: dasllama::quant::TileFn| {
-                let mut out = vec![[0.0f32; TILE_ROWS]; 7];
-                f(&t, &a, n, &mut out);
-                out
+                let (mut one, mut pair) = (vec![[0.0f32; TILE_ROWS]; 7], vec![[0.0f32; TILE_ROWS]; 14]);
+                f(&t, &a, n, &mut one);
+                f(&t, &a, n, &mut pair);
+                assert_eq!(one, pair[..7], "{}: a pair of tiles differs from its first tile alone", ty.name());
+                pair
             };
             let bits = |o: &[[f32; TILE_ROWS]]| o.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
             let first = run(variants[0].1);
             for (name, f) in &variants {
                 let out = run(*f);
                 assert_eq!(bits(&out), bits(&first), "{}: {name} differs from {}", ty.name(), variants[0].0);
-                for (r, row) in out.iter().enumerate() {
+                for (i, row) in out.iter().enumerate() {
+                    let (k, r) = (i / 7, i % 7);
                     for (j, &got) in row.iter().enumerate() {
-                        let want = scalar::dot_fn(ty)(&ws[j], a[r], n);
+                        let want = scalar::dot_fn(ty)(&ws[k * TILE_ROWS + j], a[r], n);
                         let mag = want.abs().max(1.0);
                         assert!((got - want).abs() <= 1e-4 * mag, "{}: {name} row {j} x act {r}: {got} != scalar {want} (edge={edge})", ty.name());
                     }

@@ -215,7 +215,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
     let threads = spin::team().threads();
     // Enough tasks to balance uneven cores, few enough that per-task overhead stays small.
     let per_thread = if n < 4 { 1 } else { 4 };
-    let chunk = total_rows.div_ceil(threads * per_thread).next_multiple_of(TILE_ROWS).max(16);
+    let chunk = total_rows.div_ceil(threads * per_thread).next_multiple_of(2 * TILE_ROWS);
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (si, (w, _)) in segs.iter().enumerate() {
         let mut lo = 0;
@@ -257,8 +257,9 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
                     let t1 = (t0 + tt).min(n);
                     let mut r0 = lo;
                     while r0 < hi {
-                        // One or two activation rows (decode): two tiles at once, two memory streams.
-                        let tiles = if t1 - t0 <= 2 && r0 + 2 * TILE_ROWS <= hi { 2 } else { 1 };
+                        // Two tiles a call where the task has them: two memory streams in decode,
+                        // and one 512-bit register across both tiles' rows where AVX-512 is there.
+                        let tiles = if r0 + 2 * TILE_ROWS <= hi { 2 } else { 1 };
                         let wt = &wb[r0 / TILE_ROWS * tb..][..tiles * tb];
                         for t in (t0..t1).step_by(MAX_R) {
                             let nt = (t1 - t).min(MAX_R);

@@ -284,7 +284,7 @@ float_entry!(dots_bf16, BF16s, 2);
 
 /// Which 32-value format. Block bytes, where each field of a tile lives (see `tile`) and the
 /// activation format all follow from these three.
-trait Fmt {
+pub(super) trait Fmt {
     /// Q4_1, Q5_1: mins applied through the activation sums `s` (activations are q8_1).
     const MIN: bool;
     /// Q5_0, Q5_1: a fifth bit per value from the tile's qh words.
@@ -309,11 +309,11 @@ trait Fmt {
     const AQ: usize = Self::ABYTES - 32;
 }
 
-struct Q4_0;
-struct Q4_1;
-struct Q5_0;
-struct Q5_1;
-struct Q8_0;
+pub(super) struct Q4_0;
+pub(super) struct Q4_1;
+pub(super) struct Q5_0;
+pub(super) struct Q5_1;
+pub(super) struct Q8_0;
 
 impl Fmt for Q4_0 {
     const MIN: bool = false;
@@ -399,7 +399,7 @@ pub(super) unsafe fn bcast4(p: *const u8) -> __m256i {
 }
 
 /// Bytes ahead of the block being read that the tile kernels prefetch.
-const PREFETCH: usize = 4096;
+pub(super) const PREFETCH: usize = 4096;
 
 /// T consecutive tiles (eight weight rows each) against R activation rows: T x R vectors of
 /// eight outputs. Several tiles at once (decode) read several streams, which keeps more memory
@@ -499,10 +499,18 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(t: 
 fn check_call(t: &[u8], tile_bytes: usize, a: &[&[u8]], act_bytes: usize, out: &[[f32; 8]]) -> usize {
     let tiles = out.len() / a.len().max(1);
     assert!((1..=8).contains(&a.len()) && out.len() == tiles * a.len(), "out must hold tiles x activation rows");
-    assert!(matches!((tiles, a.len()), (1, _) | (2, 1 | 2)), "tile kernels take 1 tile x 1..8 rows or 2 tiles x 1..2 rows");
+    assert!(matches!(tiles, 1 | 2), "tile kernels take one or two tiles");
     assert!(t.len() >= tiles * tile_bytes, "weight tile too short");
     assert!(a.iter().all(|r| r.len() >= act_bytes), "activation row too short (size it with act_row_bytes)");
     tiles
+}
+
+/// Two tiles against more activation rows than a kernel holds accumulators for in pairs: one
+/// call per tile (the same arithmetic per output).
+pub(super) fn per_tile(t: &[u8], tile_bytes: usize, a: &[&[u8]], n: usize, out: &mut [[f32; 8]], f: TileFn) {
+    let (first, second) = out.split_at_mut(a.len());
+    f(&t[..tile_bytes], a, n, first);
+    f(&t[tile_bytes..], a, n, second);
 }
 
 fn check<F: Fmt>(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
@@ -514,6 +522,8 @@ fn check<F: Fmt>(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, u
 trait TileFormat {
     /// T consecutive tiles against R activation rows (T x R vectors of eight outputs).
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nb: usize) -> [[__m256; R]; T];
+    /// Bytes of one tile of `nb` blocks (superblocks) per row.
+    fn tile_bytes(nb: usize) -> usize;
     /// Asserts every load the kernel will make is in bounds; returns (blocks per row, tiles).
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize);
 }
@@ -522,6 +532,9 @@ impl<F: Fmt> TileFormat for F {
     #[inline(always)]
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nb: usize) -> [[__m256; R]; T] {
         tile_kernel::<F, T, R, ISA>(t, a, nb)
+    }
+    fn tile_bytes(nb: usize) -> usize {
+        8 * nb * F::WBYTES
     }
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
         check::<F>(t, a, n, out)
@@ -532,14 +545,14 @@ impl<F: Fmt> TileFormat for F {
 // sub-block, whose integer sums are then weighted by the sub-block scales of each row (vpmulld)
 // before one conversion per superblock. Activations are q8_K: d (f32), 256 i8, 16 i16 sums.
 
-struct Q4K;
-struct Q5K;
-struct Q6K;
+pub(super) struct Q4K;
+pub(super) struct Q5K;
+pub(super) struct Q6K;
 
 /// q8_K field offsets.
 pub(super) const K_QS: usize = 4;
 pub(super) const K_BSUMS: usize = 260;
-const K_BYTES: usize = 292;
+pub(super) const K_BYTES: usize = 292;
 
 pub(super) fn check_kquant(sb: usize, t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
     let nsb = n / 256;
@@ -671,6 +684,9 @@ impl TileFormat for Q4K {
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
         check_kquant(super::tile::Q4K_TILE_BLOCK, t, a, n, out)
     }
+    fn tile_bytes(nsb: usize) -> usize {
+        nsb * super::tile::Q4K_TILE_BLOCK
+    }
 }
 
 impl TileFormat for Q5K {
@@ -680,6 +696,9 @@ impl TileFormat for Q5K {
     }
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
         check_kquant(super::tile::Q5K_TILE_BLOCK, t, a, n, out)
+    }
+    fn tile_bytes(nsb: usize) -> usize {
+        nsb * super::tile::Q5K_TILE_BLOCK
     }
 }
 
@@ -718,6 +737,9 @@ impl TileFormat for Q6K {
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
         check_kquant(super::tile::Q6K_TILE_BLOCK, t, a, n, out)
     }
+    fn tile_bytes(nsb: usize) -> usize {
+        nsb * super::tile::Q6K_TILE_BLOCK
+    }
 }
 
 macro_rules! tile_entries {
@@ -738,6 +760,13 @@ macro_rules! tile_entries {
                 }
             }
             let (nb, tiles) = <$fmt as TileFormat>::check(t, a, n, out);
+            if $isa == AVX512 && tiles == 2 {
+                // SAFETY: handed out only after detecting AVX-512; `check` bounds every load.
+                return unsafe { super::avx512::run::<$fmt>(t, a, nb, out) };
+            }
+            if tiles == 2 && a.len() > 2 {
+                return per_tile(t, <$fmt as TileFormat>::tile_bytes(nb), a, n, out, $name);
+            }
             if $isa != AVX512 && tiles == 1 && a.len() > 4 {
                 // Sixteen vector registers hold the accumulators of at most four rows.
                 let (lo, hi) = out.split_at_mut(4);

@@ -9,6 +9,8 @@
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2_kquant;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 pub mod ggml;
 pub mod iq4;
 pub mod scalar;

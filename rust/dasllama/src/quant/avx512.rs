@@ -1,0 +1,290 @@
+//! AVX-512 tile kernels on pairs of tiles: the same scheme as the 256-bit kernels in `avx2`, with
+//! two consecutive tiles (sixteen weight rows) side by side in one 512-bit register, lanes 0-7
+//! the first tile's rows and 8-15 the second's. A `vpdpbusd` then does twice the multiply-adds,
+//! and the nibble unpacking, sign flips, scale conversions and per-block float steps are paid once
+//! per sixteen rows instead of per eight. Every lane does the integer sums and the f32 steps of
+//! the 256-bit AVX-512 kernel in the same order, so results are bit-identical to it (and so to
+//! every batch size).
+//!
+//! The tiled layout is the one in `tile`: a pair is two tiles `gap` bytes apart, each half of a
+//! 512-bit operand loaded from its own tile (`pair_load`).
+
+use super::avx2::{Fmt, Q4K, Q5K, Q6K};
+use super::avx2::{K_BSUMS, K_BYTES, K_QS, PREFETCH};
+use super::tile::{K45_DMIN, K45_M, K45_SC, Q4K_QS, Q4K_TILE_BLOCK, Q5K_QH, Q5K_QS, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
+use std::arch::x86_64::*;
+
+/// 32 bytes at `p` of the first tile and at `p + gap` of the second, as one vector.
+#[inline(always)]
+unsafe fn pair_load(p: *const u8, gap: usize) -> __m512i {
+    let lo = _mm256_loadu_si256(p as *const __m256i);
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), _mm256_loadu_si256(p.add(gap) as *const __m256i))
+}
+
+/// Eight f16 per tile (one per row) as sixteen f32.
+#[inline(always)]
+unsafe fn pair_f16(p: *const u8, gap: usize) -> __m512 {
+    let lo = _mm_loadu_si128(p as *const __m128i);
+    _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), _mm_loadu_si128(p.add(gap) as *const __m128i)))
+}
+
+/// Eight bytes per tile (one per row), as sixteen bytes in lane order.
+#[inline(always)]
+unsafe fn pair_bytes(p: *const u8, gap: usize) -> __m128i {
+    _mm_unpacklo_epi64(_mm_loadl_epi64(p as *const __m128i), _mm_loadl_epi64(p.add(gap) as *const __m128i))
+}
+
+/// Four activation bytes in every lane.
+#[inline(always)]
+unsafe fn bcast4(p: *const u8) -> __m512i {
+    _mm512_set1_epi32((p as *const i32).read_unaligned())
+}
+
+#[inline(always)]
+unsafe fn prefetch_ahead(p: *const u8, bytes: usize) {
+    for line in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH + line) as *const i8);
+    }
+}
+
+/// A pair of tiles of a 32-value format against R activation rows.
+#[inline(always)]
+unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], nb: usize) -> [__m512; R] {
+    let gap = 8 * nb * F::WBYTES;
+    let tails: [*const f32; R] = std::array::from_fn(|r| a[r].add(nb * F::ABYTES) as *const f32);
+    let mut acc = [_mm512_setzero_ps(); R];
+    // Signed weights are flipped to unsigned (w + 128) and 128 x the activation sum taken back.
+    let zshift = if F::SIGNED { 7 } else { F::ZSHIFT };
+    let (m4, top, b) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x80u8 as i8), _mm512_set1_epi8(0x10));
+    for i in 0..nb {
+        let qs = t.add(8 * F::HEAD * nb + 8 * F::QROW * i);
+        prefetch_ahead(qs, 8 * F::QROW);
+        prefetch_ahead(qs.add(gap), 8 * F::QROW);
+        let mut isum = [_mm512_setzero_si512(); R];
+        if zshift > 0 {
+            for r in 0..R {
+                let s = (tails[r].add(nb + i) as *const i32).read_unaligned();
+                isum[r] = _mm512_set1_epi32(-(s << zshift));
+            }
+        }
+        let mut isum2 = [_mm512_setzero_si512(); R];
+        for p in 0..4 {
+            let (u0, u1) = if F::SIGNED {
+                (_mm512_xor_si512(pair_load(qs.add(32 * p), gap), top), _mm512_xor_si512(pair_load(qs.add(128 + 32 * p), gap), top))
+            } else {
+                let raw = pair_load(qs.add(32 * p), gap);
+                let (lo, hi) = (_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4));
+                if F::FIVE {
+                    // The fifth bits: a 32-bit word per tile, one bit per byte lane.
+                    let qh = t.add(8 * (F::HEAD - 4) * nb + 32 * i);
+                    let bits =
+                        |at: usize| (qh.add(at) as *const u32).read_unaligned() as u64 | ((qh.add(gap + at) as *const u32).read_unaligned() as u64) << 32;
+                    (_mm512_mask_add_epi8(lo, bits(4 * p), lo, b), _mm512_mask_add_epi8(hi, bits(4 * p + 16), hi, b))
+                } else {
+                    (lo, hi)
+                }
+            };
+            for r in 0..R {
+                let q = a[r].add(i * F::ABYTES + F::AQ + 4 * p);
+                isum[r] = _mm512_dpbusd_epi32(isum[r], u0, bcast4(q));
+                isum2[r] = _mm512_dpbusd_epi32(isum2[r], u1, bcast4(q.add(16)));
+            }
+        }
+        let dw = pair_f16(t.add(16 * i), gap);
+        for r in 0..R {
+            let d = _mm512_mul_ps(dw, _mm512_set1_ps(tails[r].add(i).read_unaligned()));
+            acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(isum[r], isum2[r])), acc[r]);
+        }
+        if F::MIN {
+            let mw = pair_f16(t.add(16 * nb + 16 * i), gap);
+            for r in 0..R {
+                acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(tails[r].add(nb + i).read_unaligned()), acc[r]);
+            }
+        }
+    }
+    acc
+}
+
+/// The K-quants' superblock walk (`avx2::kquant_tiles`) on a pair of tiles.
+#[inline(always)]
+unsafe fn kquant_pair<const R: usize>(
+    t: *const u8,
+    a: [*const u8; R],
+    nsb: usize,
+    sb_bytes: usize,
+    body: impl Fn(*const u8, usize, &[*const u8; R]) -> ([__m512i; R], Option<[__m512i; R]>),
+) -> [__m512; R] {
+    let gap = nsb * sb_bytes;
+    let mut acc = [_mm512_setzero_ps(); R];
+    for i in 0..nsb {
+        let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
+        let sb = t.add(i * sb_bytes);
+        prefetch_ahead(sb, sb_bytes);
+        prefetch_ahead(sb.add(gap), sb_bytes);
+        let (total, mins) = body(sb, gap, &ab);
+        let dw = pair_f16(sb, gap);
+        for r in 0..R {
+            let da = _mm512_set1_ps((ab[r] as *const f32).read_unaligned());
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da), _mm512_cvtepi32_ps(total[r]), acc[r]);
+        }
+        if let Some(mins) = mins {
+            let dmin = pair_f16(sb.add(K45_DMIN), gap);
+            for r in 0..R {
+                let da = _mm512_set1_ps((ab[r] as *const f32).read_unaligned());
+                acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(mins[r]), acc[r]);
+            }
+        }
+    }
+    acc
+}
+
+/// Q4_K and Q5_K (`FIVE`): `avx2::q45k_sums` on a pair of tiles.
+#[inline(always)]
+unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, gap: usize, ab: &[*const u8; R]) -> ([__m512i; R], Option<[__m512i; R]>) {
+    let (m4, b4) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x10));
+    let qs = if FIVE { Q5K_QS } else { Q4K_QS };
+    let mut total = [_mm512_setzero_si512(); R];
+    for sub in 0..8 {
+        let (j, high) = (sub / 2, sub % 2 == 1);
+        let mut isum = [_mm512_setzero_si512(); R];
+        for c in 0..8 {
+            let raw = pair_load(sb.add(qs + 256 * j + 32 * c), gap);
+            let mut w = if high { _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4) } else { _mm512_and_si512(raw, m4) };
+            if FIVE {
+                let qh = pair_load(sb.add(Q5K_QH + 32 * c), gap);
+                let bit = match sub {
+                    0 => _mm512_slli_epi16::<4>(qh),
+                    1 => _mm512_slli_epi16::<3>(qh),
+                    2 => _mm512_slli_epi16::<2>(qh),
+                    3 => _mm512_slli_epi16::<1>(qh),
+                    4 => qh,
+                    5 => _mm512_srli_epi16::<1>(qh),
+                    6 => _mm512_srli_epi16::<2>(qh),
+                    _ => _mm512_srli_epi16::<3>(qh),
+                };
+                w = _mm512_or_si512(w, _mm512_and_si512(bit, b4));
+            }
+            for r in 0..R {
+                isum[r] = _mm512_dpbusd_epi32(isum[r], w, bcast4(ab[r].add(K_QS + 64 * j + 32 * high as usize + 4 * c)));
+            }
+        }
+        let sc = _mm512_cvtepu8_epi32(pair_bytes(sb.add(K45_SC + 8 * sub), gap));
+        for r in 0..R {
+            total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(isum[r], sc));
+        }
+    }
+    // Mins: i16 pairs (m_s, m_s+1) of each row against (sum_s, sum_s+1) of the activations.
+    let mut mins = [_mm512_setzero_si512(); R];
+    for p in 0..4 {
+        let m = |at: usize| _mm_unpacklo_epi8(_mm_loadl_epi64(sb.add(at) as *const __m128i), _mm_loadl_epi64(sb.add(at + 8) as *const __m128i));
+        let (m0, m1) = (m(K45_M + 16 * p), m(gap + K45_M + 16 * p));
+        let mm = _mm512_cvtepu8_epi16(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(m0), m1));
+        for r in 0..R {
+            let bs = ab[r].add(K_BSUMS) as *const i16;
+            let pair = |s: usize| bs.add(2 * s).read_unaligned() as i32 + bs.add(2 * s + 1).read_unaligned() as i32;
+            let both = (pair(2 * p) & 0xFFFF) | (pair(2 * p + 1) << 16);
+            mins[r] = _mm512_add_epi32(mins[r], _mm512_madd_epi16(mm, _mm512_set1_epi32(both)));
+        }
+    }
+    (total, Some(mins))
+}
+
+/// Q6_K: the 256-bit Q6_K kernel's sums on a pair of tiles.
+#[inline(always)]
+unsafe fn q6k_sums<const R: usize>(sb: *const u8, gap: usize, ab: &[*const u8; R]) -> ([__m512i; R], Option<[__m512i; R]>) {
+    let (m4, m30) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x30));
+    let mut total = [_mm512_setzero_si512(); R];
+    // Value 128h + 32q + l (l = 4c + e) is in sub-block 8h + 2q + c/4.
+    for h in 0..2 {
+        for q in 0..4 {
+            for half in 0..2 {
+                let sub = 8 * h + 2 * q + half;
+                // The (q - 32) offset: start from -32 * (sum of the sub-block's activations).
+                let mut isum: [__m512i; R] = std::array::from_fn(|r| {
+                    let bs = (ab[r].add(K_BSUMS + 2 * sub) as *const i16).read_unaligned() as i32;
+                    _mm512_set1_epi32(-32 * bs)
+                });
+                for c in 4 * half..4 * half + 4 {
+                    let qh = pair_load(sb.add(Q6K_QH + 256 * h + 32 * c), gap);
+                    let ql = pair_load(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (q % 2))), gap);
+                    let lo = if q < 2 { _mm512_and_si512(ql, m4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4) };
+                    let hi = match q {
+                        0 => _mm512_slli_epi16::<4>(qh),
+                        1 => _mm512_slli_epi16::<2>(qh),
+                        2 => qh,
+                        _ => _mm512_srli_epi16::<2>(qh),
+                    };
+                    let w = _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
+                    for r in 0..R {
+                        isum[r] = _mm512_dpbusd_epi32(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * q + 4 * c)));
+                    }
+                }
+                let sc = _mm512_cvtepi8_epi32(pair_bytes(sb.add(Q6K_SC + 8 * sub), gap));
+                for r in 0..R {
+                    total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(isum[r], sc));
+                }
+            }
+        }
+    }
+    (total, None)
+}
+
+/// A format's kernel on a pair of tiles (`nb`: blocks or superblocks per row).
+pub(super) trait PairFormat {
+    unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nb: usize) -> [__m512; R];
+}
+
+impl<F: Fmt> PairFormat for F {
+    #[inline(always)]
+    unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nb: usize) -> [__m512; R] {
+        pair_kernel::<F, R>(t, a, nb)
+    }
+}
+
+impl PairFormat for Q4K {
+    #[inline(always)]
+    unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nsb: usize) -> [__m512; R] {
+        kquant_pair::<R>(t, a, nsb, Q4K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, false>(sb, gap, ab))
+    }
+}
+
+impl PairFormat for Q5K {
+    #[inline(always)]
+    unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nsb: usize) -> [__m512; R] {
+        kquant_pair::<R>(t, a, nsb, Q5K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, true>(sb, gap, ab))
+    }
+}
+
+impl PairFormat for Q6K {
+    #[inline(always)]
+    unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nsb: usize) -> [__m512; R] {
+        kquant_pair::<R>(t, a, nsb, Q6K_TILE_BLOCK, |sb, gap, ab| q6k_sums::<R>(sb, gap, ab))
+    }
+}
+
+/// Two tiles against `a.len()` (1..=8) activation rows: out[r] gets the first tile's eight
+/// outputs for row r, out[R + r] the second's. The caller has bounds-checked the call (`check`).
+///
+/// # Safety
+/// The CPU has AVX-512 F/VL/BW/VNNI, and every load the kernel makes is in bounds.
+pub(super) unsafe fn run<P: PairFormat>(t: &[u8], a: &[&[u8]], nb: usize, out: &mut [[f32; 8]]) {
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    unsafe fn k<P: PairFormat, const R: usize>(t: *const u8, a: &[&[u8]], nb: usize, out: &mut [[f32; 8]]) {
+        let acc = P::pair::<R>(t, std::array::from_fn(|r| a[r].as_ptr()), nb);
+        for (r, v) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out[r].as_mut_ptr(), _mm512_castps512_ps256(*v));
+            _mm256_storeu_ps(out[R + r].as_mut_ptr(), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*v))));
+        }
+    }
+    let t = t.as_ptr();
+    match a.len() {
+        1 => k::<P, 1>(t, a, nb, out),
+        2 => k::<P, 2>(t, a, nb, out),
+        3 => k::<P, 3>(t, a, nb, out),
+        4 => k::<P, 4>(t, a, nb, out),
+        5 => k::<P, 5>(t, a, nb, out),
+        6 => k::<P, 6>(t, a, nb, out),
+        7 => k::<P, 7>(t, a, nb, out),
+        _ => k::<P, 8>(t, a, nb, out),
+    }
+}
