@@ -252,7 +252,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
             Kernels::Tiles(tile_fn) => {
                 debug_assert!(w.tiled, "weight layout does not match its kernels");
                 let tb = tile::tile_bytes(w.ty, k);
-                let mut out = [[0.0f32; TILE_ROWS]; MAX_R];
+                let mut out = [[0.0f32; TILE_ROWS]; 2 * MAX_R];
                 for t0 in (0..n).step_by(tt) {
                     let t1 = (t0 + tt).min(n);
                     let mut r0 = lo;
