@@ -854,7 +854,8 @@ impl Scheduler {
                 }
             }
             if cap > 0 {
-                cands.push(Candidate { alpha: s.spec.alpha(), cap });
+                let (first, alpha) = s.spec.acceptance();
+                cands.push(Candidate { first, alpha, cap });
                 who.push(i);
             }
         }

@@ -81,9 +81,12 @@ impl Drafter {
 
 /// One stream's speculation state.
 pub struct StreamSpec {
-    /// Decayed counts of accepted drafts and of drafts judged (a rejected one ends a run).
-    accepted: f64,
-    judged: f64,
+    /// Decayed counts of a step's first drafts accepted and judged.
+    first: Rate,
+    /// The same for the drafts after an accepted one (a rejected one ends a run). Kept apart
+    /// from the first: acceptance comes in runs (a quote either continues or it does not), so
+    /// a draft that follows an accepted one is far likelier right than a step's first is.
+    then: Rate,
     /// The draft model's session for this stream, made on its first draft.
     pub draft: Option<Session>,
     /// The MTP head's state for this stream, made at admission (it follows the whole context).
@@ -101,9 +104,34 @@ const PRIOR: (f64, f64) = (1.0, 2.0);
 /// How fast a stream that stopped drafting drifts back to the prior, so that it tries again.
 const IDLE_FORGET: f64 = 0.9;
 
+/// Decayed counts of drafts accepted and judged.
+#[derive(Clone, Copy)]
+struct Rate {
+    accepted: f64,
+    judged: f64,
+}
+
+impl Rate {
+    const PRIOR: Rate = Rate { accepted: PRIOR.0, judged: PRIOR.1 };
+
+    fn value(self) -> f64 {
+        self.accepted / self.judged
+    }
+
+    fn add(&mut self, accepted: usize, judged: usize) {
+        self.accepted = self.accepted * ACCEPT_FORGET + accepted as f64;
+        self.judged = self.judged * ACCEPT_FORGET + judged as f64;
+    }
+
+    fn relax(&mut self) {
+        self.accepted = self.accepted * IDLE_FORGET + PRIOR.0 * (1.0 - IDLE_FORGET);
+        self.judged = self.judged * IDLE_FORGET + PRIOR.1 * (1.0 - IDLE_FORGET);
+    }
+}
+
 impl Default for StreamSpec {
     fn default() -> Self {
-        StreamSpec { accepted: PRIOR.0, judged: PRIOR.1, draft: None, mtp: None, drafts: Vec::new() }
+        StreamSpec { first: Rate::PRIOR, then: Rate::PRIOR, draft: None, mtp: None, drafts: Vec::new() }
     }
 }
 
@@ -113,22 +141,61 @@ impl StreamSpec {
         StreamSpec { mtp, ..StreamSpec::default() }
     }
 
-    /// The estimated chance that the next draft is accepted, given the previous ones were.
-    pub fn alpha(&self) -> f64 {
-        self.accepted / self.judged
+    /// The estimated chances that a step's first draft is accepted, and that a draft after an
+    /// accepted one is.
+    pub fn acceptance(&self) -> (f64, f64) {
+        (self.first.value(), self.then.value())
     }
 
-    /// The stream could have drafted but was not worth it this step. Its estimate would never
-    /// change without drafts, so it relaxes towards the prior: a stream that stopped quoting its
+    /// The stream could have drafted but was not worth it this step. Its estimates would never
+    /// change without drafts, so they relax towards the prior: a stream that stopped quoting its
     /// context may have started again.
     pub fn idle(&mut self) {
-        self.accepted = self.accepted * IDLE_FORGET + PRIOR.0 * (1.0 - IDLE_FORGET);
-        self.judged = self.judged * IDLE_FORGET + PRIOR.1 * (1.0 - IDLE_FORGET);
+        self.first.relax();
+        self.then.relax();
     }
 
     /// `proposed` drafts were verified and the first `accepted` of them kept.
     pub fn observe(&mut self, proposed: usize, accepted: usize) {
-        self.accepted = self.accepted * ACCEPT_FORGET + accepted as f64;
-        self.judged = self.judged * ACCEPT_FORGET + accepted as f64 + if accepted < proposed { 1.0 } else { 0.0 };
+        if proposed == 0 {
+            return;
+        }
+        self.first.add(usize::from(accepted > 0), 1);
+        if accepted > 0 && proposed > 1 {
+            // The drafts after the first that were judged: the accepted ones, and the one that
+            // ended the run if one did.
+            self.then.add(accepted - 1, accepted - 1 + usize::from(accepted < proposed));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StreamSpec;
+
+    #[test]
+    fn acceptance_of_a_first_draft_and_of_the_ones_after_are_told_apart() {
+        // A quoting stream: half its steps' first drafts fail, and the other half run all the
+        // way (eight of eight).
+        let mut s = StreamSpec::default();
+        for step in 0..40 {
+            if step % 2 == 0 {
+                s.observe(8, 0);
+            } else {
+                s.observe(8, 8);
+            }
+        }
+        let (first, then) = s.acceptance();
+        assert!((first - 0.5).abs() < 0.15, "{first}");
+        assert!(then > 0.95, "{then}");
+        // Runs that stop after one: the drafts after the first are judged wrong.
+        for _ in 0..40 {
+            s.observe(4, 1);
+        }
+        let (first, then) = s.acceptance();
+        assert!(first > 0.95 && then < 0.05, "{first} {then}");
+        // Nothing drafted: nothing learnt.
+        s.observe(0, 0);
+        assert_eq!(s.acceptance(), (first, then));
     }
 }

@@ -83,9 +83,11 @@ fn size(rows: f64) -> u32 {
     rows.round().max(0.0) as u32
 }
 
-/// A stream that may draft: its estimated per-token acceptance and the most it may draft.
+/// A stream that may draft: the estimated chances that its first draft is accepted (`first`)
+/// and that each later one is, given the one before was (`alpha`), and the most it may draft.
 #[derive(Clone, Copy, Debug)]
 pub struct Candidate {
+    pub first: f64,
     pub alpha: f64,
     pub cap: usize,
 }
@@ -108,10 +110,10 @@ pub fn choose(cands: &[Candidate], decoding: usize, rows: f64, row: f64, target:
             let drafting = draft.map_or(0.0, |d| d(n + 1.0) - if n > 0.0 { d(n) } else { 0.0 });
             (verify + drafting).max(1e-9)
         };
-        // Under a geometric acceptance model the (k+1)-th draft is emitted with probability alpha^(k+1).
+        // The (k+1)-th draft is emitted when it and all before it are accepted: first * alpha^k.
         let best = (0..cands.len())
             .filter(|&i| ks[i] < cands[i].cap)
-            .map(|i| (i, cands[i].alpha.powi(ks[i] as i32 + 1), cost(ks[i])))
+            .map(|i| (i, cands[i].first * cands[i].alpha.powi(ks[i] as i32), cost(ks[i])))
             .max_by(|x, y| (x.1 / x.2).total_cmp(&(y.1 / y.2)));
         let Some((i, gain, c)) = best else { break };
         if gain * secs <= c * tokens {
@@ -318,20 +320,25 @@ mod tests {
     fn speculation_shrinks_as_the_batch_grows_and_acceptance_falls() {
         // Weights cost as much as 16 rows.
         let line = |r: f64| 0.016 + 0.001 * r;
-        let good = Candidate { alpha: 0.8, cap: 8 };
+        let good = Candidate { first: 0.8, alpha: 0.8, cap: 8 };
         let one = choose(&[good], 1, 1.0, 1.0, &line, None);
         assert!(one[0] >= 4, "{one:?}");
         let sixteen = choose(&[good; 16], 16, 16.0, 1.0, &line, None);
         let total: usize = sixteen.iter().sum();
         assert!(total < 16 * one[0] / 2, "{sixteen:?}");
-        let bad = choose(&[Candidate { alpha: 0.05, cap: 8 }; 16], 16, 16.0, 1.0, &line, None);
+        let bad = choose(&[Candidate { first: 0.05, alpha: 0.05, cap: 8 }; 16], 16, 16.0, 1.0, &line, None);
         assert_eq!(bad.iter().sum::<usize>(), 0, "{bad:?}");
         // An expensive draft model must earn its own passes.
-        let costly = choose(&[Candidate { alpha: 0.3, cap: 8 }], 1, 1.0, 1.0, &line, Some(&|r| 0.02 + 0.001 * r));
+        let costly = choose(&[Candidate { first: 0.3, alpha: 0.3, cap: 8 }], 1, 1.0, 1.0, &line, Some(&|r| 0.02 + 0.001 * r));
         assert_eq!(costly, vec![0]);
-        let cheap = choose(&[Candidate { alpha: 0.8, cap: 8 }], 1, 1.0, 1.0, &line, Some(&|r| 0.002 + 0.0001 * r));
+        let cheap = choose(&[Candidate { first: 0.8, alpha: 0.8, cap: 8 }], 1, 1.0, 1.0, &line, Some(&|r| 0.002 + 0.0001 * r));
         assert!(cheap[0] >= 3, "{cheap:?}");
-        assert_eq!(choose(&[Candidate { alpha: 0.99, cap: 0 }], 1, 1.0, 1.0, &line, None), vec![0]);
+        assert_eq!(choose(&[Candidate { first: 0.99, alpha: 0.99, cap: 0 }], 1, 1.0, 1.0, &line, None), vec![0]);
+        // Acceptance in runs: a first draft that is often wrong, and later ones that are right
+        // once it was, are worth more drafts than the same first chance at every position.
+        let runs = choose(&[Candidate { first: 0.5, alpha: 0.95, cap: 8 }], 1, 1.0, 1.0, &line, None);
+        let flat = choose(&[Candidate { first: 0.5, alpha: 0.5, cap: 8 }], 1, 1.0, 1.0, &line, None);
+        assert!(runs[0] > flat[0] + 2, "{runs:?} {flat:?}");
         // Where the third row is cheap and the fourth dear (a CPU's kernels), stop at two drafts.
         let knee = |r: f64| if r <= 3.0 { 0.006 + 0.0007 * (r - 1.0) } else { 0.0074 + 0.0027 * (r - 3.0) };
         assert_eq!(choose(&[good], 1, 1.0, 1.0, &knee, None), vec![2]);
@@ -339,7 +346,7 @@ mod tests {
 
     #[test]
     fn probes_try_the_sizes_beside_the_choice() {
-        let cands = [Candidate { alpha: 0.8, cap: 4 }; 3];
+        let cands = [Candidate { first: 0.8, alpha: 0.8, cap: 4 }; 3];
         let mut ks = vec![2, 0, 4];
         probe(&mut ks, &cands, 3);
         assert_eq!(ks, vec![2, 0, 3]);
