@@ -72,6 +72,14 @@ impl KvCodec {
         let (rb, heads) = (self.bytes(hd), q.len() / hd);
         assert!(k.len() >= n * rb && out.len() >= (heads - 1) * stride + n, "KV rows or scores too short");
         #[cfg(target_arch = "x86_64")]
+        if self == KvCodec::F16 && hd.is_multiple_of(8) && crate::quant::avx2::has_avx512() {
+            for (g0, qg) in q.chunks(QK_GROUP * hd).enumerate() {
+                // SAFETY: AVX-512 F/DQ (and AVX2/FMA/F16C) detected; bounds asserted above.
+                unsafe { simd::dot_rows_f16_z(qg, hd, k.as_ptr(), n, &mut out[QK_GROUP * g0 * stride..], stride) };
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if self == KvCodec::F16 && hd.is_multiple_of(8) && crate::quant::avx2::has_avx2() {
             for (g0, qg) in q.chunks(QK_GROUP * hd).enumerate() {
                 // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
@@ -93,6 +101,14 @@ impl KvCodec {
         let (rb, heads) = (self.bytes(hd), o.len() / hd);
         assert!(v.len() >= n * rb && p.len() >= (heads - 1) * stride + n, "KV rows or weights too short");
         #[cfg(target_arch = "x86_64")]
+        if self == KvCodec::F16 && hd.is_multiple_of(32) && crate::quant::avx2::has_avx512() {
+            for (g0, og) in o.chunks_mut(QK_GROUP * hd).enumerate() {
+                // SAFETY: AVX-512 F (and AVX2/FMA/F16C) detected; bounds asserted above.
+                unsafe { simd::axpy_rows_f16_z(og, hd, &p[QK_GROUP * g0 * stride..], stride, v.as_ptr(), n) };
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if self == KvCodec::F16 && hd.is_multiple_of(16) && crate::quant::avx2::has_avx2() {
             for (g0, og) in o.chunks_mut(PV_GROUP * hd).enumerate() {
                 // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
@@ -110,7 +126,8 @@ impl KvCodec {
 
 /// Query heads the f16 kernels take per pass over the K or V rows: each head holds two
 /// accumulators (two keys' scores, or 16 output values), so six heads plus the row being read
-/// fill the sixteen AVX2 registers for q·k; p·v measured best at four.
+/// fill the sixteen AVX2 registers for q·k; p·v measured best at four. The AVX-512 kernels take
+/// six for both (p·v: four 512-bit accumulators a head, 24 of the 32 registers).
 #[cfg(target_arch = "x86_64")]
 const QK_GROUP: usize = 6;
 #[cfg(target_arch = "x86_64")]
@@ -286,6 +303,100 @@ mod simd {
         }
     }
 
+    // ---- AVX-512: the same sums in the same order, twice as wide. q·k puts two keys in one
+    // register (lanes 0-7 the first key's eight chains, 8-15 the second's), so each key's
+    // lanes do exactly what `key_sums` does and the fold from there is `scores`' own; p·v adds
+    // sixteen output values per instruction, each still summed over the rows in order.
+
+    /// `key_sums` for keys `x` and `y` at once: lanes 0-7 are x's eight chains, 8-15 y's.
+    #[inline(always)]
+    unsafe fn key_pair_sums<const G: usize>(q: *const f32, hd: usize, x: *const u8, y: *const u8) -> [__m512; G] {
+        let mut acc = [_mm512_setzero_ps(); G];
+        for i in (0..hd).step_by(8) {
+            let kx = _mm256_castsi128_si256(_mm_loadu_si128(x.add(2 * i) as *const __m128i));
+            let kk = _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(kx, _mm_loadu_si128(y.add(2 * i) as *const __m128i)));
+            for (g, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q.add(g * hd + i))), kk, *a);
+            }
+        }
+        acc
+    }
+
+    /// `fold_halves(x, y)` of a key pair's register: [x.lo + x.hi | y.lo + y.hi].
+    #[inline(always)]
+    unsafe fn fold_pair(a: __m512) -> __m256 {
+        let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, a);
+        let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, a);
+        _mm512_castps512_ps256(_mm512_add_ps(lo, hi))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+    pub unsafe fn dot_rows_f16_z(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+        per_group!(scores_z, q.len() / hd, q, hd, k, n, out, stride)
+    }
+
+    /// `scores` with the key pairs (p, p + 4) of each eight in one register.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // g indexes two arrays in step
+    unsafe fn scores_z<const G: usize>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
+        assert!(out.len() >= (G - 1) * stride + n, "score rows out of bounds");
+        let (a, o) = (q.as_ptr(), out.as_mut_ptr());
+        let row = |j: usize| k.add(2 * hd * j);
+        let mut j = 0;
+        while j + 8 <= n {
+            let mut t = [[_mm256_setzero_ps(); G]; 4];
+            for (p, tp) in t.iter_mut().enumerate() {
+                let xy = key_pair_sums::<G>(a, hd, row(j + p), row(j + p + 4));
+                for g in 0..G {
+                    tp[g] = fold_pair(xy[g]);
+                }
+            }
+            for g in 0..G {
+                // SAFETY: g * stride + j + 8 <= (G - 1) * stride + n <= out.len() (asserted).
+                _mm256_storeu_ps(o.add(g * stride + j), fold_last(fold_pairs(t[0][g], t[1][g]), fold_pairs(t[2][g], t[3][g])));
+            }
+            j += 8;
+        }
+        while j < n {
+            let xy = key_pair_sums::<G>(a, hd, row(j), row((j + 1).min(n - 1)));
+            for g in 0..G {
+                out[g * stride + j] = hsum(_mm512_castps512_ps256(xy[g]));
+                if j + 1 < n {
+                    out[g * stride + j + 1] = hsum(_mm512_extractf32x8_ps::<1>(xy[g]));
+                }
+            }
+            j += 2;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+    pub unsafe fn axpy_rows_f16_z(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
+        per_group!(values_z, o.len() / hd, o, hd, p, stride, v, n)
+    }
+
+    /// `values_f16` on 32 output values a step (two 512-bit accumulators a head).
+    #[inline(always)]
+    unsafe fn values_z<const G: usize>(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
+        let y = o.as_mut_ptr();
+        for c in (0..hd).step_by(32) {
+            let mut acc: [[__m512; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm512_loadu_ps(y.add(g * hd + c + 16 * m))));
+            for j in 0..n {
+                let row = v.add(2 * (hd * j + c));
+                let vv = [_mm512_cvtph_ps(_mm256_loadu_si256(row as *const __m256i)), _mm512_cvtph_ps(_mm256_loadu_si256(row.add(32) as *const __m256i))];
+                for (g, ac) in acc.iter_mut().enumerate() {
+                    let pv = _mm512_set1_ps(*p.get_unchecked(g * stride + j));
+                    ac[0] = _mm512_fmadd_ps(pv, vv[0], ac[0]);
+                    ac[1] = _mm512_fmadd_ps(pv, vv[1], ac[1]);
+                }
+            }
+            for (g, ac) in acc.iter().enumerate() {
+                for (m, a) in ac.iter().enumerate() {
+                    _mm512_storeu_ps(y.add(g * hd + c + 16 * m), *a);
+                }
+            }
+        }
+    }
+
     /// The 32 values of a q4_0 block (nibble - 8) as four vectors of eight f32, unscaled.
     #[inline(always)]
     unsafe fn q4_block(blk: *const u8) -> [__m256; 4] {
@@ -401,6 +512,30 @@ mod tests {
                         assert!((o[g * hd + i] as f64 - want).abs() <= 1e-4 * want.abs().max(1.0), "{codec:?} hd {hd} head {g} value {i}");
                     }
                 }
+            }
+        }
+    }
+
+    /// A head's p·v sum is the single-row axpy's bits, row after row, whatever the call takes
+    /// with it (heads in groups, 256- or 512-bit kernels).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16_values_do_not_depend_on_grouping() {
+        for (hd, n, heads) in [(128, 37, 4), (64, 19, 7), (96, 9, 3)] {
+            let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
+            let mut rows = vec![0u8; 2 * n * hd];
+            KvCodec::F16.encode(&vals, &mut rows);
+            let p: Vec<f32> = (0..heads * n).map(|i| ((i * 13 % 29) as f32) * 0.01).collect();
+            let start: Vec<f32> = (0..heads * hd).map(|i| (i % 5) as f32 * 0.25).collect();
+            let mut all = start.clone();
+            KvCodec::F16.axpy_rows(&mut all, hd, &p, n, &rows, n);
+            for g in 0..heads {
+                let mut one = start[g * hd..(g + 1) * hd].to_vec();
+                for j in 0..n {
+                    KvCodec::F16.axpy(&mut one, p[g * n + j], &rows[2 * hd * j..2 * hd * (j + 1)]);
+                }
+                let got: Vec<u32> = all[g * hd..(g + 1) * hd].iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "hd {hd} head {g}");
             }
         }
     }
