@@ -172,10 +172,12 @@ def main() -> None:
             jobs.append((name + " (llama.cpp)", lambda p=path: bench_llama_cpp_in(args.llama_python, p, args.runs, args.threads)))
         else:
             jobs.append((name + " (llama.cpp)", lambda p=path: bench_llama_cpp(p, args.runs, args.threads)))
+    # Before any model runs: the engine's worker threads spin a while after each pass and would
+    # take the cores from NumPy's readers.
+    bw = read_bandwidth(args.threads)
     results: dict[str, dict[str, float] | None] = {}
     for label, job in tqdm(jobs, desc="benchmarking", unit="model"):
         results[label] = job()
-    bw = read_bandwidth(args.threads)
     bound: dict[str, str] = {}
     for name in args.models:
         ours, ref = results[name], results[name + " (llama.cpp)"]
