@@ -72,14 +72,6 @@ impl KvCodec {
         let (rb, heads) = (self.bytes(hd), q.len() / hd);
         assert!(k.len() >= n * rb && out.len() >= (heads - 1) * stride + n, "KV rows or scores too short");
         #[cfg(target_arch = "x86_64")]
-        if self == KvCodec::F16 && hd.is_multiple_of(8) && crate::quant::avx2::has_avx512() {
-            for (g0, qg) in q.chunks(QK_GROUP * hd).enumerate() {
-                // SAFETY: AVX-512 F/DQ (and AVX2/FMA/F16C) detected; bounds asserted above.
-                unsafe { simd::dot_rows_f16_z(qg, hd, k.as_ptr(), n, &mut out[QK_GROUP * g0 * stride..], stride) };
-            }
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
         if self == KvCodec::F16 && hd.is_multiple_of(8) && crate::quant::avx2::has_avx2() {
             for (g0, qg) in q.chunks(QK_GROUP * hd).enumerate() {
                 // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
@@ -126,8 +118,8 @@ impl KvCodec {
 
 /// Query heads the f16 kernels take per pass over the K or V rows: each head holds two
 /// accumulators (two keys' scores, or 16 output values), so six heads plus the row being read
-/// fill the sixteen AVX2 registers for q·k; p·v measured best at four. The AVX-512 kernels take
-/// six for both (p·v: four 512-bit accumulators a head, 24 of the 32 registers).
+/// fill the sixteen AVX2 registers for q·k; p·v measured best at four, and at six with AVX-512
+/// (two 512-bit accumulators a head).
 #[cfg(target_arch = "x86_64")]
 const QK_GROUP: usize = 6;
 #[cfg(target_arch = "x86_64")]
@@ -303,73 +295,10 @@ mod simd {
         }
     }
 
-    // ---- AVX-512: the same sums in the same order, twice as wide. q·k puts two keys in one
-    // register (lanes 0-7 the first key's eight chains, 8-15 the second's), so each key's
-    // lanes do exactly what `key_sums` does and the fold from there is `scores`' own; p·v adds
-    // sixteen output values per instruction, each still summed over the rows in order.
-
-    /// `key_sums` for keys `x` and `y` at once: lanes 0-7 are x's eight chains, 8-15 y's.
-    #[inline(always)]
-    unsafe fn key_pair_sums<const G: usize>(q: *const f32, hd: usize, x: *const u8, y: *const u8) -> [__m512; G] {
-        let mut acc = [_mm512_setzero_ps(); G];
-        for i in (0..hd).step_by(8) {
-            let kx = _mm256_castsi128_si256(_mm_loadu_si128(x.add(2 * i) as *const __m128i));
-            let kk = _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(kx, _mm_loadu_si128(y.add(2 * i) as *const __m128i)));
-            for (g, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q.add(g * hd + i))), kk, *a);
-            }
-        }
-        acc
-    }
-
-    /// `fold_halves(x, y)` of a key pair's register: [x.lo + x.hi | y.lo + y.hi].
-    #[inline(always)]
-    unsafe fn fold_pair(a: __m512) -> __m256 {
-        let lo = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, a);
-        let hi = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, a);
-        _mm512_castps512_ps256(_mm512_add_ps(lo, hi))
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
-    pub unsafe fn dot_rows_f16_z(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        per_group!(scores_z, q.len() / hd, q, hd, k, n, out, stride)
-    }
-
-    /// `scores` with the key pairs (p, p + 4) of each eight in one register.
-    #[inline(always)]
-    #[allow(clippy::needless_range_loop)] // g indexes two arrays in step
-    unsafe fn scores_z<const G: usize>(q: &[f32], hd: usize, k: *const u8, n: usize, out: &mut [f32], stride: usize) {
-        assert!(out.len() >= (G - 1) * stride + n, "score rows out of bounds");
-        let (a, o) = (q.as_ptr(), out.as_mut_ptr());
-        let row = |j: usize| k.add(2 * hd * j);
-        let mut j = 0;
-        while j + 8 <= n {
-            let mut t = [[_mm256_setzero_ps(); G]; 4];
-            for (p, tp) in t.iter_mut().enumerate() {
-                let xy = key_pair_sums::<G>(a, hd, row(j + p), row(j + p + 4));
-                for g in 0..G {
-                    tp[g] = fold_pair(xy[g]);
-                }
-            }
-            for g in 0..G {
-                // SAFETY: g * stride + j + 8 <= (G - 1) * stride + n <= out.len() (asserted).
-                _mm256_storeu_ps(o.add(g * stride + j), fold_last(fold_pairs(t[0][g], t[1][g]), fold_pairs(t[2][g], t[3][g])));
-            }
-            j += 8;
-        }
-        while j < n {
-            let xy = key_pair_sums::<G>(a, hd, row(j), row((j + 1).min(n - 1)));
-            for g in 0..G {
-                out[g * stride + j] = hsum(_mm512_castps512_ps256(xy[g]));
-                if j + 1 < n {
-                    out[g * stride + j + 1] = hsum(_mm512_extractf32x8_ps::<1>(xy[g]));
-                }
-            }
-            j += 2;
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512dq")]
+    // ---- AVX-512 p·v: sixteen output values an instruction, each still summed over the rows in
+    // order, so the outputs are `values_f16`'s bits. (q·k stays on 256 bits: two keys' chains in
+    // one 512-bit register measured no faster, and slower for a decode row's few heads.)
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
     pub unsafe fn axpy_rows_f16_z(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
         per_group!(values_z, o.len() / hd, o, hd, p, stride, v, n)
     }

@@ -24,8 +24,8 @@ fn has_vnni() -> bool {
     *HAS.get_or_init(|| std::env::var_os("DASLLAMA_NO_VNNI").is_none() && is_x86_feature_detected!("avxvnni"))
 }
 
-/// AVX-512 F/VL/BW/DQ/VNNI for the tile and attention kernels; `DASLLAMA_NO_AVX512` (or
-/// `DASLLAMA_NO_VNNI`) turns it off.
+/// AVX-512 F/VL/BW/VNNI for the tile kernels (and the p·v attention kernel);
+/// `DASLLAMA_NO_AVX512` (or `DASLLAMA_NO_VNNI`) turns it off.
 pub(crate) fn has_avx512() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
@@ -34,7 +34,6 @@ pub(crate) fn has_avx512() -> bool {
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512dq")
             && is_x86_feature_detected!("avx512vnni")
     })
 }
