@@ -25,11 +25,12 @@ fn has_vnni() -> bool {
 }
 
 /// AVX-512 F/VL/BW/VNNI for the tile kernels (and the p·v attention kernel);
-/// `DASLLAMA_NO_AVX512` (or `DASLLAMA_NO_VNNI`) turns it off.
+/// `DASLLAMA_NO_AVX512` (or `DASLLAMA_NO_VNNI`, or `DASLLAMA_NO_SIMD`) turns it off.
 pub(crate) fn has_avx512() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
-        std::env::var_os("DASLLAMA_NO_AVX512").is_none()
+        has_avx2()
+            && std::env::var_os("DASLLAMA_NO_AVX512").is_none()
             && std::env::var_os("DASLLAMA_NO_VNNI").is_none()
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512vl")
