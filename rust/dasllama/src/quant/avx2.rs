@@ -515,19 +515,30 @@ pub(super) fn per_tile(t: &[u8], tile_bytes: usize, a: &[&[u8]], n: usize, out: 
     f(&t[tile_bytes..], a, n, second);
 }
 
-fn check<F: Fmt>(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+/// A tile kernel call that passed its bounds check: blocks (superblocks) per row, tiles, and
+/// the bytes of one tile.
+pub(super) struct Checked {
+    pub nb: usize,
+    pub tiles: usize,
+    pub tile_bytes: usize,
+}
+
+/// `check_call` for a row of `nb` blocks and tiles of `tile_bytes`.
+fn checked(nb: usize, t: &[u8], tile_bytes: usize, a: &[&[u8]], act_bytes: usize, out: &[[f32; 8]]) -> Checked {
+    Checked { nb, tiles: check_call(t, tile_bytes, a, act_bytes, out), tile_bytes }
+}
+
+fn check<F: Fmt>(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
     let nb = n / 32;
-    (nb, check_call(t, 8 * nb * F::WBYTES, a, nb * (F::ABYTES + 8) + super::ACT_PAD, out))
+    checked(nb, t, 8 * nb * F::WBYTES, a, nb * (F::ABYTES + 8) + super::ACT_PAD, out)
 }
 
 /// What the tile entry points need of a format: its kernel and its bounds check.
 trait TileFormat {
     /// T consecutive tiles against R activation rows (T x R vectors of eight outputs).
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nb: usize) -> [[__m256; R]; T];
-    /// Bytes of one tile of `nb` blocks (superblocks) per row.
-    fn tile_bytes(nb: usize) -> usize;
-    /// Asserts every load the kernel will make is in bounds; returns (blocks per row, tiles).
-    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize);
+    /// Asserts every load the kernel will make is in bounds.
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked;
 }
 
 impl<F: Fmt> TileFormat for F {
@@ -535,10 +546,7 @@ impl<F: Fmt> TileFormat for F {
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nb: usize) -> [[__m256; R]; T] {
         tile_kernel::<F, T, R, ISA>(t, a, nb)
     }
-    fn tile_bytes(nb: usize) -> usize {
-        8 * nb * F::WBYTES
-    }
-    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
         check::<F>(t, a, n, out)
     }
 }
@@ -556,9 +564,9 @@ pub(super) const K_QS: usize = 4;
 pub(super) const K_BSUMS: usize = 260;
 pub(super) const K_BYTES: usize = 292;
 
-pub(super) fn check_kquant(sb: usize, t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+pub(super) fn check_kquant(sb: usize, t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
     let nsb = n / 256;
-    (nsb, check_call(t, nsb * sb, a, nsb * K_BYTES, out))
+    checked(nsb, t, nsb * sb, a, nsb * K_BYTES, out)
 }
 
 /// The superblock walk both K-quant kernels share. For each superblock of each tile `body`
@@ -683,11 +691,8 @@ impl TileFormat for Q4K {
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
         kquant_tiles::<T, R>(t, a, nsb, super::tile::Q4K_TILE_BLOCK, |sb, ab| q45k_sums::<R, ISA, false>(sb, ab))
     }
-    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
         check_kquant(super::tile::Q4K_TILE_BLOCK, t, a, n, out)
-    }
-    fn tile_bytes(nsb: usize) -> usize {
-        nsb * super::tile::Q4K_TILE_BLOCK
     }
 }
 
@@ -696,11 +701,8 @@ impl TileFormat for Q5K {
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
         kquant_tiles::<T, R>(t, a, nsb, super::tile::Q5K_TILE_BLOCK, |sb, ab| q45k_sums::<R, ISA, true>(sb, ab))
     }
-    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
         check_kquant(super::tile::Q5K_TILE_BLOCK, t, a, n, out)
-    }
-    fn tile_bytes(nsb: usize) -> usize {
-        nsb * super::tile::Q5K_TILE_BLOCK
     }
 }
 
@@ -736,11 +738,8 @@ impl TileFormat for Q6K {
             (total, None)
         })
     }
-    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> (usize, usize) {
+    fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
         check_kquant(super::tile::Q6K_TILE_BLOCK, t, a, n, out)
-    }
-    fn tile_bytes(nsb: usize) -> usize {
-        nsb * super::tile::Q6K_TILE_BLOCK
     }
 }
 
@@ -761,13 +760,13 @@ macro_rules! tile_entries {
                     }
                 }
             }
-            let (nb, tiles) = <$fmt as TileFormat>::check(t, a, n, out);
+            let Checked { nb, tiles, tile_bytes } = <$fmt as TileFormat>::check(t, a, n, out);
             if $isa == AVX512 && tiles == 2 {
                 // SAFETY: handed out only after detecting AVX-512; `check` bounds every load.
                 return unsafe { super::avx512::run::<$fmt>(t, a, nb, out) };
             }
             if tiles == 2 && a.len() > 2 {
-                return per_tile(t, <$fmt as TileFormat>::tile_bytes(nb), a, n, out, $name);
+                return per_tile(t, tile_bytes, a, n, out, $name);
             }
             if $isa != AVX512 && tiles == 1 && a.len() > 4 {
                 // Sixteen vector registers hold the accumulators of at most four rows.

@@ -14,7 +14,7 @@
 //! is that kernel's own (`avx2::kquant_tiles`): the results are bit-identical to the other
 //! variants, and through them within the tested tolerance of the scalar twins (`scalar.rs`).
 
-use super::avx2::{bcast4, check_kquant, kquant_tiles, per_tile, q45k_chunk, q6k_chunk, K_BSUMS, K_QS};
+use super::avx2::{bcast4, check_kquant, kquant_tiles, per_tile, q45k_chunk, q6k_chunk, Checked, K_BSUMS, K_QS};
 use super::tile::{K45_M, K45_SC, Q4K_TILE_BLOCK, Q5K_TILE_BLOCK, Q6K_SC, Q6K_TILE_BLOCK};
 use super::{GgmlType, TileFn};
 use std::arch::x86_64::*;
@@ -175,9 +175,9 @@ unsafe fn kernel<F: KSums, const T: usize, const R: usize>(t: *const u8, a: &[&[
 }
 
 fn entry<F: KSums>(t: &[u8], a: &[&[u8]], n: usize, out: &mut [[f32; 8]]) {
-    let (nsb, tiles) = check_kquant(F::TILE_BLOCK, t, a, n, out);
+    let Checked { nb: nsb, tiles, tile_bytes } = check_kquant(F::TILE_BLOCK, t, a, n, out);
     if tiles == 2 && a.len() > 2 {
-        return per_tile(t, nsb * F::TILE_BLOCK, a, n, out, entry::<F>);
+        return per_tile(t, tile_bytes, a, n, out, entry::<F>);
     }
     if tiles == 1 && a.len() > MAX_R {
         let (lo, hi) = out.split_at_mut(MAX_R);
