@@ -94,9 +94,9 @@ impl KvCodec {
         assert!(v.len() >= n * rb && p.len() >= (heads - 1) * stride + n, "KV rows or weights too short");
         #[cfg(target_arch = "x86_64")]
         if self == KvCodec::F16 && hd.is_multiple_of(32) && crate::quant::avx2::has_avx512() {
-            for (g0, og) in o.chunks_mut(QK_GROUP * hd).enumerate() {
+            for (g0, og) in o.chunks_mut(PV_GROUP_512 * hd).enumerate() {
                 // SAFETY: AVX-512 F (and AVX2/FMA/F16C) detected; bounds asserted above.
-                unsafe { simd::axpy_rows_f16_z(og, hd, &p[QK_GROUP * g0 * stride..], stride, v.as_ptr(), n) };
+                unsafe { simd::axpy_rows_f16_z(og, hd, &p[PV_GROUP_512 * g0 * stride..], stride, v.as_ptr(), n) };
             }
             return;
         }
@@ -118,12 +118,14 @@ impl KvCodec {
 
 /// Query heads the f16 kernels take per pass over the K or V rows: each head holds two
 /// accumulators (two keys' scores, or 16 output values), so six heads plus the row being read
-/// fill the sixteen AVX2 registers for q·k; p·v measured best at four, and at six with AVX-512
-/// (two 512-bit accumulators a head).
+/// fill the sixteen AVX2 registers for q·k; p·v measured best at four. The AVX-512 p·v kernel
+/// takes six (two 512-bit accumulators a head, twelve of its 32 registers).
 #[cfg(target_arch = "x86_64")]
 const QK_GROUP: usize = 6;
 #[cfg(target_arch = "x86_64")]
 const PV_GROUP: usize = 4;
+#[cfg(target_arch = "x86_64")]
+const PV_GROUP_512: usize = 6;
 
 #[cfg(target_arch = "x86_64")]
 mod simd {

@@ -438,5 +438,5 @@ pub type DotFn = fn(&[u8], &[u8], usize) -> f32;
 /// one to four rows, each the same sums whatever the number of rows.
 pub type DotsFn = fn(&[u8], &[&[u8]], usize, &mut [f32]);
 /// `tile(weight_tiles, activation_rows, n, out)` for T = out.len() / activation_rows.len()
-/// consecutive tiles (1 with up to 8 rows, or 2 with at most 2): out[k*R + r][j] = dot(row j of tile k, row r).
+/// consecutive tiles (1 or 2, with up to 8 rows): out[k*R + r][j] = dot(row j of tile k, row r).
 pub type TileFn = fn(&[u8], &[&[u8]], usize, &mut [[f32; 8]]);
