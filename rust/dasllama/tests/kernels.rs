@@ -3,7 +3,7 @@
 //! for (GGUF rows or tiles of eight); the scalar twins read the GGUF rows, so tiling is checked too.
 
 use dasllama::quant::tile::{tile_bytes, tile_rows, untile_row, TILE_ROWS};
-use dasllama::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, scalar, GgmlType, Kernels};
+use dasllama::quant::{act_row_bytes, dequantize_row, float_act_bytes, kernels, quantize_row, scalar, widen_row, GgmlType, Kernels};
 
 struct Lcg(u64);
 impl Lcg {
@@ -159,6 +159,8 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
                 match kernels(ty) {
                     Kernels::Rows(_) => {}
                     Kernels::Floats(dots) => {
+                        let wide: Vec<Vec<u8>> = acts.iter().map(|v| widened(ty, v, n)).collect();
+                        let a: Vec<&[u8]> = wide.iter().map(|v| &v[..]).collect();
                         let mut one = [0.0f32];
                         for r in 1..=4 {
                             let mut many = vec![0.0f32; r];
@@ -230,7 +232,7 @@ fn simd_dot(ty: GgmlType, w: &[u8], a: &[u8], n: usize, lane: usize) -> f32 {
         Kernels::Rows(dot) => dot(w, a, n),
         Kernels::Floats(dots) => {
             let mut out = [0.0f32];
-            dots(w, &[a], n, &mut out);
+            dots(w, &[&widened(ty, a, n)], n, &mut out);
             out[0]
         }
         Kernels::Tiles(tile_fn) => {
@@ -240,6 +242,53 @@ fn simd_dot(ty: GgmlType, w: &[u8], a: &[u8], n: usize, lane: usize) -> f32 {
             let mut out = [[0.0f32; TILE_ROWS]; 1];
             tile_fn(&tile(ty, &rows, n), &[a], n, &mut out);
             out[0][lane]
+        }
+    }
+}
+
+/// A float weight's activation row (`vt` bytes, as `act` makes it) as the float kernels read it:
+/// the same values, widened to f32.
+fn widened(ty: GgmlType, a: &[u8], n: usize) -> Vec<u8> {
+    let vt = ty.vec_dot_type();
+    let mut x = vec![0.0f32; n];
+    dequantize_row(vt, &a[..vt.row_bytes(n)], &mut x);
+    let mut out = vec![0u8; float_act_bytes(n)];
+    widen_row(vt, &x, &mut out);
+    out
+}
+
+/// Every float kernel variant this CPU runs (AVX2, AVX-512) on F32, F16 and BF16 weights: the
+/// same bits for one to four rows at once as for each alone, and the scalar twin's sum up to
+/// f32 summation order, for lengths with and without a tail.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn float_kernel_variants_match_the_scalar_twin() {
+    use dasllama::quant::avx2::float_variants;
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+        let variants = float_variants(ty);
+        if variants.is_empty() {
+            eprintln!("{}: this CPU runs no SIMD float kernel (no AVX2, or DASLLAMA_NO_SIMD): the scalar twin is what runs", ty.name());
+            continue;
+        }
+        let mut rng = Lcg(ty as u64 + 41);
+        for n in [576, 2048, 64, 100, 17, 3] {
+            let w = random_weights(ty, n, &mut rng, false);
+            let acts: Vec<Vec<u8>> = (0..4).map(|_| act(ty, &(0..n).map(|_| rng.f() * 3.0).collect::<Vec<_>>())).collect();
+            let wide: Vec<Vec<u8>> = acts.iter().map(|v| widened(ty, v, n)).collect();
+            let a: Vec<&[u8]> = wide.iter().map(|v| &v[..]).collect();
+            for (name, dots) in &variants {
+                let mut one = [0.0f32];
+                for r in 1..=4 {
+                    let mut many = vec![0.0f32; r];
+                    dots(&w, &a[..r], n, &mut many);
+                    for j in 0..r {
+                        dots(&w, &a[j..j + 1], n, &mut one);
+                        assert_eq!(many[j].to_bits(), one[0].to_bits(), "{} {name}: {r} rows at once, row {j}, n={n}", ty.name());
+                        let want = scalar::dot_fn(ty)(&w, &acts[j], n);
+                        assert!((one[0] - want).abs() <= 1e-4 * want.abs().max(1.0), "{} {name}: {} != scalar {want}, n={n}", ty.name(), one[0]);
+                    }
+                }
+            }
         }
     }
 }

@@ -12,7 +12,7 @@ pub mod spin;
 pub use spin::{team, Session as Team};
 
 use crate::quant::tile::{self, TILE_ROWS};
-use crate::quant::{act_row_bytes, dequantize_row, kernels, quantize_row, GgmlType, Kernels};
+use crate::quant::{act_row_bytes, dequantize_row, float_act_bytes, kernels, quantize_row, widen_row, GgmlType, Kernels};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
@@ -200,13 +200,24 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
         assert!(out.len() >= n * w.rows, "matmul output has the wrong size");
     }
     assert_eq!(x.len(), n * k, "matmul input has the wrong size");
-    let arb = act_row_bytes(vt, k);
+    // The float kernels read f32 activations (rounded through `vt` as usual), widened here once
+    // rather than in the kernel for every weight row. ggml's order reads `vt`'s own layout.
+    let widen = matches!(kernels(segs[0].0.ty), Kernels::Floats(_)) && segs.iter().all(|(w, _)| w.ggml_dot.is_none());
+    let arb = if widen { float_act_bytes(k) } else { act_row_bytes(vt, k) };
+    let fill = |t: usize, a: &mut [u8]| {
+        let xr = &x[t * k..(t + 1) * k];
+        if widen {
+            widen_row(vt, xr, a)
+        } else {
+            quantize_row(vt, xr, a)
+        }
+    };
     act.resize(n * arb, 0);
     if n >= 8 {
-        team.for_each_row_mut(&mut act[..n * arb], arb, &|t, a| quantize_row(vt, &x[t * k..(t + 1) * k], a));
+        team.for_each_row_mut(&mut act[..n * arb], arb, &fill);
     } else {
-        for (a, xr) in act.chunks_exact_mut(arb).zip(x.chunks_exact(k)) {
-            quantize_row(vt, xr, a);
+        for (t, a) in act.chunks_exact_mut(arb).enumerate() {
+            fill(t, a);
         }
     }
     let act = &act[..];

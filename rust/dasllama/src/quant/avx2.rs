@@ -48,9 +48,7 @@ pub fn kernels(ty: GgmlType) -> Option<Kernels> {
         return Some(Kernels::Tiles(best));
     }
     Some(match ty {
-        GgmlType::F32 => Kernels::Floats(dots_f32),
-        GgmlType::F16 => Kernels::Floats(dots_f16),
-        GgmlType::BF16 => Kernels::Floats(dots_bf16),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Kernels::Floats(float_variants(ty).last()?.1),
         GgmlType::IQ4NL | GgmlType::IQ4XS => Kernels::Rows(super::iq4::dot_fn(ty)),
         _ => return None,
     })
@@ -214,7 +212,7 @@ impl Floats for BF16s {
     }
 }
 
-/// One float weight row against R activation rows of its format. Each row's sum runs in two
+/// One float weight row against R f32 activation rows (`widen_row`). Each row's sum runs in two
 /// accumulators (alternate groups of eight values), so the fmas do not wait on each other at one
 /// row and a row's result is the same whatever R is.
 #[inline(always)]
@@ -224,22 +222,22 @@ unsafe fn float_dots<F: Floats, const R: usize>(w: *const u8, a: [*const u8; R],
     while i + 16 <= n {
         let (w0, w1) = (F::eight(w, i), F::eight(w, i + 8));
         for r in 0..R {
-            acc[r][0] = _mm256_fmadd_ps(w0, F::eight(a[r], i), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w1, F::eight(a[r], i + 8), acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(w0, F32s::eight(a[r], i), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, F32s::eight(a[r], i + 8), acc[r][1]);
         }
         i += 16;
     }
     if i + 8 <= n {
         let w0 = F::eight(w, i);
         for r in 0..R {
-            acc[r][0] = _mm256_fmadd_ps(w0, F::eight(a[r], i), acc[r][0]);
+            acc[r][0] = _mm256_fmadd_ps(w0, F32s::eight(a[r], i), acc[r][0]);
         }
         i += 8;
     }
     let mut s: [f32; R] = std::array::from_fn(|r| hsum(_mm256_add_ps(acc[r][0], acc[r][1])));
     for i in i..n {
         for r in 0..R {
-            s[r] += F::one(w, i) * F::one(a[r], i);
+            s[r] += F::one(w, i) * F32s::one(a[r], i);
         }
     }
     s
@@ -249,7 +247,7 @@ macro_rules! float_entry {
     ($name:ident, $fmt:ty, $bytes:expr) => {
         pub fn $name(w: &[u8], a: &[&[u8]], n: usize, out: &mut [f32]) {
             assert!((1..=4).contains(&a.len()) && out.len() >= a.len(), "one to four activation rows");
-            assert!(w.len() >= n * $bytes && a.iter().all(|r| r.len() >= n * $bytes), "rows shorter than {n} values");
+            assert!(w.len() >= n * $bytes && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn k<const R: usize>(w: *const u8, a: &[&[u8]], n: usize, out: &mut [f32]) {
                 out[..R].copy_from_slice(&float_dots::<$fmt, R>(w, std::array::from_fn(|r| a[r].as_ptr()), n));
@@ -271,6 +269,26 @@ macro_rules! float_entry {
 float_entry!(dots_f32, F32s, 4);
 float_entry!(dots_f16, F16s, 2);
 float_entry!(dots_bf16, BF16s, 2);
+
+/// The float kernels (F32, F16, BF16 weights) this CPU can run, slowest first: the AVX2 one,
+/// then AVX-512's (sixteen values an instruction, four accumulators a row: a different summation
+/// order, so the two differ in the last bits, and each alone is the same for any number of rows).
+pub fn float_variants(ty: GgmlType) -> Vec<(&'static str, super::DotsFn)> {
+    let (avx2, avx512): (super::DotsFn, super::DotsFn) = match ty {
+        GgmlType::F32 => (dots_f32, super::avx512::dots_f32),
+        GgmlType::F16 => (dots_f16, super::avx512::dots_f16),
+        GgmlType::BF16 => (dots_bf16, super::avx512::dots_bf16),
+        _ => return Vec::new(),
+    };
+    let mut v = Vec::new();
+    if has_avx2() {
+        v.push(("avx2", avx2));
+    }
+    if has_avx512() {
+        v.push(("avx512", avx512));
+    }
+    v
+}
 
 // ---- The 32-value formats, on tiles of eight interleaved rows (see `tile`) ----------------
 //

@@ -229,6 +229,115 @@ unsafe fn q6k_sums<const R: usize>(sb: *const u8, gap: usize, ab: &[*const u8; R
     (total, None)
 }
 
+/// Float weights, sixteen values at element `i` as f32 (all of them, or the lanes of `m`).
+pub(super) trait WideFloat {
+    const BYTES: usize;
+    unsafe fn sixteen(p: *const u8, i: usize) -> __m512;
+    unsafe fn sixteen_masked(p: *const u8, i: usize, m: __mmask16) -> __m512;
+}
+pub(super) struct F32w;
+pub(super) struct F16w;
+pub(super) struct BF16w;
+impl WideFloat for F32w {
+    const BYTES: usize = 4;
+    #[inline(always)]
+    unsafe fn sixteen(p: *const u8, i: usize) -> __m512 {
+        _mm512_loadu_ps((p as *const f32).add(i))
+    }
+    #[inline(always)]
+    unsafe fn sixteen_masked(p: *const u8, i: usize, m: __mmask16) -> __m512 {
+        _mm512_maskz_loadu_ps(m, (p as *const f32).add(i))
+    }
+}
+impl WideFloat for F16w {
+    const BYTES: usize = 2;
+    #[inline(always)]
+    unsafe fn sixteen(p: *const u8, i: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(2 * i) as *const __m256i))
+    }
+    #[inline(always)]
+    unsafe fn sixteen_masked(p: *const u8, i: usize, m: __mmask16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p.add(2 * i) as *const i16))
+    }
+}
+impl WideFloat for BF16w {
+    const BYTES: usize = 2;
+    #[inline(always)]
+    unsafe fn sixteen(p: *const u8, i: usize) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.add(2 * i) as *const __m256i))))
+    }
+    #[inline(always)]
+    unsafe fn sixteen_masked(p: *const u8, i: usize, m: __mmask16) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p.add(2 * i) as *const i16))))
+    }
+}
+
+/// One float weight row against R f32 activation rows. Value i of a row goes to lane i mod 16
+/// of accumulator (i / 16) mod 4 (four chains, so one row streams at memory speed instead of
+/// waiting on its fmas); the tail comes in masked, so the order is the same for every length.
+/// The accumulators are added (0 + 1) + (2 + 3), then the two halves, then `hsum`'s eight lanes:
+/// one order per row whatever R is.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // j is the accumulator of the summation order, not an item
+unsafe fn float_dots<F: WideFloat, const R: usize>(w: *const u8, a: [*const f32; R], n: usize) -> [f32; R] {
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    let mut i = 0;
+    while i + 64 <= n {
+        prefetch_ahead(w.add(i * F::BYTES), 64 * F::BYTES);
+        for j in 0..4 {
+            let wv = F::sixteen(w, i + 16 * j);
+            for r in 0..R {
+                acc[r][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(a[r].add(i + 16 * j)), acc[r][j]);
+            }
+        }
+        i += 64;
+    }
+    for j in 0..4 {
+        let at = i + 16 * j;
+        if at >= n {
+            break;
+        }
+        let m: __mmask16 = if n - at >= 16 { 0xFFFF } else { (1u16 << (n - at)) - 1 };
+        let wv = F::sixteen_masked(w, at, m);
+        for r in 0..R {
+            acc[r][j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, a[r].add(at)), acc[r][j]);
+        }
+    }
+    std::array::from_fn(|r| {
+        let s = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+        let half = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s))));
+        super::avx2::hsum(half)
+    })
+}
+
+macro_rules! wide_float_entry {
+    ($name:ident, $fmt:ty) => {
+        /// `DotsFn` on AVX-512 (see `float_dots`).
+        pub(super) fn $name(w: &[u8], a: &[&[u8]], n: usize, out: &mut [f32]) {
+            assert!((1..=4).contains(&a.len()) && out.len() >= a.len(), "one to four activation rows");
+            assert!(w.len() >= n * <$fmt>::BYTES && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
+            unsafe fn k<const R: usize>(w: *const u8, a: &[&[u8]], n: usize, out: &mut [f32]) {
+                out[..R].copy_from_slice(&float_dots::<$fmt, R>(w, std::array::from_fn(|r| a[r].as_ptr() as *const f32), n));
+            }
+            // SAFETY: handed out only where `has_avx512` holds; the asserts above bound every load
+            // (the tail's are masked to the row, the prefetches are hints).
+            unsafe {
+                match a.len() {
+                    1 => k::<1>(w.as_ptr(), a, n, out),
+                    2 => k::<2>(w.as_ptr(), a, n, out),
+                    3 => k::<3>(w.as_ptr(), a, n, out),
+                    _ => k::<4>(w.as_ptr(), a, n, out),
+                }
+            }
+        }
+    };
+}
+
+wide_float_entry!(dots_f32, F32w);
+wide_float_entry!(dots_f16, F16w);
+wide_float_entry!(dots_bf16, BF16w);
+
 /// A format's kernel on a pair of tiles (`nb`: blocks or superblocks per row).
 pub(super) trait PairFormat {
     unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nb: usize) -> [__m512; R];

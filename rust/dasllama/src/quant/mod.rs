@@ -399,6 +399,26 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
     }
 }
 
+/// Bytes of one activation row as `Kernels::Floats` reads it (`widen_row`).
+pub fn float_act_bytes(n: usize) -> usize {
+    4 * n + ACT_PAD
+}
+
+/// Activations as the float kernels (`Kernels::Floats`) read them: f32, each value rounded
+/// through `ty` (the weight's vec_dot_type: f16 or bf16, as llama.cpp rounds them; f32 as is).
+/// The same values `quantize_row` stores, widened once per matmul instead of once per weight row.
+pub fn widen_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
+    let round: fn(f32) -> f32 = match ty {
+        GgmlType::F32 => |v| v,
+        GgmlType::F16 => |v| f16::from_f32(v).to_f32(),
+        GgmlType::BF16 => |v| bf16::from_f32(v).to_f32(),
+        other => panic!("{} is not a float activation format", other.name()),
+    };
+    for (o, &v) in out.chunks_exact_mut(4).zip(x) {
+        o.copy_from_slice(&round(v).to_le_bytes());
+    }
+}
+
 /// Quantize weights to Q8_0 with ggml's reference rounding (`roundf`, 1/d), for QuantMode.q8.
 pub fn quantize_weights_q8_0(x: &[f32], out: &mut [u8]) {
     for (ib, xb) in x.chunks_exact(32).enumerate() {
@@ -418,7 +438,8 @@ pub fn quantize_weights_q8_0(x: &[f32], out: &mut [u8]) {
 pub enum Kernels {
     /// GGUF rows, one dot product at a time (the scalar twins, IQ4 on AVX2).
     Rows(DotFn),
-    /// Float rows (F32, F16, BF16 on AVX2): one weight row against up to four activation rows.
+    /// Float rows (F32, F16, BF16 on AVX2): one weight row against up to four activation rows,
+    /// which come as f32 (`widen_row`).
     Floats(DotsFn),
     /// Weights in the `tile` layout: eight rows against one to four activation rows at once.
     Tiles(TileFn),
@@ -435,7 +456,7 @@ pub fn kernels(ty: GgmlType) -> Kernels {
 /// `dot(weight_row, activation_row, n)`; the activation row is `act_row_bytes` long.
 pub type DotFn = fn(&[u8], &[u8], usize) -> f32;
 /// `dots(weight_row, activation_rows, n, out)`: out[r] = dot(weight_row, activation_rows[r]) for
-/// one to four rows, each the same sums whatever the number of rows.
+/// one to four f32 rows (`widen_row`), each the same sums whatever the number of rows.
 pub type DotsFn = fn(&[u8], &[&[u8]], usize, &mut [f32]);
 /// `tile(weight_tiles, activation_rows, n, out)` for T = out.len() / activation_rows.len()
 /// consecutive tiles (1 or 2, with up to 8 rows): out[k*R + r][j] = dot(row j of tile k, row r).
