@@ -161,13 +161,18 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
                     Kernels::Floats(dots) => {
                         let wide: Vec<Vec<u8>> = acts.iter().map(|v| widened(ty, v, n)).collect();
                         let a: Vec<&[u8]> = wide.iter().map(|v| &v[..]).collect();
+                        let w: Vec<&[u8]> = ws.iter().map(|v| &v[..]).collect();
                         let mut one = [0.0f32];
-                        for r in 1..=4 {
-                            let mut many = vec![0.0f32; r];
-                            dots(&ws[0], &a[..r], n, &mut many);
-                            for j in 0..r {
-                                dots(&ws[0], &a[j..j + 1], n, &mut one);
-                                assert_eq!(many[j].to_bits(), one[0].to_bits(), "{} float rows, {r} at once, row {j}", ty.name());
+                        for nw in 1..=4 {
+                            for r in 1..=4 {
+                                let mut many = vec![0.0f32; nw * r];
+                                dots(&w[..nw], &a[..r], n, &mut many);
+                                for i in 0..nw {
+                                    for j in 0..r {
+                                        dots(&w[i..i + 1], &a[j..j + 1], n, &mut one);
+                                        assert_eq!(many[i * r + j].to_bits(), one[0].to_bits(), "{} float rows, {nw} x {r} at once, pair {i} {j}", ty.name());
+                                    }
+                                }
                             }
                         }
                     }
@@ -232,7 +237,7 @@ fn simd_dot(ty: GgmlType, w: &[u8], a: &[u8], n: usize, lane: usize) -> f32 {
         Kernels::Rows(dot) => dot(w, a, n),
         Kernels::Floats(dots) => {
             let mut out = [0.0f32];
-            dots(w, &[&widened(ty, a, n)], n, &mut out);
+            dots(&[w], &[&widened(ty, a, n)], n, &mut out);
             out[0]
         }
         Kernels::Tiles(tile_fn) => {
@@ -258,7 +263,8 @@ fn widened(ty: GgmlType, a: &[u8], n: usize) -> Vec<u8> {
 }
 
 /// Every float kernel variant this CPU runs (AVX2, AVX-512) on F32, F16 and BF16 weights: the
-/// same bits for one to four rows at once as for each alone, and the scalar twin's sum up to
+/// same bits for one to four weight rows against one to four activation rows at once as for each
+/// pair alone, and the scalar twin's sum up to
 /// f32 summation order, for lengths with and without a tail.
 #[cfg(target_arch = "x86_64")]
 #[test]
@@ -272,20 +278,25 @@ fn float_kernel_variants_match_the_scalar_twin() {
         }
         let mut rng = Lcg(ty as u64 + 41);
         for n in [576, 2048, 64, 100, 17, 3] {
-            let w = random_weights(ty, n, &mut rng, false);
+            let ws: Vec<Vec<u8>> = (0..4).map(|_| random_weights(ty, n, &mut rng, false)).collect();
+            let w: Vec<&[u8]> = ws.iter().map(|v| &v[..]).collect();
             let acts: Vec<Vec<u8>> = (0..4).map(|_| act(ty, &(0..n).map(|_| rng.f() * 3.0).collect::<Vec<_>>())).collect();
             let wide: Vec<Vec<u8>> = acts.iter().map(|v| widened(ty, v, n)).collect();
             let a: Vec<&[u8]> = wide.iter().map(|v| &v[..]).collect();
             for (name, dots) in &variants {
                 let mut one = [0.0f32];
-                for r in 1..=4 {
-                    let mut many = vec![0.0f32; r];
-                    dots(&w, &a[..r], n, &mut many);
-                    for j in 0..r {
-                        dots(&w, &a[j..j + 1], n, &mut one);
-                        assert_eq!(many[j].to_bits(), one[0].to_bits(), "{} {name}: {r} rows at once, row {j}, n={n}", ty.name());
-                        let want = scalar::dot_fn(ty)(&w, &acts[j], n);
-                        assert!((one[0] - want).abs() <= 1e-4 * want.abs().max(1.0), "{} {name}: {} != scalar {want}, n={n}", ty.name(), one[0]);
+                for nw in 1..=4 {
+                    for r in 1..=4 {
+                        let mut many = vec![0.0f32; nw * r];
+                        dots(&w[..nw], &a[..r], n, &mut many);
+                        for i in 0..nw {
+                            for j in 0..r {
+                                dots(&w[i..i + 1], &a[j..j + 1], n, &mut one);
+                                assert_eq!(many[i * r + j].to_bits(), one[0].to_bits(), "{} {name}: {nw} x {r} at once, pair {i} {j}, n={n}", ty.name());
+                                let want = scalar::dot_fn(ty)(w[i], &acts[j], n);
+                                assert!((one[0] - want).abs() <= 1e-4 * want.abs().max(1.0), "{} {name}: {} != scalar {want}, n={n}", ty.name(), one[0]);
+                            }
+                        }
                     }
                 }
             }

@@ -293,17 +293,20 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
             }
             Kernels::Floats(dots) => {
                 let wrb = w.row_bytes();
-                let mut o = [0.0f32; 4];
+                let mut o = [0.0f32; 16];
                 for t0 in (0..n).step_by(tt) {
                     let t1 = (t0 + tt).min(n);
-                    for r in lo..hi {
-                        let wr = &wb[r * wrb..(r + 1) * wrb];
+                    for r in (lo..hi).step_by(4) {
+                        let nw = (hi - r).min(4);
+                        let wrs: [&[u8]; 4] = std::array::from_fn(|i| &wb[(r + i.min(nw - 1)) * wrb..][..wrb]);
                         for t in (t0..t1).step_by(4) {
                             let nt = (t1 - t).min(4);
                             let acts: [&[u8]; 4] = std::array::from_fn(|j| arow((t + j).min(t1 - 1)));
-                            dots(wr, &acts[..nt], k, &mut o[..nt]);
-                            for (j, &v) in o[..nt].iter().enumerate() {
-                                put(t + j, r, v);
+                            dots(&wrs[..nw], &acts[..nt], k, &mut o[..nw * nt]);
+                            for (i, row) in o[..nw * nt].chunks_exact(nt).enumerate() {
+                                for (j, &v) in row.iter().enumerate() {
+                                    put(t + j, r + i, v);
+                                }
                             }
                         }
                     }

@@ -245,21 +245,24 @@ unsafe fn float_dots<F: Floats, const R: usize>(w: *const u8, a: [*const u8; R],
 
 macro_rules! float_entry {
     ($name:ident, $fmt:ty, $bytes:expr) => {
-        pub fn $name(w: &[u8], a: &[&[u8]], n: usize, out: &mut [f32]) {
-            assert!((1..=4).contains(&a.len()) && out.len() >= a.len(), "one to four activation rows");
-            assert!(w.len() >= n * $bytes && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
+        pub fn $name(w: &[&[u8]], a: &[&[u8]], n: usize, out: &mut [f32]) {
+            let nt = a.len();
+            assert!((1..=4).contains(&w.len()) && (1..=4).contains(&nt) && out.len() >= w.len() * nt, "one to four weight and activation rows");
+            assert!(w.iter().all(|r| r.len() >= n * $bytes) && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn k<const R: usize>(w: *const u8, a: &[&[u8]], n: usize, out: &mut [f32]) {
                 out[..R].copy_from_slice(&float_dots::<$fmt, R>(w, std::array::from_fn(|r| a[r].as_ptr()), n));
             }
-            // SAFETY: handed out only after detecting AVX2, FMA and F16C; the asserts above bound
-            // every load.
-            unsafe {
-                match a.len() {
-                    1 => k::<1>(w.as_ptr(), a, n, out),
-                    2 => k::<2>(w.as_ptr(), a, n, out),
-                    3 => k::<3>(w.as_ptr(), a, n, out),
-                    _ => k::<4>(w.as_ptr(), a, n, out),
+            for (wr, o) in w.iter().zip(out.chunks_exact_mut(nt)) {
+                // SAFETY: handed out only after detecting AVX2, FMA and F16C; the asserts above
+                // bound every load.
+                unsafe {
+                    match nt {
+                        1 => k::<1>(wr.as_ptr(), a, n, o),
+                        2 => k::<2>(wr.as_ptr(), a, n, o),
+                        3 => k::<3>(wr.as_ptr(), a, n, o),
+                        _ => k::<4>(wr.as_ptr(), a, n, o),
+                    }
                 }
             }
         }
@@ -271,8 +274,9 @@ float_entry!(dots_f16, F16s, 2);
 float_entry!(dots_bf16, BF16s, 2);
 
 /// The float kernels (F32, F16, BF16 weights) this CPU can run, slowest first: the AVX2 one,
-/// then AVX-512's (sixteen values an instruction, four accumulators a row: a different summation
-/// order, so the two differ in the last bits, and each alone is the same for any number of rows).
+/// then AVX-512's (sixteen values an instruction, up to four weight rows against up to four
+/// activation rows at once: a different summation order, so the two differ in the last bits, and
+/// each alone is the same for any number of rows).
 pub fn float_variants(ty: GgmlType) -> Vec<(&'static str, super::DotsFn)> {
     let (avx2, avx512): (super::DotsFn, super::DotsFn) = match ty {
         GgmlType::F32 => (dots_f32, super::avx512::dots_f32),

@@ -272,62 +272,81 @@ impl WideFloat for BF16w {
     }
 }
 
-/// One float weight row against R f32 activation rows. Value i of a row goes to lane i mod 16
-/// of accumulator (i / 16) mod 4 (four chains, so one row streams at memory speed instead of
-/// waiting on its fmas); the tail comes in masked, so the order is the same for every length.
-/// The accumulators are added (0 + 1) + (2 + 3), then the two halves, then `hsum`'s eight lanes:
-/// one order per row whatever R is.
+/// W float weight rows against R f32 activation rows, a 16-lane accumulator for each pair: value
+/// i goes to lane i mod 16, one chain per pair (W chains in flight at one activation row, so
+/// decode streams at memory speed), the tail masked in. Each weight vector serves R rows and each
+/// activation vector W rows, so a batch reads both from registers. The accumulator's halves are
+/// added, then `hsum`'s eight lanes: one order per pair whatever W and R are.
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // j is the accumulator of the summation order, not an item
-unsafe fn float_dots<F: WideFloat, const R: usize>(w: *const u8, a: [*const f32; R], n: usize) -> [f32; R] {
-    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+#[allow(clippy::needless_range_loop)] // the indices pick accumulators, which are the summation order
+unsafe fn float_dots<F: WideFloat, const W: usize, const R: usize>(w: [*const u8; W], a: [*const f32; R], n: usize) -> [[f32; R]; W] {
+    let mut acc = [[_mm512_setzero_ps(); R]; W];
     let mut i = 0;
-    while i + 64 <= n {
-        prefetch_ahead(w.add(i * F::BYTES), 64 * F::BYTES);
-        for j in 0..4 {
-            let wv = F::sixteen(w, i + 16 * j);
-            for r in 0..R {
-                acc[r][j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(a[r].add(i + 16 * j)), acc[r][j]);
+    while i + 16 <= n {
+        if i % 32 == 0 {
+            for wi in 0..W {
+                prefetch_ahead(w[wi].add(i * F::BYTES), 32 * F::BYTES);
             }
         }
-        i += 64;
-    }
-    for j in 0..4 {
-        let at = i + 16 * j;
-        if at >= n {
-            break;
+        let av: [__m512; R] = std::array::from_fn(|r| _mm512_loadu_ps(a[r].add(i)));
+        for wi in 0..W {
+            let wv = F::sixteen(w[wi], i);
+            for r in 0..R {
+                acc[wi][r] = _mm512_fmadd_ps(wv, av[r], acc[wi][r]);
+            }
         }
-        let m: __mmask16 = if n - at >= 16 { 0xFFFF } else { (1u16 << (n - at)) - 1 };
-        let wv = F::sixteen_masked(w, at, m);
-        for r in 0..R {
-            acc[r][j] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, a[r].add(at)), acc[r][j]);
+        i += 16;
+    }
+    if i < n {
+        let m: __mmask16 = (1u16 << (n - i)) - 1;
+        let av: [__m512; R] = std::array::from_fn(|r| _mm512_maskz_loadu_ps(m, a[r].add(i)));
+        for wi in 0..W {
+            let wv = F::sixteen_masked(w[wi], i, m);
+            for r in 0..R {
+                acc[wi][r] = _mm512_fmadd_ps(wv, av[r], acc[wi][r]);
+            }
         }
     }
-    std::array::from_fn(|r| {
-        let s = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-        let half = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s))));
-        super::avx2::hsum(half)
+    std::array::from_fn(|wi| {
+        std::array::from_fn(|r| {
+            let s = acc[wi][r];
+            super::avx2::hsum(_mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(s)))))
+        })
     })
 }
 
 macro_rules! wide_float_entry {
     ($name:ident, $fmt:ty) => {
         /// `DotsFn` on AVX-512 (see `float_dots`).
-        pub(super) fn $name(w: &[u8], a: &[&[u8]], n: usize, out: &mut [f32]) {
-            assert!((1..=4).contains(&a.len()) && out.len() >= a.len(), "one to four activation rows");
-            assert!(w.len() >= n * <$fmt>::BYTES && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
+        pub(super) fn $name(w: &[&[u8]], a: &[&[u8]], n: usize, out: &mut [f32]) {
+            let (nw, nt) = (w.len(), a.len());
+            assert!((1..=4).contains(&nw) && (1..=4).contains(&nt) && out.len() >= nw * nt, "one to four weight and activation rows");
+            assert!(w.iter().all(|r| r.len() >= n * <$fmt>::BYTES) && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
             #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
-            unsafe fn k<const R: usize>(w: *const u8, a: &[&[u8]], n: usize, out: &mut [f32]) {
-                out[..R].copy_from_slice(&float_dots::<$fmt, R>(w, std::array::from_fn(|r| a[r].as_ptr() as *const f32), n));
+            unsafe fn k<const W: usize, const R: usize>(w: &[&[u8]], a: &[&[u8]], n: usize, out: &mut [f32]) {
+                let sums = float_dots::<$fmt, W, R>(std::array::from_fn(|i| w[i].as_ptr()), std::array::from_fn(|r| a[r].as_ptr() as *const f32), n);
+                for (o, s) in out.chunks_exact_mut(R).zip(&sums) {
+                    o.copy_from_slice(s);
+                }
+            }
+            macro_rules! by_rows {
+                ($W:literal) => {
+                    match nt {
+                        1 => k::<$W, 1>(w, a, n, out),
+                        2 => k::<$W, 2>(w, a, n, out),
+                        3 => k::<$W, 3>(w, a, n, out),
+                        _ => k::<$W, 4>(w, a, n, out),
+                    }
+                };
             }
             // SAFETY: handed out only where `has_avx512` holds; the asserts above bound every load
             // (the tail's are masked to the row, the prefetches are hints).
             unsafe {
-                match a.len() {
-                    1 => k::<1>(w.as_ptr(), a, n, out),
-                    2 => k::<2>(w.as_ptr(), a, n, out),
-                    3 => k::<3>(w.as_ptr(), a, n, out),
-                    _ => k::<4>(w.as_ptr(), a, n, out),
+                match nw {
+                    1 => by_rows!(1),
+                    2 => by_rows!(2),
+                    3 => by_rows!(3),
+                    _ => by_rows!(4),
                 }
             }
         }

@@ -438,8 +438,8 @@ pub fn quantize_weights_q8_0(x: &[f32], out: &mut [u8]) {
 pub enum Kernels {
     /// GGUF rows, one dot product at a time (the scalar twins, IQ4 on AVX2).
     Rows(DotFn),
-    /// Float rows (F32, F16, BF16 on AVX2): one weight row against up to four activation rows,
-    /// which come as f32 (`widen_row`).
+    /// Float rows (F32, F16, BF16 on AVX2): up to four weight rows against up to four activation
+    /// rows, which come as f32 (`widen_row`).
     Floats(DotsFn),
     /// Weights in the `tile` layout: eight rows against one to four activation rows at once.
     Tiles(TileFn),
@@ -455,9 +455,10 @@ pub fn kernels(ty: GgmlType) -> Kernels {
 
 /// `dot(weight_row, activation_row, n)`; the activation row is `act_row_bytes` long.
 pub type DotFn = fn(&[u8], &[u8], usize) -> f32;
-/// `dots(weight_row, activation_rows, n, out)`: out[r] = dot(weight_row, activation_rows[r]) for
-/// one to four f32 rows (`widen_row`), each the same sums whatever the number of rows.
-pub type DotsFn = fn(&[u8], &[&[u8]], usize, &mut [f32]);
+/// `dots(weight_rows, activation_rows, n, out)`: out[i * R + r] = dot(weight_rows[i],
+/// activation_rows[r]) for one to four weight rows and R = one to four f32 activation rows
+/// (`widen_row`), each the same sums whatever the numbers of rows.
+pub type DotsFn = fn(&[&[u8]], &[&[u8]], usize, &mut [f32]);
 /// `tile(weight_tiles, activation_rows, n, out)` for T = out.len() / activation_rows.len()
 /// consecutive tiles (1 or 2, with up to 8 rows): out[k*R + r][j] = dot(row j of tile k, row r).
 pub type TileFn = fn(&[u8], &[&[u8]], usize, &mut [[f32; 8]]);
