@@ -175,6 +175,7 @@ unsafe fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256i {
 
 /// The float formats: eight values at element `i` as f32, and one.
 trait Floats {
+    const BYTES: usize;
     unsafe fn eight(p: *const u8, i: usize) -> __m256;
     unsafe fn one(p: *const u8, i: usize) -> f32;
 }
@@ -182,6 +183,7 @@ struct F32s;
 struct F16s;
 struct BF16s;
 impl Floats for F32s {
+    const BYTES: usize = 4;
     #[inline(always)]
     unsafe fn eight(p: *const u8, i: usize) -> __m256 {
         _mm256_loadu_ps((p as *const f32).add(i))
@@ -192,6 +194,7 @@ impl Floats for F32s {
     }
 }
 impl Floats for F16s {
+    const BYTES: usize = 2;
     #[inline(always)]
     unsafe fn eight(p: *const u8, i: usize) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * i) as *const __m128i))
@@ -202,6 +205,7 @@ impl Floats for F16s {
     }
 }
 impl Floats for BF16s {
+    const BYTES: usize = 2;
     #[inline(always)]
     unsafe fn eight(p: *const u8, i: usize) -> __m256 {
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(2 * i) as *const __m128i)), 16))
@@ -212,56 +216,73 @@ impl Floats for BF16s {
     }
 }
 
-/// One float weight row against R f32 activation rows (`widen_row`). Each row's sum runs in two
-/// accumulators (alternate groups of eight values), so the fmas do not wait on each other at one
-/// row and a row's result is the same whatever R is.
+/// W float weight rows against R f32 activation rows (`widen_row`), an 8-lane accumulator for
+/// each pair: value i goes to lane i mod 8, one chain per pair (W chains in flight at one
+/// activation row, so decode streams at memory speed), then `hsum`, then the last n mod 8 values
+/// one by one: one order per pair whatever W and R are.
 #[inline(always)]
-unsafe fn float_dots<F: Floats, const R: usize>(w: *const u8, a: [*const u8; R], n: usize) -> [f32; R] {
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+#[allow(clippy::needless_range_loop)] // the indices pick accumulators, which are the summation order
+unsafe fn float_dots<F: Floats, const W: usize, const R: usize>(w: [*const u8; W], a: [*const u8; R], n: usize) -> [[f32; R]; W] {
+    let mut acc = [[_mm256_setzero_ps(); R]; W];
     let mut i = 0;
-    while i + 16 <= n {
-        let (w0, w1) = (F::eight(w, i), F::eight(w, i + 8));
-        for r in 0..R {
-            acc[r][0] = _mm256_fmadd_ps(w0, F32s::eight(a[r], i), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w1, F32s::eight(a[r], i + 8), acc[r][1]);
+    while i + 8 <= n {
+        if i % 32 == 0 {
+            for wi in 0..W {
+                _mm_prefetch::<_MM_HINT_T0>(w[wi].wrapping_add(i * F::BYTES + PREFETCH) as *const i8);
+            }
         }
-        i += 16;
-    }
-    if i + 8 <= n {
-        let w0 = F::eight(w, i);
-        for r in 0..R {
-            acc[r][0] = _mm256_fmadd_ps(w0, F32s::eight(a[r], i), acc[r][0]);
+        let av: [__m256; R] = std::array::from_fn(|r| F32s::eight(a[r], i));
+        for wi in 0..W {
+            let wv = F::eight(w[wi], i);
+            for r in 0..R {
+                acc[wi][r] = _mm256_fmadd_ps(wv, av[r], acc[wi][r]);
+            }
         }
         i += 8;
     }
-    let mut s: [f32; R] = std::array::from_fn(|r| hsum(_mm256_add_ps(acc[r][0], acc[r][1])));
-    for i in i..n {
-        for r in 0..R {
-            s[r] += F::one(w, i) * F32s::one(a[r], i);
-        }
-    }
-    s
+    std::array::from_fn(|wi| {
+        std::array::from_fn(|r| {
+            let mut s = hsum(acc[wi][r]);
+            for j in i..n {
+                s += F::one(w[wi], j) * F32s::one(a[r], j);
+            }
+            s
+        })
+    })
 }
 
 macro_rules! float_entry {
-    ($name:ident, $fmt:ty, $bytes:expr) => {
+    ($name:ident, $fmt:ty) => {
         pub fn $name(w: &[&[u8]], a: &[&[u8]], n: usize, out: &mut [f32]) {
-            let nt = a.len();
-            assert!((1..=4).contains(&w.len()) && (1..=4).contains(&nt) && out.len() >= w.len() * nt, "one to four weight and activation rows");
-            assert!(w.iter().all(|r| r.len() >= n * $bytes) && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
+            let (nw, nt) = (w.len(), a.len());
+            assert!((1..=4).contains(&nw) && (1..=4).contains(&nt) && out.len() >= nw * nt, "one to four weight and activation rows");
+            assert!(w.iter().all(|r| r.len() >= n * <$fmt>::BYTES) && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
+            // Sixteen ymm registers: up to four weight rows against two activation rows a call.
             #[target_feature(enable = "avx2,fma,f16c")]
-            unsafe fn k<const R: usize>(w: *const u8, a: &[&[u8]], n: usize, out: &mut [f32]) {
-                out[..R].copy_from_slice(&float_dots::<$fmt, R>(w, std::array::from_fn(|r| a[r].as_ptr()), n));
+            unsafe fn k<const W: usize, const R: usize>(w: &[&[u8]], a: &[&[u8]], n: usize, out: &mut [f32], nt: usize, t: usize) {
+                let sums = float_dots::<$fmt, W, R>(std::array::from_fn(|i| w[i].as_ptr()), std::array::from_fn(|r| a[t + r].as_ptr()), n);
+                for (o, s) in out.chunks_exact_mut(nt).zip(&sums) {
+                    o[t..t + R].copy_from_slice(s);
+                }
             }
-            for (wr, o) in w.iter().zip(out.chunks_exact_mut(nt)) {
+            macro_rules! by_rows {
+                ($W:literal, $t:expr) => {
+                    if nt - $t >= 2 {
+                        k::<$W, 2>(w, a, n, out, nt, $t)
+                    } else {
+                        k::<$W, 1>(w, a, n, out, nt, $t)
+                    }
+                };
+            }
+            for t in (0..nt).step_by(2) {
                 // SAFETY: handed out only after detecting AVX2, FMA and F16C; the asserts above
-                // bound every load.
+                // bound every load (the prefetches are hints).
                 unsafe {
-                    match nt {
-                        1 => k::<1>(wr.as_ptr(), a, n, o),
-                        2 => k::<2>(wr.as_ptr(), a, n, o),
-                        3 => k::<3>(wr.as_ptr(), a, n, o),
-                        _ => k::<4>(wr.as_ptr(), a, n, o),
+                    match nw {
+                        1 => by_rows!(1, t),
+                        2 => by_rows!(2, t),
+                        3 => by_rows!(3, t),
+                        _ => by_rows!(4, t),
                     }
                 }
             }
@@ -269,14 +290,13 @@ macro_rules! float_entry {
     };
 }
 
-float_entry!(dots_f32, F32s, 4);
-float_entry!(dots_f16, F16s, 2);
-float_entry!(dots_bf16, BF16s, 2);
+float_entry!(dots_f32, F32s);
+float_entry!(dots_f16, F16s);
+float_entry!(dots_bf16, BF16s);
 
 /// The float kernels (F32, F16, BF16 weights) this CPU can run, slowest first: the AVX2 one,
-/// then AVX-512's (sixteen values an instruction, up to four weight rows against up to four
-/// activation rows at once: a different summation order, so the two differ in the last bits, and
-/// each alone is the same for any number of rows).
+/// then AVX-512's (sixteen lanes a chain instead of eight: a different summation order, so the
+/// two differ in the last bits, and each alone is the same for any number of rows).
 pub fn float_variants(ty: GgmlType) -> Vec<(&'static str, super::DotsFn)> {
     let (avx2, avx512): (super::DotsFn, super::DotsFn) = match ty {
         GgmlType::F32 => (dots_f32, super::avx512::dots_f32),
