@@ -161,20 +161,8 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
                     Kernels::Floats(dots) => {
                         let wide: Vec<Vec<u8>> = acts.iter().map(|v| widened(ty, v, n)).collect();
                         let a: Vec<&[u8]> = wide.iter().map(|v| &v[..]).collect();
-                        let w: Vec<&[u8]> = ws.iter().map(|v| &v[..]).collect();
-                        let mut one = [0.0f32];
-                        for nw in 1..=4 {
-                            for r in 1..=4 {
-                                let mut many = vec![0.0f32; nw * r];
-                                dots(&w[..nw], &a[..r], n, &mut many);
-                                for i in 0..nw {
-                                    for j in 0..r {
-                                        dots(&w[i..i + 1], &a[j..j + 1], n, &mut one);
-                                        assert_eq!(many[i * r + j].to_bits(), one[0].to_bits(), "{} float rows, {nw} x {r} at once, pair {i} {j}", ty.name());
-                                    }
-                                }
-                            }
-                        }
+                        let w: Vec<&[u8]> = ws[..4].iter().map(|v| &v[..]).collect();
+                        float_pairs(dots, &w, &a[..4], n, ty.name(), |_, _, _| {});
                     }
                     Kernels::Tiles(tile_fn) => {
                         let t = tile(ty, &ws, n);
@@ -262,6 +250,25 @@ fn widened(ty: GgmlType, a: &[u8], n: usize) -> Vec<u8> {
     out
 }
 
+/// A float kernel on every W x R sub-block of `w` x `a` (up to 4 x 4) gives each pair the bits it
+/// gets alone; `check(i, j, value)` sees each pair's value.
+fn float_pairs(dots: dasllama::quant::DotsFn, w: &[&[u8]], a: &[&[u8]], n: usize, label: &str, mut check: impl FnMut(usize, usize, f32)) {
+    let mut one = [0.0f32];
+    for nw in 1..=w.len() {
+        for r in 1..=a.len() {
+            let mut many = vec![0.0f32; nw * r];
+            dots(&w[..nw], &a[..r], n, &mut many);
+            for i in 0..nw {
+                for j in 0..r {
+                    dots(&w[i..i + 1], &a[j..j + 1], n, &mut one);
+                    assert_eq!(many[i * r + j].to_bits(), one[0].to_bits(), "{label}: {nw} x {r} at once, pair {i} {j}, n={n}");
+                    check(i, j, one[0]);
+                }
+            }
+        }
+    }
+}
+
 /// Every float kernel variant this CPU runs (AVX2, AVX-512) on F32, F16 and BF16 weights: the
 /// same bits for one to four weight rows against one to four activation rows at once as for each
 /// pair alone, and the scalar twin's sum up to
@@ -284,21 +291,10 @@ fn float_kernel_variants_match_the_scalar_twin() {
             let wide: Vec<Vec<u8>> = acts.iter().map(|v| widened(ty, v, n)).collect();
             let a: Vec<&[u8]> = wide.iter().map(|v| &v[..]).collect();
             for (name, dots) in &variants {
-                let mut one = [0.0f32];
-                for nw in 1..=4 {
-                    for r in 1..=4 {
-                        let mut many = vec![0.0f32; nw * r];
-                        dots(&w[..nw], &a[..r], n, &mut many);
-                        for i in 0..nw {
-                            for j in 0..r {
-                                dots(&w[i..i + 1], &a[j..j + 1], n, &mut one);
-                                assert_eq!(many[i * r + j].to_bits(), one[0].to_bits(), "{} {name}: {nw} x {r} at once, pair {i} {j}, n={n}", ty.name());
-                                let want = scalar::dot_fn(ty)(w[i], &acts[j], n);
-                                assert!((one[0] - want).abs() <= 1e-4 * want.abs().max(1.0), "{} {name}: {} != scalar {want}, n={n}", ty.name(), one[0]);
-                            }
-                        }
-                    }
-                }
+                float_pairs(*dots, &w, &a, n, &format!("{} {name}", ty.name()), |i, j, got| {
+                    let want = scalar::dot_fn(ty)(w[i], &acts[j], n);
+                    assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{} {name}: {got} != scalar {want}, n={n}", ty.name());
+                });
             }
         }
     }
