@@ -360,7 +360,7 @@ fn tile_kernel_variants_match_the_scalar_twin() {
 #[test]
 fn matmul_rows_are_bit_identical_whatever_the_batch() {
     use dasllama::cpu::{matmul, team, Weight};
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K, GgmlType::F16] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K, GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
         let (rows, cols) = (40, 512);
         let w = Weight::random_blocks(ty, rows, cols);
         let mut rng = Lcg(ty as u64 + 5);
