@@ -271,8 +271,8 @@ fn float_pairs(dots: dasllama::quant::DotsFn, w: &[&[u8]], a: &[&[u8]], n: usize
 
 /// Every float kernel variant this CPU runs (AVX2, AVX-512) on F32, F16 and BF16 weights: the
 /// same bits for one to four weight rows against one to four activation rows at once as for each
-/// pair alone, and the scalar twin's sum up to
-/// f32 summation order, for lengths with and without a tail.
+/// pair alone, and the scalar twin's sum up to f32 summation order, for lengths with and without
+/// a tail.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn float_kernel_variants_match_the_scalar_twin() {

@@ -251,12 +251,18 @@ unsafe fn float_dots<F: Floats, const W: usize, const R: usize>(w: [*const u8; W
     })
 }
 
+/// A `DotsFn` call's bounds, checked before any kernel loads: (weight rows, activation rows).
+pub(super) fn check_floats(w: &[&[u8]], a: &[&[u8]], n: usize, out: &[f32], weight_bytes: usize) -> (usize, usize) {
+    let (nw, nt) = (w.len(), a.len());
+    assert!((1..=4).contains(&nw) && (1..=4).contains(&nt) && out.len() >= nw * nt, "one to four weight and activation rows");
+    assert!(w.iter().all(|r| r.len() >= n * weight_bytes) && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
+    (nw, nt)
+}
+
 macro_rules! float_entry {
     ($name:ident, $fmt:ty) => {
         pub fn $name(w: &[&[u8]], a: &[&[u8]], n: usize, out: &mut [f32]) {
-            let (nw, nt) = (w.len(), a.len());
-            assert!((1..=4).contains(&nw) && (1..=4).contains(&nt) && out.len() >= nw * nt, "one to four weight and activation rows");
-            assert!(w.iter().all(|r| r.len() >= n * <$fmt>::BYTES) && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
+            let (nw, nt) = check_floats(w, a, n, out, <$fmt>::BYTES);
             // Sixteen ymm registers: up to four weight rows against two activation rows a call.
             #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn k<const W: usize, const R: usize>(w: &[&[u8]], a: &[&[u8]], n: usize, out: &mut [f32], nt: usize, t: usize) {
@@ -275,8 +281,8 @@ macro_rules! float_entry {
                 };
             }
             for t in (0..nt).step_by(2) {
-                // SAFETY: handed out only after detecting AVX2, FMA and F16C; the asserts above
-                // bound every load (the prefetches are hints).
+                // SAFETY: handed out only after detecting AVX2, FMA and F16C; `check_floats` bounds
+                // every load (the prefetches are hints).
                 unsafe {
                     match nw {
                         1 => by_rows!(1, t),

@@ -319,9 +319,7 @@ macro_rules! wide_float_entry {
     ($name:ident, $fmt:ty) => {
         /// `DotsFn` on AVX-512 (see `float_dots`).
         pub(super) fn $name(w: &[&[u8]], a: &[&[u8]], n: usize, out: &mut [f32]) {
-            let (nw, nt) = (w.len(), a.len());
-            assert!((1..=4).contains(&nw) && (1..=4).contains(&nt) && out.len() >= nw * nt, "one to four weight and activation rows");
-            assert!(w.iter().all(|r| r.len() >= n * <$fmt>::BYTES) && a.iter().all(|r| r.len() >= n * 4), "rows shorter than {n} values");
+            let (nw, nt) = super::avx2::check_floats(w, a, n, out, <$fmt>::BYTES);
             #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
             unsafe fn k<const W: usize, const R: usize>(w: &[&[u8]], a: &[&[u8]], n: usize, out: &mut [f32]) {
                 let sums = float_dots::<$fmt, W, R>(std::array::from_fn(|i| w[i].as_ptr()), std::array::from_fn(|r| a[r].as_ptr() as *const f32), n);
@@ -339,7 +337,7 @@ macro_rules! wide_float_entry {
                     }
                 };
             }
-            // SAFETY: handed out only where `has_avx512` holds; the asserts above bound every load
+            // SAFETY: handed out only where `has_avx512` holds; `check_floats` bounds every load
             // (the tail's are masked to the row, the prefetches are hints).
             unsafe {
                 match nw {
