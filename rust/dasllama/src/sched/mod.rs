@@ -284,7 +284,7 @@ impl Scheduler {
             ));
         }
         for s in self.slots.iter_mut().flatten() {
-            s.spec = StreamSpec::default();
+            s.spec = drafter.as_ref().map_or_else(StreamSpec::default, |d| StreamSpec::new(d.bursty(), None));
         }
         // An MTP head reads the trunk's hidden state of every row.
         self.ws.keep_hidden(matches!(drafter, Some(Drafter::Mtp { .. })));
@@ -801,7 +801,7 @@ impl Scheduler {
                 t_submit,
                 t_first: None,
                 order: self.admitted,
-                spec: StreamSpec::with_mtp(self.spec.as_ref().and_then(|sp| sp.new_mtp_stream(m))),
+                spec: self.spec.as_ref().map_or_else(StreamSpec::default, |sp| StreamSpec::new(sp.drafter.bursty(), sp.new_mtp_stream(m))),
                 constraint,
                 seen_content: false,
                 in_thought: false,

@@ -132,17 +132,18 @@ pub fn choose(cands: &[Candidate], decoding: usize, rows: f64, row: f64, target:
     ks
 }
 
-/// Every eighth drafting step tries one draft fewer, or one more, than chosen: the sizes next to
-/// the chosen one stay measured, so the costs `choose` reads between measured sizes (guesses
-/// there) cannot keep it from a better size.
+/// One drafting step in sixteen tries one draft fewer, and another one more, than chosen: the
+/// sizes next to the chosen one stay measured, so the costs `choose` reads between measured
+/// sizes (guesses there) cannot keep it from a better size. Each probe costs its step a little;
+/// one in eight cost prompt lookup a few percent against the best fixed length.
 pub fn probe(ks: &mut [usize], cands: &[Candidate], step: u64) {
-    match step % 8 {
+    match step % 16 {
         3 => {
             if let Some(k) = ks.iter_mut().filter(|k| **k > 0).max() {
                 *k -= 1;
             }
         }
-        7 => {
+        11 => {
             if let Some((k, _)) = ks.iter_mut().zip(cands).filter(|(k, c)| **k > 0 && **k < c.cap).min_by_key(|(k, _)| **k) {
                 *k += 1;
             }
@@ -151,7 +152,9 @@ pub fn probe(ks: &mut [usize], cands: &[Candidate], step: u64) {
     }
 }
 
-/// Every this-many-th step runs without drafts, so plain decoding's speed stays measured.
+/// A step runs without drafts when none has for this many steps, so that plain decoding's speed
+/// stays measured. Steps that had nothing to draft (prompt lookup found no match) measure it as
+/// well, so where those are common no step gives up its drafts for it.
 const EXPLORE: u64 = 16;
 /// Speculation must deliver at least this fraction of plain decoding's tokens per second, or
 /// it is held off...
@@ -192,15 +195,17 @@ impl Rate {
 
 /// The cost model is a model: this checks it against what speculation delivers. Decode-only
 /// steps are timed whole (drafting, the pass, acceptance) and their tokens per second kept apart
-/// for steps with drafts and steps without (one step in `EXPLORE` runs without, so both stay
-/// measured on the same traffic); when drafting delivers less, speculation is held off for a
-/// while, then tried again.
+/// for steps with drafts and steps without (at least one step in `EXPLORE` runs without, so both
+/// stay measured on the same traffic); when drafting delivers less, speculation is held off for
+/// a while, then tried again.
 #[derive(Clone, Debug)]
 pub struct Guard {
     spec: Rate,
     plain: Rate,
     step: u64,
     off_until: u64,
+    /// The step that last ran without drafts.
+    last_plain: u64,
 }
 
 impl Default for Guard {
@@ -214,6 +219,7 @@ impl Default for Guard {
             plain: Rate::new(0.9, 3.0),
             step: 0,
             off_until: 0,
+            last_plain: 0,
         }
     }
 }
@@ -222,11 +228,14 @@ impl Guard {
     /// Whether this step may draft.
     pub fn allow(&mut self) -> bool {
         self.step += 1;
-        self.step >= self.off_until && !self.step.is_multiple_of(EXPLORE)
+        self.step >= self.off_until && self.step - self.last_plain < EXPLORE
     }
 
     /// A decode-only step took `secs` and emitted `tokens`, with drafts or without.
     pub fn observe(&mut self, drafted: bool, tokens: usize, secs: f64) {
+        if !drafted {
+            self.last_plain = self.step;
+        }
         if drafted { &mut self.spec } else { &mut self.plain }.add(tokens, secs);
         if let (Some(spec), Some(plain)) = (self.spec.per_sec(), self.plain.per_sec()) {
             if spec < LOSS * plain {
@@ -296,6 +305,28 @@ mod tests {
     }
 
     #[test]
+    fn steps_with_nothing_to_draft_measure_plain_decoding_so_none_gives_up_its_drafts() {
+        let mut g = Guard::default();
+        let mut withheld = 0;
+        for step in 0..200 {
+            // Prompt lookup finds a match in four steps of five.
+            let can = step % 5 != 0;
+            let allowed = g.allow();
+            withheld += (can && !allowed) as usize;
+            g.observe(can && allowed, if can && allowed { 2 } else { 1 }, 1.0);
+        }
+        assert_eq!(withheld, 0);
+        // Where every step could draft, one in `EXPLORE` still runs plainly.
+        let mut g = Guard::default();
+        let plain = (0..160).filter(|_| {
+            let allowed = g.allow();
+            g.observe(allowed, if allowed { 2 } else { 1 }, 1.0);
+            !allowed
+        });
+        assert_eq!(plain.count(), 10);
+    }
+
+    #[test]
     fn sizes_are_priced_as_measured_and_between_them_interpolated() {
         let mut m = CostModel::default();
         assert!(m.cost(1.0).is_none());
@@ -350,9 +381,11 @@ mod tests {
         let mut ks = vec![2, 0, 4];
         probe(&mut ks, &cands, 3);
         assert_eq!(ks, vec![2, 0, 3]);
-        probe(&mut ks, &cands, 7);
+        probe(&mut ks, &cands, 11);
         assert_eq!(ks, vec![3, 0, 3]);
-        probe(&mut ks, &cands, 5);
+        for step in [5, 7, 36] {
+            probe(&mut ks, &cands, step);
+        }
         assert_eq!(ks, vec![3, 0, 3]);
     }
 }
