@@ -5,16 +5,30 @@
 //!     cargo run --release -p dasllama --example gemm_rate [FORMAT ...] [-- rows ...]
 //!
 //! With `GEMM_RATE_VARIANTS=1`: every tile kernel variant of each format, one thread, side by side.
+//! With `GEMM_RATE_SHAPE=ROWSxCOLS`: that shape instead of the second (one larger than the caches
+//! gives a decode row's rate from memory).
 
 use dasllama::cpu::{matmul, team, Weight};
 use dasllama::quant::GgmlType;
 use std::time::Instant;
 
 fn parse(name: &str) -> GgmlType {
-    [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K]
-        .into_iter()
-        .find(|t| t.name().eq_ignore_ascii_case(name))
-        .unwrap_or_else(|| panic!("unknown format {name}"))
+    [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ]
+    .into_iter()
+    .find(|t| t.name().eq_ignore_ascii_case(name))
+    .unwrap_or_else(|| panic!("unknown format {name}"))
 }
 
 fn main() {
@@ -41,9 +55,14 @@ fn main() {
         }
         return;
     }
-    println!("{:<6} {:>5} {:>12} {:>12}", "format", "rows", "2048->8192", "8192->2048");
+    let shape = std::env::var("GEMM_RATE_SHAPE").ok().map(|s| {
+        let (r, c) = s.split_once('x').expect("GEMM_RATE_SHAPE is ROWSxCOLS");
+        (r.parse::<usize>().expect("rows"), c.parse::<usize>().expect("cols"))
+    });
+    let (rows2, cols2) = shape.unwrap_or((2048, 8192));
+    println!("{:<6} {:>5} {:>12} {:>12}", "format", "rows", "2048->8192", format!("{cols2}->{rows2}"));
     for ty in types {
-        let ws = [Weight::random_blocks(ty, 8192, 2048), Weight::random_blocks(ty, 2048, 8192)];
+        let ws = [Weight::random_blocks(ty, 8192, 2048), Weight::random_blocks(ty, rows2, cols2)];
         for &n in &ns {
             let mut rates = Vec::new();
             for w in &ws {
