@@ -15,7 +15,7 @@
 //! variants, and through them within the tested tolerance of the scalar twins (`scalar.rs`).
 
 use super::avx2::{bcast4, check_kquant, kquant_tiles, per_tile, q45k_chunk, q6k_chunk, Checked, K_BSUMS, K_QS};
-use super::tile::{K45_M, K45_SC, Q4K_TILE_BLOCK, Q5K_TILE_BLOCK, Q6K_SC, Q6K_TILE_BLOCK};
+use super::tile::{K45_M, K45_SC, Q4K_TILE_BLOCK, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
 use super::{GgmlType, TileFn};
 use std::arch::x86_64::*;
 
@@ -122,6 +122,10 @@ impl KSums for Q6K {
     unsafe fn sums<const R: usize>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
         let (m4, m30) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
         let mut total = [_mm256_setzero_si256(); R];
+        if R == 1 {
+            total[0] = q6k_one(sb, ab[0], m4, m30);
+            return (q6k_offset(sb, ab, total), None);
+        }
         // Value 128h + 32q + l (l = 4c + e) is in sub-block 8h + 2q + c/4; runs of two chunks.
         for h in 0..2 {
             for q in 0..4 {
@@ -144,23 +148,63 @@ impl KSums for Q6K {
                 }
             }
         }
-        // The stored values are q + 32: take 32 x sum over sub-blocks of scale x (the
-        // sub-block's activation sum) back, as i16 pairs (sc_s, sc_s+1) against the q8_K block
-        // sums (b_s, b_s+1), which sit next to each other as one little-endian dword.
-        let mut off = [_mm256_setzero_si256(); R];
-        for p in 0..8 {
-            let s0 = _mm_loadl_epi64(sb.add(Q6K_SC + 16 * p) as *const __m128i);
-            let s1 = _mm_loadl_epi64(sb.add(Q6K_SC + 16 * p + 8) as *const __m128i);
-            let ss = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));
-            for r in 0..R {
-                off[r] = _mm256_add_epi32(off[r], _mm256_madd_epi16(ss, bcast4(ab[r].add(K_BSUMS + 4 * p))));
+        (q6k_offset(sb, ab, total), None)
+    }
+}
+
+/// A Q6_K superblock's scale-weighted sum against one activation row (decode), walked by chunk
+/// position: the four quarters of a chunk share its qh vector and pairs of them an ql vector,
+/// each loaded once, and every shift is a constant. The same runs (two chunks of a sub-block)
+/// and integers as the general loop.
+#[inline(always)]
+unsafe fn q6k_one(sb: *const u8, a: *const u8, m4: __m256i, m30: __m256i) -> __m256i {
+    let mut total = _mm256_setzero_si256();
+    for h in 0..2 {
+        for cp in 0..4 {
+            let mut acc = [_mm256_setzero_si256(); 4];
+            for c in 2 * cp..2 * cp + 2 {
+                let qh = _mm256_loadu_si256(sb.add(Q6K_QH + 256 * h + 32 * c) as *const __m256i);
+                // Quarters 0 and 2 take the low and high nibbles of one ql vector, 1 and 3 of another.
+                let qa = _mm256_loadu_si256(sb.add(Q6K_QL + 512 * h + 32 * c) as *const __m256i);
+                let qb = _mm256_loadu_si256(sb.add(Q6K_QL + 512 * h + 32 * (c + 8)) as *const __m256i);
+                let w = [
+                    _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                    _mm256_or_si256(_mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(qh, m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
+                ];
+                for (q, w) in w.into_iter().enumerate() {
+                    let y = bcast4(a.add(K_QS + 128 * h + 32 * q + 4 * c));
+                    acc[q] = _mm256_add_epi16(acc[q], _mm256_maddubs_epi16(w, y));
+                }
+            }
+            for (q, acc) in acc.into_iter().enumerate() {
+                let sc = scale_pairs::<true>(sb.add(Q6K_SC + 8 * (8 * h + 2 * q + cp / 2)));
+                total = _mm256_add_epi32(total, _mm256_madd_epi16(acc, sc));
             }
         }
-        for r in 0..R {
-            total[r] = _mm256_sub_epi32(total[r], _mm256_slli_epi32(off[r], 5));
-        }
-        (total, None)
     }
+    total
+}
+
+/// `total` less what the stored values' +32 added: 32 x the sum over sub-blocks of scale x (the
+/// sub-block's activation sum), as i16 pairs (sc_s, sc_s+1) against the q8_K block sums
+/// (b_s, b_s+1), which sit next to each other as one little-endian dword.
+#[inline(always)]
+unsafe fn q6k_offset<const R: usize>(sb: *const u8, ab: &[*const u8; R], mut total: [__m256i; R]) -> [__m256i; R] {
+    let mut off = [_mm256_setzero_si256(); R];
+    for p in 0..8 {
+        let s0 = _mm_loadl_epi64(sb.add(Q6K_SC + 16 * p) as *const __m128i);
+        let s1 = _mm_loadl_epi64(sb.add(Q6K_SC + 16 * p + 8) as *const __m128i);
+        let ss = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));
+        for r in 0..R {
+            off[r] = _mm256_add_epi32(off[r], _mm256_madd_epi16(ss, bcast4(ab[r].add(K_BSUMS + 4 * p))));
+        }
+    }
+    for r in 0..R {
+        total[r] = _mm256_sub_epi32(total[r], _mm256_slli_epi32(off[r], 5));
+    }
+    total
 }
 
 /// T tiles against R activation rows, stored to `out` as the tile kernels' contract says.
