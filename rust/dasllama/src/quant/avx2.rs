@@ -632,12 +632,16 @@ pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
     body: impl Fn(*const u8, &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>),
 ) -> [[__m256; R]; T] {
     let mut acc = [[_mm256_setzero_ps(); R]; T];
+    // Decode reads the weights from memory: ten superblocks ahead (11-17 KB) beat 8 KB by 4% on a
+    // 1B Q4_K_M model (Zen 3, A/B interleaved). Batches read them from cache, where the nearer
+    // distance was as good or better.
+    let ahead = if R == 1 { 10 * sb_bytes } else { PREFETCH };
     for i in 0..nsb {
         let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
         for (k, acc) in acc.iter_mut().enumerate() {
             let sb = t.add((k * nsb + i) * sb_bytes);
             for line in (0..sb_bytes).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(PREFETCH + line) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(ahead + line) as *const i8);
             }
             let (total, mins) = body(sb, &ab);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
