@@ -8,18 +8,7 @@ use dasllama::quant::GgmlType;
 fn bench(c: &mut Criterion) {
     let (rows, cols) = (1536, 768);
     let mut g = c.benchmark_group("matmul");
-    for ty in [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-        GgmlType::F16,
-        GgmlType::F32,
-    ] {
+    for ty in GgmlType::WEIGHT_FORMATS {
         let w = Weight::random_blocks(ty, rows, cols);
         for n in [1usize, 16, 64] {
             let x: Vec<f32> = (0..n * cols).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();

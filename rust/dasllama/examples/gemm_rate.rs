@@ -13,22 +13,7 @@ use dasllama::quant::GgmlType;
 use std::time::Instant;
 
 fn parse(name: &str) -> GgmlType {
-    [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::BF16,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-    ]
-    .into_iter()
-    .find(|t| t.name().eq_ignore_ascii_case(name))
-    .unwrap_or_else(|| panic!("unknown format {name}"))
+    GgmlType::WEIGHT_FORMATS.into_iter().find(|t| t.name().eq_ignore_ascii_case(name)).unwrap_or_else(|| panic!("unknown format {name}"))
 }
 
 fn main() {

@@ -19,19 +19,6 @@ impl Lcg {
     }
 }
 
-const WEIGHTS: [GgmlType; 10] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-];
-
 /// Random weight blocks with sane (small, finite) f16 scales.
 fn random_weights(ty: GgmlType, n: usize, rng: &mut Lcg, edge: bool) -> Vec<u8> {
     let mut vals = vec![0.0f32; n];
@@ -81,14 +68,14 @@ fn check(ty: GgmlType, edge: bool) {
 
 #[test]
 fn simd_matches_scalar_random() {
-    for ty in WEIGHTS.iter().copied().chain([GgmlType::Q6K]) {
+    for ty in GgmlType::WEIGHT_FORMATS {
         check(ty, false);
     }
 }
 
 #[test]
 fn simd_matches_scalar_edges() {
-    for ty in WEIGHTS.iter().copied().chain([GgmlType::Q6K]) {
+    for ty in GgmlType::WEIGHT_FORMATS {
         check(ty, true);
     }
 }
@@ -149,7 +136,7 @@ fn activation_rounding_is_ggml_x86() {
 
 #[test]
 fn multi_row_kernels_are_bit_identical_to_single_row() {
-    for ty in WEIGHTS.iter().copied().chain([GgmlType::Q6K]) {
+    for ty in GgmlType::WEIGHT_FORMATS {
         let mut rng = Lcg(ty as u64 + 99);
         for n in [576, 256, 2048] {
             for _ in 0..10 {

@@ -40,6 +40,11 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
+    /// Floats, the 32-value formats and the K-quants: the weight formats whose matmul kernels the
+    /// tests and benches go through one by one.
+    pub const WEIGHT_FORMATS: [GgmlType; 11] =
+        [Self::F32, Self::F16, Self::BF16, Self::Q4_0, Self::Q4_1, Self::Q5_0, Self::Q5_1, Self::Q8_0, Self::Q4K, Self::Q5K, Self::Q6K];
+
     pub fn from_id(id: u32) -> Result<Self> {
         Ok(match id {
             0 => Self::F32,

@@ -66,20 +66,6 @@ fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
     Weight { ty, rows, cols, data: Bytes::Owned(Arc::new(data)), tiled: false, ggml_dot: None }
 }
 
-const FORMATS: [GgmlType; 11] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
-
 #[allow(clippy::too_many_arguments)]
 fn check_matmul(ty: GgmlType, w: &Weight, x: &[f32], y: &[f32], rows: usize, cols: usize, n: usize, variant: &str) {
     let mut row = vec![0f32; cols];
@@ -101,7 +87,7 @@ fn check_matmul(ty: GgmlType, w: &Weight, x: &[f32], y: &[f32], rows: usize, col
 fn matmul_and_gather_match_dequantized_rows() {
     let Some((g, mut k, mut run)) = gpu() else { return };
     let (rows, cols) = (70, 512);
-    for ty in FORMATS {
+    for ty in GgmlType::WEIGHT_FORMATS {
         let w = weight(ty, rows, cols, ty as u64 + 1);
         let dw = upload_weight(&g, &mut run, "w", &w).unwrap();
         for n in [1usize, 3, 8, 11] {
