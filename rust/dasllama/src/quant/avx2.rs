@@ -448,9 +448,10 @@ pub(super) unsafe fn bcast4(p: *const u8) -> __m256i {
     _mm256_set1_epi32((p as *const i32).read_unaligned())
 }
 
-/// Bytes ahead of the block being read that the AVX2 tile kernels prefetch, per weight stream
-/// (the K-quants' too): measured on a Zen 3 (AMD EPYC, two cores) in decode, 8 KB beat 4 KB by
-/// 3-5% on a 1B model (Q4_0, Q4_K_M) and equalled 16 KB. The AVX-512 kernels keep their own.
+/// Bytes ahead of the block being read that the AVX2 kernels prefetch, per weight stream (the
+/// K-quants' in batches; see `kquant_tiles`): measured on a Zen 3 (AMD EPYC, two cores) in
+/// decode, 8 KB beat 4 KB by 3-5% on a 1B model (Q4_0, Q4_K_M) and equalled 16 KB. The AVX-512
+/// kernels keep their own.
 pub(super) const PREFETCH: usize = 8192;
 
 /// T consecutive tiles (eight weight rows each) against R activation rows: T x R vectors of

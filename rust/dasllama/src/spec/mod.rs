@@ -100,7 +100,8 @@ pub struct StreamSpec {
     pub mtp: Option<mtp::MtpStream>,
     /// This step's drafts.
     pub drafts: Vec<u32>,
-    /// How much of the estimates each judged step keeps (`forget`).
+    /// How much of its estimates the stream keeps at each judged step (`BURSTY_FORGET` or
+    /// `STEADY_FORGET`).
     forget: f64,
 }
 
