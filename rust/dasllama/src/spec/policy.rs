@@ -228,7 +228,13 @@ impl Guard {
     /// Whether this step may draft.
     pub fn allow(&mut self) -> bool {
         self.step += 1;
-        self.step >= self.off_until && self.step - self.last_plain < EXPLORE
+        if self.step - self.last_plain >= EXPLORE {
+            // Counted as run here, not when observed: a step that also prefills is never
+            // observed, and must not keep the next ones plain too.
+            self.last_plain = self.step;
+            return false;
+        }
+        self.step >= self.off_until
     }
 
     /// A decode-only step took `secs` and emitted `tokens`, with drafts or without.
@@ -324,6 +330,9 @@ mod tests {
             !allowed
         });
         assert_eq!(plain.count(), 10);
+        // Steps that also prefill are not observed: still one in `EXPLORE` runs plainly.
+        let mut g = Guard::default();
+        assert_eq!((0..160).filter(|_| !g.allow()).count(), 10);
     }
 
     #[test]
