@@ -160,7 +160,12 @@ impl KSums for Q6K {
 unsafe fn q6k_one(sb: *const u8, a: *const u8, m4: __m256i, m30: __m256i) -> __m256i {
     let mut total = _mm256_setzero_si256();
     for h in 0..2 {
+        let mut sc = [_mm256_setzero_si256(); 4];
         for cp in 0..4 {
+            if cp % 2 == 0 {
+                // Chunks 4·half.. of quarter q are sub-block 8h + 2q + half: its scales serve two runs.
+                sc = std::array::from_fn(|q| scale_pairs::<true>(sb.add(Q6K_SC + 8 * (8 * h + 2 * q + cp / 2))));
+            }
             let mut acc = [_mm256_setzero_si256(); 4];
             for c in 2 * cp..2 * cp + 2 {
                 let qh = _mm256_loadu_si256(sb.add(Q6K_QH + 256 * h + 32 * c) as *const __m256i);
@@ -178,8 +183,7 @@ unsafe fn q6k_one(sb: *const u8, a: *const u8, m4: __m256i, m30: __m256i) -> __m
                     acc[q] = _mm256_add_epi16(acc[q], _mm256_maddubs_epi16(w, y));
                 }
             }
-            for (q, acc) in acc.into_iter().enumerate() {
-                let sc = scale_pairs::<true>(sb.add(Q6K_SC + 8 * (8 * h + 2 * q + cp / 2)));
+            for (acc, sc) in acc.into_iter().zip(sc) {
                 total = _mm256_add_epi32(total, _mm256_madd_epi16(acc, sc));
             }
         }
