@@ -704,6 +704,37 @@ pub(super) unsafe fn q6k_chunk(sb: *const u8, h: usize, q: usize, c: usize, m4: 
     _mm256_or_si256(lo, _mm256_and_si256(hi, m30))
 }
 
+/// Quarter `Q` of half `h` of a Q6_K superblock against R activation rows, into `total`: value
+/// 128h + 32Q + l (l = 4c + e) is in sub-block 8h + 2Q + c/4.
+#[inline(always)]
+unsafe fn q6k_quarter<const Q: usize, const R: usize, const ISA: u8>(
+    sb: *const u8,
+    ab: &[*const u8; R],
+    h: usize,
+    total: &mut [__m256i; R],
+    m4: __m256i,
+    m30: __m256i,
+) {
+    for half in 0..2 {
+        let sub = 8 * h + 2 * Q + half;
+        // The (q - 32) offset: start from -32 * (sum of the sub-block's activations).
+        let mut isum: [__m256i; R] = std::array::from_fn(|r| {
+            let bs = (ab[r].add(K_BSUMS + 2 * sub) as *const i16).read_unaligned() as i32;
+            _mm256_set1_epi32(-32 * bs)
+        });
+        for c in 4 * half..4 * half + 4 {
+            let w = q6k_chunk(sb, h, Q, c, m4, m30);
+            for r in 0..R {
+                isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * Q + 4 * c)));
+            }
+        }
+        let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sb.add(Q6K_SC + 8 * sub) as *const __m128i));
+        for r in 0..R {
+            total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
+        }
+    }
+}
+
 /// Q4_K and Q5_K (`FIVE`: a fifth bit per value from the tile's qh chunks) share everything but
 /// where the quants start and that bit.
 #[inline(always)]
@@ -767,28 +798,12 @@ impl TileFormat for Q6K {
         let (m4, m30) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
         kquant_tiles::<T, R>(t, a, nsb, super::tile::Q6K_TILE_BLOCK, |sb, ab| {
             let mut total = [_mm256_setzero_si256(); R];
-            // Value 128h + 32q + l (l = 4c + e) is in sub-block 8h + 2q + c/4.
+            // Each quarter a constant, for its shifts (see `avx2_kquant`'s Q6_K).
             for h in 0..2 {
-                for q in 0..4 {
-                    for half in 0..2 {
-                        let sub = 8 * h + 2 * q + half;
-                        // The (q - 32) offset: start from -32 * (sum of the sub-block's activations).
-                        let mut isum: [__m256i; R] = std::array::from_fn(|r| {
-                            let bs = (ab[r].add(K_BSUMS + 2 * sub) as *const i16).read_unaligned() as i32;
-                            _mm256_set1_epi32(-32 * bs)
-                        });
-                        for c in 4 * half..4 * half + 4 {
-                            let w = q6k_chunk(sb, h, q, c, m4, m30);
-                            for r in 0..R {
-                                isum[r] = dp::<ISA>(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * q + 4 * c)));
-                            }
-                        }
-                        let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sb.add(Q6K_SC + 8 * sub) as *const __m128i));
-                        for r in 0..R {
-                            total[r] = _mm256_add_epi32(total[r], _mm256_mullo_epi32(isum[r], sc));
-                        }
-                    }
-                }
+                q6k_quarter::<0, R, ISA>(sb, ab, h, &mut total, m4, m30);
+                q6k_quarter::<1, R, ISA>(sb, ab, h, &mut total, m4, m30);
+                q6k_quarter::<2, R, ISA>(sb, ab, h, &mut total, m4, m30);
+                q6k_quarter::<3, R, ISA>(sb, ab, h, &mut total, m4, m30);
             }
             (total, None)
         })

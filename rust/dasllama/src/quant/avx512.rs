@@ -198,39 +198,56 @@ unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, gap: usize,
 unsafe fn q6k_sums<const R: usize>(sb: *const u8, gap: usize, ab: &[*const u8; R]) -> ([__m512i; R], Option<[__m512i; R]>) {
     let (m4, m30) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x30));
     let mut total = [_mm512_setzero_si512(); R];
-    // Value 128h + 32q + l (l = 4c + e) is in sub-block 8h + 2q + c/4.
+    // Each quarter a constant, for its shifts (see `avx2_kquant`'s Q6_K: a quarter taken from a
+    // rolled loop cost the AVX2 kernels a jump table per chunk).
     for h in 0..2 {
-        for q in 0..4 {
-            for half in 0..2 {
-                let sub = 8 * h + 2 * q + half;
-                // The (q - 32) offset: start from -32 * (sum of the sub-block's activations).
-                let mut isum: [__m512i; R] = std::array::from_fn(|r| {
-                    let bs = (ab[r].add(K_BSUMS + 2 * sub) as *const i16).read_unaligned() as i32;
-                    _mm512_set1_epi32(-32 * bs)
-                });
-                for c in 4 * half..4 * half + 4 {
-                    let qh = pair_load(sb.add(Q6K_QH + 256 * h + 32 * c), gap);
-                    let ql = pair_load(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (q % 2))), gap);
-                    let lo = if q < 2 { _mm512_and_si512(ql, m4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4) };
-                    let hi = match q {
-                        0 => _mm512_slli_epi16::<4>(qh),
-                        1 => _mm512_slli_epi16::<2>(qh),
-                        2 => qh,
-                        _ => _mm512_srli_epi16::<2>(qh),
-                    };
-                    let w = _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
-                    for r in 0..R {
-                        isum[r] = _mm512_dpbusd_epi32(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * q + 4 * c)));
-                    }
-                }
-                let sc = _mm512_cvtepi8_epi32(pair_bytes(sb.add(Q6K_SC + 8 * sub), gap));
-                for r in 0..R {
-                    total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(isum[r], sc));
-                }
-            }
-        }
+        q6k_quarter::<0, R>(sb, gap, ab, h, &mut total, m4, m30);
+        q6k_quarter::<1, R>(sb, gap, ab, h, &mut total, m4, m30);
+        q6k_quarter::<2, R>(sb, gap, ab, h, &mut total, m4, m30);
+        q6k_quarter::<3, R>(sb, gap, ab, h, &mut total, m4, m30);
     }
     (total, None)
+}
+
+/// Quarter `Q` of half `h` of a pair of Q6_K superblocks against R activation rows, into
+/// `total`: value 128h + 32Q + l (l = 4c + e) is in sub-block 8h + 2Q + c/4.
+#[inline(always)]
+unsafe fn q6k_quarter<const Q: usize, const R: usize>(
+    sb: *const u8,
+    gap: usize,
+    ab: &[*const u8; R],
+    h: usize,
+    total: &mut [__m512i; R],
+    m4: __m512i,
+    m30: __m512i,
+) {
+    for half in 0..2 {
+        let sub = 8 * h + 2 * Q + half;
+        // The (q - 32) offset: start from -32 * (sum of the sub-block's activations).
+        let mut isum: [__m512i; R] = std::array::from_fn(|r| {
+            let bs = (ab[r].add(K_BSUMS + 2 * sub) as *const i16).read_unaligned() as i32;
+            _mm512_set1_epi32(-32 * bs)
+        });
+        for c in 4 * half..4 * half + 4 {
+            let qh = pair_load(sb.add(Q6K_QH + 256 * h + 32 * c), gap);
+            let ql = pair_load(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (Q % 2))), gap);
+            let lo = if Q < 2 { _mm512_and_si512(ql, m4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4) };
+            let hi = match Q {
+                0 => _mm512_slli_epi16::<4>(qh),
+                1 => _mm512_slli_epi16::<2>(qh),
+                2 => qh,
+                _ => _mm512_srli_epi16::<2>(qh),
+            };
+            let w = _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
+            for r in 0..R {
+                isum[r] = _mm512_dpbusd_epi32(isum[r], w, bcast4(ab[r].add(K_QS + 128 * h + 32 * Q + 4 * c)));
+            }
+        }
+        let sc = _mm512_cvtepi8_epi32(pair_bytes(sb.add(Q6K_SC + 8 * sub), gap));
+        for r in 0..R {
+            total[r] = _mm512_add_epi32(total[r], _mm512_mullo_epi32(isum[r], sc));
+        }
+    }
 }
 
 /// Float weights, sixteen values at element `i` as f32 (all of them, or the lanes of `m`).
