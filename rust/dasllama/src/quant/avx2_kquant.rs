@@ -81,13 +81,20 @@ unsafe fn q45k_sub<const R: usize, const FIVE: bool>(sb: *const u8, ab: &[*const
 unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
     let (m4, b4) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x10));
     let mut total = [_mm256_setzero_si256(); R];
-    // Sub-blocks in pairs, so that whether one takes the low or the high nibbles is a constant
-    // (LLVM keeps the loop rolled, branching on it per chunk): Q4_K +10% for 16 rows (gemm_rate,
-    // one thread, Zen 3), Q5_K +15% for one. Q5_K's several rows measured 20% slower so.
+    // LLVM keeps a loop over the sub-blocks rolled, branching per chunk on its nibble half
+    // (and, Q5_K, a jump table for its bit's shift). Taken in pairs the half is a constant; all
+    // eight spelled out, the shift too. Best of six interleaved runs (gemm_rate, one thread,
+    // Zen 3) chose per case: Q4_K in pairs (16 rows 81 -> 89 G MAC/s, one row 47 -> 50; spelled
+    // out 67 and 41), Q5_K spelled out for several rows (44 -> 72 G), in pairs for one (26 -> 30).
     if FIVE && R > 1 {
-        for sub in 0..8 {
-            q45k_sub::<R, FIVE>(sb, ab, sub, &mut total, m4, b4);
-        }
+        q45k_sub::<R, FIVE>(sb, ab, 0, &mut total, m4, b4);
+        q45k_sub::<R, FIVE>(sb, ab, 1, &mut total, m4, b4);
+        q45k_sub::<R, FIVE>(sb, ab, 2, &mut total, m4, b4);
+        q45k_sub::<R, FIVE>(sb, ab, 3, &mut total, m4, b4);
+        q45k_sub::<R, FIVE>(sb, ab, 4, &mut total, m4, b4);
+        q45k_sub::<R, FIVE>(sb, ab, 5, &mut total, m4, b4);
+        q45k_sub::<R, FIVE>(sb, ab, 6, &mut total, m4, b4);
+        q45k_sub::<R, FIVE>(sb, ab, 7, &mut total, m4, b4);
     } else {
         for j in 0..4 {
             q45k_sub::<R, FIVE>(sb, ab, 2 * j, &mut total, m4, b4);
