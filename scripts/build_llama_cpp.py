@@ -34,7 +34,7 @@ def run(cmd: list[str], cwd: Path, log_file: Path) -> None:
     with log_file.open("a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        rc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, check=False, cwd=cwd, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         tail = "".join(log_file.read_text().splitlines(keepends=True)[-30:])
         raise SystemExit(f"{cmd[0]} failed (exit {rc}); the end of {log_file}:\n{tail}")
