@@ -26,8 +26,9 @@ from .chat import (
     split_reasoning,
     turn_stop_ids,
 )
+from .devices import Device, PlacementStatus, device, devices
 from .embeddings import default_pooling, embed
-from .errors import ContextOverflowError, DasllamaError, EngineError, FetchError, GgufError, KvPoolFullError, TemplateError, UnsupportedModelError
+from .errors import ContextOverflowError, DasllamaError, DeviceError, EngineError, FetchError, GgufError, KvPoolFullError, TemplateError, UnsupportedModelError
 from .fetch import DEFAULT_MODEL, fetch
 from .grammar import check_grammar, json_object_grammar, json_schema_grammar
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
@@ -62,6 +63,8 @@ __all__ = [
     "ChatRenderer",
     "ContextOverflowError",
     "DasllamaError",
+    "Device",
+    "DeviceError",
     "EngineError",
     "FetchError",
     "GgufError",
@@ -72,6 +75,7 @@ __all__ = [
     "NothinkGuard",
     "Numerics",
     "PendingReq",
+    "PlacementStatus",
     "QuantMode",
     "SamplingParams",
     "SchedEvent",
@@ -95,6 +99,8 @@ __all__ = [
     "decode",
     "default_pooling",
     "detach_drafter",
+    "device",
+    "devices",
     "drafter_kind",
     "embed",
     "encode",

@@ -1,6 +1,6 @@
 """The dasllama exception tree. Every error the package raises on purpose derives from DasllamaError."""
 
-from ._native import ContextOverflowError, DasllamaError, EngineError, GgufError, KvPoolFullError, UnsupportedModelError
+from ._native import ContextOverflowError, DasllamaError, DeviceError, EngineError, GgufError, KvPoolFullError, UnsupportedModelError
 
 
 class FetchError(DasllamaError):
@@ -11,4 +11,4 @@ class TemplateError(DasllamaError):
     """The model's chat template is missing or failed to render."""
 
 
-__all__ = ["ContextOverflowError", "DasllamaError", "EngineError", "FetchError", "GgufError", "KvPoolFullError", "TemplateError", "UnsupportedModelError"]
+__all__ = ["ContextOverflowError", "DasllamaError", "DeviceError", "EngineError", "FetchError", "GgufError", "KvPoolFullError", "TemplateError", "UnsupportedModelError"]

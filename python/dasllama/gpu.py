@@ -11,7 +11,13 @@ dance" and § "Streams served from the device")::
     gpu_slot_capture(slot)                # "cpu" | "gpu:rails" | "gpu:resident"
 
 On a machine without Vulkan every call is a cheap no-op that reports "cpu", so the same code runs
-anywhere. The tier is per process: one model on the device at a time. CPU-type Vulkan devices
+anywhere. These names are the tutorial's, and so is their process-wide tier: one model installed
+through it at a time. Underneath they are a facade over device and model objects
+(:mod:`dasllama.devices`): the armed device is a :class:`~dasllama.devices.Device`, an installed
+model owns its placement there, and everything the tier reports is read from those (a snapshot,
+never waiting for a device step). Code that does not follow the tutorial uses
+``load_model(path, device=...)``, ``Model.to`` and ``Model.placement`` directly, and may put
+several models on one device. CPU-type Vulkan devices
 (Mesa's lavapipe) are used only with ``DASLLAMA_VK_ALLOW_CPU=1``; ``DASLLAMA_VK_DEVICE`` picks a
 device by index or name; ``DASLLAMA_GPU=0`` keeps everything on the CPU.
 
@@ -28,9 +34,13 @@ and the recurrence stay on the CPU over host K/V. ``numerics="ggml"`` stays on t
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass, field
 
 from . import _native
+from .devices import CPU, Device, PlaceOptions, _open_default, place
+from .errors import DeviceError
 from .model import Model
 from .scheduler import Scheduler
 from .session import KVDtype, Session, check_kv_dtype
@@ -106,13 +116,23 @@ class GpuTierWant:
     auto_tier: bool = False
     vram_mb: int = 0  # cap on the device memory the model may take (0: the device's budget)
 
+    def with_env(self) -> GpuTierWant:
+        auto, vram = self.auto_tier, self.vram_mb
+        if "DASLLAMA_GPU" in os.environ:
+            auto = os.environ["DASLLAMA_GPU"].strip().lower() not in ("0", "off", "false", "cpu", "")
+        try:
+            vram = int(os.environ.get("DASLLAMA_GPU_VRAM_MB", vram))
+        except ValueError:
+            pass
+        return GpuTierWant(auto, vram)
+
 
 @dataclass
 class GpuTierStatus:
     backend: str  # "vulkan" while a model is on the device, else "cpu"
     device: str  # the opened device's name ("" before arming)
     supported: bool  # a usable Vulkan device answers on this machine
-    reason: str  # why the device is not serving ("" while it is)
+    reason: str  # why the device is not serving ("" while it does)
     vram_bytes: int  # device memory dasllama's allocator holds
     budget_bytes: int  # the device's memory budget
     resident_layers: int
@@ -122,27 +142,123 @@ class GpuTierStatus:
     chains_replayed: int = 0  # device steps that replayed a chain kept from an earlier step of that shape
 
 
+class _Tier:
+    """The tutorial's per-process tier: the want and pins, the armed device, and the model the
+    last install put there (weakly: dropping the model frees its device memory)."""
+
+    def __init__(self) -> None:
+        self.want = GpuTierWant()
+        self.armed: Device | None = None
+        self.reason = ""
+        self.held: weakref.ref[Model] | None = None
+        self.outcome = ""
+        self.install_reason = ""
+        self.regions = 4
+        self.ctx_max = 4096
+        self.ctx_strict = False
+        self.kv_pin: str | None = None
+        self.prefill_allowed = True
+
+    def model(self) -> Model | None:
+        m = self.held() if self.held is not None else None
+        if m is not None and m.device.kind == "cpu":
+            self.held = None
+            return None
+        return m
+
+    def options(self) -> PlaceOptions:
+        return PlaceOptions(self.regions, self.ctx_max, self.ctx_strict, self.kv_pin, self.want.with_env().vram_mb)
+
+    def install(self, m: Model) -> str:
+        """Put ``m`` on the armed device, recording the outcome for gpu_slot_capture."""
+        if self.armed is None:
+            self.outcome, self.install_reason = "cpu", self.reason or "the GPU tier was not armed before the load"
+        elif self.model() not in (None, m):
+            self.outcome, self.install_reason = "cpu", "the device still holds another model: hydrate its sessions and drop it first (the switch order)"
+        else:
+            self.outcome, self.install_reason = place(m, self.armed, self.options())
+            if self.outcome == "gpu:resident":
+                self.install_reason = ""
+            if self.outcome != "cpu":
+                self.held = weakref.ref(m)
+        return self.outcome
+
+
+_TIER = _Tier()
+
+
+def _install_armed(m: Model) -> bool:
+    """A load with no device named: an armed tier takes the model (or records why not). False
+    when the tier is not armed, so the load follows its defaults."""
+    if _TIER.armed is None:
+        return False
+    _TIER.install(m)
+    return True
+
+
+def _placement(m: Model | None) -> dict[str, object] | None:
+    return None if m is None else _native.placement_status(m._native)
+
+
 def set_gpu_tier_want(want: GpuTierWant) -> None:
     """Record the tier request the next :func:`moe_gpu_tier_arm` / load honours."""
     if want.vram_mb < 0:
         raise ValueError(f"vram_mb must be >= 0, got {want.vram_mb}")
-    _native.gpu_set_want(bool(want.auto_tier), int(want.vram_mb))
+    _TIER.want = GpuTierWant(bool(want.auto_tier), int(want.vram_mb))
 
 
 def moe_gpu_tier_arm() -> bool:
     """Arm the recorded want: open the device so the next load can go there. False when the want
     is zero or no device answers (:func:`gpu_tier_status` says why)."""
-    return _native.gpu_arm()
+    t = _TIER
+    t.armed = None
+    if not t.want.with_env().auto_tier:
+        t.reason = "the GPU tier is off (zero want, --gpu off or DASLLAMA_GPU=0)"
+        return False
+    try:
+        t.armed = _open_default()[0]
+    except DeviceError as e:
+        t.reason = str(e)
+        return False
+    t.reason = ""
+    return True
 
 
 def moe_gpu_weight_budget() -> int:
-    """Bytes the armed device will hold for a model (0 when not armed)."""
-    return _native.gpu_weight_budget()
+    """Bytes the armed device will hold for a model (0 when not armed): what it has free, plus
+    what the installed model holds there."""
+    t = _TIER
+    if t.armed is None:
+        return 0
+    st = _placement(t.model())
+    held = 0 if st is None else int(st["weight_bytes"]) + int(st["kv_bytes"])  # type: ignore[call-overload]
+    free = t.armed.memory()[0] - t.armed.memory()[1]
+    budget = max(free, 0) // 10 * 9 + held
+    vram = t.want.with_env().vram_mb
+    return min(budget, vram << 20) if vram else budget
 
 
 def gpu_tier_status() -> GpuTierStatus:
-    """A snapshot for status pages."""
-    return GpuTierStatus(**_native.gpu_status())
+    """A snapshot for status pages (never waits for a device step)."""
+    t = _TIER
+    supported, why, _ = _native.vk_witness()
+    s = GpuTierStatus("cpu", "", supported, "", 0, 0, 0, 0, 0)
+    if t.armed is not None:
+        s.device = t.armed.name
+        s.budget_bytes = t.armed.memory()[0]
+        s.vram_bytes = t.armed.allocated()
+    st = _placement(t.model())
+    if st is not None:
+        s.backend = "vulkan"
+        s.resident_layers, s.weight_bytes, s.kv_bytes = int(st["resident_layers"]), int(st["weight_bytes"]), int(st["kv_bytes"])  # type: ignore[call-overload]
+        s.chains_recorded, s.chains_replayed = int(st["chains_recorded"]), int(st["chains_replayed"])  # type: ignore[call-overload]
+        if not st["serving"]:
+            s.backend, s.reason = "cpu", str(st["reason"])
+    elif not supported:
+        s.reason = why
+    else:
+        s.reason = t.reason or (t.install_reason if t.outcome == "cpu" else "") or "no model is on the device"
+    return s
 
 
 @dataclass
@@ -161,8 +277,16 @@ def gpu_model_marks_init() -> GpuModelMarks:
 def gpu_slot_capture(st: GpuModelMarks) -> str:
     """Right after a load: move its outcome into ``st`` and classify it: "cpu", "gpu:rails" or
     "gpu:resident"."""
-    st.outcome, st.reason = _native.gpu_outcome()
+    st.outcome, st.reason = gpu_outcome()
     return st.outcome
+
+
+def gpu_outcome() -> tuple[str, str]:
+    """(the last install's outcome, why it stayed on the CPU)."""
+    t = _TIER
+    if not t.outcome:
+        return "cpu", gpu_resident_decline()
+    return t.outcome, t.install_reason
 
 
 def moe_gpu_hydrate_session(m: Model, s: Session) -> None:
@@ -173,9 +297,14 @@ def moe_gpu_hydrate_session(m: Model, s: Session) -> None:
 
 
 def moe_gpu_drop_model() -> None:
-    """Free the model's whole device state. The caller guarantees no step is running; device
+    """Free the installed model's whole device state (it runs on the CPU afterwards). Device
     sessions not hydrated first fail their next call with a clear error."""
-    _native.gpu_drop_model()
+    t = _TIER
+    m = t.model()
+    if m is not None:
+        place(m, CPU, PlaceOptions())
+    t.held = None
+    t.outcome = "cpu"
 
 
 _SAVED: dict[int, GpuModelMarks] = {}
@@ -198,50 +327,55 @@ def gpu_slot_rearm(want: GpuTierWant, m: Model) -> str:
     model (the switch order: hydrate, drop, save; then restore, rearm)."""
     set_gpu_tier_want(want)
     if not moe_gpu_tier_arm():
+        _TIER.outcome, _TIER.install_reason = "cpu", _TIER.reason
         return "cpu"
-    return _native.gpu_install(m._native)
+    return _TIER.install(m)
 
 
 def gpu_install_reason() -> str:
     """Why the last load or re-arm stayed on the CPU ("" when it went to the device)."""
-    return _native.gpu_outcome()[1]
+    return gpu_outcome()[1]
 
 
 def set_resident_prefill_allowed(allowed: bool) -> None:
     """Kept for the tutorial's order (a multi-stream scheduler pins it off). Device-home sessions
     never share a mirror here, so the pin changes nothing in this driver."""
-    _native.gpu_set_prefill_allowed(bool(allowed))
+    _TIER.prefill_allowed = bool(allowed)
 
 
 def resident_prefill_allowed() -> bool:
-    return _native.gpu_prefill_allowed()
+    return _TIER.prefill_allowed
+
+
+def _resident(m: Model | None) -> dict[str, object] | None:
+    st = _placement(m)
+    return st if st is not None and st["tier"] == "gpu:resident" and st["serving"] else None
 
 
 def device_kv_max_rows(m: Model) -> int:
     """Rows of context the driver holds a device session's K/V for (the model's context when it
     is not on the device)."""
-    if _native.gpu_holds(m._native):
-        return _native.gpu_session_ctx()
-    return int(m.config["seq_len"])
+    st = _resident(m)
+    return int(st["session_ctx"]) if st is not None else int(m.config["seq_len"])  # type: ignore[call-overload]
 
 
 def set_gpu_resident_regions(n: int) -> None:
     """How many device-home streams the next load serves (one K/V region each)."""
     if n < 1:
         raise ValueError(f"the device needs at least one region, got {n}")
-    _native.gpu_set_regions(int(n))
+    _TIER.regions = int(n)
 
 
 def set_gpu_ctx_max(n: int) -> None:
     """Cap the positions one region holds (0: the model's context)."""
     if n < 0:
         raise ValueError(f"ctx_max must be >= 0, got {n}")
-    _native.gpu_set_ctx_max(int(n))
+    _TIER.ctx_max = int(n)
 
 
 def set_gpu_ctx_strict(strict: bool) -> None:
     """True: the cap is the context asked for, held for every region or the load declines."""
-    _native.gpu_set_ctx_strict(bool(strict))
+    _TIER.ctx_strict = bool(strict)
 
 
 @dataclass
@@ -251,8 +385,7 @@ class GpuCtxPins:
 
 
 def gpu_ctx_pins() -> GpuCtxPins:
-    ctx_max, strict = _native.gpu_ctx_pins()
-    return GpuCtxPins(ctx_max, strict)
+    return GpuCtxPins(_TIER.ctx_max, _TIER.ctx_strict)
 
 
 def set_gpu_kv_dtype(dt: KVDtype | str) -> None:
@@ -260,7 +393,7 @@ def set_gpu_kv_dtype(dt: KVDtype | str) -> None:
     (about a quarter), stored as the CPU's codecs store them. Unpinned, ``DASLLAMA_GPU_KV``
     decides (default f16). A model whose head size the codec cannot take stays on the CPU, saying
     so."""
-    _native.gpu_set_kv_dtype(check_kv_dtype(dt))
+    _TIER.kv_pin = check_kv_dtype(dt)
 
 
 @dataclass
@@ -270,30 +403,50 @@ class GpuKvDtypePin:
 
 
 def gpu_kv_dtype_pin() -> GpuKvDtypePin:
-    name = _native.gpu_kv_dtype_pin()
+    name = _TIER.kv_pin
     return GpuKvDtypePin(KVDtype(name or "f16"), name is not None)
 
 
 def reset_gpu_kv_dtype() -> None:
-    _native.gpu_set_kv_dtype(None)
+    _TIER.kv_pin = None
 
 
 def gpu_device_sessions() -> int:
     """Regions the driver serves (0 on a CPU box or when the model is not on the device)."""
-    return _native.gpu_device_sessions()
+    st = _resident(_TIER.model())
+    return 0 if st is None else int(st["regions"])  # type: ignore[call-overload]
 
 
 def gpu_resident_decline() -> str:
     """Why the resident driver does not serve, in words a person can act on ("" while it does)."""
-    return _native.gpu_decline()
+    t = _TIER
+    m = t.model()
+    if _resident(m) is not None:
+        return ""
+    supported, why, _ = _native.vk_witness()
+    if not supported:
+        return why
+    st = _placement(m)
+    if st is not None:
+        return str(st["reason"])
+    if t.outcome == "cpu" and t.install_reason:
+        return t.install_reason
+    return t.reason or "no model was installed on the device (arm the tier before the load)"
 
 
 def gpu_device_session_ctx() -> int:
-    return _native.gpu_session_ctx()
+    st = _resident(_TIER.model())
+    return 0 if st is None else int(st["session_ctx"])  # type: ignore[call-overload]
 
 
 def gpu_device_session_dtype() -> KVDtype:
-    return KVDtype(_native.gpu_session_dtype())
+    """The codec device-home sessions carry: the installed model's, else what the next install
+    would use."""
+    st = _resident(_TIER.model())
+    if st is not None and st["kv_dtype"]:
+        return KVDtype(st["kv_dtype"])
+    env = os.environ.get("DASLLAMA_GPU_KV", "")
+    return KVDtype(_TIER.kv_pin or (env if env in ("f16", "q8_0", "tq4") else "f16"))
 
 
 def gpu_device_prefill_window() -> int:
@@ -303,17 +456,17 @@ def gpu_device_prefill_window() -> int:
 
 def gpu_resident_experts_host() -> bool:
     """Whether the driver serves a MoE whose routed experts sum on the CPU: never here (MoE
-    models stay on the CPU)."""
+    models take the per-op rails)."""
     return False
 
 
 def create_device_session(m: Model, dt: KVDtype | str | None = None) -> Session:
     """A device-home session: its K/V in a region of the device that holds ``m``, in the codec
-    the model was installed with (``dt``, when given, must be that one). Raises ValueError when
-    ``m`` is not on the device, KvPoolFullError when every region is held."""
-    held = _native.gpu_session_dtype()
-    if dt is not None and check_kv_dtype(dt) != held:
-        raise ValueError(f"device sessions carry K/V in {held}, not {KVDtype(check_kv_dtype(dt)).value}; pin it with set_gpu_kv_dtype before the load")
+    the model was placed with (``dt``, when given, must be that one). Raises ValueError when
+    ``m`` is not held whole by a device, KvPoolFullError when every region is held."""
+    st = _resident(m)
+    if dt is not None and st is not None and check_kv_dtype(dt) != st["kv_dtype"]:
+        raise ValueError(f"device sessions carry K/V in {st['kv_dtype']}, not {KVDtype(check_kv_dtype(dt)).value}; pin it with set_gpu_kv_dtype before the load")
     return _native.create_device_session(m._native)
 
 
@@ -336,7 +489,7 @@ def gpu_device_kv_adopt(s: Session, claim: int, rows: int) -> bool:
 def gpu_device_prefill_continues(m: Model) -> bool:
     """Whether a device session of ``m`` may continue from adopted rows (every model the driver
     serves has no recurrent state, so yes when it is on the device)."""
-    return _native.gpu_holds(m._native)
+    return _resident(m) is not None
 
 
 @dataclass
@@ -346,9 +499,10 @@ class GpuCpuPass:
 
 
 def gpu_cpu_passes() -> list[GpuCpuPass]:
-    """The honesty counter: every kind of call that ran on the CPU while a model was on the
-    device, with how many and why."""
-    return [GpuCpuPass(n, w) for n, w in _native.gpu_cpu_passes()]
+    """The honesty counter: every kind of call that ran on the CPU while the installed model was
+    on the device, with how many and why."""
+    m = _TIER.model()
+    return [] if m is None else [GpuCpuPass(n, w) for n, w in _native.placement_cpu_passes(m._native)]
 
 
 def set_device_kv(sch: Scheduler, on: bool) -> None:

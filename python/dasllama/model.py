@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 
 from . import _native
-from .errors import GgufError, UnsupportedModelError
+from .devices import CPU, Device, PlacementStatus, PlaceOptions, default_device, place, placement
+from .devices import device as resolve_device
+from .errors import DeviceError, GgufError, UnsupportedModelError
 from .fetch import fetch
 from .gguf_file import read_header
 
@@ -49,6 +51,37 @@ class Model:
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
         # What schedulers created with mtp=True draft with (dasllama.speculative).
         self._drafter: _native.Drafter | None = None
+        self._device: Device = CPU
+
+    @property
+    def device(self) -> Device:
+        """Where the model runs: the CPU, or the Vulkan device it is placed on."""
+        if self._device.kind != "cpu" and _native.placement_status(self._native) is None:
+            self._device = CPU
+        return self._device
+
+    @property
+    def placement(self) -> PlacementStatus | None:
+        """What its device holds for it and has done (None on the CPU): a snapshot published
+        after each step, read without waiting for a running one."""
+        return placement(self)
+
+    def to(self, device: str | Device, **opts: Any) -> str:
+        """Place the model on ``device`` ("cpu", "vulkan", "vulkan:N", "auto" or a Device),
+        taking it off where it was; returns its tier ("cpu", "gpu:rails", "gpu:resident").
+        ``opts`` are :class:`PlaceOptions` (regions, ctx_max, ctx_strict, kv_dtype, vram_mb).
+        An explicit Vulkan device the model cannot go on raises DeviceError with the reason;
+        "auto" falls back to the CPU, logging why."""
+        auto = isinstance(device, str) and device.strip().lower() == "auto"
+        d = resolve_device(device)
+        tier, why = place(self, d, PlaceOptions(**opts))
+        if tier == "cpu" and d.kind != "cpu":
+            if not auto:
+                raise DeviceError(f"{self.path.name} cannot go on {d} ('{d.name}'): {why}")
+            log.info("%s runs on the CPU: %s", self.path.name, why)
+        elif tier == "gpu:rails":
+            log.info("%s on the per-op rails of '%s' (not resident: %s)", self.path.name, d.name, why)
+        return tier
 
     @property
     def n_vocab(self) -> int:
@@ -122,7 +155,10 @@ def _tokenizer_args(meta: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def load_model(
-    path: str | os.PathLike[str], quant: QuantMode | str = QuantMode.native, numerics: Numerics | str = Numerics.fast
+    path: str | os.PathLike[str],
+    quant: QuantMode | str = QuantMode.native,
+    numerics: Numerics | str = Numerics.fast,
+    device: str | Device | None = None,
 ) -> Model:
     """Load a GGUF model (a path, or a known name fetched on first use).
 
@@ -130,6 +166,10 @@ def load_model(
     build, so logits equal that build's bit for bit (every format but BF16; f16 KV cache); the
     default ``fast`` kernels round activations the same way but sum in their own
     order, which moves single log-probabilities by up to tenths of a nat on small models.
+
+    ``device``: "cpu", "vulkan", "vulkan:N", "auto" or a :class:`Device` (see ``Model.to``).
+    None follows the tutorial's armed GPU tier when it is armed (``dasllama.gpu``), else
+    ``DASLLAMA_DEVICE`` / ``DASLLAMA_GPU``, else the CPU.
 
     Raises GgufError for a missing, malformed or truncated file and UnsupportedModelError for an
     architecture, tokenizer or tensor type this build does not implement.
@@ -153,9 +193,16 @@ def load_model(
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
     native = _native.load_model(str(p), arch, _arch_meta(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
     log.info("loaded %s (%s, %s, %s numerics) in %.2fs", p.name, arch, qm.value, nm.value, time.perf_counter() - t0)
-    # An armed GPU tier takes the model now (or records why not: gpu_slot_capture reads it).
-    _native.gpu_install(native)
-    return Model(native, meta, p)
+    model = Model(native, meta, p)
+    if device is None:
+        from . import gpu
+
+        if gpu._install_armed(model):
+            return model
+        device = default_device()
+    if str(device).strip().lower() != "cpu":
+        model.to(device)
+    return model
 
 
 def encode(m: Model, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:

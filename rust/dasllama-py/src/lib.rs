@@ -52,7 +52,7 @@ fn map_err(e: Error) -> PyErr {
         Error::InvalidArgument(m) => PyValueError::new_err(m),
         Error::PoolFull(m) => KvPoolFullError::new_err(m),
         Error::Internal(m) => EngineError::new_err(m),
-        Error::Device(m) => DeviceError::new_err(m),
+        Error::Device(m) | Error::DeviceLost(m) => DeviceError::new_err(m),
         Error::Io(e) => DasllamaError::new_err(e.to_string()),
     }
 }

@@ -26,6 +26,10 @@ pub enum Error {
     /// the session's rows before it are intact where the device still answers.
     #[error("{0}")]
     Device(String),
+    /// The GPU device was lost (driver reset, GPU fault): nothing on it answers again, and what
+    /// it held for its models is gone.
+    #[error("{0}")]
+    DeviceLost(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -42,7 +46,7 @@ impl Error {
             Error::InvalidArgument(_) => "invalid_argument",
             Error::PoolFull(_) => "kv_pool_full",
             Error::Internal(_) => "internal",
-            Error::Device(_) => "device",
+            Error::Device(_) | Error::DeviceLost(_) => "device",
             Error::Io(_) => "io",
         }
     }

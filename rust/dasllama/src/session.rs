@@ -1,17 +1,18 @@
 //! Sessions: one conversation's KV store, position, logits, sampling state.
 
+use crate::backend::DevKv;
 pub use crate::kv::KvCache;
 use crate::kv::{KvCodec, KvPool, PRIVATE_PAGE_ROWS};
 use crate::model::forward::{forward_batch, LogitRows, Scratch};
 use crate::model::Model;
 use crate::record::TokenRecord;
-use crate::vulkan::{self, DevKv};
 use crate::{Error, Result};
 
 pub struct Session {
     /// Host K/V (empty for a device-home session).
     pub kv: KvCache,
-    /// A device-home session's K/V region (`vulkan`): set, every eval runs on the device.
+    /// A device-home session's K/V region (its model's placement): set, every eval runs on the
+    /// device.
     pub dev: Option<DevKv>,
     pub logits: Vec<f32>,
     /// What this session sampled, with the sampler state to take it back.
@@ -51,8 +52,16 @@ impl Session {
     /// serves no recurrent model, so there is no state to keep beside it). Its host cache, filled
     /// only when the session is hydrated, takes the device's codec, so hydrating loses nothing.
     pub fn on_device(m: &Model) -> Result<Self> {
-        let mut s = Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, vulkan::session_dtype())));
-        s.dev = Some(vulkan::create_session(m)?);
+        let p = m.placement().ok_or_else(|| {
+            Error::InvalidArgument(
+                "this model is not on the device; place it on one first (load_model(..., device=\"vulkan\"), or arm the GPU tier before the load: gpu_tier_status() says why not)".into(),
+            )
+        })?;
+        // A placement that cannot hold device K/V (the per-op rails, a lost device) says why.
+        let dev = p.create_kv()?;
+        let codec = p.status().codec.unwrap_or(KvCodec::F16);
+        let mut s = Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, codec)));
+        s.dev = Some(dev);
         Ok(s)
     }
 
@@ -160,8 +169,9 @@ pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessio
     run(m, sessions, counts, tokens, want, &mut ws.scratch, &mut ws.logits)
 }
 
-/// One forward pass where the sessions' K/V lives: all on the device, or all on the host (a
-/// host pass while a model is on the device is counted in `vulkan::cpu_passes`).
+/// One forward pass where the sessions' K/V lives: all on the device, or all on the host (the
+/// model's placement takes the host pass's matrix products where it holds them, and counts a
+/// host pass of a model it holds whole).
 fn run(
     m: &Model,
     sessions: &mut [&mut Session],
@@ -173,23 +183,23 @@ fn run(
 ) -> Result<()> {
     let on_device = sessions.iter().filter(|s| s.dev.is_some()).count();
     if on_device == 0 {
-        if vulkan::holds(m) {
-            vulkan::cpu_pass(
-                "paged or private sessions keep their K/V in host memory, so their calls ran on the CPU (create_device_session for device-home streams)",
-            );
-        }
         let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
-        if vulkan::on_rails(m) {
-            return vulkan::with_rails(m, |rails| forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits, rails));
-        }
-        return forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits, None);
+        let Some(p) = m.placement() else {
+            return forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits, None);
+        };
+        let mut out = Ok(());
+        p.host_pass(&mut |offload| out = forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits, offload));
+        return out;
     }
     if on_device != sessions.len() {
         return Err(Error::InvalidArgument("a batch mixes device-home and host sessions; evaluate them in separate batches".into()));
     }
     crate::model::forward::check(m, sessions.iter().map(|s| s.n_past()), counts, tokens, want)?;
+    let p = m
+        .placement()
+        .ok_or_else(|| Error::Device("this device session's model is no longer on the device (it was dropped or switched out); create a new session".into()))?;
     let mut kvs: Vec<&mut DevKv> = sessions.iter_mut().map(|s| s.dev.as_mut().expect("counted above")).collect();
-    vulkan::forward(m, &mut kvs, counts, tokens, want, logits)
+    p.forward(&mut kvs, counts, tokens, want, logits)
 }
 
 /// Advance `sessions[i]` by `counts[i]` tokens taken in order from `tokens` (decode steps and

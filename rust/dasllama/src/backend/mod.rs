@@ -1,15 +1,21 @@
 //! The backend boundary: everything the forward pass asks of the hardware. The skeleton
 //! (`model::forward`) holds no kernel; it calls these on activation rows it owns, and a backend
-//! (the CPU in `cpu::backend`; the Vulkan driver next) decides how each runs.
+//! (the CPU in `cpu::backend`) decides how each runs. A model placed on a device (`Placement`,
+//! the Vulkan driver's) runs whole passes there over device-home K/V, and hands the host its
+//! matrix products (`MatmulOffload`) where it holds the weights but not the K/V.
 //!
 //! Rows: a batch is a matrix of `n` activation rows, `counts[i]` of them for session i, in order.
 //! Every op computes each row with the same arithmetic whatever else is in the batch, which is
 //! what makes batched, chunked and speculative results equal to one token at a time.
 
-use crate::cpu::deltanet::DnParams;
-use crate::cpu::Weight;
+mod placement;
+mod recurrent;
+
+pub use placement::{DevKv, KvHome, Placement, PlacementStatus};
+pub use recurrent::{DeltaNet, DnParams, HeadMap};
+
 use crate::kv::{KvCache, RecIo};
-use crate::model::DeltaNet;
+use crate::quant::{GgmlType, Weight};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
@@ -65,6 +71,44 @@ impl AttnShape {
     }
 }
 
+/// Which rows of a batch get logits (the vocabulary matmul is the largest one: decode wants each
+/// session's last row, a speculative verify chunk every row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows<'a> {
+    /// After each session's last token: one row per session.
+    Last,
+    /// After every token: one row per token of the batch, in order.
+    All,
+    /// After each session's last `tails[i]` tokens (1 for a decode row or a prefill chunk, k+1
+    /// for a verify chunk of k drafts), in batch order.
+    Tail(&'a [usize]),
+    /// No logits: every row's hidden state after the final norm (`dim` values per token), what
+    /// embeddings pool.
+    Hidden,
+}
+
+impl LogitRows<'_> {
+    /// How many of session i's last rows (of its `cnt`) get logits.
+    pub fn tail(self, i: usize, cnt: usize) -> usize {
+        match self {
+            LogitRows::Last => 1,
+            LogitRows::All | LogitRows::Hidden => cnt,
+            LogitRows::Tail(t) => t[i].clamp(1, cnt),
+        }
+    }
+
+    /// The batch rows that get logits, in order.
+    pub(crate) fn picked(self, counts: &[usize]) -> Vec<usize> {
+        let mut out = Vec::new();
+        let mut end = 0;
+        for (i, &cnt) in counts.iter().enumerate() {
+            end += cnt;
+            out.extend(end - self.tail(i, cnt)..end);
+        }
+        out
+    }
+}
+
 /// The sines and cosines of every batch row's position for one RoPE (dim/2 pairs per row).
 pub struct RopeTable<'a> {
     pub pairs: &'a [(f32, f32)],
@@ -76,6 +120,21 @@ pub struct RopeTable<'a> {
 impl RopeTable<'_> {
     pub fn row(&self, t: usize) -> &[(f32, f32)] {
         &self.pairs[t * self.half..(t + 1) * self.half]
+    }
+}
+
+/// The sines and cosines of one position's rotary angles, computed once and applied to every
+/// head (as ggml's rope cache): theta advances by repeated f32 multiplication; pair i's angle is
+/// divided by `factors[i]` (longrope) and multiplied by `freq_scale`, its sine and cosine by `mscale`.
+pub fn rope_cache(n_dims: usize, pos: usize, base: f32, freq_scale: f32, mscale: f32, factors: Option<&[f32]>, out: &mut Vec<(f32, f32)>) {
+    let theta_scale = base.powf(-2.0 / n_dims as f32);
+    let mut theta = pos as f32;
+    out.clear();
+    for i in 0..n_dims / 2 {
+        let ff = factors.map_or(1.0, |f| f[i]);
+        let (s, c) = (freq_scale * (theta / ff)).sin_cos();
+        out.push((s * mscale, c * mscale));
+        theta *= theta_scale;
     }
 }
 
@@ -120,8 +179,7 @@ pub trait Ops {
 
     /// One gated DeltaNet layer over the batch's rows (`cpu::deltanet::delta_net` says what each
     /// buffer holds before and after): session i owns `counts[i]` rows and `states[i]`, its
-    /// recurrent state in this layer. A backend without a kernel of its own runs the CPU's here,
-    /// on the calling thread.
+    /// recurrent state in this layer.
     #[allow(clippy::too_many_arguments)]
     fn delta_net(
         &mut self,
@@ -133,12 +191,27 @@ pub trait Ops {
         beta: &mut [f32],
         alpha: &mut [f32],
         out: &mut [f32],
-    ) {
-        crate::cpu::deltanet::delta_net(dn, p, states, counts, qkv, beta, alpha, out, None);
-    }
+    );
 
     /// Causal attention of each query row over its session's K/V in page slot `slot` (which
     /// already holds the row's own position). `rows[t]` = (session, position) of batch row t.
     #[allow(clippy::too_many_arguments)]
     fn attention(&mut self, a: &AttnShape, slot: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]);
+}
+
+/// The host: the CPU backend every model has, whatever device it is also placed on. The loader
+/// lays weights out for it, and every pass over host activation rows runs on its ops.
+pub trait Host: Sync {
+    /// `w` as the host's kernels read it under `numerics`, converted to `to` first where given;
+    /// None where ggml's summation order (`Numerics::Ggml`) is not reproduced for its format.
+    fn prepare(&self, w: Weight, to: Option<GgmlType>, numerics: Numerics) -> Option<Weight>;
+
+    /// Run `f` with the host's ops over activation rows (`act` is their scratch); matmuls over
+    /// weights `offload` holds go there.
+    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, offload: Option<&mut dyn MatmulOffload>, f: &mut dyn FnMut(&mut dyn Ops));
+}
+
+/// The host backend (the CPU).
+pub fn host() -> &'static dyn Host {
+    &crate::cpu::backend::Cpu
 }

@@ -1,11 +1,38 @@
 //! The CPU implementation of the backend boundary: the forward pass's ops on the thread team.
 //! Attention reads each session's K/V pages in place, decoding rows in the pool's codec.
 
-use super::deltanet::{self, DnParams};
-use super::{matmul_many, ops, Team, Weight};
-use crate::backend::{Activation, AttnShape, MatmulOffload, Numerics, Ops, RopeTable};
+use super::deltanet;
+use super::{convert_weight, matmul_many, ops, team, Team, Weight};
+use crate::backend::{Activation, AttnShape, DeltaNet, DnParams, Host, MatmulOffload, Numerics, Ops, RopeTable};
 use crate::kv::{KvCache, RecIo};
-use crate::model::DeltaNet;
+use crate::quant::GgmlType;
+
+/// The CPU as the host backend (`backend::host`).
+pub struct Cpu;
+
+impl Host for Cpu {
+    fn prepare(&self, w: Weight, to: Option<GgmlType>, numerics: Numerics) -> Option<Weight> {
+        let w = match to {
+            Some(ty) => convert_weight(&w, ty),
+            None => w,
+        };
+        match numerics {
+            Numerics::Fast => Some(w.for_kernels()),
+            Numerics::Ggml => w.for_ggml_order(),
+        }
+    }
+
+    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, mut offload: Option<&mut dyn MatmulOffload>, f: &mut dyn FnMut(&mut dyn Ops)) {
+        team().session(|t| {
+            // A reborrow, so the offload's trait object may live as briefly as the team's session.
+            let offload: Option<&mut dyn MatmulOffload> = match offload.as_mut() {
+                Some(o) => Some(&mut **o),
+                None => None,
+            };
+            f(&mut CpuOps { team: t, act, numerics, offload })
+        })
+    }
+}
 
 /// The CPU ops of one forward pass: the team held spinning for it, the activation buffer its
 /// matmuls quantize into, and where matmuls may go instead (the Vulkan rails).

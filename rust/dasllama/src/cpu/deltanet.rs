@@ -5,16 +5,8 @@
 //! chunked prefill ends in the state of a whole one and a row's output never depends on its batch.
 
 use super::{ops, Team};
+use crate::backend::{DeltaNet, DnParams};
 use crate::kv::RecIo;
-use crate::model::DeltaNet;
-
-/// The layer's per-head parameters beside the state: the convolution (`conv_kernel` rows of
-/// conv_dim, tap 0 oldest), and the decay's `ssm_dt.bias` and `ssm_a`.
-pub struct DnParams<'a> {
-    pub conv: &'a [f32],
-    pub dt_bias: &'a [f32],
-    pub a: &'a [f32],
-}
 
 /// One DeltaNet layer over a batch: session i owns the next `counts[i]` rows and `states[i]`.
 /// `qkv` (rows of conv_dim: the Q, K, V projection) is overwritten with the convolved, activated

@@ -24,20 +24,7 @@ fn sum_squares(x: &[f32]) -> f64 {
     sum + x[i..].iter().map(|&v| (v * v) as f64).sum::<f64>()
 }
 
-/// The sines and cosines of one position's rotary angles, computed once and applied to every
-/// head (as ggml's rope cache): theta advances by repeated f32 multiplication; pair i's angle is
-/// divided by `factors[i]` (longrope) and multiplied by `freq_scale`, its sine and cosine by `mscale`.
-pub fn rope_cache(n_dims: usize, pos: usize, base: f32, freq_scale: f32, mscale: f32, factors: Option<&[f32]>, out: &mut Vec<(f32, f32)>) {
-    let theta_scale = base.powf(-2.0 / n_dims as f32);
-    let mut theta = pos as f32;
-    out.clear();
-    for i in 0..n_dims / 2 {
-        let ff = factors.map_or(1.0, |f| f[i]);
-        let (s, c) = (freq_scale * (theta / ff)).sin_cos();
-        out.push((s * mscale, c * mscale));
-        theta *= theta_scale;
-    }
-}
+pub use crate::backend::rope_cache;
 
 twice! {
     /// Rotary embedding of one head with a `rope_cache`. `neox` pairs (i, i+d/2); otherwise

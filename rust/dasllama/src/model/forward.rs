@@ -4,10 +4,8 @@
 //! Multi-token calls (prefill, verify chunks, batches) run every matmul as one GEMM over all rows.
 
 use super::{BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model, Rope};
-use crate::backend::{Activation, MatmulOffload, Ops, RopeTable};
-use crate::cpu::backend::CpuOps;
-use crate::cpu::deltanet::DnParams;
-use crate::cpu::{ops, team};
+pub use crate::backend::LogitRows;
+use crate::backend::{host, rope_cache, Activation, DnParams, MatmulOffload, Ops, RopeTable};
 use crate::kv::KvCache;
 use crate::kv::RecIo;
 use crate::{Error, Result};
@@ -203,44 +201,6 @@ fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     &mut v[..n]
 }
 
-/// Which rows of a batch get logits (the vocabulary matmul is the largest one: decode wants each
-/// session's last row, a speculative verify chunk every row).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogitRows<'a> {
-    /// After each session's last token: one row per session.
-    Last,
-    /// After every token: one row per token of the batch, in order.
-    All,
-    /// After each session's last `tails[i]` tokens (1 for a decode row or a prefill chunk, k+1
-    /// for a verify chunk of k drafts), in batch order.
-    Tail(&'a [usize]),
-    /// No logits: every row's hidden state after the final norm (`dim` values per token), what
-    /// embeddings pool.
-    Hidden,
-}
-
-impl LogitRows<'_> {
-    /// How many of session i's last rows (of its `cnt`) get logits.
-    pub fn tail(self, i: usize, cnt: usize) -> usize {
-        match self {
-            LogitRows::Last => 1,
-            LogitRows::All | LogitRows::Hidden => cnt,
-            LogitRows::Tail(t) => t[i].clamp(1, cnt),
-        }
-    }
-
-    /// The batch rows that get logits, in order.
-    pub(crate) fn picked(self, counts: &[usize]) -> Vec<usize> {
-        let mut out = Vec::new();
-        let mut end = 0;
-        for (i, &cnt) in counts.iter().enumerate() {
-            end += cnt;
-            out.extend(end - self.tail(i, cnt)..end);
-        }
-        out
-    }
-}
-
 /// Advance several sessions in one pass over the weights: session i takes `counts[i]` tokens from
 /// `tokens` (in order: decode steps and prefill chunks alike). `logits` receives the rows `want`
 /// asks for. Every row is computed with the same arithmetic as when its session runs alone.
@@ -254,7 +214,7 @@ pub fn forward_batch(
     want: LogitRows<'_>,
     s: &mut Scratch,
     logits: &mut Vec<f32>,
-    mut offload: Option<&mut dyn MatmulOffload>,
+    offload: Option<&mut dyn MatmulOffload>,
 ) -> Result<()> {
     check(m, kvs.iter().map(|kv| kv.len()), counts, tokens, want)?;
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
@@ -262,15 +222,7 @@ pub fn forward_batch(
         kv.reserve(want)?;
     }
     let mut act = std::mem::take(&mut s.act);
-    team().session(|t| {
-        // A reborrow, so the offload's trait object may live as briefly as the team's session.
-        let offload: Option<&mut dyn MatmulOffload> = match offload.as_mut() {
-            Some(o) => Some(&mut **o),
-            None => None,
-        };
-        let mut cpu = CpuOps { team: t, act: &mut act, numerics: m.numerics, offload };
-        forward_rows(m, &mut cpu, kvs, counts, tokens, want, s, logits);
-    });
+    host().run(m.numerics, &mut act, offload, &mut |ops| forward_rows(m, ops, kvs, counts, tokens, want, s, logits));
     s.act = act;
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
         let len = kv.len() + cnt;
@@ -377,7 +329,7 @@ pub(super) fn rope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)]) ->
     for r in ropes {
         let mut tab = Vec::with_capacity(rows.len() * r.dim / 2);
         for &(_, pos) in rows {
-            ops::rope_cache(r.dim, pos, r.base, r.freq_scale, r.mscale, m.rope_factors.as_deref(), &mut one);
+            rope_cache(r.dim, pos, r.base, r.freq_scale, r.mscale, m.rope_factors.as_deref(), &mut one);
             tab.extend_from_slice(&one);
         }
         tables.push(tab);
@@ -506,7 +458,7 @@ pub fn rewind(m: &Model, kv: &mut KvCache, pos: usize) {
         })
         .collect();
     let (mut q, mut bt, mut al, mut out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    team().session(|t| {
+    host().run(m.numerics, &mut Vec::new(), None, &mut |ops| {
         kv.rewind(pos, |slot, io, qkv, beta, alpha, rows| {
             let (dn, w) = (&dns[slot], weights[slot]);
             // delta_net works in place: replay on copies, the journal keeps the raw rows.
@@ -516,7 +468,7 @@ pub fn rewind(m: &Model, kv: &mut KvCache, pos: usize) {
             }
             out.resize(rows * dn.value_dim(), 0.0);
             let p = DnParams { conv: &w.conv, dt_bias: &w.dt_bias, a: &w.a };
-            crate::cpu::deltanet::delta_net(dn, &p, &mut [io], &[rows], &mut q, &mut bt, &mut al, &mut out, Some(t));
+            ops.delta_net(dn, &p, &mut [io], &[rows], &mut q, &mut bt, &mut al, &mut out);
         })
     });
 }

@@ -16,20 +16,21 @@ mod qwen35;
 mod qwen3moe;
 mod qwen3next;
 
+use crate::backend::Placement;
 pub use crate::backend::{Activation, Numerics};
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
 pub use config::{Attention, Config, DeltaNet, Ffn, HeadMap, LayerDesc, Mixer, Rope};
 pub use meta::{MetaValue, Metadata};
 pub use mtp::MtpHead;
 
-use crate::cpu::{convert_weight, Bytes, Weight};
 use crate::kv::{Geometry, KvCodec};
 use crate::quant::GgmlType;
+use crate::quant::{Bytes, Weight};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// How to store weights after loading.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,12 +146,10 @@ pub struct Model {
     pub numerics: Numerics,
     /// The MTP head the file carries after the trunk's blocks, if any (`mtp`).
     pub mtp: Option<Arc<MtpHead>>,
-}
-
-impl Drop for Model {
-    fn drop(&mut self) {
-        crate::vulkan::forget(self);
-    }
+    /// What a device holds for this model, if it is placed on one. The lock is held only to
+    /// read or swap the handle, never across a pass; dropping the model (or the placement)
+    /// frees the device's memory for it.
+    placement: Mutex<Option<Arc<dyn Placement>>>,
 }
 
 /// One entry of the GGUF tensor table, as read by the Python loader.
@@ -297,21 +296,18 @@ impl<'a> TensorTable<'a> {
 
     /// A matrix as the kernels read it: converted per QuantMode, laid out for `numerics`.
     fn prepare(&self, w: Weight, name: &str) -> Result<Weight> {
-        let w = match self.quant {
-            QuantMode::Q8 if w.cols.is_multiple_of(32) && w.ty != GgmlType::Q8_0 => convert_weight(&w, GgmlType::Q8_0),
-            QuantMode::Fp32 if w.ty != GgmlType::F32 => convert_weight(&w, GgmlType::F32),
-            _ => w,
+        let to = match self.quant {
+            QuantMode::Q8 if w.cols.is_multiple_of(32) && w.ty != GgmlType::Q8_0 => Some(GgmlType::Q8_0),
+            QuantMode::Fp32 if w.ty != GgmlType::F32 => Some(GgmlType::F32),
+            _ => None,
         };
-        match self.numerics {
-            Numerics::Fast => Ok(w.for_kernels()),
-            Numerics::Ggml => w.for_ggml_order().ok_or_else(|| {
-                Error::UnsupportedModel(format!(
-                    "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers F32 and F16 rows of a multiple of 32 values, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and Q4_K with a multiple of 8 rows); load with numerics='fast'",
-                    self.file,
-                    self.ty_name(name)
-                ))
-            }),
-        }
+        crate::backend::host().prepare(w, to, self.numerics).ok_or_else(|| {
+            Error::UnsupportedModel(format!(
+                "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers F32 and F16 rows of a multiple of 32 values, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and Q4_K with a multiple of 8 rows); load with numerics='fast'",
+                self.file,
+                self.ty_name(name)
+            ))
+        })
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
@@ -606,11 +602,27 @@ impl Model {
                 config.head_dim
             )));
         }
-        Ok(Model { config, tok_embd, layers, output_norm, output, rope_factors, tokenizer, numerics, mtp })
+        Ok(Model { config, tok_embd, layers, output_norm, output, rope_factors, tokenizer, numerics, mtp, placement: Mutex::new(None) })
     }
 }
 
 impl Model {
+    /// The model's place on a device, if it has one.
+    pub fn placement(&self) -> Option<Arc<dyn Placement>> {
+        self.placement.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Place the model on a device (Some) or take it off (None); returns the placement it had.
+    /// A pass running meanwhile finishes on the placement it started with.
+    pub fn set_placement(&self, p: Option<Arc<dyn Placement>>) -> Option<Arc<dyn Placement>> {
+        std::mem::replace(&mut *self.placement.lock().unwrap_or_else(|e| e.into_inner()), p)
+    }
+
+    /// The placement that runs whole passes for device-home sessions, while its device answers.
+    pub fn resident(&self) -> Option<Arc<dyn Placement>> {
+        self.placement().filter(|p| p.resident())
+    }
+
     /// The KV page layout of this model's attention layers.
     pub fn kv_geometry(&self, page_rows: usize, codec: KvCodec) -> Geometry {
         Geometry { n_layers: self.config.kv_layers(), kv_dim: self.config.kv_dim(), head_dim: self.config.head_dim, page_rows, codec }

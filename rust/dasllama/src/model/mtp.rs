@@ -13,9 +13,9 @@
 
 use super::forward::{block, rope_tables, LogitRows, Scratch};
 use super::{lookup_arch, Config, Layer, LayerDesc, Metadata, Mixer, Model, QuantMode, TensorInfo, TensorTable};
-use crate::cpu::backend::CpuOps;
-use crate::cpu::{team, Weight};
+use crate::backend::host;
 use crate::kv::{Geometry, KvCache, KvCodec, PRIVATE_PAGE_ROWS};
+use crate::quant::Weight;
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::Arc;
@@ -178,9 +178,7 @@ pub fn forward(
     }
     let tables = rope_tables(m, &ropes, &rows);
     let MtpScratch { s, e, h, cat, x, act } = ws;
-    team().session(|t| {
-        let b = &mut CpuOps { team: t, act, numerics: m.numerics, offload: None };
-        use crate::backend::Ops;
+    host().run(m.numerics, act, None, &mut |b| {
         e.resize(n * d, 0.0);
         let emb = head.embed.as_ref().unwrap_or(&m.tok_embd);
         for (row, &tok) in e.chunks_exact_mut(d).zip(tokens) {

@@ -335,10 +335,11 @@ impl Scheduler {
             )));
         }
         if on {
-            if !crate::vulkan::holds(&self.model) {
-                return Err(Error::InvalidArgument(format!("the model is not on the device: {}", crate::vulkan::decline())));
-            }
-            let regions = crate::vulkan::device_sessions();
+            let Some(p) = self.model.resident() else {
+                let why = self.model.placement().map_or_else(|| "it is on no device".to_string(), |p| p.status().reason);
+                return Err(Error::InvalidArgument(format!("the model is not held whole by a device: {why}")));
+            };
+            let regions = p.status().regions;
             if regions < self.slots.len() {
                 return Err(Error::InvalidArgument(format!(
                     "the device has {regions} K/V regions for {} streams; set_gpu_resident_regions({}) before the load, or make a scheduler with fewer streams",
@@ -363,10 +364,9 @@ impl Scheduler {
 
     /// Positions a stream may hold: the model's context, or a device region's.
     fn ctx(&self) -> usize {
-        if self.device_kv && crate::vulkan::holds(&self.model) {
-            crate::vulkan::session_ctx().min(self.model.config.seq_len)
-        } else {
-            self.model.config.seq_len
+        match self.model.resident().filter(|_| self.device_kv) {
+            Some(p) => p.status().session_ctx.min(self.model.config.seq_len),
+            None => self.model.config.seq_len,
         }
     }
 
@@ -379,7 +379,7 @@ impl Scheduler {
         let Some((rows, j)) = best.filter(|&(rows, _)| rows > 0) else { return };
         let (_, claim) = self.parked.remove(j).expect("found above");
         let Some(dev) = s.session.dev.as_mut() else { return };
-        if let Ok(true) = crate::vulkan::adopt(dev, claim, rows) {
+        if let Ok(true) = dev.adopt(claim, rows) {
             (s.cached, s.fed) = (rows, rows);
             s.in_kv = s.req.prompt[..rows].to_vec();
             self.stats.cached_tokens += rows as u64;
@@ -758,7 +758,7 @@ impl Scheduler {
     }
 
     fn admit(&mut self, m: &Model, events: &mut Vec<SchedEvent>) {
-        if self.device_kv && !crate::vulkan::holds(m) {
+        if self.device_kv && m.resident().is_none() {
             // The model left the device (lost, or dropped): new streams keep their K/V on the host.
             self.device_kv = false;
             self.parked.clear();
@@ -1128,14 +1128,14 @@ impl Scheduler {
         if s.session.dev.is_some() && ended_well {
             // Close the turn on the device and park the rows for the conversation's next turn.
             let close = s.req.close_toks.clone();
-            let closed = close.is_empty()
-                || (s.in_kv.len() + close.len() <= crate::vulkan::session_ctx() && error::catch("closing a turn", || s.session.eval(m, &close)).is_ok());
+            let closed =
+                close.is_empty() || (s.in_kv.len() + close.len() <= self.ctx() && error::catch("closing a turn", || s.session.eval(m, &close)).is_ok());
             if closed {
                 s.in_kv.extend_from_slice(&close);
             }
             let dev = s.session.dev.as_mut().expect("a device stream");
             dev.truncate(s.in_kv.len());
-            let claim = crate::vulkan::park(dev);
+            let claim = dev.park();
             if claim > 0 {
                 self.parked.push_back((std::mem::take(&mut s.in_kv), claim));
                 // Claims of regions taken since are stale anyway; keep the list short.

@@ -9,21 +9,13 @@ use crate::{Error, Result};
 use ash::vk;
 use gpu_allocator::vulkan::{Allocator, AllocatorCreateDesc};
 use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-
-static LOST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Whether a call has seen the device lost since the last check (a lost device answers nothing
-/// again: the tier lets go of it and the next arm opens a fresh one).
-pub fn take_lost() -> bool {
-    LOST.swap(false, std::sync::atomic::Ordering::SeqCst)
-}
 
 pub(crate) fn vk_err(what: &str) -> impl Fn(vk::Result) -> Error + '_ {
     move |e| match e {
         vk::Result::ERROR_DEVICE_LOST => {
-            LOST.store(true, std::sync::atomic::Ordering::SeqCst);
-            Error::Device(format!("{what}: the Vulkan device was lost (driver reset or GPU fault); the stream ends here and new ones run on the CPU"))
+            Error::DeviceLost(format!("{what}: the Vulkan device was lost (driver reset or GPU fault); the stream ends here and new ones run on the CPU"))
         }
         vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY => {
             Error::Device(format!("{what}: out of device memory ({e}); serve fewer streams or a shorter context (--gpu-regions, --ctx)"))
@@ -52,9 +44,29 @@ pub struct Gpu {
     pub physical: vk::PhysicalDevice,
     pub device: ash::Device,
     pub queue: vk::Queue,
+    /// Submissions to the queue from models that step at once (Vulkan wants them one at a
+    /// time); held for the submit call only, not while the step runs.
+    pub queue_lock: Mutex<()>,
     pub queue_family: u32,
     pub allocator: Mutex<Option<Allocator>>,
     pub memory_budget: bool,
+    /// Set once a call saw the device lost: nothing on it answers again.
+    pub lost: AtomicBool,
+    /// Test hook (`fault-injection`): the next submission reports a lost device.
+    pub fault: AtomicBool,
+}
+
+impl Gpu {
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// Record what a failed call says: a lost device stays lost.
+    pub fn note(&self, e: &Error) {
+        if matches!(e, Error::DeviceLost(_)) {
+            self.lost.store(true, Ordering::SeqCst);
+        }
+    }
 }
 
 fn kind_name(t: vk::PhysicalDeviceType) -> &'static str {
@@ -118,14 +130,14 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
     out.map_err(vk_err("enumerating Vulkan devices"))
 }
 
-/// Which device to take: the one `DASLLAMA_VK_DEVICE` names, else the best kind; a plain-words
-/// reason when none qualifies.
-pub fn choose(devices: &[DeviceInfo]) -> std::result::Result<usize, String> {
+/// Which device to take: the one `pick` names (an index or part of a name), else the one
+/// `DASLLAMA_VK_DEVICE` names, else the best kind; a plain-words reason when none qualifies.
+pub fn choose(devices: &[DeviceInfo], pick: Option<&str>) -> std::result::Result<usize, String> {
     if devices.is_empty() {
         return Err("the Vulkan loader found no device (no driver installed?)".into());
     }
     let usable = |d: &DeviceInfo| d.kind != "cpu" || allow_cpu();
-    if let Ok(want) = std::env::var("DASLLAMA_VK_DEVICE") {
+    if let Some(want) = pick.map(str::to_string).or_else(|| std::env::var("DASLLAMA_VK_DEVICE").ok()) {
         let hit = want
             .parse::<usize>()
             .ok()
@@ -133,9 +145,9 @@ pub fn choose(devices: &[DeviceInfo]) -> std::result::Result<usize, String> {
             .or_else(|| devices.iter().position(|d| d.name.to_lowercase().contains(&want.to_lowercase())));
         return match hit {
             Some(i) if usable(&devices[i]) => Ok(i),
-            Some(i) => Err(format!("DASLLAMA_VK_DEVICE picks '{}', a CPU-type Vulkan device; set DASLLAMA_VK_ALLOW_CPU=1 to use it anyway", devices[i].name)),
+            Some(i) => Err(format!("'{want}' picks '{}', a CPU-type Vulkan device; set DASLLAMA_VK_ALLOW_CPU=1 to use it anyway", devices[i].name)),
             None => Err(format!(
-                "DASLLAMA_VK_DEVICE={want} names no device; there are: {}",
+                "the Vulkan device '{want}' names no device; there are: {}",
                 devices.iter().map(|d| format!("{} '{}'", d.index, d.name)).collect::<Vec<_>>().join(", ")
             )),
         };
@@ -157,10 +169,10 @@ pub fn choose(devices: &[DeviceInfo]) -> std::result::Result<usize, String> {
 
 impl Gpu {
     /// Open the device `choose` picks.
-    pub fn open() -> Result<Gpu> {
+    pub fn open(pick: Option<&str>) -> Result<Gpu> {
         let entry = load_entry()?;
         let instance = create_instance(&entry)?;
-        let built = Self::open_on(&instance);
+        let built = Self::open_on(&instance, pick);
         match built {
             Ok((info, physical, device, queue_family, memory_budget)) => {
                 // SAFETY: the device was created with one queue in this family.
@@ -174,7 +186,20 @@ impl Gpu {
                     allocation_sizes: Default::default(),
                 })
                 .map_err(|e| Error::Device(format!("creating the device memory allocator: {e}")))?;
-                Ok(Gpu { info, _entry: entry, instance, physical, device, queue, queue_family, allocator: Mutex::new(Some(allocator)), memory_budget })
+                Ok(Gpu {
+                    info,
+                    _entry: entry,
+                    instance,
+                    physical,
+                    device,
+                    queue,
+                    queue_lock: Mutex::new(()),
+                    queue_family,
+                    allocator: Mutex::new(Some(allocator)),
+                    memory_budget,
+                    lost: AtomicBool::new(false),
+                    fault: AtomicBool::new(false),
+                })
             }
             Err(e) => {
                 // SAFETY: nothing else was made from this instance.
@@ -184,11 +209,11 @@ impl Gpu {
         }
     }
 
-    fn open_on(instance: &ash::Instance) -> Result<(DeviceInfo, vk::PhysicalDevice, ash::Device, u32, bool)> {
+    fn open_on(instance: &ash::Instance, pick: Option<&str>) -> Result<(DeviceInfo, vk::PhysicalDevice, ash::Device, u32, bool)> {
         // SAFETY: valid instance.
         let pds = unsafe { instance.enumerate_physical_devices() }.map_err(vk_err("enumerating Vulkan devices"))?;
         let infos: Vec<DeviceInfo> = pds.iter().enumerate().map(|(i, &pd)| describe(instance, i, pd)).collect();
-        let pick = choose(&infos).map_err(Error::Device)?;
+        let pick = choose(&infos, pick).map_err(Error::Device)?;
         let pd = pds[pick];
         // SAFETY: pd is a device of this instance.
         let props = unsafe { instance.get_physical_device_properties(pd) };

@@ -323,12 +323,14 @@ impl Runner {
         // SAFETY: the buffer was recorded on this device and ended; the fence is unsignalled; we
         // wait for it before touching anything the step used.
         unsafe {
+            let q = self.gpu.queue_lock.lock().unwrap_or_else(|e| e.into_inner());
             d.queue_submit(self.gpu.queue, &si, self.fence).map_err(vk_err("submitting a step"))?;
+            drop(q);
             let waited = d.wait_for_fences(&[self.fence], true, u64::MAX);
             d.reset_fences(&[self.fence]).map_err(vk_err("resetting a fence"))?;
             waited.map_err(vk_err("running a step"))?;
         }
-        if super::fault::take() {
+        if self.gpu.fault.swap(false, std::sync::atomic::Ordering::SeqCst) {
             return Err(super::device::vk_err("running a step")(vk::Result::ERROR_DEVICE_LOST));
         }
         Ok(())

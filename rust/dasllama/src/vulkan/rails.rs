@@ -13,8 +13,8 @@ use super::kernels::{Kernels, Runner};
 use super::resident::mm;
 use super::weights::{unsupported, upload_weight, DevWeight};
 use crate::backend::MatmulOffload;
-use crate::cpu::Weight;
 use crate::model::Model;
+use crate::quant::Weight;
 use crate::{Error, Result};
 use gpu_allocator::MemoryLocation;
 use std::collections::HashMap;
@@ -42,8 +42,6 @@ pub struct Rails {
     pub weight_bytes: u64,
     /// Matrices left on the CPU: over the budget, or in a format the device kernels do not read.
     pub left_on_cpu: usize,
-    /// The model this was uploaded from (identity only: never dereferenced).
-    pub model_id: usize,
     /// Matmuls run on the device.
     pub matmuls: u64,
     /// Why the device stopped taking matmuls (the tier lets go of the rails after the pass).
@@ -79,18 +77,7 @@ impl Rails {
             bytes += d.buf.size;
             weights.insert(w as *const Weight as usize, d);
         }
-        Ok(Rails {
-            gpu: gpu.clone(),
-            kernels: Kernels::new(gpu)?,
-            run,
-            weights,
-            io: None,
-            weight_bytes: bytes,
-            left_on_cpu: left,
-            model_id: m as *const Model as usize,
-            matmuls: 0,
-            failed: None,
-        })
+        Ok(Rails { gpu: gpu.clone(), kernels: Kernels::new(gpu)?, run, weights, io: None, weight_bytes: bytes, left_on_cpu: left, matmuls: 0, failed: None })
     }
 
     pub fn matrices(&self) -> usize {

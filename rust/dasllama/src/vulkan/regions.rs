@@ -6,10 +6,11 @@
 
 use super::buffer::Buffer;
 use super::device::Gpu;
+use crate::backend::KvHome;
 use crate::kv::KvCodec;
 use crate::Result;
 use gpu_allocator::MemoryLocation;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Slot {
@@ -33,21 +34,27 @@ pub fn row_words(codec: KvCodec, kvd: usize) -> usize {
     }
 }
 
+/// The regions' memory and layout (what a step reads and writes).
 pub struct Regions {
     pub buf: Buffer,
     pub ctx: usize,
     pub codec: KvCodec,
+    n: usize,
     row_words: usize,
     region_words: usize,
-    slots: Vec<Slot>,
-    next_claim: u64,
+}
+
+/// Which stream holds which region, and the parked rows' claims: booked apart from the memory,
+/// behind a lock of its own, so a session that ends or parks never waits for a step.
+pub struct Book {
+    slots: Mutex<(Vec<Slot>, u64)>,
 }
 
 impl Regions {
     pub fn new(gpu: &Arc<Gpu>, n: usize, ctx: usize, layers: usize, kvd: usize, codec: KvCodec) -> Result<Regions> {
         let buf = Buffer::new(gpu, "K/V regions", Regions::bytes_for(n, ctx, layers, kvd, codec), MemoryLocation::GpuOnly)?;
         let row_words = row_words(codec, kvd);
-        Ok(Regions { buf, ctx, codec, row_words, region_words: layers * ctx * 2 * row_words, slots: vec![Slot::Free; n], next_claim: 1 })
+        Ok(Regions { buf, ctx, codec, n, row_words, region_words: layers * ctx * 2 * row_words })
     }
 
     /// Device bytes of `n` regions (what the install checks against the budget).
@@ -60,7 +67,7 @@ impl Regions {
     }
 
     pub fn count(&self) -> usize {
-        self.slots.len()
+        self.n
     }
 
     pub fn bytes(&self) -> u64 {
@@ -82,35 +89,48 @@ impl Regions {
         let w = self.base_word(region) + so + if v { vo } else { 0 };
         (4 * w as u64, (rows * self.row_words * 4) as u64)
     }
+}
 
-    /// A region for a new stream: a free one, else the oldest parked one (its rows are lost).
-    pub fn take(&mut self) -> Option<usize> {
-        let i = self.slots.iter().position(|s| *s == Slot::Free).or_else(|| {
-            self.slots.iter().enumerate().filter_map(|(i, s)| if let Slot::Parked { claim, .. } = s { Some((*claim, i)) } else { None }).min().map(|(_, i)| i)
-        })?;
-        self.slots[i] = Slot::Held;
-        Some(i)
+impl Book {
+    pub fn new(n: usize) -> Book {
+        Book { slots: Mutex::new((vec![Slot::Free; n], 1)) }
     }
 
-    pub fn release(&mut self, region: usize) {
-        if let Some(s) = self.slots.get_mut(region) {
+    fn slots(&self) -> std::sync::MutexGuard<'_, (Vec<Slot>, u64)> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A region for a new stream: a free one, else the oldest parked one (its rows are lost).
+    pub fn take(&self) -> Option<usize> {
+        let (slots, _) = &mut *self.slots();
+        let i = slots.iter().position(|s| *s == Slot::Free).or_else(|| {
+            slots.iter().enumerate().filter_map(|(i, s)| if let Slot::Parked { claim, .. } = s { Some((*claim, i)) } else { None }).min().map(|(_, i)| i)
+        })?;
+        slots[i] = Slot::Held;
+        Some(i)
+    }
+}
+
+impl KvHome for Book {
+    fn release(&self, region: usize) {
+        if let Some(s) = self.slots().0.get_mut(region) {
             *s = Slot::Free;
         }
     }
 
-    /// Keep `rows` of a held region for a later turn; the claim names them.
-    pub fn park(&mut self, region: usize, rows: usize) -> u64 {
-        let claim = self.next_claim;
-        self.next_claim += 1;
-        self.slots[region] = Slot::Parked { claim, rows };
+    fn park(&self, region: usize, rows: usize) -> u64 {
+        let (slots, next) = &mut *self.slots();
+        let claim = *next;
+        *next += 1;
+        slots[region] = Slot::Parked { claim, rows };
         claim
     }
 
-    /// The region and row count `claim` names, now held; None when another stream took it since.
-    pub fn adopt(&mut self, claim: u64) -> Option<(usize, usize)> {
-        let i = self.slots.iter().position(|s| matches!(s, Slot::Parked { claim: c, .. } if *c == claim))?;
-        let Slot::Parked { rows, .. } = self.slots[i] else { unreachable!() };
-        self.slots[i] = Slot::Held;
+    fn adopt(&self, claim: u64) -> Option<(usize, usize)> {
+        let (slots, _) = &mut *self.slots();
+        let i = slots.iter().position(|s| matches!(s, Slot::Parked { claim: c, .. } if *c == claim))?;
+        let Slot::Parked { rows, .. } = slots[i] else { unreachable!() };
+        slots[i] = Slot::Held;
         Some((i, rows))
     }
 }

@@ -12,8 +12,8 @@ use super::device::Gpu;
 use super::kernels::{format_suffix, Chain, Kernels, Push, Runner};
 use super::regions::Regions;
 use super::weights::{self, upload_f32, upload_weight, DevWeight};
+use crate::backend::rope_cache;
 use crate::backend::Activation;
-use crate::cpu::ops;
 use crate::kv::{KvCache, KvCodec};
 use crate::model::forward::LogitRows;
 use crate::model::{AttnWeights, Config, Ffn, FfnWeights, Mixer, MixerWeights, Model, Numerics, Rope};
@@ -87,8 +87,6 @@ pub struct Resident {
     /// Windows that recorded their chain, and windows that replayed a kept one.
     pub recorded: u64,
     pub replayed: u64,
-    /// The model this was uploaded from (identity only: never dereferenced).
-    pub model_id: usize,
 }
 
 /// Why the resident driver cannot serve this model, if it cannot.
@@ -230,7 +228,6 @@ impl Resident {
             chains: Vec::new(),
             recorded: 0,
             replayed: 0,
-            model_id: m as *const Model as usize,
         })
     }
 
@@ -311,7 +308,7 @@ impl Resident {
             rope_at.push(words.len());
             for p in pieces {
                 for j in 0..p.len {
-                    ops::rope_cache(r.dim, p.pos + j, r.base, r.freq_scale, r.mscale, factors, &mut one);
+                    rope_cache(r.dim, p.pos + j, r.base, r.freq_scale, r.mscale, factors, &mut one);
                     words.extend(one.iter().flat_map(|&(s, c)| [s.to_bits(), c.to_bits()]));
                 }
             }

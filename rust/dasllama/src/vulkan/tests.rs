@@ -6,15 +6,15 @@ use super::buffer::Buffer;
 use super::device::Gpu;
 use super::kernels::{Kernels, Push, Runner};
 use super::weights::{upload_f32, upload_weight};
-use crate::cpu::{Bytes, Weight};
 use crate::kv::KvCodec;
 use crate::quant::{dequantize_row, quantize_row, GgmlType};
+use crate::quant::{Bytes, Weight};
 use gpu_allocator::MemoryLocation;
 use std::sync::{Arc, OnceLock};
 
 fn gpu() -> Option<(Arc<Gpu>, Kernels, Runner)> {
     static G: OnceLock<Option<Arc<Gpu>>> = OnceLock::new();
-    let g = G.get_or_init(|| match Gpu::open() {
+    let g = G.get_or_init(|| match Gpu::open(None) {
         Ok(g) => Some(Arc::new(g)),
         Err(e) => {
             eprintln!("no Vulkan device, kernel tests skipped: {e}");

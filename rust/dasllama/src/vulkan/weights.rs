@@ -5,8 +5,8 @@
 use super::buffer::Buffer;
 use super::device::Gpu;
 use super::kernels::{format_suffix, Runner};
-use crate::cpu::Weight;
 use crate::quant::GgmlType;
+use crate::quant::Weight;
 use crate::{Error, Result};
 use gpu_allocator::MemoryLocation;
 use std::sync::Arc;

@@ -1,0 +1,173 @@
+//! A model's place on a device: what the device holds for that one model (its weights, its K/V
+//! regions), owned by the model and dropped with it. The model runs its passes through it: whole
+//! passes over device-home sessions (`forward`, one dispatch chain per step on the Vulkan
+//! driver), or host passes whose matrix products it takes (`host_pass`, the per-op rails).
+//!
+//! Nothing here is process-wide: each placement has its own locks, held only by that model's
+//! passes, and a status snapshot it publishes after each step, so a status read or another
+//! model's pass never waits behind a device step.
+
+use super::{LogitRows, MatmulOffload};
+use crate::kv::{KvCache, KvCodec};
+use crate::{Error, Result};
+use std::sync::{Arc, Weak};
+
+/// A snapshot of what a placement holds and has done, published after each step.
+#[derive(Clone, Debug, Default)]
+pub struct PlacementStatus {
+    /// "gpu:resident" (the whole pass on the device) or "gpu:rails" (matrices only).
+    pub tier: &'static str,
+    /// The device's name.
+    pub device: String,
+    /// Why the device does not run the whole pass ("" while it does): the resident driver's
+    /// reason to decline a rails model, or what ended the placement (a lost device).
+    pub reason: String,
+    /// False once the device failed under it: every later pass runs on the host.
+    pub serving: bool,
+    pub resident_layers: usize,
+    pub weight_bytes: u64,
+    pub kv_bytes: u64,
+    /// Device K/V regions, positions per region and their codec (resident only).
+    pub regions: usize,
+    pub session_ctx: usize,
+    pub codec: Option<KvCodec>,
+    /// Device steps that recorded their dispatch chain, and those that replayed one.
+    pub chains_recorded: u64,
+    pub chains_replayed: u64,
+}
+
+pub trait Placement: Send + Sync {
+    /// The snapshot of the last step (never waits for a running one).
+    fn status(&self) -> PlacementStatus;
+
+    /// Whether whole passes over device-home sessions run here (the resident driver, while
+    /// its device answers).
+    fn resident(&self) -> bool;
+
+    /// A pass over host sessions: `f` runs it on the host, handing matrix products to the
+    /// device where this placement holds them. A resident placement counts the pass as one the
+    /// device did not serve (`cpu_passes`).
+    fn host_pass(&self, f: &mut dyn FnMut(Option<&mut dyn MatmulOffload>));
+
+    /// A device region for a new device-home session.
+    fn create_kv(&self) -> Result<DevKv>;
+
+    /// Advance device-home sessions `kvs[i]` by `counts[i]` tokens each, taken in order from
+    /// `tokens`; `logits` gets the rows `want` names. A pass that fails leaves every session's
+    /// length as it was.
+    fn forward(&self, kvs: &mut [&mut DevKv], counts: &[usize], tokens: &[u32], want: LogitRows<'_>, logits: &mut Vec<f32>) -> Result<()>;
+
+    /// Copy a device-home session's rows into `host` (an empty host cache in the session's codec).
+    fn hydrate(&self, kv: &DevKv, host: &mut KvCache) -> Result<()>;
+
+    /// Every kind of pass that ran on the host while the device held the model, with its count.
+    fn cpu_passes(&self) -> Vec<(u64, String)>;
+}
+
+/// Where a device-home session's region is booked: the placement's region table. A session
+/// reaches it through a weak reference, so a placement that is gone (dropped, switched out,
+/// lost) leaves its sessions stale instead of pointing them at another model's regions.
+pub trait KvHome: Send + Sync {
+    fn release(&self, region: usize);
+    /// Keep `rows` of `region` for a later turn; the claim names them.
+    fn park(&self, region: usize, rows: usize) -> u64;
+    /// The region and row count `claim` names, now held; None when another stream took it.
+    fn adopt(&self, claim: u64) -> Option<(usize, usize)>;
+}
+
+/// A session's K/V in a device region.
+pub struct DevKv {
+    region: usize,
+    len: usize,
+    /// None once parked: the region is the table's again.
+    home: Option<Weak<dyn KvHome>>,
+}
+
+impl std::fmt::Debug for DevKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevKv").field("region", &self.region).field("len", &self.len).finish()
+    }
+}
+
+fn stale() -> Error {
+    Error::Device("this device session's model is no longer on the device (it was dropped, switched out, or the device was lost); create a new session".into())
+}
+
+impl DevKv {
+    pub fn new(region: usize, home: Weak<dyn KvHome>) -> DevKv {
+        DevKv { region, len: 0, home: Some(home) }
+    }
+
+    pub fn region(&self) -> usize {
+        self.region
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forget positions from `pos` on (a speculative rollback): the rows stay but are
+    /// overwritten by the next ones.
+    pub fn truncate(&mut self, pos: usize) {
+        self.len = self.len.min(pos);
+    }
+
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    /// After a pass wrote `n` more rows.
+    pub fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+
+    /// Whether this session's region is booked in `home` (and `home` is still there).
+    pub fn is_in<H: KvHome + 'static>(&self, home: &Arc<H>) -> bool {
+        self.home.as_ref().is_some_and(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(home)))
+    }
+
+    fn home(&self) -> Result<Arc<dyn KvHome>> {
+        self.home.as_ref().and_then(Weak::upgrade).ok_or_else(stale)
+    }
+
+    /// Park a finished session's rows: its region is free for the next stream, and the claim
+    /// names the rows until another stream takes the region. The session is left empty and
+    /// holds no region; 0 when its placement is gone.
+    pub fn park(&mut self) -> u64 {
+        let Ok(home) = self.home() else { return 0 };
+        let claim = home.park(self.region, self.len);
+        self.home = None;
+        self.len = 0;
+        claim
+    }
+
+    /// Hand the first `rows` rows a claim names to this fresh session (which gives up its own
+    /// region). False when the claim is stale (another stream took the region) or holds fewer.
+    pub fn adopt(&mut self, claim: u64, rows: usize) -> Result<bool> {
+        let home = self.home()?;
+        if self.len != 0 {
+            return Err(Error::InvalidArgument("adopt needs a fresh device session (n_past 0)".into()));
+        }
+        let Some((region, held)) = home.adopt(claim) else { return Ok(false) };
+        if rows > held {
+            home.park(region, held);
+            return Ok(false);
+        }
+        home.release(self.region);
+        self.region = region;
+        self.len = rows;
+        Ok(true)
+    }
+}
+
+impl Drop for DevKv {
+    fn drop(&mut self) {
+        if let Some(home) = self.home.as_ref().and_then(Weak::upgrade) {
+            home.release(self.region);
+        }
+    }
+}
