@@ -22,9 +22,9 @@ import sys
 import time
 
 import httpx
+from bench_server import free_port, wait_healthy
 
 import dasllama as dl
-from bench_server import free_port, wait_healthy
 
 PROMPTS = [f"Write a short paragraph about {t}." for t in ["the sea", "robots", "autumn", "lighthouses", "coffee", "mountains", "rain", "libraries"]]
 
