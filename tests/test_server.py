@@ -7,7 +7,8 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -331,3 +332,75 @@ def test_enable_thinking_is_taken_as_vllm_and_llama_server_take_it(server: str) 
     for bad, param in (({"chat_template_kwargs": []}, "chat_template_kwargs"), ({"enable_thinking": "no"}, "enable_thinking")):
         r = post(server, "/v1/chat/completions", {"model": "smollm", "messages": msgs, "max_tokens": 4, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---- in-process: what a real server cannot be made to do on demand -----------------------------
+
+
+def in_process(server: Any, *calls: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]) -> list[httpx.Response]:
+    """Run `calls` in order against `server`'s app over ASGI; an exception the app re-raises after
+    answering (Starlette's last-resort handler does) is not raised here, as a real server logs it."""
+    from dasllama.serve import build_app
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=build_app(server), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return [await asyncio.wait_for(call(c), 30) for call in calls]
+
+    return asyncio.run(go())
+
+
+def sse_events(r: httpx.Response) -> list[Any]:
+    return [json.loads(ln[6:]) if ln != "data: [DONE]" else "[DONE]" for ln in r.text.splitlines() if ln.startswith("data: ")]
+
+
+def test_unexpected_exceptions_answer_in_openai_shape(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from dasllama.serve import Server, app
+    from dasllama.serve.engine import Engine
+
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("boom")
+
+    server = Server()
+    eng = Engine(smollm, "smollm", streams=2, queue=8, chunk=64, page_rows=16)
+    try:
+        server.add(eng)
+        server.ready = True
+        body = {"model": "smollm", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+        # Each failure on its own: the engine's submit (before any answer), its counts (/metrics),
+        # the metrics a token updates (inside a stream's events) and a logprob entry (in the SSE
+        # loop itself), then /health, which no route guard covers.
+        monkeypatch.setattr(eng, "submit", boom)
+        (plain,) = in_process(server, lambda c: c.post("/v1/chat/completions", json=body))
+        monkeypatch.undo()
+        monkeypatch.setattr(eng, "counts", boom)
+        (metrics,) = in_process(server, lambda c: c.get("/metrics"))
+        monkeypatch.undo()
+        monkeypatch.setattr(app.Histogram, "observe", boom)
+        (in_events,) = in_process(server, lambda c: c.post("/v1/chat/completions", json=body | {"stream": True}))
+        monkeypatch.undo()
+        monkeypatch.setattr(app, "_logprob_entry", boom)
+        (in_loop,) = in_process(server, lambda c: c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "logprobs": 1, "stream": True}))
+        monkeypatch.undo()
+        monkeypatch.setattr(Engine, "alive", property(boom))
+        (health,) = in_process(server, lambda c: c.get("/health"))
+        monkeypatch.undo()
+
+        for r, path in ((plain, "POST /v1/chat/completions"), (metrics, "GET /metrics"), (health, "GET /health")):
+            assert r.status_code == 500, r.text
+            assert r.json() == {"error": {"message": f"{path} failed: boom", "type": "server_error", "param": None, "code": "internal_error"}}
+        for r, path in ((in_events, "POST /v1/chat/completions"), (in_loop, "POST /v1/completions")):
+            # Past the headers: a 200 whose stream ends with an error event, as an engine failure's does.
+            assert r.status_code == 200, r.text
+            events = sse_events(r)
+            assert events[-1] == {"error": {"message": f"{path} failed: boom", "type": "server_error", "param": None, "code": "internal_error"}}, events
+            assert all("choices" in e for e in events[:-1])
+        # Each one logged with its traceback; the answers carried none of it.
+        logged = [rec for rec in caplog.records if rec.name == "dasllama.serve" and rec.exc_info]
+        assert len(logged) == 4 and all(rec.exc_info[0] is RuntimeError for rec in logged)
+        # The server is still whole: the next request is answered.
+        (after,) = in_process(server, lambda c: c.post("/v1/chat/completions", json=body))
+        assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"]
+    finally:
+        eng.shutdown(timeout=5)
+

@@ -57,9 +57,17 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers or {}
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def internal_error(exc: BaseException, what: str) -> ApiError:
+    """The 500 for an exception no code path expected. It carries the exception's own message, so
+    a client can report what failed, but no traceback or type: those go to the log."""
+    return ApiError(500, f"{what} failed: {str(exc) or type(exc).__name__}", type_="server_error", code="internal_error")
 
 
 # OpenAI's own bound on inputs per embeddings request.
@@ -550,6 +558,9 @@ def build_app(server: Server) -> Starlette:
                 return await handler(request)
             except ApiError as e:
                 return e.response()
+            except Exception as e:  # any other failure still answers in OpenAI's shape
+                log.exception("%s %s failed", request.method, request.url.path)
+                return internal_error(e, f"{request.method} {request.url.path}").response()
 
         return wrapped
 
@@ -609,20 +620,23 @@ def build_app(server: Server) -> Starlette:
                             await queue.put((i, item))
                     except ApiError as e:
                         await queue.put((i, e))
+                    except Exception as e:  # the stream ends with an error event, as for an ApiError
+                        log.exception("choice %d of %s %s failed", i, request.method, request.url.path)
+                        await queue.put((i, internal_error(e, f"{request.method} {request.url.path}")))
                     finally:
                         await queue.put((i, None))
 
                 tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-                # With tools, each choice's text goes through a parser that gives calls out whole.
-                parsers = [CallParser() for _ in range(job.n)] if chat and job.tools is not None else None
-                # A leading thought goes out as `reasoning_content` deltas, before the content.
-                splitters = [ThoughtSplitter(job.markers, job.in_thought) for _ in range(job.n)] if chat and job.markers else None
-                if chat:
-                    for i in range(job.n):
-                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-                done = 0
                 watch = asyncio.ensure_future(disconnected(request))
                 try:
+                    # With tools, each choice's text goes through a parser that gives calls out whole.
+                    parsers = [CallParser() for _ in range(job.n)] if chat and job.tools is not None else None
+                    # A leading thought goes out as `reasoning_content` deltas, before the content.
+                    splitters = [ThoughtSplitter(job.markers, job.in_thought) for _ in range(job.n)] if chat and job.markers else None
+                    if chat:
+                        for i in range(job.n):
+                            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+                    done = 0
                     while done < job.n:
                         getter = asyncio.ensure_future(queue.get())
                         # A client that hangs up is cancelled within a step or two, not whenever
@@ -637,7 +651,7 @@ def build_app(server: Server) -> Starlette:
                             continue
                         if isinstance(item, ApiError):
                             # OpenAI's shape for an error after the stream began: an error event.
-                            yield _sse({"error": {"message": item.message, "type": item.type, "param": item.param, "code": item.code}})
+                            yield _sse(item.body())
                             return
                         text, ev, reason = item
                         if reason:
@@ -690,6 +704,9 @@ def build_app(server: Server) -> Starlette:
                     if job.include_usage:
                         yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [], "usage": _usage(usage)})
                     yield b"data: [DONE]\n\n"
+                except Exception as e:  # past the headers, an error event is the only way left to say it
+                    log.exception("%s %s failed while streaming", request.method, request.url.path)
+                    yield _sse(internal_error(e, f"{request.method} {request.url.path}").body())
                 finally:
                     watch.cancel()
                     # Cancelling a pump raises inside its request's generator, whose cleanup cancels.
@@ -878,6 +895,11 @@ def build_app(server: Server) -> Starlette:
     async def method_not_allowed(request: Request, exc: Exception) -> Response:
         return ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
 
+    async def server_error(request: Request, exc: Exception) -> Response:
+        # The last resort, for what no guarded route caught (say, in /health); Starlette re-raises
+        # the exception after this answer, and the server logs its traceback.
+        return internal_error(exc, f"{request.method} {request.url.path}").response()
+
     async def status_json(request: Request) -> Response:
         return JSONResponse(status(server, server.history), headers={"Cache-Control": "no-store"})
 
@@ -932,7 +954,7 @@ def build_app(server: Server) -> Starlette:
                 max_age=600,
             )
         )
-    return Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: method_not_allowed}, lifespan=lifespan)
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error}, lifespan=lifespan)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
