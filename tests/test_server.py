@@ -404,3 +404,23 @@ def test_unexpected_exceptions_answer_in_openai_shape(smollm: dl.Model, monkeypa
     finally:
         eng.shutdown(timeout=5)
 
+
+def test_api_key_guards_every_data_route_byte_for_byte() -> None:
+    from dasllama.serve import Server
+
+    key = "sk-ключ-🔑"  # not ASCII: compared as the UTF-8 bytes a client sends
+    server = Server(api_key=key)
+    server.ready = True
+    right = f"Bearer {key}".encode()
+    wrong = [b"", b"Bearer", right[:-1], right + b"x", right[:-1] + b"?", b"bearer " + key.encode(), right.replace(b"Bearer", b"Basic ")]
+
+    def get(path: str, auth: bytes | None) -> Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]:
+        return lambda c: c.get(path, headers={"Authorization": auth} if auth is not None else {})
+
+    paths = ["/v1/models", "/metrics", "/status.json"]
+    rs = in_process(server, *(get(p, a) for p in paths for a in [None, *wrong]), *(get(p, right) for p in paths), get("/health", None), get("/", None))
+    refused, allowed, (health, page) = rs[: -len(paths) - 2], rs[-len(paths) - 2 : -2], rs[-2:]
+    for r in refused:
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    assert all(r.status_code == 200 for r in allowed), [r.text for r in allowed]
+    assert health.status_code == 200 and page.status_code == 200

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hmac
 import json
 import logging
 import math
@@ -545,8 +546,10 @@ def build_app(server: Server) -> Starlette:
     def check_auth(request: Request) -> None:
         if server.api_key is None:
             return
-        auth = request.headers.get("authorization", "")
-        if auth != f"Bearer {server.api_key}":
+        # Starlette decodes header values as latin-1, so this recovers the bytes sent; comparing in
+        # constant time keeps the answer's timing from telling how much of a guess was right.
+        sent = request.headers.get("authorization", "").encode("latin-1")
+        if not hmac.compare_digest(sent, f"Bearer {server.api_key}".encode()):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def guarded(handler):
