@@ -355,7 +355,7 @@ def sse_events(r: httpx.Response) -> list[Any]:
 
 
 def test_unexpected_exceptions_answer_in_openai_shape(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from dasllama.serve import Server, app
+    from dasllama.serve import Server, app, routes
     from dasllama.serve.engine import Engine
 
     def boom(*_a: Any, **_k: Any) -> Any:
@@ -379,7 +379,7 @@ def test_unexpected_exceptions_answer_in_openai_shape(smollm: dl.Model, monkeypa
         monkeypatch.setattr(app.Histogram, "observe", boom)
         (in_events,) = in_process(server, lambda c: c.post("/v1/chat/completions", json=body | {"stream": True}))
         monkeypatch.undo()
-        monkeypatch.setattr(app, "_logprob_entry", boom)
+        monkeypatch.setattr(routes, "_logprob_entry", boom)
         (in_loop,) = in_process(server, lambda c: c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "logprobs": 1, "stream": True}))
         monkeypatch.undo()
         monkeypatch.setattr(Engine, "alive", property(boom))
