@@ -175,7 +175,7 @@ def test_sixteen_concurrent_streams_match_one_at_a_time(server: str, smollm: dl.
             return await asyncio.gather(*(one(c, p) for p in prompts))
 
     got = asyncio.run(all_())
-    for p, g in zip(prompts, got):
+    for p, g in zip(prompts, got, strict=True):
         ids = dl.encode(smollm, dl.render_chat(smollm, [{"role": "user", "content": p}]), special=True)
         want = dl.generate(smollm, dl.create_session(smollm), ids, dl.SamplingParams(), 24)
         assert g == dl.decode(smollm, [t for t in want if t not in smollm.eog_ids])

@@ -80,7 +80,7 @@ class Histogram:
 
     def render(self, name: str, labels: str) -> list[str]:
         counts = self.counts or [0] * len(self.buckets)
-        out = [f'{name}_bucket{{{labels},le="{b}"}} {c}' for b, c in zip(self.buckets, counts)]
+        out = [f'{name}_bucket{{{labels},le="{b}"}} {c}' for b, c in zip(self.buckets, counts, strict=True)]
         out += [f'{name}_bucket{{{labels},le="+Inf"}} {self.n}', f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.n}"]
         return out
 
