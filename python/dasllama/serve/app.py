@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -430,7 +430,7 @@ class Server:
             raise ApiError(503, "the server is at capacity: its request queue is full; retry shortly", type_="server_error", code="queue_full", headers={"Retry-After": "1"})
         return rid, sub
 
-    async def events(self, job: Job, rid: int, sub: Subscription) -> AsyncIterator[tuple[str, sched.SchedEvent | None, str | None]]:
+    async def events(self, job: Job, rid: int, sub: Subscription) -> AsyncGenerator[tuple[str, sched.SchedEvent | None, str | None], None]:
         """Yield (text delta, event, finish_reason) for one started choice. A stream that fails
         raises ApiError (after the text it produced); leaving early cancels it."""
         eng = job.engine

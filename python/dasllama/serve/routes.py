@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,7 @@ class Routes:
             return self._stream(request, job, chat, rid, created, gens)
         return await self._answer(request, job, chat, rid, created, gens)
 
-    def _stream(self, request: Request, job: Job, chat: bool, rid: str, created: int, gens: list[AsyncIterator[Event]]) -> Response:
+    def _stream(self, request: Request, job: Job, chat: bool, rid: str, created: int, gens: list[AsyncGenerator[Event, None]]) -> Response:
         """The choices as server-sent events, as they are generated."""
         obj = "chat.completion" if chat else "text_completion"
         model_name = job.engine.name
@@ -228,7 +228,7 @@ class Routes:
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _answer(self, request: Request, job: Job, chat: bool, rid: str, created: int, gens: list[AsyncIterator[Event]]) -> Response:
+    async def _answer(self, request: Request, job: Job, chat: bool, rid: str, created: int, gens: list[AsyncGenerator[Event, None]]) -> Response:
         """The whole answer at once, when every choice has finished."""
         obj = "chat.completion" if chat else "text_completion"
         model_name = job.engine.name
