@@ -109,7 +109,7 @@ def main() -> None:
                     if mode == "eval_batch":
                         dl.eval_batch(m, ws, sessions, toks)
                     else:
-                        for s, t in zip(sessions, toks):
+                        for s, t in zip(sessions, toks, strict=False):
                             dl.eval(m, s, [t])
                 times.append(time.perf_counter() - t0)
             res[mode] = b * args.steps / statistics.median(times)

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import pairwise
 
 import httpx
 from bench_server import free_port, wait_healthy
@@ -55,7 +56,7 @@ async def stream(c: httpx.AsyncClient, base: str, prompt: str, max_tokens: int, 
 def gaps(stamps: list[float], lo: float, hi: float) -> list[float]:
     """Gaps between consecutive tokens whose later token arrived in [lo, hi]; the gap open at `hi`
     (a token not yet arrived) counts up to the first token after it."""
-    return [b - a for a, b in zip(stamps, stamps[1:]) if lo <= b and a <= hi]
+    return [b - a for a, b in pairwise(stamps) if lo <= b and a <= hi]
 
 
 async def one_run(base: str, n_streams: int, long_prompt: str) -> dict[str, float]:

@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from itertools import pairwise
 
 import httpx
 from tqdm import tqdm
@@ -66,7 +67,7 @@ async def one(c: httpx.AsyncClient, base: str, prompt: str, max_tokens: int) -> 
     except httpx.HTTPError:
         done = False
     ttft = (stamps[0] - t0) if stamps else float("nan")
-    return ttft, [b - a for a, b in zip(stamps, stamps[1:])], len(stamps), not done
+    return ttft, [b - a for a, b in pairwise(stamps)], len(stamps), not done
 
 
 async def load(base: str, conc: int, n_req: int, max_tokens: int) -> dict[str, float]:

@@ -205,7 +205,7 @@ def main() -> None:
     head = ["case", "streams", "plain tok/s", "spec tok/s", "speedup", "accepted", "pass cost ms (a + b/row)"]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, ["-" * w for w in widths], *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)))
 
 
 if __name__ == "__main__":

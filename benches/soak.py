@@ -317,7 +317,7 @@ async def send(ctx: Ctx, path: str, payload: bytes | dict[str, Any], *, stream: 
     t0 = time.perf_counter()
     try:
         return await asyncio.wait_for(_send(ctx, path, payload, stream=stream, hostile=hostile, cut_after=cut_after, first_token=first_token), ctx.request_timeout)
-    except (asyncio.TimeoutError, httpx.TimeoutException):
+    except (TimeoutError, httpx.TimeoutException):
         return Result("timeout", 0, time.perf_counter() - t0, detail=f"no answer within {ctx.request_timeout:.0f}s")
     except httpx.HTTPError as e:
         return Result("transport_error", 0, time.perf_counter() - t0, detail=f"{type(e).__name__}: {e}")
@@ -705,7 +705,7 @@ def table(rows: list[list[Any]], headers: list[str]) -> str:
         return tabulate(rows, headers=headers, tablefmt="github")
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + " |"
     return "\n".join([fmt(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in cells[1:]])
 
 

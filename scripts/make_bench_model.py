@@ -255,7 +255,7 @@ def main() -> None:
         write_f16(f16, str(dl.fetch(args.tokenizer_from)), args.seed, args.shape)
         print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s", flush=True)
     py = llama_python(args.llama_python)
-    for kind, dst in zip(args.types, wanted):
+    for kind, dst in zip(args.types, wanted, strict=True):
         if dst.exists():
             print(f"{dst} exists")
             continue

@@ -45,7 +45,7 @@ def top5(scores: np.ndarray) -> list[dict]:
 def spread(a: list[dict], b: list[dict]) -> float:
     """max |Δ log p| between two runs' steps, over the first run's top-5."""
     out = 0.0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         ly = {t: v for t, v in y["top"]}
         out = max(out, *(abs(v - ly[t]) for t, v in x["top"] if t in ly))
     return out

@@ -2,7 +2,7 @@
 # The whole test suite: lints (rustfmt, clippy, ruff), Rust unit and kernel tests, the type stubs
 # against the built module, then pytest against the real models (fetched through dasllama's own
 # fetcher on first use), and the golden subset once more on the scalar kernels. Works on a fresh
-# machine with Rust and Python 3.9+; everything else it installs into .venv.
+# machine with Rust and Python 3.11+; everything else it installs into .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -657,7 +657,7 @@ def _moe(W: dict[str, np.ndarray], p: str, e: dict[str, int], h: np.ndarray) -> 
         w = probs[t, top]
         if "shared" not in e or e.get("norm"):  # qwen3moe, qwen3next renormalise; qwen2moe takes them as they come
             w = w / w.sum()
-        for x, wx in zip(top, w):
+        for x, wx in zip(top, w, strict=True):
             out[t] += wx * _swiglu(h[t], W[p + "ffn_gate_exps.weight"][x], W[p + "ffn_up_exps.weight"][x], W[p + "ffn_down_exps.weight"][x])
     if "shared" in e:
         gate = 1 / (1 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))

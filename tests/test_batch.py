@@ -18,7 +18,7 @@ def test_batched_logits_equal_single(which: str, request: pytest.FixtureRequest)
     alone = [dl.create_session(m) for _ in PROMPTS]
     batched = [dl.create_session(m) for _ in PROMPTS]
     nxt = []
-    for a, b, i in zip(alone, batched, ids):
+    for a, b, i in zip(alone, batched, ids, strict=True):
         la = dl.eval(m, a, i)
         np.testing.assert_array_equal(la, dl.eval(m, b, i))
         nxt.append(int(np.argmax(la)))
@@ -26,7 +26,7 @@ def test_batched_logits_equal_single(which: str, request: pytest.FixtureRequest)
     for _step in range(4):
         out = dl.eval_batch(m, ws, batched, nxt)
         assert out.shape == (len(PROMPTS), m.n_vocab) and out.dtype == np.float32
-        for k, (a, t) in enumerate(zip(alone, nxt)):
+        for k, (a, t) in enumerate(zip(alone, nxt, strict=True)):
             np.testing.assert_array_equal(out[k], dl.eval(m, a, [t]))
         nxt = [dl.sample(s) for s in batched]  # greedy, from the logits eval_batch left in each session
         assert nxt == [int(np.argmax(r)) for r in out]
@@ -37,15 +37,15 @@ def test_batched_greedy_equals_generate(smollm: dl.Model) -> None:
     ids = [dl.encode(smollm, p) for p in PROMPTS[:3]]
     want = [dl.generate(smollm, dl.create_session(smollm), i, dl.SamplingParams(), 12) for i in ids]
     sessions = [dl.create_session(smollm) for _ in ids]
-    toks = [int(np.argmax(dl.eval(smollm, s, i))) for s, i in zip(sessions, ids)]
+    toks = [int(np.argmax(dl.eval(smollm, s, i))) for s, i in zip(sessions, ids, strict=True)]
     got = [[t] for t in toks]
     ws = dl.create_batch_workspace(smollm)
     for _ in range(11):
         out = dl.eval_batch(smollm, ws, sessions, toks)
         toks = [int(np.argmax(r)) for r in out]
-        for g, t in zip(got, toks):
+        for g, t in zip(got, toks, strict=True):
             g.append(t)
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         n = len(w) if w[-1] not in smollm.eog_ids else len(w) - 1
         assert g[:n] == w[:n]
 

@@ -25,7 +25,7 @@ def test_embeddings_match_llama_cpp(smollm: dl.Model, pooling: str) -> None:
 def test_batched_equals_alone_and_pooling_matters(smollm: dl.Model) -> None:
     texts = ["short", "a somewhat longer sentence about embeddings", "x " * 300]
     together = dl.embed(smollm, texts)
-    for t, row in zip(texts, together):
+    for t, row in zip(texts, together, strict=True):
         np.testing.assert_array_equal(dl.embed(smollm, t)[0], row)
     assert together.shape == (3, smollm.config["dim"]) and together.dtype == np.float32
     assert not np.allclose(dl.embed(smollm, texts[1], pooling="last"), together[1])

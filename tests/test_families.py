@@ -60,7 +60,7 @@ def compare(m: dl.Model, g: dict, run=one_batch, key: str = "steps") -> tuple[fl
     worst, flips, decisive, steps = 0.0, 0, 0, 0
     for c in g["cases"]:
         lp = log_probs(run(m, c["ids"]))
-        for row, st in zip(lp, c[key]):
+        for row, st in zip(lp, c[key], strict=True):
             top = st["top"]
             worst = max(worst, *(abs(float(row[t]) - ref) for t, ref in top))
             if top[0][1] - top[1][1] >= 0.15:
@@ -175,17 +175,17 @@ def test_batched_and_chunked_equal_single_stream(name: str, files: dict[str, Pat
         s = dl.create_session(m)
         alone.append(np.stack([dl.eval(m, s, [t]) for t in ids]))
     # Prefill in chunks of 7 gives the same rows.
-    for ids, ref in zip(cases, alone):
+    for ids, ref in zip(cases, alone, strict=True):
         s = dl.create_session(m)
         rows = np.concatenate([dl.eval_all(m, s, ids[i : i + 7]) for i in range(0, len(ids), 7)])
         np.testing.assert_array_equal(rows, ref)
     # Streams at different depths advanced together, one token each per step.
     sessions = [dl.create_session(m) for _ in cases]
     starts = [5, 9, 13]
-    for s, ids, k in zip(sessions, cases, starts):
+    for s, ids, k in zip(sessions, cases, starts, strict=True):
         dl.eval(m, s, ids[:k])
     ws = dl.create_batch_workspace(m)
     for step in range(8):
-        out = dl.eval_batch(m, ws, sessions, [ids[k + step] for ids, k in zip(cases, starts)])
-        for i, (ref, k) in enumerate(zip(alone, starts)):
+        out = dl.eval_batch(m, ws, sessions, [ids[k + step] for ids, k in zip(cases, starts, strict=True)])
+        for i, (ref, k) in enumerate(zip(alone, starts, strict=True)):
             np.testing.assert_array_equal(out[i], ref[k + step])

@@ -114,11 +114,11 @@ def test_ggml_numerics_batched_equals_alone(smollm_ggml: dl.Model, smollm_golden
         dl.eval(smollm_ggml, s, c["prompt_ids"])
         alone.append(dl.eval(smollm_ggml, s, c["greedy_ids"][:1]))
     sessions = [dl.create_session(smollm_ggml) for _ in cases]
-    for s, c in zip(sessions, cases):
+    for s, c in zip(sessions, cases, strict=True):
         dl.eval(smollm_ggml, s, c["prompt_ids"])
     ws = dl.create_batch_workspace(smollm_ggml)
     batched = dl.eval_batch(smollm_ggml, ws, sessions, [c["greedy_ids"][0] for c in cases])
-    for a, b in zip(alone, batched):
+    for a, b in zip(alone, batched, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -125,10 +125,10 @@ def test_gpu_dn_room_is_a_noop_on_the_cpu(hybrid: dl.Model) -> None:
     ps = prompts()[:2]
     dl.gpu_dn_room(2)
     sessions = [dl.create_session(hybrid) for _ in ps]
-    for s, p in zip(sessions, ps):
+    for s, p in zip(sessions, ps, strict=True):
         dl.eval(hybrid, s, p)
     out = dl.eval_batch(hybrid, dl.create_batch_workspace(hybrid), sessions, [5, 6])
-    for p, row, t in zip(ps, out, [5, 6]):
+    for p, row, t in zip(ps, out, [5, 6], strict=True):
         np.testing.assert_array_equal(row, dl.eval_all(hybrid, dl.create_session(hybrid), p + [t])[-1])
     with pytest.raises(ValueError, match="stream count"):
         dl.gpu_dn_room(-1)

@@ -124,7 +124,7 @@ def test_prefix_chain_shares_links_exactly_with_a_shared_prefix() -> None:
     system = {"role": "system", "content": "You are a careful assistant who answers in full sentences. " * 4}
     a = prefix_chain({"model": "m", "messages": [system, {"role": "user", "content": "First question, about the weather at sea?"}]}, True)
     b = prefix_chain({"model": "m", "messages": [system, {"role": "user", "content": "Second question, about bread and butter?"}]}, True)
-    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     assert shared == (len("system\x1f") + len(system["content"]) + len("\x1euser\x1f")) // CHUNK_CHARS  # the user turns differ from their first letter
     # A later turn extends the earlier one's chain; another model or a text completion shares nothing.
     turn2 = prefix_chain({"model": "m", "messages": [system, {"role": "user", "content": "First question, about the weather at sea?"}, {"role": "assistant", "content": "Calm."}, {"role": "user", "content": "And tomorrow?"}]}, True)

@@ -251,7 +251,7 @@ def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch
     short = dl.encode(smollm, "Tell me a story.")
     news = (40, 4)
     want = []
-    for p, n in zip((short, long), news):
+    for p, n in zip((short, long), news, strict=True):
         s = dl.create_session(smollm)
         # Greedy decoding past end-of-generation, one token at a time.
         logits = dl.eval(smollm, s, p)

@@ -7,7 +7,8 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -174,7 +175,7 @@ def test_sixteen_concurrent_streams_match_one_at_a_time(server: str, smollm: dl.
             return await asyncio.gather(*(one(c, p) for p in prompts))
 
     got = asyncio.run(all_())
-    for p, g in zip(prompts, got):
+    for p, g in zip(prompts, got, strict=True):
         ids = dl.encode(smollm, dl.render_chat(smollm, [{"role": "user", "content": p}]), special=True)
         want = dl.generate(smollm, dl.create_session(smollm), ids, dl.SamplingParams(), 24)
         assert g == dl.decode(smollm, [t for t in want if t not in smollm.eog_ids])
@@ -331,3 +332,95 @@ def test_enable_thinking_is_taken_as_vllm_and_llama_server_take_it(server: str) 
     for bad, param in (({"chat_template_kwargs": []}, "chat_template_kwargs"), ({"enable_thinking": "no"}, "enable_thinking")):
         r = post(server, "/v1/chat/completions", {"model": "smollm", "messages": msgs, "max_tokens": 4, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---- in-process: what a real server cannot be made to do on demand -----------------------------
+
+
+def in_process(server: Any, *calls: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]) -> list[httpx.Response]:
+    """Run `calls` in order against `server`'s app over ASGI; an exception the app re-raises after
+    answering (Starlette's last-resort handler does) is not raised here, as a real server logs it."""
+    from dasllama.serve import build_app
+
+    async def go() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=build_app(server), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            return [await asyncio.wait_for(call(c), 30) for call in calls]
+
+    return asyncio.run(go())
+
+
+def sse_events(r: httpx.Response) -> list[Any]:
+    return [json.loads(ln[6:]) if ln != "data: [DONE]" else "[DONE]" for ln in r.text.splitlines() if ln.startswith("data: ")]
+
+
+def test_unexpected_exceptions_answer_in_openai_shape(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from dasllama.serve import Server, app, routes
+    from dasllama.serve.engine import Engine
+
+    def boom(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("boom")
+
+    server = Server()
+    eng = Engine(smollm, "smollm", streams=2, queue=8, chunk=64, page_rows=16)
+    try:
+        server.add(eng)
+        server.ready = True
+        body = {"model": "smollm", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+        # Each failure on its own: the engine's submit (before any answer), its counts (/metrics),
+        # the metrics a token updates (inside a stream's events) and a logprob entry (in the SSE
+        # loop itself), then /health, which no route guard covers.
+        monkeypatch.setattr(eng, "submit", boom)
+        (plain,) = in_process(server, lambda c: c.post("/v1/chat/completions", json=body))
+        monkeypatch.undo()
+        monkeypatch.setattr(eng, "counts", boom)
+        (metrics,) = in_process(server, lambda c: c.get("/metrics"))
+        monkeypatch.undo()
+        monkeypatch.setattr(app.Histogram, "observe", boom)
+        (in_events,) = in_process(server, lambda c: c.post("/v1/chat/completions", json=body | {"stream": True}))
+        monkeypatch.undo()
+        monkeypatch.setattr(routes, "_logprob_entry", boom)
+        (in_loop,) = in_process(server, lambda c: c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "logprobs": 1, "stream": True}))
+        monkeypatch.undo()
+        monkeypatch.setattr(Engine, "alive", property(boom))
+        (health,) = in_process(server, lambda c: c.get("/health"))
+        monkeypatch.undo()
+
+        for r, path in ((plain, "POST /v1/chat/completions"), (metrics, "GET /metrics"), (health, "GET /health")):
+            assert r.status_code == 500, r.text
+            assert r.json() == {"error": {"message": f"{path} failed: boom", "type": "server_error", "param": None, "code": "internal_error"}}
+        for r, path in ((in_events, "POST /v1/chat/completions"), (in_loop, "POST /v1/completions")):
+            # Past the headers: a 200 whose stream ends with an error event, as an engine failure's does.
+            assert r.status_code == 200, r.text
+            events = sse_events(r)
+            assert events[-1] == {"error": {"message": f"{path} failed: boom", "type": "server_error", "param": None, "code": "internal_error"}}, events
+            assert all("choices" in e for e in events[:-1])
+        # Each one logged with its traceback; the answers carried none of it.
+        logged = [rec for rec in caplog.records if rec.name == "dasllama.serve" and rec.exc_info]
+        assert len(logged) == 4 and all(rec.exc_info[0] is RuntimeError for rec in logged)
+        # The server is still whole: the next request is answered.
+        (after,) = in_process(server, lambda c: c.post("/v1/chat/completions", json=body))
+        assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"]
+    finally:
+        eng.shutdown(timeout=5)
+
+
+def test_api_key_guards_every_data_route_byte_for_byte() -> None:
+    from dasllama.serve import Server
+
+    key = "sk-ключ-🔑"  # not ASCII: compared as the UTF-8 bytes a client sends
+    server = Server(api_key=key)
+    server.ready = True
+    right = f"Bearer {key}".encode()
+    wrong = [b"", b"Bearer", right[:-1], right + b"x", right[:-1] + b"?", b"bearer " + key.encode(), right.replace(b"Bearer", b"Basic ")]
+
+    def get(path: str, auth: bytes | None) -> Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]:
+        return lambda c: c.get(path, headers={"Authorization": auth} if auth is not None else {})
+
+    paths = ["/v1/models", "/metrics", "/status.json"]
+    rs = in_process(server, *(get(p, a) for p in paths for a in [None, *wrong]), *(get(p, right) for p in paths), get("/health", None), get("/", None))
+    refused, allowed, (health, page) = rs[: -len(paths) - 2], rs[-len(paths) - 2 : -2], rs[-2:]
+    for r in refused:
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    assert all(r.status_code == 200 for r in allowed), [r.text for r in allowed]
+    assert health.status_code == 200 and page.status_code == 200

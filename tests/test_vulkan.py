@@ -141,9 +141,9 @@ def test_device_kv_codecs_track_the_cpu_codecs(tmp_path: Path, dt: str) -> None:
     host = dl.create_session(m, dl.create_kv_pool(m, kv_dtype=dt))
     cpu = dl.eval_all(m, host, IDS[:-1])
     cpu_f16 = dl.eval_all(m, dl.create_session(m), IDS[:-1])
-    err = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(got, cpu))
-    f16_err = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(f16, cpu_f16))
-    codec_shift = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(got, f16))
+    err = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(got, cpu, strict=False))
+    f16_err = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(f16, cpu_f16, strict=False))
+    codec_shift = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(got, f16, strict=False))
     assert err <= 5 * f16_err + 0.02, (dt, err, f16_err)
     assert codec_shift > 4 * err, (dt, codec_shift, err)
     gpu.moe_gpu_hydrate_session(m, s)
@@ -265,10 +265,10 @@ def test_recorded_chains_are_replayed_for_steps_of_the_same_shape(tmp_path: Path
     first, st, m = decode()
     assert (st.chains_recorded, st.chains_replayed) == (3, len(steps) - 3), st
     host = [dl.create_session(m), dl.create_session(m)]
-    for (i, toks), got in zip(steps, first):
+    for (i, toks), got in zip(steps, first, strict=False):
         assert np.abs(lsm(got) - lsm(dl.eval(m, host[i], toks))).max() < 0.05, (i, toks)
     again, _, _ = decode()
-    for x, y in zip(first, again):
+    for x, y in zip(first, again, strict=False):
         np.testing.assert_array_equal(x, y)
 
 
@@ -283,7 +283,7 @@ def golden_errors(m: dl.Model, g: dict, cases: list[int] | None, steps: int) -> 
             dl.eval(m, s, p[:-1])
         rows = dl.eval_all(m, s, p[-1:] + c["greedy_ids"][: steps - 1])
         gpu.gpu_device_kv_park(s)
-        for st, row in zip(c["steps"][:steps], rows):
+        for st, row in zip(c["steps"][:steps], rows, strict=False):
             lp = lsm(row)
             errs.append(max(abs(float(lp[t]) - ref) for t, ref in st["top"]))
             if st["top"][0][1] - st["top"][1][1] >= 0.15:

@@ -137,7 +137,7 @@ def _tokenizer_args(meta: dict[str, Any], path: Path) -> dict[str, Any]:
 
     eos = tid("tokenizer.ggml.eos_token_id")
     eog = {t for t in (tid("tokenizer.ggml.eot_token_id"), tid("tokenizer.ggml.eom_token_id")) if t is not None}
-    eog |= {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4) and t in _EOG_TEXTS}
+    eog |= {i for i, (t, ty) in enumerate(zip(tokens, types, strict=False)) if ty in (3, 4) and t in _EOG_TEXTS}
     eog.discard(eos)  # type: ignore[arg-type]
     return dict(
         tokenizer_model=model,

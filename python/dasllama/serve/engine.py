@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from .. import gpu
 from .. import scheduler as sched
@@ -30,7 +30,7 @@ class EngineFailure:
     kind: str = "engine_failure"
 
 
-Delivery = Union[sched.SchedEvent, EngineFailure]
+Delivery = sched.SchedEvent | EngineFailure
 
 
 @dataclass

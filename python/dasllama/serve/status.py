@@ -7,6 +7,7 @@ import collections
 import os
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from .. import _native
@@ -82,7 +83,7 @@ class StatusHistory:
         when no request began in it), active and queued streams."""
         pts = list(self.samples.get(name, ()))
         out = []
-        for a, b in zip(pts, pts[1:]):
+        for a, b in pairwise(pts):
             dt = max(b.at - a.at, 1e-6)
             dn = b.ttft_n - a.ttft_n
             out.append(
