@@ -17,6 +17,7 @@ mod kernels;
 mod rails;
 mod regions;
 mod resident;
+mod shaders;
 mod weights;
 
 pub use device::DeviceInfo;
