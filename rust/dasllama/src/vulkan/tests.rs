@@ -1,6 +1,7 @@
 //! Every kernel against the CPU code it mirrors, on whatever Vulkan device this machine has
-//! (Mesa's lavapipe in CI, with DASLLAMA_VK_ALLOW_CPU=1). Without a device each test says so and
-//! passes: the CPU-only build must still test everything else.
+//! (Mesa's lavapipe in CI, with DASLLAMA_VK_ALLOW_CPU=1). Without a device each test prints
+//! `skipped: <test>: <reason>` and returns, so the CPU-only build still tests everything else;
+//! where a device is expected (lavapipe installed, or DASLLAMA_VK_REQUIRE=1) it fails instead.
 
 use super::buffer::Buffer;
 use super::device::Gpu;
@@ -13,17 +14,35 @@ use crate::quant::{dequantize_row, quantize_row, GgmlType};
 use gpu_allocator::MemoryLocation;
 use std::sync::{Arc, OnceLock};
 
+/// The device, its kernels and a runner; `None` (the test returns) where no Vulkan device
+/// answers and none is expected, having printed `skipped: <test>: <reason>`. Where one is
+/// expected (Mesa's lavapipe installed, or DASLLAMA_VK_REQUIRE=1) a missing device fails the test:
+/// a broken loader or driver must not pass as "no device".
 fn gpu() -> Option<(Arc<Gpu>, Kernels, Runner)> {
-    static G: OnceLock<Option<Arc<Gpu>>> = OnceLock::new();
-    let g = G.get_or_init(|| match Gpu::open() {
-        Ok(g) => Some(Arc::new(g)),
+    static G: OnceLock<Result<Arc<Gpu>, String>> = OnceLock::new();
+    let g = G.get_or_init(|| Gpu::open().map(Arc::new).map_err(|e| e.to_string()));
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    let g = match g {
+        Ok(g) => g,
         Err(e) => {
-            eprintln!("no Vulkan device, kernel tests skipped: {e}");
-            None
+            match device_expected() {
+                Some(why) => panic!("{test}: no Vulkan device although {why}: {e}"),
+                None => eprintln!("skipped: {test}: no Vulkan device (no lavapipe installed, DASLLAMA_VK_REQUIRE unset): {e}"),
+            }
+            return None;
         }
-    });
-    let g = g.as_ref()?;
+    };
     Some((g.clone(), Kernels::new(g).unwrap(), Runner::new(g).unwrap()))
+}
+
+/// Why this machine must have a Vulkan device, if it must.
+fn device_expected() -> Option<String> {
+    if std::env::var("DASLLAMA_VK_REQUIRE").is_ok_and(|v| v == "1") {
+        return Some("DASLLAMA_VK_REQUIRE=1".into());
+    }
+    let icds = std::fs::read_dir("/usr/share/vulkan/icd.d").ok()?;
+    let lvp: Vec<String> = icds.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|f| f.starts_with("lvp_icd") && f.ends_with(".json")).collect();
+    (!lvp.is_empty()).then(|| format!("lavapipe is installed (/usr/share/vulkan/icd.d/{})", lvp.join(", ")))
 }
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
