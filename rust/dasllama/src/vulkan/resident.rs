@@ -351,7 +351,7 @@ impl Resident {
     /// Record the dispatch chain of a window of `n` rows with `n_out` output rows (`hidden`: the
     /// final hidden states, else logits). Everything that varies between steps of one shape is
     /// in the metadata buffer at the addresses given (`meta`: tokens, row metadata, picked rows;
-    /// `rope_a`: each RoPE table), so the chain is replayed for every later step of that sh.
+    /// `rope_a`: each RoPE table), so the chain is replayed for every later step of that shape.
     #[allow(clippy::too_many_arguments)]
     fn record(&mut self, n: usize, n_out: usize, hidden: bool, meta: [u64; 3], rope_a: &[u64], ropes: &[Rope]) -> Result<()> {
         let c = &self.cfg;
