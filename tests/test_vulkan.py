@@ -508,6 +508,8 @@ def test_bad_inputs_give_clear_outcomes(tmp_path: Path) -> None:
     # The device lost mid-stream: that stream ends with an error, the next request runs (on the CPU).
     dl.submit(m, sch, dl.PendingReq(id=2, prompt=IDS, max_new=6, ignore_eos=True))
     dl.scheduler_step(m, sch, [])
+    if not hasattr(dl._native, "_inject_device_fault"):
+        pytest.skip("the lost device: built without the fault-injection feature")
     dl._native._inject_device_fault()
     evs = drain(m, sch)
     fin = next(e for e in evs if e.kind == "finished")

@@ -215,6 +215,7 @@ fn device_kv(sch: &super::PyScheduler) -> bool {
 }
 
 /// Test hook: the next device step reports a lost device.
+#[cfg(feature = "fault-injection")]
 #[pyfunction]
 fn _inject_device_fault() {
     vulkan::fault::inject()
@@ -251,11 +252,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(gpu_adopt, m)?,
         wrap_pyfunction!(gpu_hydrate, m)?,
         wrap_pyfunction!(is_device_session, m)?,
-        wrap_pyfunction!(_inject_device_fault, m)?,
         wrap_pyfunction!(set_device_kv, m)?,
         wrap_pyfunction!(device_kv, m)?,
     ] {
         m.add_function(f)?;
     }
+    #[cfg(feature = "fault-injection")]
+    m.add_function(wrap_pyfunction!(_inject_device_fault, m)?)?;
     Ok(())
 }

@@ -657,6 +657,7 @@ pub fn hydrate(s: &DevKv, kv: &mut KvCache) -> Result<()> {
 }
 
 /// Test hook: the next step's submission reports a lost device, as a GPU fault would.
+#[cfg(feature = "fault-injection")]
 pub mod fault {
     use std::sync::atomic::{AtomicBool, Ordering};
     static FAULT: AtomicBool = AtomicBool::new(false);
