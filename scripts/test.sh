@@ -27,7 +27,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-python -m pip install -q -e '.[test]'
+# The test build carries the engine's fault hooks (the `fault-injection` feature, which the
+# robustness tests drive); the release wheel (.ci/run) is built without them.
+MATURIN_PEP517_ARGS="--features fault-injection" python -m pip install -q -e '.[test]'
 
 cargo fmt --all --check
 if command -v glslc >/dev/null 2>&1 && command -v spirv-val >/dev/null 2>&1; then
@@ -36,13 +38,14 @@ else
     echo "shader check skipped: glslc or spirv-val is missing (apt-get install glslc spirv-tools)"
 fi
 cargo clippy --release --all-targets -p dasllama -p dasllama-py -- -D warnings
+cargo clippy --release --all-targets -p dasllama -p dasllama-py --features fault-injection -- -D warnings
 ruff check python tests benches examples scripts
 python -m mypy.stubtest dasllama._native --allowlist scripts/stubtest-allowlist.txt
 
 # The Vulkan tests may use lavapipe, a CPU Vulkan device, which dasllama otherwise never picks.
 export DASLLAMA_VK_ALLOW_CPU=1
-cargo test --release -p dasllama
-DASLLAMA_NO_SIMD=1 cargo test --release -p dasllama  # the scalar twins under the same tests
+cargo test --release -p dasllama --features fault-injection
+DASLLAMA_NO_SIMD=1 cargo test --release -p dasllama --features fault-injection  # the scalar twins under the same tests
 python -m pytest -q tests "$@"
 # The scalar twins end to end: every SIMD kernel off (read once per process, hence a process of
 # its own), the golden comparisons must still hold.

@@ -4,11 +4,13 @@ CPU Vulkan device, allowed here with DASLLAMA_VK_ALLOW_CPU=1) in CI, a GPU where
 Lavapipe runs these kernels far slower than our CPU path, so the checks use tiny synthetic models
 for everything that needs many steps, and a few SmolLM2 / Gemma 3 steps against llama.cpp's
 goldens. Where no Vulkan device exists at all, the device tests are skipped with the reason, and
-the tutorial's dance is still checked to report "cpu" with it.
+the tutorial's dance is still checked to report "cpu" with it; but where one is expected (Mesa's
+lavapipe is installed, or DASLLAMA_VK_REQUIRE=1), a missing device fails them instead.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -26,7 +28,24 @@ from synthetic import reference_logits, write_family, write_model
 
 os.environ.setdefault("DASLLAMA_VK_ALLOW_CPU", "1")
 HAVE = gpu.kernel_backend_available("vulkan")
-needs_device = pytest.mark.skipif(not HAVE, reason=f"no Vulkan device: {dl._native.vk_witness()[1]}")
+LAVAPIPE = sorted(glob.glob("/usr/share/vulkan/icd.d/lvp_icd*.json"))
+EXPECTED = "lavapipe is installed (" + ", ".join(LAVAPIPE) + ")" if LAVAPIPE else "DASLLAMA_VK_REQUIRE=1" if os.environ.get("DASLLAMA_VK_REQUIRE") == "1" else ""
+
+
+@pytest.fixture
+def device() -> None:
+    """A Vulkan device answers: else the test is skipped with the reason, or fails where one is
+    expected (lavapipe installed, or DASLLAMA_VK_REQUIRE=1): a broken loader or driver must not
+    pass as "no device"."""
+    if HAVE:
+        return
+    why = dl._native.vk_witness()[1]
+    if EXPECTED:
+        pytest.fail(f"no Vulkan device although {EXPECTED}: {why}")
+    pytest.skip(f"no Vulkan device (no lavapipe installed, DASLLAMA_VK_REQUIRE unset): {why}")
+
+
+needs_device = pytest.mark.usefixtures("device")
 IDS = [1, 266, 262, 265, 12, 7, 260]
 
 
@@ -492,7 +511,7 @@ def test_bad_inputs_give_clear_outcomes(tmp_path: Path) -> None:
     dl.scheduler_step(m, sch, [])
     native_dev = _open_device(m.device)
     if not hasattr(native_dev, "_inject_fault"):
-        pytest.skip("the lost-device half needs the test build (the fault-injection cargo feature)")
+        pytest.skip("the lost device: built without the fault-injection feature")
     native_dev._inject_fault()
     evs = drain(m, sch)
     fin = next(e for e in evs if e.kind == "finished")

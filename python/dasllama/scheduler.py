@@ -145,7 +145,8 @@ def kv_page_bytes(m: Model, page_rows: int, kv_dtype: KVDtype | str = KVDtype.f1
 
 
 def _inject_fault(sch: Scheduler, id: int) -> bool:
-    """Test hook: the next evaluation that includes request ``id`` fails inside the engine."""
+    """Test hook: the next evaluation that includes request ``id`` fails inside the engine. Only in
+    a build with the ``fault-injection`` feature (the test suite's); AttributeError elsewhere."""
     return _native._inject_stream_fault(sch, int(id))
 
 

@@ -801,12 +801,14 @@ fn evict(py: Python<'_>, m: &PyModel, sch: &mut PyScheduler, id: i64) -> PyResul
 }
 
 /// Test hook: the next evaluation that includes request `id` fails inside the engine.
+#[cfg(feature = "fault-injection")]
 #[pyfunction]
 fn _inject_stream_fault(sch: &mut PyScheduler, id: i64) -> bool {
     sch.inner.inject_fault(id)
 }
 
 /// Test hook: the next kernel task on the thread team panics.
+#[cfg(feature = "fault-injection")]
 #[pyfunction]
 fn _inject_kernel_fault() {
     dasllama::cpu::spin::inject::arm();
@@ -885,8 +887,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("KvPoolFullError", py.get_type_bound::<KvPoolFullError>())?;
     m.add("EngineError", py.get_type_bound::<EngineError>())?;
     m.add_class::<PySchedEvent>()?;
-    m.add_function(wrap_pyfunction!(_inject_stream_fault, m)?)?;
-    m.add_function(wrap_pyfunction!(_inject_kernel_fault, m)?)?;
+    #[cfg(feature = "fault-injection")]
+    {
+        m.add_function(wrap_pyfunction!(_inject_stream_fault, m)?)?;
+        m.add_function(wrap_pyfunction!(_inject_kernel_fault, m)?)?;
+    }
     m.add_class::<PyModel>()?;
     m.add_class::<PySession>()?;
     m.add_class::<Params>()?;

@@ -19,6 +19,7 @@ pub struct Session {
     pub record: TokenRecord,
     /// Test hook (`Scheduler::inject_fault`): every evaluation including this session panics in
     /// a kernel task, as a bug would.
+    #[cfg(feature = "fault-injection")]
     pub fault: bool,
 }
 
@@ -45,7 +46,14 @@ impl Session {
     /// A hybrid's session keeps its DeltaNet layers' recurrent state beside its K/V pages.
     fn with_kv(m: &Model, kv: KvCache) -> Self {
         let kv = kv.with_recurrent(m.config.rec_layers().iter().map(|d| (d.conv_state(), d.ssm_state())).collect());
-        Session { kv, dev: None, logits: Vec::new(), record: TokenRecord::new(crate::sampling::DEFAULT_SEED), fault: false }
+        Session {
+            kv,
+            dev: None,
+            logits: Vec::new(),
+            record: TokenRecord::new(crate::sampling::DEFAULT_SEED),
+            #[cfg(feature = "fault-injection")]
+            fault: false,
+        }
     }
 
     /// A device-home session: its K/V in a region of the device that holds `m` (the driver
@@ -163,6 +171,7 @@ pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessio
     if sessions.is_empty() || sessions.len() != counts.len() {
         return Err(Error::InvalidArgument("eval_batch needs at least one session, and one count per session".into()));
     }
+    #[cfg(feature = "fault-injection")]
     if sessions.iter().any(|s| s.fault) {
         crate::cpu::team().session(|t| t.parallel_for(1, &|_| panic!("injected fault in a session's evaluation")));
     }

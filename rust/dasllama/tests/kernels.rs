@@ -266,8 +266,7 @@ fn float_kernel_variants_match_the_scalar_twin() {
     use dasllama::quant::avx2::float_variants;
     for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
         let variants = float_variants(ty);
-        if variants.is_empty() {
-            eprintln!("{}: this CPU runs no SIMD float kernel (no AVX2, or DASLLAMA_NO_SIMD): the scalar twin is what runs", ty.name());
+        if report_skipped(ty, variants.len()) {
             continue;
         }
         let mut rng = Lcg(ty as u64 + 41);
@@ -287,6 +286,19 @@ fn float_kernel_variants_match_the_scalar_twin() {
     }
 }
 
+/// Say on stderr which SIMD variants of `ty` this machine cannot test, and why (`skipped:
+/// <format> <variant>: this CPU lacks <features>`); true when none at all can be (`tested` = 0).
+#[cfg(target_arch = "x86_64")]
+fn report_skipped(ty: GgmlType, tested: usize) -> bool {
+    for (name, why) in dasllama::quant::avx2::skipped_variants(ty) {
+        eprintln!("skipped: {} {name}: {why}", ty.name());
+    }
+    if tested == 0 {
+        eprintln!("skipped: {}: no SIMD variant of this format could be tested here; only the scalar twin runs", ty.name());
+    }
+    tested == 0
+}
+
 fn act(ty: GgmlType, x: &[f32]) -> Vec<u8> {
     let vt = ty.vec_dot_type();
     let mut a = vec![0u8; act_row_bytes(vt, x.len())];
@@ -303,8 +315,7 @@ fn tile_kernel_variants_match_the_scalar_twin() {
     use dasllama::quant::avx2::tile_variants;
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
         let variants = tile_variants(ty);
-        if variants.is_empty() {
-            eprintln!("{}: this CPU runs no SIMD tile kernel (no AVX2, or DASLLAMA_NO_SIMD): the scalar twin is what runs", ty.name());
+        if report_skipped(ty, variants.len()) {
             continue;
         }
         eprintln!("{}: comparing {:?} with the scalar twin", ty.name(), variants.iter().map(|v| v.0).collect::<Vec<_>>());

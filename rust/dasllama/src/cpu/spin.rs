@@ -136,6 +136,7 @@ fn drain(s: &Shared) -> bool {
             // A panic must not unwind past this frame (see the module doc): it is caught, kept,
             // and the task still counts as done.
             let run = catch_unwind(AssertUnwindSafe(|| {
+                #[cfg(feature = "fault-injection")]
                 inject::check();
                 // SAFETY: the exchange succeeded on the word of the loop whose job we loaded after
                 // it was published (Acquire on `claim` orders the earlier `job` store before our
@@ -175,6 +176,7 @@ pub fn team() -> &'static Team {
 }
 
 /// Fault injection, for tests of the paths a panic takes: the next task the team runs panics.
+#[cfg(feature = "fault-injection")]
 pub mod inject {
     use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -320,6 +320,51 @@ pub fn float_variants(ty: GgmlType) -> Vec<(&'static str, super::DotsFn)> {
     v
 }
 
+/// The kernel variants of `ty` (`float_variants` or `tile_variants`) that do not run here, each
+/// with why: the CPU features it lacks, or the switch that turned it off. For the kernel tests,
+/// which must say what they could not test.
+pub fn skipped_variants(ty: GgmlType) -> Vec<(&'static str, String)> {
+    let (all, have): (Vec<&str>, Vec<&str>) = match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => (vec!["avx2", "avx512"], float_variants(ty).iter().map(|v| v.0).collect()),
+        _ if !tile_variants_exist(ty) => return Vec::new(),
+        _ => {
+            let i16 = super::avx2_kquant::tile_fn(ty).map(|_| "avx2-i16");
+            (["avx2"].into_iter().chain(i16).chain(["avx-vnni", "avx512"]).collect(), tile_variants(ty).iter().map(|v| v.0).collect())
+        }
+    };
+    all.into_iter().filter(|n| !have.contains(n)).map(|n| (n, unavailable(n))).collect()
+}
+
+fn tile_variants_exist(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
+}
+
+/// Why the variant `name` does not run on this machine.
+fn unavailable(name: &str) -> String {
+    let (switches, features): (&[&str], &[&str]) = match name {
+        "avx2" | "avx2-i16" => (&["DASLLAMA_NO_SIMD"], &["avx2", "fma", "f16c"]),
+        "avx-vnni" => (&["DASLLAMA_NO_SIMD", "DASLLAMA_NO_VNNI"], &["avx2", "fma", "f16c", "avxvnni"]),
+        _ => (&["DASLLAMA_NO_SIMD", "DASLLAMA_NO_AVX512", "DASLLAMA_NO_VNNI"], &["avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512vnni"]),
+    };
+    let detected = |f: &str| match f {
+        "avx2" => is_x86_feature_detected!("avx2"),
+        "fma" => is_x86_feature_detected!("fma"),
+        "f16c" => is_x86_feature_detected!("f16c"),
+        "avxvnni" => is_x86_feature_detected!("avxvnni"),
+        "avx512f" => is_x86_feature_detected!("avx512f"),
+        "avx512vl" => is_x86_feature_detected!("avx512vl"),
+        "avx512bw" => is_x86_feature_detected!("avx512bw"),
+        _ => is_x86_feature_detected!("avx512vnni"),
+    };
+    let lacking: Vec<&str> = features.iter().copied().filter(|f| !detected(f)).collect();
+    let set: Vec<&str> = switches.iter().copied().filter(|s| std::env::var_os(s).is_some()).collect();
+    match (lacking.is_empty(), set.is_empty()) {
+        (false, _) => format!("this CPU lacks {}", lacking.join(", ")),
+        (true, false) => format!("turned off by {}", set.join(", ")),
+        (true, true) => "not handed out on this CPU".to_string(),
+    }
+}
+
 // ---- The 32-value formats, on tiles of eight interleaved rows (see `tile`) ----------------
 //
 // One vpdpbusd multiplies four values of all eight rows by the same four activation bytes

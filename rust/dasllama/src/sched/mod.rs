@@ -415,6 +415,7 @@ impl Scheduler {
 
     /// Make the next evaluation that includes request `id` fail inside the engine (a test hook
     /// for the failure paths). False if no such request runs.
+    #[cfg(feature = "fault-injection")]
     pub fn inject_fault(&mut self, id: i64) -> bool {
         match self.slots.iter_mut().flatten().find(|s| s.req.id == id) {
             Some(s) => {

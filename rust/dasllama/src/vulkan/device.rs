@@ -52,7 +52,8 @@ pub struct Gpu {
     pub memory_budget: bool,
     /// Set once a call saw the device lost: nothing on it answers again.
     pub lost: AtomicBool,
-    /// Test hook (`fault-injection`): the next submission reports a lost device.
+    /// Test hook: the next submission reports a lost device.
+    #[cfg(feature = "fault-injection")]
     pub fault: AtomicBool,
 }
 
@@ -198,6 +199,7 @@ impl Gpu {
                     allocator: Mutex::new(Some(allocator)),
                     memory_budget,
                     lost: AtomicBool::new(false),
+                    #[cfg(feature = "fault-injection")]
                     fault: AtomicBool::new(false),
                 })
             }

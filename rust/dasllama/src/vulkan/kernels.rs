@@ -1,117 +1,22 @@
 //! The compute pipelines (SPIR-V compiled from `shaders/` by `scripts/build_shaders.sh` and
-//! embedded) and the command buffers steps record into: dispatches with push constants,
+//! embedded: the table in `shaders.rs`) and the command buffers steps record into: dispatches with push constants,
 //! barriers, copies, then submit and wait. A step's chain can be kept (`record_chain` / `keep`)
 //! and replayed: buffers are reached by addresses fixed at upload, so a chain recorded for one
 //! shape of step serves every later step of that shape once its metadata buffer is rewritten.
 
 use super::buffer::Buffer;
 use super::device::{vk_err, Gpu};
-use crate::quant::GgmlType;
+use super::shaders::{PushBlock, Shader, PUSH_BYTES};
 use crate::{Error, Result};
 use ash::vk;
-use std::collections::HashMap;
 use std::sync::Arc;
-
-macro_rules! spv {
-    ($($name:literal),* $(,)?) => {
-        &[$(($name, include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shaders/spv/", $name, ".spv")))),*]
-    };
-}
-
-static SPIRV: &[(&str, &[u8])] = spv![
-    "mul_mat_f32",
-    "mul_mat_f16",
-    "mul_mat_bf16",
-    "mul_mat_q4_0",
-    "mul_mat_q4_1",
-    "mul_mat_q5_0",
-    "mul_mat_q5_1",
-    "mul_mat_q8_0",
-    "mul_mat_q4_k",
-    "mul_mat_q5_k",
-    "mul_mat_q6_k",
-    "mul_mat_rows_f32",
-    "mul_mat_rows_f16",
-    "mul_mat_rows_bf16",
-    "mul_mat_rows_q4_0",
-    "mul_mat_rows_q4_1",
-    "mul_mat_rows_q5_0",
-    "mul_mat_rows_q5_1",
-    "mul_mat_rows_q8_0",
-    "mul_mat_rows_q4_k",
-    "mul_mat_rows_q5_k",
-    "mul_mat_rows_q6_k",
-    "get_rows_f32",
-    "get_rows_f16",
-    "get_rows_bf16",
-    "get_rows_q4_0",
-    "get_rows_q4_1",
-    "get_rows_q5_0",
-    "get_rows_q5_1",
-    "get_rows_q8_0",
-    "get_rows_q4_k",
-    "get_rows_q5_k",
-    "get_rows_q6_k",
-    "rms_norm",
-    "rope",
-    "eltwise",
-    "gather_rows",
-    "kv_store_f16",
-    "kv_store_q8_0",
-    "kv_store_tq4",
-    "attention_f16",
-    "attention_q8_0",
-    "attention_tq4",
-    "round_act",
-];
-
-/// The suffix of a weight-reading kernel's variant for a block format.
-pub fn format_suffix(ty: GgmlType) -> Option<&'static str> {
-    Some(match ty {
-        GgmlType::F32 => "f32",
-        GgmlType::F16 => "f16",
-        GgmlType::BF16 => "bf16",
-        GgmlType::Q4_0 => "q4_0",
-        GgmlType::Q4_1 => "q4_1",
-        GgmlType::Q5_0 => "q5_0",
-        GgmlType::Q5_1 => "q5_1",
-        GgmlType::Q8_0 => "q8_0",
-        GgmlType::Q4K => "q4_k",
-        GgmlType::Q5K => "q5_k",
-        GgmlType::Q6K => "q6_k",
-        // Activation-only formats, and weight formats the shaders do not read (`decline` names them).
-        GgmlType::Q8_1 | GgmlType::Q8K | GgmlType::IQ4NL | GgmlType::IQ4XS => return None,
-    })
-}
-
-const PUSH_BYTES: u32 = 128;
-
-/// Push constants in the order a shader declares them: buffer addresses first (8-byte aligned),
-/// then 32-bit scalars.
-#[derive(Default)]
-pub struct Push(Vec<u8>);
-
-impl Push {
-    pub fn addr(mut self, a: u64) -> Self {
-        debug_assert!(self.0.len().is_multiple_of(8), "addresses come first");
-        self.0.extend_from_slice(&a.to_le_bytes());
-        self
-    }
-    pub fn u(mut self, v: usize) -> Self {
-        self.0.extend_from_slice(&(v as u32).to_le_bytes());
-        self
-    }
-    pub fn f(mut self, v: f32) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-}
 
 /// Pipelines, made on first use (a driver compiles each one, which takes a while on lavapipe).
 pub struct Kernels {
     gpu: Arc<Gpu>,
     layout: vk::PipelineLayout,
-    pipelines: HashMap<&'static str, vk::Pipeline>,
+    /// By `Shader::index`.
+    pipelines: Vec<Option<vk::Pipeline>>,
 }
 
 impl Kernels {
@@ -120,15 +25,19 @@ impl Kernels {
         let info = vk::PipelineLayoutCreateInfo::default().push_constant_ranges(&ranges);
         // SAFETY: valid create info; destroyed in Drop.
         let layout = unsafe { gpu.device.create_pipeline_layout(&info, None) }.map_err(vk_err("creating the pipeline layout"))?;
-        Ok(Kernels { gpu: gpu.clone(), layout, pipelines: HashMap::new() })
+        Ok(Kernels { gpu: gpu.clone(), layout, pipelines: vec![None; super::shaders::MODULES.len()] })
     }
 
-    pub fn get(&mut self, name: &str) -> Result<vk::Pipeline> {
-        if let Some(&p) = self.pipelines.get(name) {
+    /// The pipeline of `shader` (an error only for a value the table does not compile, which
+    /// `shaders::reads_format` tells beforehand, or a driver failing to compile it).
+    pub fn get(&mut self, shader: Shader) -> Result<vk::Pipeline> {
+        let i = shader.index().ok_or_else(|| Error::Internal(format!("no shader {shader:?} (shaders/variants.txt does not list it)")))?;
+        if let Some(p) = self.pipelines[i] {
             return Ok(p);
         }
-        let &(key, bytes) = SPIRV.iter().find(|(n, _)| *n == name).ok_or_else(|| Error::Internal(format!("no shader named {name}")))?;
-        let code = ash::util::read_spv(&mut std::io::Cursor::new(bytes)).map_err(|e| Error::Internal(format!("shader {name}: {e}")))?;
+        let name = super::shaders::MODULES[i].name;
+        let code =
+            ash::util::read_spv(&mut std::io::Cursor::new(super::shaders::MODULES[i].spirv)).map_err(|e| Error::Internal(format!("shader {name}: {e}")))?;
         let d = &self.gpu.device;
         // SAFETY: `code` is SPIR-V validated by spirv-val at build time.
         let module = unsafe { d.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&code), None) }.map_err(vk_err("loading a shader"))?;
@@ -139,7 +48,7 @@ impl Kernels {
         // SAFETY: the module is not used after pipeline creation.
         unsafe { d.destroy_shader_module(module, None) };
         let p = made.map_err(|(_, e)| vk_err("compiling a compute pipeline")(e))?[0];
-        self.pipelines.insert(key, p);
+        self.pipelines[i] = Some(p);
         Ok(p)
     }
 }
@@ -148,7 +57,7 @@ impl Drop for Kernels {
     fn drop(&mut self) {
         // SAFETY: no command buffer using these pipelines is pending (every submit is waited for).
         unsafe {
-            for &p in self.pipelines.values() {
+            for &p in self.pipelines.iter().flatten() {
                 self.gpu.device.destroy_pipeline(p, None);
             }
             self.gpu.device.destroy_pipeline_layout(self.layout, None);
@@ -211,15 +120,16 @@ impl Runner {
 
     /// Dispatch `pipe` over `groups` workgroups (x may exceed the per-dimension limit: it wraps
     /// into y for kernels written for that, or z for the matmul's rows).
-    pub fn dispatch(&mut self, k: &mut Kernels, name: &str, push: Push, groups: [u32; 3]) -> Result<()> {
-        let pipe = k.get(name)?;
+    pub fn dispatch<P: PushBlock>(&mut self, k: &mut Kernels, shader: Shader, push: P, groups: [u32; 3]) -> Result<()> {
+        let pipe = k.get(shader)?;
+        let source = shader.module().expect("get found it").source;
+        assert!(P::SOURCES.contains(&source), "{shader:?} ({source}.comp) does not take the push block {}", std::any::type_name::<P>());
         self.begin()?;
-        assert!(push.0.len() <= PUSH_BYTES as usize, "push constants of {name} overflow");
         let d = &self.gpu.device;
         // SAFETY: recording; the pipeline and layout are live; the push range covers the bytes.
         unsafe {
             d.cmd_bind_pipeline(self.cmd, vk::PipelineBindPoint::COMPUTE, pipe);
-            d.cmd_push_constants(self.cmd, k.layout, vk::ShaderStageFlags::COMPUTE, 0, &push.0);
+            d.cmd_push_constants(self.cmd, k.layout, vk::ShaderStageFlags::COMPUTE, 0, bytemuck::bytes_of(&push));
             d.cmd_dispatch(self.cmd, groups[0], groups[1], groups[2]);
         }
         self.dispatches += 1;
@@ -227,10 +137,10 @@ impl Runner {
     }
 
     /// 1-D dispatch of `count` invocations of a 64-wide kernel that wraps its index into y.
-    pub fn dispatch_flat(&mut self, k: &mut Kernels, name: &str, push: Push, count: usize) -> Result<()> {
+    pub fn dispatch_flat<P: PushBlock>(&mut self, k: &mut Kernels, shader: Shader, push: P, count: usize) -> Result<()> {
         let groups = count.div_ceil(64).max(1) as u32;
         let (x, y) = if groups > MAX_GROUPS { (MAX_GROUPS, groups.div_ceil(MAX_GROUPS)) } else { (groups, 1) };
-        self.dispatch(k, name, push, [x, y, 1])
+        self.dispatch(k, shader, push, [x, y, 1])
     }
 
     /// Every earlier dispatch's writes are visible to every later one.
@@ -330,6 +240,7 @@ impl Runner {
             d.reset_fences(&[self.fence]).map_err(vk_err("resetting a fence"))?;
             waited.map_err(vk_err("running a step"))?;
         }
+        #[cfg(feature = "fault-injection")]
         if self.gpu.fault.swap(false, std::sync::atomic::Ordering::SeqCst) {
             return Err(super::device::vk_err("running a step")(vk::Result::ERROR_DEVICE_LOST));
         }

@@ -19,6 +19,7 @@ mod placement;
 mod rails;
 mod regions;
 mod resident;
+mod shaders;
 mod weights;
 
 pub use device::DeviceInfo;

@@ -9,8 +9,9 @@
 
 use super::buffer::Buffer;
 use super::device::Gpu;
-use super::kernels::{format_suffix, Chain, Kernels, Push, Runner};
+use super::kernels::{Chain, Kernels, Runner};
 use super::regions::Regions;
+use super::shaders::{self as sh, u, Shader};
 use super::weights::{self, upload_f32, upload_weight, DevWeight};
 use crate::backend::rope_cache;
 use crate::backend::Activation;
@@ -198,20 +199,14 @@ impl Resident {
         let regions = Regions::new(gpu, n_regions, ctx, c.kv_layers(), kvd, codec)?;
         let mut kernels = Kernels::new(gpu)?;
         // Compile every pipeline the model uses now, not in its first request.
-        let kv_kernels = [format!("kv_store_{}", codec.name()), format!("attention_{}", codec.name())];
-        let mut names = vec!["rms_norm", "rope", "eltwise", "gather_rows", "round_act", &kv_kernels[0], &kv_kernels[1]];
-        let fmts: std::collections::BTreeSet<&str> = std::iter::once(&tok_embd)
-            .chain(layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]))
-            .chain(std::iter::once(&output))
-            .filter_map(|w| format_suffix(w.ty))
-            .collect();
-        let variant = if run.cpu_device() { "mul_mat_rows" } else { "mul_mat" };
-        let owned: Vec<String> = fmts.iter().map(|f| format!("{variant}_{f}")).collect();
-        names.extend(owned.iter().map(|s| s.as_str()));
-        let ge = format!("get_rows_{}", format_suffix(tok_embd.ty).unwrap_or("f32"));
-        names.push(&ge);
-        for n in names {
-            kernels.get(n)?;
+        let per_thread = run.cpu_device();
+        let weights =
+            std::iter::once(&tok_embd).chain(layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])).chain(std::iter::once(&output));
+        let fixed = [Shader::RmsNorm, Shader::Rope, Shader::Eltwise, Shader::GatherRows, Shader::RoundAct, Shader::KvStore(codec), Shader::Attention(codec)];
+        // `get` makes each pipeline once, however many weights ask for it.
+        let matmuls = weights.map(|w| if per_thread { Shader::MulMatRows(w.ty) } else { Shader::MulMat(w.ty) });
+        for s in fixed.into_iter().chain(matmuls).chain([Shader::GetRows(tok_embd.ty)]) {
+            kernels.get(s)?;
         }
         Ok(Resident {
             gpu: gpu.clone(),
@@ -366,8 +361,16 @@ impl Resident {
         let e = &self.tok_embd;
         r.dispatch(
             k,
-            &format!("get_rows_{}", format_suffix(e.ty).expect("checked at upload")),
-            Push::default().addr(e.buf.addr).addr(a.x.addr).addr(tok_a).u(e.cols).u(e.row_words).f(c.embed_scale.unwrap_or(1.0)),
+            Shader::GetRows(e.ty),
+            sh::GetRowsPush {
+                w: e.buf.addr,
+                out_: a.x.addr,
+                ids: tok_a,
+                cols: u(e.cols),
+                row_words: u(e.row_words),
+                scale: c.embed_scale.unwrap_or(1.0),
+                _pad: 0,
+            },
             [(e.cols / 16).div_ceil(64) as u32, n as u32, 1],
         )?;
         r.barrier()?;
@@ -396,8 +399,17 @@ impl Resident {
                 let total = n * (w / c.head_dim) * half;
                 r.dispatch_flat(
                     k,
-                    "rope",
-                    Push::default().addr(buf.addr).addr(rope_a[ri]).u(w).u(c.head_dim).u(half).u(at.rope.neox as usize).u(total),
+                    Shader::Rope,
+                    sh::RopePush {
+                        x: buf.addr,
+                        tab: rope_a[ri],
+                        width: u(w),
+                        head_dim: u(c.head_dim),
+                        half_: u(half),
+                        neox: at.rope.neox as u32,
+                        total: u(total),
+                        _pad: 0,
+                    },
                     total,
                 )?;
             }
@@ -406,46 +418,50 @@ impl Resident {
             let (slot_off, v_off) = self.regions.slot_offsets(slot);
             let codec = self.regions.codec;
             let rscale = 1.0 / (c.head_dim as f32).sqrt();
-            let store = Push::default()
-                .addr(a.k.addr)
-                .addr(a.v.addr)
-                .addr(self.regions.buf.addr)
-                .addr(row_a)
-                .addr(a.signs.addr)
-                .u(kvd)
-                .u(n)
-                .u(slot_off)
-                .u(v_off)
-                .u(c.head_dim)
-                .f(rscale);
+            let store = sh::KvStorePush {
+                k: a.k.addr,
+                v: a.v.addr,
+                kv: self.regions.buf.addr,
+                meta: row_a,
+                signs: a.signs.addr,
+                kvd: u(kvd),
+                n: u(n),
+                slot_off: u(slot_off),
+                v_off: u(v_off),
+                head_dim: u(c.head_dim),
+                rscale,
+            };
+            let kv_store = Shader::KvStore(codec);
             match codec {
-                KvCodec::F16 => r.dispatch_flat(k, "kv_store_f16", store, n * kvd / 2)?,
-                KvCodec::Q8_0 => r.dispatch_flat(k, "kv_store_q8_0", store, n * kvd / 32)?,
+                KvCodec::F16 => r.dispatch_flat(k, kv_store, store, n * kvd / 2)?,
+                KvCodec::Q8_0 => r.dispatch_flat(k, kv_store, store, n * kvd / 32)?,
                 // A workgroup per KV head of each row: the rotation needs the whole head.
-                KvCodec::Tq4 => r.dispatch(k, "kv_store_tq4", store, [c.n_kv_heads as u32, n as u32, 1])?,
+                KvCodec::Tq4 => r.dispatch(k, kv_store, store, [c.n_kv_heads as u32, n as u32, 1])?,
             }
             r.barrier()?;
             let sh = at.shape(c);
             r.dispatch(
                 k,
-                &format!("attention_{}", codec.name()),
-                Push::default()
-                    .addr(a.q.addr)
-                    .addr(a.att.addr)
-                    .addr(self.regions.buf.addr)
-                    .addr(row_a)
-                    .addr(a.signs.addr)
-                    .u(sh.n_heads)
-                    .u(sh.n_kv_heads)
-                    .u(sh.head_dim)
-                    .u(sh.window)
-                    .f(if sh.scale_query { sh.scale } else { 1.0 })
-                    .f(sh.score_scale())
-                    .f(sh.softcap.unwrap_or(0.0))
-                    .u(slot_off)
-                    .u(v_off)
-                    .u(self.regions.row_words())
-                    .f(rscale),
+                Shader::Attention(codec),
+                sh::AttentionPush {
+                    q: a.q.addr,
+                    out_: a.att.addr,
+                    kv: self.regions.buf.addr,
+                    meta: row_a,
+                    signs: a.signs.addr,
+                    n_heads: u(sh.n_heads),
+                    n_kv_heads: u(sh.n_kv_heads),
+                    head_dim: u(sh.head_dim),
+                    window: u(sh.window),
+                    qmul: if sh.scale_query { sh.scale } else { 1.0 },
+                    smul: sh.score_scale(),
+                    softcap: sh.softcap.unwrap_or(0.0),
+                    slot_off: u(slot_off),
+                    v_off: u(v_off),
+                    row_words: u(self.regions.row_words()),
+                    rscale,
+                    _pad: 0,
+                },
                 // One workgroup per KV head (per eight of the query heads sharing it) and row.
                 [(sh.n_kv_heads * (sh.n_heads / sh.n_kv_heads).div_ceil(8)) as u32, n as u32, 1],
             )?;
@@ -478,7 +494,7 @@ impl Resident {
             eltwise(r, k, &a.x, &a.o, n * d, n * d, 0, 0.0)?;
             r.barrier()?;
         }
-        r.dispatch_flat(k, "gather_rows", Push::default().addr(a.x.addr).addr(a.last.addr).addr(pick_a).u(d).u(n_out), n_out * d)?;
+        r.dispatch_flat(k, Shader::GatherRows, sh::GatherRowsPush { src: a.x.addr, dst: a.last.addr, idx: pick_a, width: u(d), count: u(n_out) }, n_out * d)?;
         r.barrier()?;
         rms_norm(r, k, &a.last, &a.last, &self.output_norm, d, n_out, eps)?;
         r.barrier()?;
@@ -603,7 +619,7 @@ pub(super) fn mm(r: &mut Runner, k: &mut Kernels, ws: &[(&DevWeight, &Buffer)], 
                 2 => n * cols / 256,
                 _ => n * cols,
             };
-            r.dispatch_flat(k, "round_act", Push::default().addr(x.addr).addr(xq.addr).u(blocks).u(mode), blocks)?;
+            r.dispatch_flat(k, Shader::RoundAct, sh::RoundActPush { x: x.addr, out_: xq.addr, blocks: u(blocks), mode: u(mode) }, blocks)?;
             r.barrier()?;
             xq
         };
@@ -622,11 +638,23 @@ pub fn matmul(r: &mut Runner, k: &mut Kernels, w: &DevWeight, x: &Buffer, y: &Bu
     let groups = if per_thread { w.rows.div_ceil(64) } else { w.rows };
     let (gx, gz) = if groups > ROWS_PER_Z { (ROWS_PER_Z, groups.div_ceil(ROWS_PER_Z)) } else { (groups, 1) };
     let rows_per_z = if per_thread { ROWS_PER_Z * 64 } else { ROWS_PER_Z };
-    let name = format!("mul_mat{}_{}", if per_thread { "_rows" } else { "" }, format_suffix(w.ty).expect("checked at upload"));
+    let shader = if per_thread { Shader::MulMatRows(w.ty) } else { Shader::MulMat(w.ty) };
     r.dispatch(
         k,
-        &name,
-        Push::default().addr(w.buf.addr).addr(x.addr).addr(y.addr).u(w.rows).u(w.cols).u(n).u(w.row_words).u(w.cols).u(w.rows).u(rows_per_z),
+        shader,
+        sh::MulMatPush {
+            w: w.buf.addr,
+            x: x.addr,
+            y: y.addr,
+            rows: u(w.rows),
+            cols: u(w.cols),
+            n: u(n),
+            row_words: u(w.row_words),
+            x_stride: u(w.cols),
+            y_stride: u(w.rows),
+            rows_per_z: u(rows_per_z),
+            _pad: 0,
+        },
         [gx as u32, n.div_ceil(8) as u32, gz as u32],
     )
 }
@@ -635,10 +663,10 @@ pub fn matmul(r: &mut Runner, k: &mut Kernels, w: &DevWeight, x: &Buffer, y: &Bu
 fn rms_norm(r: &mut Runner, k: &mut Kernels, x: &Buffer, out: &Buffer, w: &Buffer, width: usize, rows: usize, eps: f32) -> Result<()> {
     // A window has at most PREFILL_WINDOW rows of at most 128 heads: well inside one dimension.
     assert!(rows <= 65535, "rms_norm over {rows} rows");
-    r.dispatch(k, "rms_norm", Push::default().addr(x.addr).addr(w.addr).addr(out.addr).u(width).f(eps), [rows as u32, 1, 1])
+    r.dispatch(k, Shader::RmsNorm, sh::RmsNormPush { x: x.addr, w: w.addr, out_: out.addr, width: u(width), eps }, [rows as u32, 1, 1])
 }
 
 #[allow(clippy::too_many_arguments)]
 fn eltwise(r: &mut Runner, k: &mut Kernels, x: &Buffer, y: &Buffer, count: usize, width: usize, op: usize, a: f32) -> Result<()> {
-    r.dispatch_flat(k, "eltwise", Push::default().addr(x.addr).addr(y.addr).u(count).u(width).u(op).f(a), count)
+    r.dispatch_flat(k, Shader::Eltwise, sh::EltwisePush { x: x.addr, y: y.addr, count: u(count), width: u(width), op: u(op), a }, count)
 }

@@ -1,10 +1,12 @@
 //! Every kernel against the CPU code it mirrors, on whatever Vulkan device this machine has
-//! (Mesa's lavapipe in CI, with DASLLAMA_VK_ALLOW_CPU=1). Without a device each test says so and
-//! passes: the CPU-only build must still test everything else.
+//! (Mesa's lavapipe in CI, with DASLLAMA_VK_ALLOW_CPU=1). Without a device each test prints
+//! `skipped: <test>: <reason>` and returns, so the CPU-only build still tests everything else;
+//! where a device is expected (lavapipe installed, or DASLLAMA_VK_REQUIRE=1) it fails instead.
 
 use super::buffer::Buffer;
 use super::device::Gpu;
-use super::kernels::{Kernels, Push, Runner};
+use super::kernels::{Kernels, Runner};
+use super::shaders::{self as sh, u, PushBlock, Shader};
 use super::weights::{upload_f32, upload_weight};
 use crate::kv::KvCodec;
 use crate::quant::{dequantize_row, quantize_row, GgmlType};
@@ -12,17 +14,35 @@ use crate::quant::{Bytes, Weight};
 use gpu_allocator::MemoryLocation;
 use std::sync::{Arc, OnceLock};
 
+/// The device, its kernels and a runner; `None` (the test returns) where no Vulkan device
+/// answers and none is expected, having printed `skipped: <test>: <reason>`. Where one is
+/// expected (Mesa's lavapipe installed, or DASLLAMA_VK_REQUIRE=1) a missing device fails the test:
+/// a broken loader or driver must not pass as "no device".
 fn gpu() -> Option<(Arc<Gpu>, Kernels, Runner)> {
-    static G: OnceLock<Option<Arc<Gpu>>> = OnceLock::new();
-    let g = G.get_or_init(|| match Gpu::open(None) {
-        Ok(g) => Some(Arc::new(g)),
+    static G: OnceLock<Result<Arc<Gpu>, String>> = OnceLock::new();
+    let g = G.get_or_init(|| Gpu::open(None).map(Arc::new).map_err(|e| e.to_string()));
+    let test = std::thread::current().name().unwrap_or("?").to_string();
+    let g = match g {
+        Ok(g) => g,
         Err(e) => {
-            eprintln!("no Vulkan device, kernel tests skipped: {e}");
-            None
+            match device_expected() {
+                Some(why) => panic!("{test}: no Vulkan device although {why}: {e}"),
+                None => eprintln!("skipped: {test}: no Vulkan device (no lavapipe installed, DASLLAMA_VK_REQUIRE unset): {e}"),
+            }
+            return None;
         }
-    });
-    let g = g.as_ref()?;
+    };
     Some((g.clone(), Kernels::new(g).unwrap(), Runner::new(g).unwrap()))
+}
+
+/// Why this machine must have a Vulkan device, if it must.
+fn device_expected() -> Option<String> {
+    if std::env::var("DASLLAMA_VK_REQUIRE").is_ok_and(|v| v == "1") {
+        return Some("DASLLAMA_VK_REQUIRE=1".into());
+    }
+    let icds = std::fs::read_dir("/usr/share/vulkan/icd.d").ok()?;
+    let lvp: Vec<String> = icds.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|f| f.starts_with("lvp_icd") && f.ends_with(".json")).collect();
+    (!lvp.is_empty()).then(|| format!("lavapipe is installed (/usr/share/vulkan/icd.d/{})", lvp.join(", ")))
 }
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
@@ -94,17 +114,24 @@ fn matmul_and_gather_match_dequantized_rows() {
             let x = rand(n * cols, 99 + n as u64);
             let xb = upload_f32(&g, &mut run, "x", &x).unwrap();
             let yb = Buffer::new(&g, "y", (n * rows * 4) as u64, MemoryLocation::GpuOnly).unwrap();
-            for variant in ["mul_mat", "mul_mat_rows"] {
-                let groups = if variant == "mul_mat" { rows } else { rows.div_ceil(64) };
-                run.dispatch(
-                    &mut k,
-                    &format!("{variant}_{}", super::kernels::format_suffix(ty).unwrap()),
-                    Push::default().addr(dw.buf.addr).addr(xb.addr).addr(yb.addr).u(rows).u(cols).u(n).u(dw.row_words).u(cols).u(rows).u(32768),
-                    [groups as u32, n.div_ceil(8) as u32, 1],
-                )
-                .unwrap();
+            for shader in [Shader::MulMat(ty), Shader::MulMatRows(ty)] {
+                let groups = if shader == Shader::MulMat(ty) { rows } else { rows.div_ceil(64) };
+                let push = sh::MulMatPush {
+                    w: dw.buf.addr,
+                    x: xb.addr,
+                    y: yb.addr,
+                    rows: u(rows),
+                    cols: u(cols),
+                    n: u(n),
+                    row_words: u(dw.row_words),
+                    x_stride: u(cols),
+                    y_stride: u(rows),
+                    rows_per_z: 32768,
+                    _pad: 0,
+                };
+                run.dispatch(&mut k, shader, push, [groups as u32, n.div_ceil(8) as u32, 1]).unwrap();
                 let y = read(&g, &mut run, &yb, n * rows);
-                check_matmul(ty, &w, &x, &y, rows, cols, n, variant);
+                check_matmul(ty, &w, &x, &y, rows, cols, n, &format!("{shader:?}"));
             }
         }
         // get_rows: three token ids, scaled.
@@ -115,8 +142,8 @@ fn matmul_and_gather_match_dequantized_rows() {
         let out = Buffer::new(&g, "out", (3 * cols * 4) as u64, MemoryLocation::GpuOnly).unwrap();
         run.dispatch(
             &mut k,
-            &format!("get_rows_{}", super::kernels::format_suffix(ty).unwrap()),
-            Push::default().addr(dw.buf.addr).addr(out.addr).addr(idb.addr).u(cols).u(dw.row_words).f(0.5),
+            Shader::GetRows(ty),
+            sh::GetRowsPush { w: dw.buf.addr, out_: out.addr, ids: idb.addr, cols: u(cols), row_words: u(dw.row_words), scale: 0.5, _pad: 0 },
             [(cols / 16).div_ceil(64) as u32, 3, 1],
         )
         .unwrap();
@@ -134,11 +161,11 @@ fn matmul_and_gather_match_dequantized_rows() {
 
 /// Run one kernel over host vectors: the buffers are uploaded, the kernel dispatched with
 /// `push(addresses)`, and buffer `out` read back.
-fn run_op(name: &str, bufs: &[&[f32]], out: usize, push: impl Fn(&[u64]) -> Push, count: usize) -> Option<Vec<f32>> {
+fn run_op<P: PushBlock>(shader: Shader, bufs: &[&[f32]], out: usize, push: impl Fn(&[u64]) -> P, count: usize) -> Option<Vec<f32>> {
     let (g, mut k, mut run) = gpu()?;
     let bs: Vec<Buffer> = bufs.iter().map(|b| upload_f32(&g, &mut run, "op", b).unwrap()).collect();
     let addrs: Vec<u64> = bs.iter().map(|b| b.addr).collect();
-    run.dispatch_flat(&mut k, name, push(&addrs), count).unwrap();
+    run.dispatch_flat(&mut k, shader, push(&addrs), count).unwrap();
     Some(read(&g, &mut run, &bs[out], bufs[out].len()))
 }
 
@@ -156,7 +183,8 @@ fn rms_norm_matches_cpu() {
     let x = rand(width * rows, 3);
     let w = rand(width, 4);
     let (xb, wb) = (upload_f32(&g, &mut run, "x", &x).unwrap(), upload_f32(&g, &mut run, "w", &w).unwrap());
-    run.dispatch(&mut k, "rms_norm", Push::default().addr(xb.addr).addr(wb.addr).addr(xb.addr).u(width).f(1e-6), [rows as u32, 1, 1]).unwrap();
+    let push = sh::RmsNormPush { x: xb.addr, w: wb.addr, out_: xb.addr, width: u(width), eps: 1e-6 };
+    run.dispatch(&mut k, Shader::RmsNorm, push, [rows as u32, 1, 1]).unwrap();
     let got = read(&g, &mut run, &xb, x.len());
     let mut want = x.clone();
     want.chunks_exact_mut(width).for_each(|r| crate::cpu::ops::rms_norm(r, &w, 1e-6));
@@ -177,11 +205,17 @@ fn rope_matches_cpu() {
             tab.extend(one.iter().flat_map(|&(s, c)| [s, c]));
         }
         let total = rows * heads * rdim / 2;
-        let Some(got) =
-            run_op("rope", &[&x, &tab], 0, |a| Push::default().addr(a[0]).addr(a[1]).u(hd * heads).u(hd).u(rdim / 2).u(neox as usize).u(total), total)
-        else {
-            return;
+        let push = |a: &[u64]| sh::RopePush {
+            x: a[0],
+            tab: a[1],
+            width: u(hd * heads),
+            head_dim: u(hd),
+            half_: u(rdim / 2),
+            neox: neox as u32,
+            total: u(total),
+            _pad: 0,
         };
+        let Some(got) = run_op(Shader::Rope, &[&x, &tab], 0, push, total) else { return };
         let mut want = x.clone();
         for (t, row) in want.chunks_exact_mut(hd * heads).enumerate() {
             let pairs: Vec<(f32, f32)> = tab[t * rdim..(t + 1) * rdim].chunks_exact(2).map(|p| (p[0], p[1])).collect();
@@ -200,8 +234,9 @@ fn eltwise_ops_match_cpu() {
     let x: Vec<f32> = rand(n, 6).iter().map(|v| v * 6.0).collect();
     let y = rand(n, 7);
     let bias = rand(10, 8);
-    let op =
-        |o: usize, yv: &[f32], width: usize, a: f32| run_op("eltwise", &[&x, yv], 0, |ad| Push::default().addr(ad[0]).addr(ad[1]).u(n).u(width).u(o).f(a), n);
+    let op = |o: u32, yv: &[f32], width: usize, a: f32| {
+        run_op(Shader::Eltwise, &[&x, yv], 0, |ad| sh::EltwisePush { x: ad[0], y: ad[1], count: u(n), width: u(width), op: o, a }, n)
+    };
     let Some(got) = op(0, &bias, 10, 0.0) else { return };
     close(&got, &x.iter().enumerate().map(|(i, v)| v + bias[i % 10]).collect::<Vec<_>>(), 0.0, "add");
     let mut want = x.clone();
@@ -228,7 +263,7 @@ fn round_act_matches_cpu_quantizers() {
             _ => n,
         };
         let out = vec![0f32; n];
-        let Some(got) = run_op("round_act", &[&x, &out], 1, |a| Push::default().addr(a[0]).addr(a[1]).u(blocks).u(mode), blocks) else { return };
+        let Some(got) = run_op(Shader::RoundAct, &[&x, &out], 1, |a| sh::RoundActPush { x: a[0], out_: a[1], blocks: u(blocks), mode }, blocks) else { return };
         let mut bytes = vec![0u8; crate::quant::act_row_bytes(ty, n)];
         quantize_row(ty, &x, &mut bytes);
         let want: Vec<f32> = match ty {
@@ -297,12 +332,24 @@ fn attention_case(codec: KvCodec, nh: usize, nkv: usize) {
     let ob = Buffer::new(&g, "o", (n * nh * hd * 4) as u64, MemoryLocation::GpuOnly).unwrap();
     let (so, vo) = regions.slot_offsets(0);
     let rscale = 1.0 / (hd as f32).sqrt();
-    let store = Push::default().addr(kb.addr).addr(vb.addr).addr(regions.buf.addr).addr(mb.addr).addr(sb.addr).u(kvd).u(n).u(so).u(vo).u(hd).f(rscale);
-    let name = format!("kv_store_{}", codec.name());
+    let store = sh::KvStorePush {
+        k: kb.addr,
+        v: vb.addr,
+        kv: regions.buf.addr,
+        meta: mb.addr,
+        signs: sb.addr,
+        kvd: u(kvd),
+        n: u(n),
+        slot_off: u(so),
+        v_off: u(vo),
+        head_dim: u(hd),
+        rscale,
+    };
+    let kv_store = Shader::KvStore(codec);
     match codec {
-        KvCodec::F16 => run.dispatch_flat(&mut k, &name, store, n * kvd / 2),
-        KvCodec::Q8_0 => run.dispatch_flat(&mut k, &name, store, n * kvd / 32),
-        KvCodec::Tq4 => run.dispatch(&mut k, &name, store, [nkv as u32, n as u32, 1]),
+        KvCodec::F16 => run.dispatch_flat(&mut k, kv_store, store, n * kvd / 2),
+        KvCodec::Q8_0 => run.dispatch_flat(&mut k, kv_store, store, n * kvd / 32),
+        KvCodec::Tq4 => run.dispatch(&mut k, kv_store, store, [nkv as u32, n as u32, 1]),
     }
     .unwrap();
     // What the CPU's codec stores for each row, and those rows decoded back to the model's basis.
@@ -343,24 +390,26 @@ fn attention_case(codec: KvCodec, nh: usize, nkv: usize) {
         let scale = 1.0 / (hd as f32).sqrt();
         run.dispatch(
             &mut k,
-            &format!("attention_{}", codec.name()),
-            Push::default()
-                .addr(qb.addr)
-                .addr(ob.addr)
-                .addr(regions.buf.addr)
-                .addr(mb.addr)
-                .addr(sb.addr)
-                .u(nh)
-                .u(nkv)
-                .u(hd)
-                .u(window)
-                .f(1.0)
-                .f(scale)
-                .f(softcap)
-                .u(so)
-                .u(vo)
-                .u(regions.row_words())
-                .f(rscale),
+            Shader::Attention(codec),
+            sh::AttentionPush {
+                q: qb.addr,
+                out_: ob.addr,
+                kv: regions.buf.addr,
+                meta: mb.addr,
+                signs: sb.addr,
+                n_heads: u(nh),
+                n_kv_heads: u(nkv),
+                head_dim: u(hd),
+                window: u(window),
+                qmul: 1.0,
+                smul: scale,
+                softcap,
+                slot_off: u(so),
+                v_off: u(vo),
+                row_words: u(regions.row_words()),
+                rscale,
+                _pad: 0,
+            },
             [(nkv * (nh / nkv).div_ceil(8)) as u32, n as u32, 1],
         )
         .unwrap();
@@ -401,7 +450,8 @@ fn attention_case(codec: KvCodec, nh: usize, nkv: usize) {
     let ib = upload_f32(&g, &mut run, "idx", &idx).unwrap();
     let width = nh * hd;
     let db = Buffer::new(&g, "d", (3 * width * 4) as u64, MemoryLocation::GpuOnly).unwrap();
-    run.dispatch_flat(&mut k, "gather_rows", Push::default().addr(qb.addr).addr(db.addr).addr(ib.addr).u(width).u(3), 3 * width).unwrap();
+    let push = sh::GatherRowsPush { src: qb.addr, dst: db.addr, idx: ib.addr, width: u(width), count: 3 };
+    run.dispatch_flat(&mut k, Shader::GatherRows, push, 3 * width).unwrap();
     let got = read(&g, &mut run, &db, 3 * width);
     for (j, &r) in [3usize, 0, 31].iter().enumerate() {
         assert_eq!(&got[j * width..(j + 1) * width], &q[r * width..(r + 1) * width]);

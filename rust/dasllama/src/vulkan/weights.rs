@@ -4,7 +4,7 @@
 
 use super::buffer::Buffer;
 use super::device::Gpu;
-use super::kernels::{format_suffix, Runner};
+use super::kernels::Runner;
 use crate::quant::GgmlType;
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -32,7 +32,7 @@ fn packed_block_bytes(ty: GgmlType) -> usize {
 
 /// Why a matrix cannot go to the device, if it cannot.
 pub fn unsupported(w: &Weight) -> Option<String> {
-    if format_suffix(w.ty).is_none() {
+    if !super::shaders::reads_format(w.ty) {
         return Some(format!("{} matrices", w.ty.name()));
     }
     if !w.cols.is_multiple_of(16) {
