@@ -150,7 +150,7 @@ fn penalties_active(p: &SamplingParams) -> bool {
 /// No filter sorts the whole vocabulary unless llama.cpp's would too (a top-k at least the
 /// vocabulary's size): top-k is a linear-time selection, min-p a filter, and top-p sorts only as
 /// many of the most likely tokens as it takes to reach its mass (selected in growing batches), so
-/// sampling from a 262k vocabulary costs about two passes over it.
+/// sampling from a 262k vocabulary costs a few linear passes over it.
 pub fn sample(logits: &mut [f32], recent: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {
     apply_penalties(logits, recent, p);
     if p.temp <= 0.0 {
