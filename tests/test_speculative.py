@@ -132,13 +132,14 @@ CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.3
 
 
 def target_probs(logits: np.ndarray, temp: float, top_k: int, top_p: float) -> np.ndarray:
-    """The final sampling distribution in llama.cpp's order (temperature, top-k, top-p)."""
+    """The final sampling distribution in llama.cpp's order: top-k, top-p on the softmax before
+    temperature, then the survivors' softmax at `temp`."""
     order = np.argsort(-logits, kind="stable")[:top_k]
-    w = np.exp((logits[order] - logits[order[0]]) / temp)
-    w /= w.sum()
-    keep = int(np.searchsorted(np.cumsum(w), top_p) + 1)
+    w = np.exp(logits[order] - logits[order[0]])
+    keep = int(np.searchsorted(np.cumsum(w / w.sum()), top_p) + 1)
+    w = np.exp((logits[order[:keep]] - logits[order[0]]) / temp)
     p = np.zeros_like(logits, dtype=np.float64)
-    p[order[:keep]] = w[:keep] / w[:keep].sum()
+    p[order[:keep]] = w / w.sum()
     return p
 
 
@@ -146,8 +147,9 @@ def test_accepted_tokens_follow_the_target_distribution(tiny: dl.Model, tmp_path
     # The draft is the target itself decoding greedily: its drafts are accepted exactly when the
     # target's sampler draws its argmax, so both verdicts happen often.
     dl.attach_draft_model(tiny, dl.load_model(tiny.path), max_draft=3)
-    # The tiny model's logits are steep: a high temperature makes its top tokens compete.
-    temp, top_k, top_p = 6.0, 4, 0.98
+    # The tiny model's logits are steep: a high temperature makes its top tokens compete, and top-p
+    # (which judges the logits before temperature) only cuts the far tail.
+    temp, top_k, top_p = 6.0, 4, 0.99999
     params = dl.SamplingParams(temp=temp, top_k=top_k, top_p=top_p)
     prompt = [5, 80, 81, 82, 83]
     n = 1500

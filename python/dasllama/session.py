@@ -35,7 +35,8 @@ def check_kv_dtype(kv_dtype: KVDtype | str) -> str:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings, applied in llama.cpp's order. The defaults are greedy."""
+    """Sampling settings, applied as llama.cpp's default chain: penalties, top-k, top-p, min-p,
+    temperature, then the draw. The defaults are greedy."""
 
     temp: float = 0.0  # <= 0: greedy argmax
     top_k: int = 0  # <= 0: off

@@ -15,7 +15,7 @@ use dasllama::session::{BatchWorkspace, Session};
 use dasllama::spec::Drafter;
 use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
 use dasllama::Error;
-use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
@@ -479,6 +479,17 @@ fn sample(py: Python<'_>, s: &mut PySession, params: &Params) -> PyResult<u32> {
     sample_next(py, &mut s.inner, &params.0)
 }
 
+/// The tokens the sampler chain keeps from `logits` after `recent`, in the chain's order, and the
+/// probabilities it would draw them with: `(ids, probs)`.
+#[pyfunction]
+fn sampler_candidates(logits: PyReadonlyArray1<'_, f32>, recent: Vec<u32>, params: &Params) -> PyResult<(Vec<u32>, Vec<f32>)> {
+    let mut logits = logits.as_slice().map_err(|e| PyValueError::new_err(format!("logits: {e}")))?.to_vec();
+    if logits.is_empty() {
+        return Err(PyValueError::new_err("logits must not be empty"));
+    }
+    Ok(dasllama::sampling::candidates(&mut logits, &recent, &params.0).into_iter().unzip())
+}
+
 /// Prefill `ids`, then sample up to `max_new` tokens, stopping at end-of-generation.
 /// `on_piece(id, text)` sees each token's text (never half a UTF-8 character); returning False stops.
 #[pyfunction]
@@ -913,6 +924,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(eval_batch, m)?)?;
     m.add_function(wrap_pyfunction!(make_params, m)?)?;
     m.add_function(wrap_pyfunction!(sample, m)?)?;
+    m.add_function(wrap_pyfunction!(sampler_candidates, m)?)?;
     m.add_function(wrap_pyfunction!(generate, m)?)?;
     m.add_class::<PyScheduler>()?;
     m.add_function(wrap_pyfunction!(create_scheduler, m)?)?;

@@ -1,5 +1,6 @@
-//! Sampling in llama.cpp's order: penalties, greedy if temp <= 0, temperature, top-k on logits,
-//! softmax, top-p then min-p on probabilities, draw from the session's own RNG.
+//! Sampling as llama.cpp's default chain (common/sampling.cpp): penalties, top-k, top-p, min-p,
+//! temperature, then a draw from the survivors' softmax with the session's own RNG; greedy when
+//! temp <= 0. Temperature comes last, so top-p and min-p judge the model's own distribution.
 
 use crate::{Error, Result};
 
@@ -144,66 +145,153 @@ fn penalties_active(p: &SamplingParams) -> bool {
     (p.penalty > 0.0 && p.penalty != 1.0) || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
 }
 
-/// Pick the next token from `logits` (modified in place) given the recent tokens.
+/// Pick the next token from `logits` (modified in place: penalties) given the recent tokens.
 ///
-/// No step sorts the whole vocabulary: top-k is a linear-time selection, min-p a filter, and top-p
-/// sorts only as many of the most likely tokens as it takes to reach its mass (selected in growing
-/// batches), so sampling from a 262k vocabulary costs about one pass over it.
+/// No filter sorts the whole vocabulary unless llama.cpp's would too (a top-k at least the
+/// vocabulary's size): top-k is a linear-time selection, min-p a filter, and top-p sorts only as
+/// many of the most likely tokens as it takes to reach its mass (selected in growing batches), so
+/// sampling from a 262k vocabulary costs a few linear passes over it.
 pub fn sample(logits: &mut [f32], recent: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {
     apply_penalties(logits, recent, p);
     if p.temp <= 0.0 {
         return argmax(logits);
     }
-    let by_logit_desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let mut cand: Vec<u32> = (0..logits.len() as u32).collect();
-    if p.top_k > 0 && (p.top_k as usize) < cand.len() {
-        let k = p.top_k as usize;
-        cand.select_nth_unstable_by(k - 1, by_logit_desc);
-        cand.truncate(k);
-    }
-    // Unnormalized probabilities exp((l - max) / temp): the most likely token has weight 1.
-    let max = cand.iter().map(|&t| logits[t as usize]).fold(f32::NEG_INFINITY, f32::max);
-    let weight = |t: u32| (((logits[t as usize] - max) / p.temp) as f64).exp();
-    let total: f64 = cand.iter().map(|&t| weight(t)).sum();
-    if p.top_p < 1.0 {
-        // The smallest set of most likely tokens holding `top_p` of the mass.
-        let want = p.top_p as f64 * total;
-        let mut k = 64.min(cand.len());
-        loop {
-            if k < cand.len() {
-                cand.select_nth_unstable_by(k - 1, by_logit_desc);
-            }
-            cand[..k].sort_unstable_by(by_logit_desc);
-            let mut acc = 0.0;
-            let reached = cand[..k].iter().position(|&t| {
-                acc += weight(t);
-                acc >= want
-            });
-            if let Some(i) = reached {
-                cand.truncate(i + 1);
-                break;
-            }
-            if k == cand.len() {
-                break;
-            }
-            k = (k * 4).min(cand.len());
-        }
-    }
-    if p.min_p > 0.0 {
-        // Relative to the most likely token, whose weight is 1.
-        let floor = p.min_p as f64;
-        let top = cand.iter().copied().max_by(|a, b| by_logit_desc(b, a)).expect("candidates are never empty");
-        cand.retain(|&t| t == top || weight(t) >= floor);
-    }
-    let kept: f64 = cand.iter().map(|&t| weight(t)).sum();
-    let mut r = rng.next_f64() * kept;
-    for &t in &cand {
-        r -= weight(t);
-        if r < 0.0 {
+    let kept = filter(logits, p);
+    let (ids, weights, total) = weigh(logits, kept, p.temp);
+    // llama.cpp's `dist`: the first token whose running weight reaches the target. A zero weight
+    // (an exponential that underflowed) never wins, not even a target of exactly zero.
+    let target = rng.next_f64() * total;
+    let mut run = 0.0f64;
+    for (&t, &w) in ids.iter().zip(&weights) {
+        run += w as f64;
+        if w > 0.0 && run >= target {
             return t;
         }
     }
-    *cand.last().expect("candidates are never empty")
+    ids.last().copied().unwrap_or_else(|| argmax(logits))
+}
+
+/// The tokens llama.cpp's default chain keeps from `logits` (modified in place: penalties), in the
+/// chain's order, with the probabilities `dist` draws from: the candidate set before the draw.
+///
+/// The order is by logit, highest first (ties by token id), once any filter has sorted, and by
+/// token id otherwise, as llama.cpp leaves its array. Tokens whose logit is -inf (a grammar's mask)
+/// are left out: they have probability 0. `temp <= 0` keeps the argmax alone.
+pub fn candidates(logits: &mut [f32], recent: &[u32], p: &SamplingParams) -> Vec<(u32, f32)> {
+    apply_penalties(logits, recent, p);
+    if p.temp <= 0.0 {
+        return vec![(argmax(logits), 1.0)];
+    }
+    let kept = filter(logits, p);
+    let (ids, weights, total) = weigh(logits, kept, p.temp);
+    if ids.len() == 1 {
+        return vec![(ids[0], 1.0)];
+    }
+    ids.into_iter().zip(weights).map(|(t, w)| (t, (w as f64 / total) as f32)).collect()
+}
+
+/// Candidates in llama.cpp's array order; `sorted` as its flag: by logit, highest first.
+struct Kept {
+    ids: Vec<u32>,
+    sorted: bool,
+}
+
+/// top-k, top-p, min-p on the (penalized) logits, in llama.cpp's order and f32 arithmetic, so that
+/// a cut falls where llama.cpp's does even when a cumulative sum lands within rounding of top-p.
+fn filter(logits: &[f32], p: &SamplingParams) -> Kept {
+    // Strict (ids are unique), so every selection and sort below agrees on one order; llama.cpp
+    // breaks ties between equal logits arbitrarily, this breaks them by token id.
+    let desc = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let mut k = Kept { ids: (0..logits.len() as u32).collect(), sorted: false };
+    if p.top_k > 0 {
+        // llama.cpp sorts what it keeps even when k covers every candidate.
+        let n = (p.top_k as usize).min(k.ids.len());
+        if n < k.ids.len() {
+            k.ids.select_nth_unstable_by(n - 1, desc);
+            k.ids.truncate(n);
+        }
+        k.ids.sort_unstable_by(desc);
+        k.sorted = true;
+    }
+    if p.top_p < 1.0 && !k.ids.is_empty() {
+        top_p(logits, &mut k, p.top_p, desc);
+    }
+    if p.min_p > 0.0 && !k.ids.is_empty() {
+        min_p(logits, &mut k, p.min_p, desc);
+    }
+    k
+}
+
+/// The smallest run of most likely tokens whose probabilities add up to `top_p`, with llama.cpp's
+/// softmax: on the logits before temperature, the denominator summed in f32 in array order.
+fn top_p(logits: &[f32], k: &mut Kept, top_p: f32, desc: impl Fn(&u32, &u32) -> std::cmp::Ordering + Copy) {
+    let l = |t: u32| logits[t as usize];
+    let max = if k.sorted { l(k.ids[0]) } else { k.ids.iter().fold(l(k.ids[0]), |m, &t| m.max(l(t))) };
+    let mut sum = 0.0f32;
+    for &t in &k.ids {
+        sum += (l(t) - max).exp();
+    }
+    let prob = |t: u32| (l(t) - max).exp() / sum;
+    // Sorted up to `n`; unsorted, the best 256 first, then four times as many until the mass is
+    // reached (the set reached is the same however many were sorted first).
+    let mut n = if k.sorted { k.ids.len() } else { 256.min(k.ids.len()) };
+    loop {
+        if !k.sorted {
+            if n < k.ids.len() {
+                k.ids.select_nth_unstable_by(n - 1, desc);
+            }
+            k.ids[..n].sort_unstable_by(desc);
+        }
+        let mut cum = 0.0f32;
+        let reached = k.ids[..n].iter().position(|&t| {
+            cum += prob(t);
+            cum >= top_p
+        });
+        if let Some(i) = reached {
+            k.ids.truncate(i + 1);
+            break;
+        }
+        if n == k.ids.len() {
+            // Rounding kept the sum under top_p: llama.cpp then keeps everything, sorted.
+            break;
+        }
+        n = (n * 4).min(k.ids.len());
+    }
+    k.sorted = true;
+}
+
+/// Tokens at least `min_p` times as likely as the best, compared as logits (max + ln min_p), as
+/// llama.cpp does on both its paths; unsorted candidates keep their order.
+fn min_p(logits: &[f32], k: &mut Kept, min_p: f32, desc: impl Fn(&u32, &u32) -> std::cmp::Ordering) {
+    let l = |t: u32| logits[t as usize];
+    if k.sorted {
+        let floor = l(k.ids[0]) + min_p.ln();
+        let n = 1 + k.ids[1..].iter().take_while(|&&t| l(t) >= floor).count();
+        k.ids.truncate(n);
+        return;
+    }
+    let max = k.ids.iter().fold(-f32::MAX, |m, &t| m.max(l(t)));
+    let floor = max + min_p.ln();
+    let before = std::mem::take(&mut k.ids);
+    k.ids = before.iter().copied().filter(|&t| l(t) >= floor).collect();
+    if k.ids.is_empty() {
+        // min_p > 1 (nothing reaches the floor): llama.cpp's sorted path keeps the best alone.
+        k.ids = before.into_iter().min_by(|a, b| desc(a, b)).into_iter().collect();
+        k.sorted = true;
+    }
+}
+
+/// llama.cpp's temperature and `dist` softmax over the kept tokens: the logits divided by `temp`
+/// in f32, `exp(l - max)` in f32, their sum in f64. Returns the tokens with a finite logit, their
+/// weights and the weights' sum.
+fn weigh(logits: &[f32], k: Kept, temp: f32) -> (Vec<u32>, Vec<f32>, f64) {
+    let scaled = |t: u32| logits[t as usize] / temp;
+    let ids: Vec<u32> = k.ids.into_iter().filter(|&t| scaled(t) != f32::NEG_INFINITY).collect();
+    let Some(&first) = ids.first() else { return (ids, Vec::new(), 0.0) };
+    let max = if k.sorted { scaled(first) } else { ids.iter().fold(scaled(first), |m, &t| m.max(scaled(t))) };
+    let weights: Vec<f32> = ids.iter().map(|&t| (scaled(t) - max).exp()).collect();
+    let total = weights.iter().map(|&w| w as f64).sum();
+    (ids, weights, total)
 }
 
 fn apply_penalties(logits: &mut [f32], recent: &[u32], p: &SamplingParams) {
@@ -295,6 +383,61 @@ mod tests {
         // top_k 2 at a high temperature still never leaves the two best.
         let p = SamplingParams { temp: 5.0, top_k: 2, ..Default::default() };
         assert!((0..2000).all(|_| sample(&mut logits.clone(), &[], &p, &mut rng) < 2));
+    }
+
+    fn kept(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f32)> {
+        candidates(&mut logits.to_vec(), &[], p)
+    }
+
+    #[test]
+    fn temperature_comes_after_the_filters() {
+        // Probabilities at temp 1: 0.665, 0.245, 0.090 (top_p 0.9 keeps two). At temp 3 they
+        // would be 0.45, 0.32, 0.23, which top_p 0.9 would keep whole had temperature come first.
+        let logits = [2.0f32, 1.0, 0.0];
+        let p = SamplingParams { temp: 3.0, top_p: 0.9, ..Default::default() };
+        let k = kept(&logits, &p);
+        assert_eq!(k.iter().map(|c| c.0).collect::<Vec<_>>(), [0, 1]);
+        // The survivors softmaxed at temp 3: e^(1/3) : 1.
+        let r = (1.0f64 / 3.0).exp();
+        assert!((k[0].1 as f64 - r / (1.0 + r)).abs() < 1e-6, "{k:?}");
+        // min_p 0.3 judges the unscaled logits: e^-1 = 0.37 stays, e^-2 = 0.14 goes, at any temp.
+        let p = SamplingParams { temp: 5.0, min_p: 0.3, ..Default::default() };
+        assert_eq!(kept(&logits, &p).iter().map(|c| c.0).collect::<Vec<_>>(), [0, 1]);
+    }
+
+    #[test]
+    fn candidates_keep_llama_cpp_s_order() {
+        let logits = [0.5f32, 3.0, 1.0, 3.0, -2.0];
+        // No filter sorts: token order, all of them.
+        let p = SamplingParams { temp: 1.0, ..Default::default() };
+        assert_eq!(kept(&logits, &p).iter().map(|c| c.0).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+        // min_p alone filters in place (sorted, it would be 1, 3, 2).
+        let p = SamplingParams { temp: 1.0, min_p: 0.1, ..Default::default() };
+        assert_eq!(kept(&logits, &p).iter().map(|c| c.0).collect::<Vec<_>>(), [1, 2, 3]);
+        // top-k sorts, even when it keeps everything; ties by token id.
+        let p = SamplingParams { temp: 1.0, top_k: 10, ..Default::default() };
+        assert_eq!(kept(&logits, &p).iter().map(|c| c.0).collect::<Vec<_>>(), [1, 3, 2, 0, 4]);
+        // min_p above 1: nothing reaches the floor, the best stays alone.
+        let p = SamplingParams { temp: 1.0, min_p: 2.0, ..Default::default() };
+        assert_eq!(kept(&logits, &p), [(1, 1.0)]);
+        // Greedy: the first maximum alone.
+        assert_eq!(kept(&logits, &SamplingParams::default()), [(1, 1.0)]);
+        // A masked (-inf) token is no candidate.
+        let masked = [f32::NEG_INFINITY, 1.0, 0.0];
+        let p = SamplingParams { temp: 0.7, ..Default::default() };
+        assert_eq!(kept(&masked, &p).iter().map(|c| c.0).collect::<Vec<_>>(), [1, 2]);
+    }
+
+    #[test]
+    fn top_p_over_a_large_vocabulary_reaches_past_the_first_batch() {
+        // Flat logits over 5,000 tokens: top_p 0.5 needs 2,500 of them, past the first 256 sorted.
+        let logits: Vec<f32> = (0..5000).map(|i| ((i * 7919) % 5000) as f32 * 1e-6).collect();
+        let p = SamplingParams { temp: 1.0, top_p: 0.5, ..Default::default() };
+        let k = kept(&logits, &p);
+        assert!((2490..2510).contains(&k.len()), "{}", k.len());
+        assert!(k.windows(2).all(|w| logits[w[0].0 as usize] >= logits[w[1].0 as usize]));
+        let total: f64 = k.iter().map(|c| c.1 as f64).sum();
+        assert!((total - 1.0).abs() < 1e-5);
     }
 
     #[test]
