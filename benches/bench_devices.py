@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import platform
 import statistics
@@ -49,7 +50,7 @@ async def stream(c: httpx.AsyncClient, base: str, model: str, prompt: str, token
         async for line in r.aiter_lines():
             if line.startswith("data: {") and '"content"' in line:
                 stamps.append(time.perf_counter())
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+    return [b - a for a, b in itertools.pairwise(stamps)]
 
 
 async def poll_metrics(c: httpx.AsyncClient, base: str, stop: asyncio.Event, out: list[float]) -> None:

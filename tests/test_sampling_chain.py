@@ -25,7 +25,7 @@ TOL = 1e-6
 def test_candidates_match_llama_cpp(si: int) -> None:
     s = {k: v for k, v in G["settings"][si].items() if k != "name"}
     params = dl.SamplingParams(**s)._native()
-    for vi, (vec, case) in enumerate(zip(G["vectors"], (c[si] for c in G["cases"]))):
+    for vi, (vec, case) in enumerate(zip(G["vectors"], (c[si] for c in G["cases"]), strict=True)):
         where = f"vector {vi}, {G['settings'][si]['name']}"
         logits = np.asarray(vec["logits"], dtype=np.float64).astype(np.float32)
         ids, probs = _native.sampler_candidates(logits, vec["history"], params)
@@ -39,8 +39,8 @@ def test_candidates_match_llama_cpp(si: int) -> None:
             np.testing.assert_allclose(probs, want_p, rtol=0, atol=TOL, err_msg=where)
         else:
             assert ids == want_ids, where
-        by_id = dict(zip(ids, probs))
-        for t, p in zip(want_ids, want_p):
+        by_id = dict(zip(ids, probs, strict=True))
+        for t, p in zip(want_ids, want_p, strict=True):
             if t not in tied:
                 assert abs(by_id[t] - p) <= TOL, f"{where}: token {t}: {by_id[t]} vs llama.cpp's {p}"
 
