@@ -437,7 +437,7 @@ fn amx_case(ty: GgmlType, n: usize, weight_rows: usize, rows: usize, rng: &mut L
 /// kernels (each variant this CPU runs) and of their arithmetic replayed on the GGUF rows.
 #[test]
 fn amx_twin_is_bit_identical_to_the_vector_kernels() {
-    use dasllama::quant::amx::{gemm_twin, COLS, MAX_ROWS};
+    use dasllama::quant::amx::{gemm_twin, Acts, COLS, MAX_ROWS};
     for ty in AMX_FORMATS {
         #[cfg(target_arch = "x86_64")]
         let variants = dasllama::quant::avx2::tile_variants(ty);
@@ -450,18 +450,18 @@ fn amx_twin_is_bit_identical_to_the_vector_kernels() {
         for (n, weight_rows, rows, edge) in [(512, 16, 37, false), (256, 12, 64, false), (1024, 16, 5, true), (512, 9, 16, true), (256, 16, 1, false)] {
             let c = amx_case(ty, n, weight_rows, rows, &mut rng, edge);
             let mut out = vec![[0.0f32; COLS]; MAX_ROWS];
-            gemm_twin(ty, &c.tiles, c.ntiles, &c.act, c.arb, rows, n, &mut out);
-            for r in 0..rows {
+            gemm_twin(ty, &c.tiles, c.ntiles, Acts { bytes: &c.act, stride: c.arb, rows }, n, &mut out);
+            for (r, o) in out[..rows].iter().enumerate() {
                 let a = &c.act[r * c.arb..(r + 1) * c.arb];
                 for (j, w) in c.ws.iter().enumerate() {
                     let want = vector_order_dot(ty, w, a, n);
-                    assert_eq!(out[r][j].to_bits(), want.to_bits(), "{}: twin {} != replay {want}, act row {r}, weight row {j}", ty.name(), out[r][j]);
+                    assert_eq!(o[j].to_bits(), want.to_bits(), "{}: twin {} != replay {want}, act row {r}, weight row {j}", ty.name(), o[j]);
                 }
                 for (name, f) in &variants {
                     let mut v = vec![[0.0f32; TILE_ROWS]; c.ntiles];
                     f(&c.tiles, &[a], n, &mut v);
                     for (j, got) in v.iter().flatten().take(weight_rows).enumerate() {
-                        assert_eq!(out[r][j].to_bits(), got.to_bits(), "{}: twin {} != {name} {got}, act row {r}, weight row {j}", ty.name(), out[r][j]);
+                        assert_eq!(o[j].to_bits(), got.to_bits(), "{}: twin {} != {name} {got}, act row {r}, weight row {j}", ty.name(), o[j]);
                     }
                 }
             }
@@ -475,7 +475,7 @@ fn amx_twin_is_bit_identical_to_the_vector_kernels() {
 /// (one line per format) and checks nothing.
 #[test]
 fn amx_kernel_matches_its_twin() {
-    use dasllama::quant::amx::{gemm, gemm_twin, has_amx, status, COLS, MAX_ROWS};
+    use dasllama::quant::amx::{gemm, gemm_twin, has_amx, status, Acts, COLS, MAX_ROWS};
     if !has_amx() {
         let why = status().1.trim_start_matches("off: ");
         for ty in AMX_FORMATS {
@@ -490,8 +490,8 @@ fn amx_kernel_matches_its_twin() {
             let c = amx_case(ty, n, weight_rows, MAX_ROWS, &mut rng, edge);
             for rows in [1, 2, 15, 16, 17, 31, 33, 48, 63, 64] {
                 let (mut want, mut got) = (vec![[0.0f32; COLS]; rows], vec![[0.0f32; COLS]; rows]);
-                gemm_twin(ty, &c.tiles, c.ntiles, &c.act, c.arb, rows, n, &mut want);
-                gemm(ty, &c.tiles, c.ntiles, &c.act, c.arb, rows, n, &mut got);
+                gemm_twin(ty, &c.tiles, c.ntiles, Acts { bytes: &c.act, stride: c.arb, rows }, n, &mut want);
+                gemm(ty, &c.tiles, c.ntiles, Acts { bytes: &c.act, stride: c.arb, rows }, n, &mut got);
                 for r in 0..rows {
                     assert_eq!(got[r].map(f32::to_bits), want[r].map(f32::to_bits), "{} k={n} {weight_rows} weight rows, {rows} act rows: row {r}", ty.name());
                 }

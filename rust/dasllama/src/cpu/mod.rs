@@ -201,7 +201,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
                             let wt = &wb[r0 / TILE_ROWS * tb..][..tiles * tb];
                             for t in (t0..t1).step_by(amx::MAX_ROWS) {
                                 let nt = (t1 - t).min(amx::MAX_ROWS);
-                                amx::gemm(w.ty, wt, tiles, &act[t * arb..], arb, nt, k, &mut out[..nt]);
+                                amx::gemm(w.ty, wt, tiles, amx::Acts { bytes: &act[t * arb..], stride: arb, rows: nt }, k, &mut out[..nt]);
                                 for (j, o) in out[..nt].iter().enumerate() {
                                     for (r, &v) in (r0..hi.min(r0 + amx::COLS)).zip(o) {
                                         put(t + j, r, v);

@@ -197,11 +197,19 @@ fn request_tile_data() -> std::io::Result<()> {
     }
 }
 
-/// One AMX GEMM call: `out[r][j]` = the dot of weight row `j` of a pair of tiles (rows 8..16 of
-/// the second; zero where there is only one tile) with activation row `r`, for `rows` (1 to
-/// `MAX_ROWS`) activation rows `arb` bytes apart in `act`, each made by `quantize_row` for the
-/// weight's vec_dot_type and `k` values long.
-pub type GemmFn = fn(GgmlType, &[u8], usize, &[u8], usize, usize, usize, &mut [[f32; COLS]]);
+/// Activation rows as `matmul` lays them out: `rows` (1 to `MAX_ROWS`) rows `stride` bytes apart
+/// from the start of `bytes`, each made by `quantize_row` for the weight's vec_dot_type.
+#[derive(Clone, Copy)]
+pub struct Acts<'a> {
+    pub bytes: &'a [u8],
+    pub stride: usize,
+    pub rows: usize,
+}
+
+/// One AMX GEMM call `(ty, tiles, ntiles, acts, k, out)`: `out[r][j]` = the dot of weight row
+/// `j` of a pair of tiles (rows 8..16 of the second; zero where `ntiles` is 1) with activation
+/// row `r`, rows `k` values long.
+pub type GemmFn = fn(GgmlType, &[u8], usize, Acts, usize, &mut [[f32; COLS]]);
 
 /// A checked call: the format, the pair of tiles (a copy with a zero second tile where there is
 /// one tile), the distance of the second tile from the first, blocks per row.
@@ -213,9 +221,10 @@ struct Call<'a> {
 }
 
 /// Asserts a `GemmFn` call is well formed and every load it makes is in bounds.
-fn check<'a>(ty: GgmlType, tiles: &'a [u8], ntiles: usize, act: &[u8], arb: usize, rows: usize, k: usize, out: &[[f32; COLS]]) -> Call<'a> {
+fn check<'a>(ty: GgmlType, tiles: &'a [u8], ntiles: usize, acts: Acts, k: usize, out: &[[f32; COLS]]) -> Call<'a> {
+    let Acts { bytes: act, stride: arb, rows } = acts;
     let f = Fmt::of(ty).unwrap_or_else(|| panic!("{} has no AMX kernel", ty.name()));
-    assert!(k % 32 == 0, "rows of whole blocks");
+    assert!(k.is_multiple_of(32), "rows of whole blocks");
     let (nb, tb) = (k / 32, tile_bytes(ty, k));
     assert!(matches!(ntiles, 1 | 2) && tiles.len() >= ntiles * tb, "one or two whole tiles");
     assert!((1..=MAX_ROWS).contains(&rows) && out.len() >= rows, "1 to {MAX_ROWS} activation rows, an output for each");
@@ -260,8 +269,9 @@ fn b_tile_scalar(f: Fmt, pair: &[u8], gap: usize, nb: usize, i: usize, out: &mut
 }
 
 /// The scalar twin of `gemm`: what its instruction sequence computes, step by step.
-pub fn gemm_twin(ty: GgmlType, tiles: &[u8], ntiles: usize, act: &[u8], arb: usize, rows: usize, k: usize, out: &mut [[f32; COLS]]) {
-    let Call { f, pair, gap, nb } = check(ty, tiles, ntiles, act, arb, rows, k, out);
+pub fn gemm_twin(ty: GgmlType, tiles: &[u8], ntiles: usize, acts: Acts, k: usize, out: &mut [[f32; COLS]]) {
+    let Call { f, pair, gap, nb } = check(ty, tiles, ntiles, acts, k, out);
+    let Acts { bytes: act, stride: arb, rows } = acts;
     let f16 = |at: usize| super::rd_f16(&pair, at);
     let f32_at = |at: usize| super::rd_f32(act, at);
     let mut acc = [[0.0f32; COLS]; MAX_ROWS];
@@ -288,15 +298,15 @@ pub fn gemm_twin(ty: GgmlType, tiles: &[u8], ntiles: usize, act: &[u8], arb: usi
 }
 
 /// The AMX kernel (see the module notes). Only where `has_amx()`; panics elsewhere.
-pub fn gemm(ty: GgmlType, tiles: &[u8], ntiles: usize, act: &[u8], arb: usize, rows: usize, k: usize, out: &mut [[f32; COLS]]) {
+pub fn gemm(ty: GgmlType, tiles: &[u8], ntiles: usize, acts: Acts, k: usize, out: &mut [[f32; COLS]]) {
     assert!(has_amx(), "the AMX kernel called on a CPU or process without AMX ({})", status().1);
-    let call = check(ty, tiles, ntiles, act, arb, rows, k, out);
+    let call = check(ty, tiles, ntiles, acts, k, out);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `has_amx` found AMX-TILE/INT8, AVX-512 F/BW/VL, F16C and FMA, the OS's tile state
     // and Linux's permission; `check` bounds every load (tiles, activation rows and tails) and
     // `out` holds `rows` rows.
     unsafe {
-        x86::kernel(call.f, call.pair.as_ptr(), call.gap, call.nb, act.as_ptr(), arb, rows, out.as_mut_ptr())
+        x86::kernel(&call, acts.bytes.as_ptr(), acts.stride, acts.rows, out.as_mut_ptr())
     };
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("no AMX off x86_64 ({:?})", call.nb);
@@ -305,7 +315,7 @@ pub fn gemm(ty: GgmlType, tiles: &[u8], ntiles: usize, act: &[u8], arb: usize, r
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::avx512::{pair_f16, pair_load};
-    use super::{Fmt, A_ROWS, B_TILE_BYTES, COLS, MAX_ROWS};
+    use super::{Call, Fmt, A_ROWS, B_TILE_BYTES, COLS, MAX_ROWS};
     use std::arch::asm;
     use std::arch::x86_64::*;
 
@@ -359,9 +369,10 @@ mod x86 {
         Aligned(c)
     }
 
-    /// `gemm` on a pair of tiles `gap` bytes apart, `nb` blocks per row.
+    /// `gemm` on a checked call: `rows` activation rows `arb` bytes apart from `act`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-    pub(super) unsafe fn kernel(f: Fmt, t: *const u8, gap: usize, nb: usize, act: *const u8, arb: usize, rows: usize, out: *mut [f32; COLS]) {
+    pub(super) unsafe fn kernel(call: &Call, act: *const u8, arb: usize, rows: usize, out: *mut [f32; COLS]) {
+        let (f, t, gap, nb) = (call.f, call.pair.as_ptr(), call.gap, call.nb);
         let mut acc = [_mm512_setzero_ps(); MAX_ROWS];
         let mut b = Aligned([0u8; B_TILE_BYTES]);
         let mut c = Aligned([0u8; 64 * A_ROWS]);
