@@ -10,7 +10,7 @@
 
 import logging
 
-from ._native import arch_names, n_threads
+from ._native import amx_status, arch_names, n_threads
 from .chat import (
     ChatRenderer,
     NothinkGuard,
@@ -86,6 +86,7 @@ __all__ = [
     "UnsupportedModelError",
     "add_assistant",
     "add_user",
+    "amx_status",
     "arch_names",
     "attach_draft_model",
     "attach_mtp_drafter",

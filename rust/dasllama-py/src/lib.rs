@@ -888,6 +888,13 @@ fn n_threads() -> usize {
     dasllama::cpu::n_threads()
 }
 
+/// Whether the GEMM runs on Intel AMX in this process, and why (or why not), in words.
+#[pyfunction]
+fn amx_status() -> (bool, String) {
+    let (on, why) = dasllama::quant::amx::status();
+    (*on, why.clone())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -947,6 +954,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scheduler_stats, m)?)?;
     m.add_function(wrap_pyfunction!(arch_names, m)?)?;
     m.add_function(wrap_pyfunction!(n_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(amx_status, m)?)?;
     m.add("DeviceError", py.get_type_bound::<DeviceError>())?;
     gpu::register(m)?;
     Ok(())

@@ -4,7 +4,9 @@
 //!
 //!     cargo run --release -p dasllama --example gemm_rate [FORMAT ...] [-- rows ...]
 //!
-//! With `GEMM_RATE_VARIANTS=1`: every tile kernel variant of each format, one thread, side by side.
+//! With `GEMM_RATE_VARIANTS=1`: every tile kernel variant of each format, one thread, side by side,
+//! and the AMX kernel's line (or why it does not run here). Without it, a first line says whether
+//! AMX runs; `DASLLAMA_NO_AMX=1` gives the vector kernels' rate on an AMX box.
 //! With `GEMM_RATE_SHAPE=ROWSxCOLS`: that shape instead of the second (one larger than the caches
 //! gives a decode row's rate from memory).
 
@@ -45,6 +47,14 @@ fn main() {
         (r.parse::<usize>().expect("rows"), c.parse::<usize>().expect("cols"))
     });
     let (rows2, cols2) = shape.unwrap_or((2048, 8192));
+    let (amx_on, amx_why) = dasllama::quant::amx::status();
+    println!("amx: {amx_why}");
+    if *amx_on {
+        // The walk below goes through AMX for the formats it covers from two rows; DASLLAMA_NO_AMX=1
+        // gives the vector kernels' rate on the same box for comparison.
+        let covered: Vec<&str> = types.iter().filter(|t| dasllama::quant::amx::supports(**t)).map(|t| t.name()).collect();
+        println!("amx: the lines of {covered:?} with two rows or more are AMX's");
+    }
     println!("{:<6} {:>5} {:>12} {:>12}", "format", "rows", "2048->8192", format!("{cols2}->{rows2}"));
     for ty in types {
         let ws = [Weight::random_blocks(ty, 8192, 2048), Weight::random_blocks(ty, rows2, cols2)];
@@ -110,7 +120,40 @@ fn variants(ty: GgmlType, n: usize) {
         for ((name, _), b) in vs.iter().zip(best) {
             println!("{:<6} {:>5} {:>5}x{:<5} {:<9} {:>8.1} G", ty.name(), n, rows, cols, name, (rows * cols * n) as f64 / b / 1e9);
         }
+        amx_variant(ty, n, &w, &act, arb);
     }
+}
+
+/// The AMX kernel on the same walk (a pair of tiles against up to 64 activation rows a call), or
+/// a line saying why it does not run here.
+#[cfg(target_arch = "x86_64")]
+fn amx_variant(ty: GgmlType, n: usize, w: &Weight, act: &[u8], arb: usize) {
+    use dasllama::quant::amx;
+    use dasllama::quant::tile::tile_bytes;
+    let (rows, cols) = (w.rows, w.cols);
+    if !amx::supports(ty) {
+        return println!("{:<6} {:>5} {:>5}x{:<5} {:<9} no AMX kernel for this format", ty.name(), n, rows, cols, "amx");
+    }
+    let (on, why) = amx::status();
+    if !*on || n < 2 {
+        let why = if *on { "one row runs on the vector kernels" } else { why.trim_start_matches("off: ") };
+        return println!("{:<6} {:>5} {:>5}x{:<5} {:<9} {why}", ty.name(), n, rows, cols, "amx");
+    }
+    let tb = tile_bytes(ty, cols);
+    let wb = w.data.as_slice();
+    let mut out = vec![[0.0f32; amx::COLS]; amx::MAX_ROWS];
+    let mut best = f64::MAX;
+    for _ in 0..15 {
+        let t0 = thread_cpu_s();
+        for pair in wb.chunks(2 * tb) {
+            for t in (0..n).step_by(amx::MAX_ROWS) {
+                let nt = (n - t).min(amx::MAX_ROWS);
+                amx::gemm(ty, pair, pair.len() / tb, amx::Acts { bytes: &act[t * arb..], stride: arb, rows: nt }, cols, &mut out[..nt]);
+            }
+        }
+        best = best.min(thread_cpu_s() - t0);
+    }
+    println!("{:<6} {:>5} {:>5}x{:<5} {:<9} {:>8.1} G", ty.name(), n, rows, cols, "amx", (rows * cols * n) as f64 / best / 1e9);
 }
 
 /// Seconds of CPU this thread has used (what the kernel costs, whatever else the box runs).

@@ -358,7 +358,18 @@ fn tile_kernel_variants_match_the_scalar_twin() {
 #[test]
 fn matmul_rows_are_bit_identical_whatever_the_batch() {
     use dasllama::cpu::{matmul, team, Weight};
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K, GgmlType::F16, GgmlType::BF16, GgmlType::F32] {
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::F32,
+    ] {
         let (rows, cols) = (40, 512);
         let w = Weight::random_blocks(ty, rows, cols);
         let mut rng = Lcg(ty as u64 + 5);
@@ -373,6 +384,128 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
             team().session(|tm| matmul(&w, &x[..n * cols], n, &mut out, &mut act, tm));
             for (i, (a, b)) in out.iter().zip(&alone).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "{}: {n} rows at once, row {} output {}", ty.name(), i / rows, i % rows);
+            }
+        }
+    }
+}
+
+/// The formats with an AMX kernel.
+const AMX_FORMATS: [GgmlType; 5] = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0];
+
+/// Integer value `j` of a GGUF block of a 32-value format (zero point taken off).
+fn block_int(ty: GgmlType, b: &[u8], j: usize) -> i32 {
+    let nib = |qs: &[u8]| if j < 16 { (qs[j] & 0xF) as i32 } else { (qs[j - 16] >> 4) as i32 };
+    let high = |at: usize| ((u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) >> j) & 1) as i32 * 16;
+    match ty {
+        GgmlType::Q4_0 => nib(&b[2..]) - 8,
+        GgmlType::Q4_1 => nib(&b[4..]),
+        GgmlType::Q5_0 => (nib(&b[6..]) | high(2)) - 16,
+        GgmlType::Q5_1 => nib(&b[8..]) | high(4),
+        GgmlType::Q8_0 => b[2 + j] as i8 as i32,
+        _ => unreachable!(),
+    }
+}
+
+/// The vector tile kernels' arithmetic for one output, from the GGUF row: per block, in order,
+/// acc = fma(d_w * d_a, isum, acc), then (Q4_1, Q5_1) acc = fma(m_w, s_a, acc).
+fn vector_order_dot(ty: GgmlType, w: &[u8], a: &[u8], n: usize) -> f32 {
+    let (bb, ab, nb) = (ty.block_bytes(), ty.vec_dot_type().block_bytes(), n / 32);
+    let f16 = |b: &[u8], at: usize| half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32();
+    let tail = |i: usize| f32::from_le_bytes(a[nb * ab + 4 * i..][..4].try_into().unwrap());
+    let mut acc = 0.0f32;
+    for i in 0..nb {
+        let (wb, q) = (&w[i * bb..(i + 1) * bb], &a[i * ab + ab - 32..(i + 1) * ab]);
+        let isum: i32 = (0..32).map(|j| block_int(ty, wb, j) * q[j] as i8 as i32).sum();
+        acc = (f16(wb, 0) * tail(i)).mul_add(isum as f32, acc);
+        if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
+            acc = f16(wb, 2).mul_add(tail(nb + i), acc);
+        }
+    }
+    acc
+}
+
+/// Weights (16 or 12 rows: a pair of tiles, or one and a partial one), tiled, and `rows`
+/// activation rows back to back, as `matmul` lays them out.
+struct AmxCase {
+    ws: Vec<Vec<u8>>,
+    tiles: Vec<u8>,
+    ntiles: usize,
+    act: Vec<u8>,
+    arb: usize,
+}
+
+fn amx_case(ty: GgmlType, n: usize, weight_rows: usize, rows: usize, rng: &mut Lcg, edge: bool) -> AmxCase {
+    let ws: Vec<Vec<u8>> = (0..weight_rows).map(|_| random_weights(ty, n, rng, edge)).collect();
+    let tiles: Vec<u8> = ws.chunks(TILE_ROWS).flat_map(|c| tile(ty, c, n)).collect();
+    let arb = act_row_bytes(ty.vec_dot_type(), n);
+    let act: Vec<u8> = (0..rows)
+        .flat_map(|_| act(ty, &(0..n).map(|_| if edge { [0.0, 1e-3, -3.0, 7.5][rng.next() as usize % 4] } else { rng.f() * 5.0 }).collect::<Vec<_>>()))
+        .collect();
+    AmxCase { ws, ntiles: weight_rows.div_ceil(TILE_ROWS), tiles, act, arb }
+}
+
+/// The AMX kernel's scalar twin, tile by tile, gives every output the bits of the vector tile
+/// kernels (each variant this CPU runs) and of their arithmetic replayed on the GGUF rows.
+#[test]
+fn amx_twin_is_bit_identical_to_the_vector_kernels() {
+    use dasllama::quant::amx::{gemm_twin, Acts, COLS, MAX_ROWS};
+    for ty in AMX_FORMATS {
+        #[cfg(target_arch = "x86_64")]
+        let variants = dasllama::quant::avx2::tile_variants(ty);
+        #[cfg(not(target_arch = "x86_64"))]
+        let variants: Vec<(&str, dasllama::quant::TileFn)> = Vec::new();
+        if variants.is_empty() {
+            eprintln!("{}: no vector tile kernel here (no AVX2, or DASLLAMA_NO_SIMD): the AMX twin is checked against their arithmetic replayed", ty.name());
+        }
+        let mut rng = Lcg(ty as u64 + 4242);
+        for (n, weight_rows, rows, edge) in [(512, 16, 37, false), (256, 12, 64, false), (1024, 16, 5, true), (512, 9, 16, true), (256, 16, 1, false)] {
+            let c = amx_case(ty, n, weight_rows, rows, &mut rng, edge);
+            let mut out = vec![[0.0f32; COLS]; MAX_ROWS];
+            gemm_twin(ty, &c.tiles, c.ntiles, Acts { bytes: &c.act, stride: c.arb, rows }, n, &mut out);
+            for (r, o) in out[..rows].iter().enumerate() {
+                let a = &c.act[r * c.arb..(r + 1) * c.arb];
+                for (j, w) in c.ws.iter().enumerate() {
+                    let want = vector_order_dot(ty, w, a, n);
+                    assert_eq!(o[j].to_bits(), want.to_bits(), "{}: twin {} != replay {want}, act row {r}, weight row {j}", ty.name(), o[j]);
+                }
+                for (name, f) in &variants {
+                    let mut v = vec![[0.0f32; TILE_ROWS]; c.ntiles];
+                    f(&c.tiles, &[a], n, &mut v);
+                    for (j, got) in v.iter().flatten().take(weight_rows).enumerate() {
+                        assert_eq!(o[j].to_bits(), got.to_bits(), "{}: twin {} != {name} {got}, act row {r}, weight row {j}", ty.name(), o[j]);
+                    }
+                }
+            }
+            // Rows past the weights (a missing or partial tile) come out zero.
+            assert!(out[..rows].iter().all(|o| o[weight_rows..].iter().all(|&v| v == 0.0)), "{}: padding rows not zero", ty.name());
+        }
+    }
+}
+
+/// The AMX kernel equals its scalar twin bit for bit; where the CPU has no AMX this says so
+/// (one line per format) and checks nothing.
+#[test]
+fn amx_kernel_matches_its_twin() {
+    use dasllama::quant::amx::{gemm, gemm_twin, has_amx, status, Acts, COLS, MAX_ROWS};
+    if !has_amx() {
+        let why = status().1.trim_start_matches("off: ");
+        for ty in AMX_FORMATS {
+            eprintln!("skipped: amx {}: {why}", ty.name().to_lowercase());
+        }
+        return;
+    }
+    eprintln!("amx: {}", status().1);
+    for ty in AMX_FORMATS {
+        let mut rng = Lcg(ty as u64 + 777);
+        for (n, weight_rows, edge) in [(512, 16, false), (256, 12, true), (2048, 8, false), (32, 16, true)] {
+            let c = amx_case(ty, n, weight_rows, MAX_ROWS, &mut rng, edge);
+            for rows in [1, 2, 15, 16, 17, 31, 33, 48, 63, 64] {
+                let (mut want, mut got) = (vec![[0.0f32; COLS]; rows], vec![[0.0f32; COLS]; rows]);
+                gemm_twin(ty, &c.tiles, c.ntiles, Acts { bytes: &c.act, stride: c.arb, rows }, n, &mut want);
+                gemm(ty, &c.tiles, c.ntiles, Acts { bytes: &c.act, stride: c.arb, rows }, n, &mut got);
+                for r in 0..rows {
+                    assert_eq!(got[r].map(f32::to_bits), want[r].map(f32::to_bits), "{} k={n} {weight_rows} weight rows, {rows} act rows: row {r}", ty.name());
+                }
             }
         }
     }

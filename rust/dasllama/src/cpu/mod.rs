@@ -10,9 +10,9 @@ pub mod spin;
 
 pub use spin::{team, Session as Team};
 
-use crate::quant::arena;
 use crate::quant::tile::{self, TILE_ROWS};
 use crate::quant::{act_row_bytes, float_act_bytes, kernels, quantize_row, widen_row, GgmlType, Kernels};
+use crate::quant::{amx, arena};
 pub use crate::quant::{Bytes, Weight};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
@@ -189,6 +189,29 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
             Kernels::Tiles(tile_fn) => {
                 debug_assert!(w.tiled, "weight layout does not match its kernels");
                 let tb = tile::tile_bytes(w.ty, k);
+                if n >= 2 && amx::usable(w.ty) {
+                    // AMX: a pair of tiles (sixteen weight rows) against up to 64 activation rows
+                    // a call, bit-identical to the vector kernels (one-row decode stays on those).
+                    let mut out = [[0.0f32; amx::COLS]; amx::MAX_ROWS];
+                    for t0 in (0..n).step_by(tt) {
+                        let t1 = (t0 + tt).min(n);
+                        // Tasks start on multiples of sixteen rows, so pairs of tiles line up.
+                        for r0 in (lo..hi).step_by(amx::COLS) {
+                            let tiles = if r0 + TILE_ROWS < hi { 2 } else { 1 };
+                            let wt = &wb[r0 / TILE_ROWS * tb..][..tiles * tb];
+                            for t in (t0..t1).step_by(amx::MAX_ROWS) {
+                                let nt = (t1 - t).min(amx::MAX_ROWS);
+                                amx::gemm(w.ty, wt, tiles, amx::Acts { bytes: &act[t * arb..], stride: arb, rows: nt }, k, &mut out[..nt]);
+                                for (j, o) in out[..nt].iter().enumerate() {
+                                    for (r, &v) in (r0..hi.min(r0 + amx::COLS)).zip(o) {
+                                        put(t + j, r, v);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    return;
+                }
                 let mut out = [[0.0f32; TILE_ROWS]; 2 * MAX_R];
                 for t0 in (0..n).step_by(tt) {
                     let t1 = (t0 + tt).min(n);

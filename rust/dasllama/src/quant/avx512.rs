@@ -20,14 +20,14 @@ const PREFETCH: usize = 4096;
 
 /// 32 bytes at `p` of the first tile and at `p + gap` of the second, as one vector.
 #[inline(always)]
-unsafe fn pair_load(p: *const u8, gap: usize) -> __m512i {
+pub(super) unsafe fn pair_load(p: *const u8, gap: usize) -> __m512i {
     let lo = _mm256_loadu_si256(p as *const __m256i);
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), _mm256_loadu_si256(p.add(gap) as *const __m256i))
 }
 
 /// Eight f16 per tile (one per row) as sixteen f32.
 #[inline(always)]
-unsafe fn pair_f16(p: *const u8, gap: usize) -> __m512 {
+pub(super) unsafe fn pair_f16(p: *const u8, gap: usize) -> __m512 {
     let lo = _mm_loadu_si128(p as *const __m128i);
     _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), _mm_loadu_si128(p.add(gap) as *const __m128i)))
 }

@@ -5,6 +5,7 @@
 //! f16/bf16 for half-precision weights): that rounding is part of the numbers llama.cpp produces, so
 //! matching it is what lets us agree with llama.cpp to a few hundredths of a nat.
 
+pub mod amx;
 pub mod arena;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
