@@ -173,7 +173,7 @@ pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessio
     }
     #[cfg(feature = "fault-injection")]
     if sessions.iter().any(|s| s.fault) {
-        crate::cpu::team().session(|t| t.parallel_for(1, &|_| panic!("injected fault in a session's evaluation")));
+        crate::backend::host().panic_in_task("injected fault in a session's evaluation");
     }
     run(m, sessions, counts, tokens, want, &mut ws.scratch, &mut ws.logits)
 }

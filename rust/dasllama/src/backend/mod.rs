@@ -209,6 +209,10 @@ pub trait Host: Sync {
     /// Run `f` with the host's ops over activation rows (`act` is their scratch); matmuls over
     /// weights `offload` holds go there.
     fn run(&self, numerics: Numerics, act: &mut Vec<u8>, offload: Option<&mut dyn MatmulOffload>, f: &mut dyn FnMut(&mut dyn Ops));
+
+    /// Test hook: a task on the host's worker threads panics, as a bug in a kernel would.
+    #[cfg(feature = "fault-injection")]
+    fn panic_in_task(&self, why: &str);
 }
 
 /// The host backend (the CPU).

@@ -32,6 +32,11 @@ impl Host for Cpu {
             f(&mut CpuOps { team: t, act, numerics, offload })
         })
     }
+
+    #[cfg(feature = "fault-injection")]
+    fn panic_in_task(&self, why: &str) {
+        team().session(|t| t.parallel_for(1, &|_| panic!("{why}")))
+    }
 }
 
 /// The CPU ops of one forward pass: the team held spinning for it, the activation buffer its
