@@ -40,6 +40,25 @@ def run(cmd: list[str], cwd: Path, log_file: Path) -> None:
         raise SystemExit(f"{cmd[0]} failed (exit {rc}); the end of {log_file}:\n{tail}")
 
 
+def vendored_sources(version: str, work: Path, build_log: Path) -> tuple[Path, list[str]]:
+    """The llama.cpp sources llama-cpp-python `version` vendors, unpacked into `work`, and the
+    CMake generator to build them with (Ninja where it is installed)."""
+    missing = [t for t in ("cmake", "c++") if shutil.which(t) is None]
+    if missing:
+        raise SystemExit(f"{' and '.join(missing)} not found on the PATH: install a C++ compiler, and cmake with `pip install cmake ninja`")
+    log.info("downloading the llama-cpp-python %s sdist", version)
+    run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", f"llama-cpp-python=={version}", "-d", str(work)], work, build_log)
+    sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None)
+    if sdist is None:
+        raise SystemExit(f"pip saved no llama_cpp_python sdist into {work}; is version {version} on PyPI?")
+    with tarfile.open(sdist) as tf:
+        tf.extractall(work, filter="data")
+    src = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not (src / "CMakeLists.txt").exists():
+        raise SystemExit(f"{sdist.name} vendors no llama.cpp at {src.relative_to(work)}")
+    return src, ["-G", "Ninja"] if shutil.which("ninja") else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", default="0.3.36", help="the llama-cpp-python release whose vendored llama.cpp to build")
@@ -47,23 +66,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    missing = [t for t in ("cmake", "c++") if shutil.which(t) is None]
-    if missing:
-        raise SystemExit(f"{' and '.join(missing)} not found on the PATH: install a C++ compiler, and cmake with `pip install cmake ninja`")
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     with tempfile.TemporaryDirectory(prefix="llama-cpp-") as tmp:
         work = Path(tmp)
         build_log = work / "build.log"
-        log.info("downloading the llama-cpp-python %s sdist", args.version)
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", f"llama-cpp-python=={args.version}", "-d", str(work)], work, build_log)
-        sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None)
-        if sdist is None:
-            raise SystemExit(f"pip saved no llama_cpp_python sdist into {work}; is version {args.version} on PyPI?")
-        with tarfile.open(sdist) as tf:
-            tf.extractall(work, filter="data")
-        src = work / f"llama_cpp_python-{args.version}" / "vendor" / "llama.cpp"
-        if not (src / "CMakeLists.txt").exists():
-            raise SystemExit(f"{sdist.name} vendors no llama.cpp at {src.relative_to(work)}")
+        src, generator = vendored_sources(args.version, work, build_log)
         log.info("configuring llama.cpp (native CPU build, static)")
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
         run(["cmake", "-S", str(src), "-B", str(src / "build"), *generator, *flags], src, build_log)

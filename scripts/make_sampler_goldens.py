@@ -27,13 +27,11 @@ import ctypes
 import json
 import logging
 import shutil
-import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from build_llama_cpp import run
+from build_llama_cpp import run, vendored_sources
 
 log = logging.getLogger("make_sampler_goldens")
 
@@ -74,21 +72,10 @@ class ChainParams(ctypes.Structure):
 
 def build(version: str, dest: Path) -> None:
     """libllama and the ggml libraries it links, from the llama-cpp-python sdist, into `dest`."""
-    missing = [t for t in ("cmake", "c++") if shutil.which(t) is None]
-    if missing:
-        raise SystemExit(f"{' and '.join(missing)} not found on the PATH: install a C++ compiler, and cmake with `pip install cmake ninja`")
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     with tempfile.TemporaryDirectory(prefix="llama-cpp-") as tmp:
         work = Path(tmp)
         build_log = work / "build.log"
-        log.info("downloading the llama-cpp-python %s sdist", version)
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", f"llama-cpp-python=={version}", "-d", str(work)], work, build_log)
-        sdist = next(work.glob("llama_cpp_python-*.tar.gz"), None)
-        if sdist is None:
-            raise SystemExit(f"pip saved no llama_cpp_python sdist into {work}; is version {version} on PyPI?")
-        with tarfile.open(sdist) as tf:
-            tf.extractall(work, filter="data")
-        src = work / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+        src, generator = vendored_sources(version, work, build_log)
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_COMMON=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
         log.info("configuring llama.cpp (shared, portable)")
         run(["cmake", "-S", str(src), "-B", str(src / "build"), *generator, *flags], src, build_log)
