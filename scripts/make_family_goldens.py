@@ -68,8 +68,21 @@ def main() -> None:
             path = Path(tmp) / f"{name}.gguf"
             write_family(path, name)
             cases = family_cases(name)
+            # The YaRN knobs at -1 ("not set", llama.cpp's own defaults): llama-cpp-python's 32 and
+            # 1 would override the file's rope.scaling.yarn_beta_* keys (mistral3).
             llm = llama_cpp.Llama(
-                model_path=str(path), n_ctx=64, n_batch=64, n_ubatch=64, n_threads=2, n_threads_batch=2, logits_all=True, flash_attn=False, verbose=False
+                model_path=str(path),
+                n_ctx=64,
+                n_batch=64,
+                n_ubatch=64,
+                n_threads=2,
+                n_threads_batch=2,
+                logits_all=True,
+                flash_attn=False,
+                yarn_beta_fast=-1.0,
+                yarn_beta_slow=-1.0,
+                yarn_attn_factor=-1.0,
+                verbose=False,
             )
             rows = []
             for ids in cases:

@@ -286,6 +286,69 @@ FAMILIES: dict[str, dict[str, Any]] = {
         moe=dict(n=8, used=3, hidden=256),
         meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 3, "expert_feed_forward_length": 256},
     ),
+    # The VL text towers (no vision encoder): a text token has the same position on the first three
+    # M-RoPE axes and 0 on the fourth. qwen2vl: qwen2 with consecutive sections (Qwen2-VL's
+    # 16/24/24/0 of 64 pairs, here over 32). llama-cpp-python 0.3.36's llama.cpp does not read
+    # qwen2vl's norm epsilon (its norms add 0); dasllama reads the file's, so this file's is ~0
+    # and the goldens test the rest of the graph (with 1e-6 they part by 0.12 nats).
+    "qwen2vl": dict(
+        arch="qwen2vl",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        bias=True,
+        embd=(0.12, QT.Q8_0),
+        meta={"rope.freq_base": 1000000.0, "rope.dimension_sections": [8, 12, 12, 0], "attention.layer_norm_rms_epsilon": 1e-30},
+    ),
+    # qwen3 with Qwen3-VL's interleaved sections (24/20/20/0 of 64 pairs: in ggml's layout pairs
+    # 61 and 62 fall on the fourth axis, position 0 for text) and deepstack layers (inert for text).
+    "qwen3vl": dict(
+        arch="qwen3vl",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.Q8_0),
+        meta={"rope.freq_base": 1000000.0, "rope.dimension_sections": [24, 20, 20, 0], "n_deepstack_layers": 2},
+    ),
+    "qwen3vlmoe": dict(
+        arch="qwen3vlmoe",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=3, hidden=256),
+        meta={
+            "rope.freq_base": 1000000.0,
+            "rope.dimension_sections": [24, 20, 20, 0],
+            "n_deepstack_layers": 2,
+            "expert_count": 8,
+            "expert_used_count": 3,
+            "expert_feed_forward_length": 256,
+        },
+    ),
+    # llama's layers (adjacent-pair RoPE) with YaRN from an original context of 8 (its ramp over
+    # pairs 3-12 with these betas, the log multiplier's magnitude), and Llama 4's attention
+    # temperature: queries at positions 8-15 scaled by 1 + 0.1 ln 2, 16-23 by 1 + 0.1 ln 3.
+    "mistral3": dict(
+        arch="mistral3",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q8_0),
+        meta={
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": 4.0,
+            "rope.scaling.original_context_length": 8,
+            "rope.scaling.yarn_beta_fast": 0.5,
+            "rope.scaling.yarn_beta_slow": 0.05,
+            "rope.scaling.yarn_log_multiplier": 0.5,
+            "attention.temperature_scale": 0.1,
+            "attention.layer_norm_rms_epsilon": 1e-5,
+        },
+    ),
     # Gated DeltaNet hybrid: layers 0-2 recurrent (2 key heads, 4 value heads of 64, a 4-tap
     # convolution), layer 3 gated full attention (QK-norm, NEOX RoPE on 16 of 64 values, Q's
     # sigmoid gate on the output); value heads read key heads tiled; dense FFN under
@@ -680,14 +743,29 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
         long = meta["context_length"] > meta["rope.scaling.original_context_length"]
         factors = W["rope_factors_long.weight" if long else "rope_factors_short.weight"]
 
+    neox = arch != "mistral3"
+    # A text token's M-RoPE pairs on the fourth axis see position 0 (ggml's layout).
+    still = _mrope_fourth_axis(meta["rope.dimension_sections"], rd // 2, arch != "qwen2vl") if "rope.dimension_sections" in meta else np.zeros(rd // 2, bool)
+    yarn = _yarn(meta, rd) if meta.get("rope.scaling.type") == "yarn" else None
+    if yarn:
+        mscale = yarn[2]
+
     def rope(x: np.ndarray, pos: int) -> np.ndarray:
-        theta = pos * meta["rope.freq_base"] ** (-np.arange(0, rd, 2) / rd)
+        theta = np.where(still, 0.0, pos * meta["rope.freq_base"] ** (-np.arange(0, rd, 2) / rd))
         if factors is not None:
             theta = theta / factors
+        if yarn:
+            low, high, _ = yarn
+            mix = 1 - np.clip((np.arange(rd // 2) - low) / max(0.001, high - low), 0, 1)
+            theta = theta / meta["rope.scaling.factor"] * (1 - mix) + theta * mix
         c, s = np.cos(theta) * mscale, np.sin(theta) * mscale
         out = x.copy()
-        a, b = x[..., : rd // 2], x[..., rd // 2 : rd]
-        out[..., : rd // 2], out[..., rd // 2 : rd] = a * c - b * s, a * s + b * c
+        if neox:
+            a, b = x[..., : rd // 2], x[..., rd // 2 : rd]
+            out[..., : rd // 2], out[..., rd // 2 : rd] = a * c - b * s, a * s + b * c
+        else:
+            a, b = x[..., 0:rd:2], x[..., 1:rd:2]
+            out[..., 0:rd:2], out[..., 1:rd:2] = a * c - b * s, a * s + b * c
         return out
 
     x = W["token_embd.weight"][ids] * (np.sqrt(DIM) if gemma else 1.0)
@@ -712,6 +790,9 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
             q, k = _rms(q, W[p + "attn_q_norm.weight"], eps), _rms(k, W[p + "attn_k_norm.weight"], eps)
         q = np.stack([rope(q[t], t) for t in range(T)])
         k = np.stack([rope(k[t], t) for t in range(T)])
+        if "attention.temperature_scale" in meta:
+            floor = meta["rope.scaling.original_context_length"]
+            q = q * (1 + meta["attention.temperature_scale"] * np.log(np.arange(T) // floor + 1))[:, None, None]
         window = meta["attention.sliding_window"] if gemma and i % 2 == 0 else 0
         att = np.zeros((T, H, HD))
         for t in range(T):
@@ -746,6 +827,32 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
         cap = meta["final_logit_softcapping"]
         out = cap * np.tanh(out / cap)
     return out
+
+
+def _mrope_fourth_axis(sections: list[int], pairs: int, interleaved: bool) -> np.ndarray:
+    """Which rotary pairs ggml's M-RoPE gives the fourth position axis."""
+    s0, s1, s2, _ = sections
+    sector = np.arange(pairs) % sum(sections)
+    if interleaved:
+        return ~(((sector % 3 == 0) & (sector < 3 * s0)) | ((sector % 3 == 1) & (sector < 3 * s1)) | ((sector % 3 == 2) & (sector < 3 * s2)))
+    return sector >= s0 + s1 + s2
+
+
+def _yarn(meta: dict[str, Any], rd: int) -> tuple[float, float, float]:
+    """YaRN's ramp (ggml's correction dims) and its sine/cosine scale as llama.cpp sets them up."""
+    factor, orig, base = meta["rope.scaling.factor"], meta["rope.scaling.original_context_length"], meta["rope.freq_base"]
+    log_mul = meta.get("rope.scaling.yarn_log_multiplier", 0.0)
+
+    def corr(beta: float) -> float:
+        return rd * np.log(orig / (beta * 2 * np.pi)) / (2 * np.log(base))
+
+    def m(scale: float, ms: float) -> float:
+        return 1.0 if scale <= 1 else 0.1 * ms * np.log(scale) + 1.0
+
+    attn = (m(factor, 1.0) / m(factor, log_mul) if log_mul else m(factor, 1.0)) / (1 + 0.1 * np.log(factor)) * meta.get("rope.scaling.attn_factor", 1.0)
+    low = max(0.0, np.floor(corr(meta.get("rope.scaling.yarn_beta_fast", 32.0))))
+    high = min(rd - 1.0, np.ceil(corr(meta.get("rope.scaling.yarn_beta_slow", 1.0))))
+    return low, high, attn * (1 + 0.1 * np.log(factor))
 
 
 def _gated_attention(W: dict[str, np.ndarray], p: str, H: int, KVH: int, HD: int, h: np.ndarray, rope: Any, eps: float) -> np.ndarray:

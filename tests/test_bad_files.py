@@ -200,6 +200,17 @@ F32 = np.float32
         ("qwen35", dict(meta={"ssm.conv_kernel": None}), r"'qwen35\.ssm\.conv_kernel' is missing"),
         ("qwen35", dict(meta={"attention.head_count": 2}), r"tensor 'blk\.3\.attn_q\.weight' is 512x256 but the model's metadata implies 256x256"),
         ("qwen35", dict(meta={"attention.recurrent_layers": [True, False]}), r"'qwen35\.attention\.recurrent_layers' has 2 values but the model has 4 layers"),
+        # The VL text towers' multi-axis RoPE: its sections required, four of them, some on the
+        # first three axes, no more pairs than the head has values, over the whole head.
+        ("qwen2vl", dict(meta={"rope.dimension_sections": None}), r"'qwen2vl\.rope\.dimension_sections' is missing"),
+        ("qwen3vl", dict(meta={"rope.dimension_sections": [24, 20, 20]}), r"'qwen3vl\.rope\.dimension_sections' has 3 values; it must have 4"),
+        ("qwen3vl", dict(meta={"rope.dimension_sections": [64, 40, 40, 0]}), r"'qwen3vl\.rope\.dimension_sections' is \[64, 40, 40, 0\]: 144 pairs, more than the head has values \(128\)"),
+        ("qwen2vl", dict(meta={"rope.dimension_sections": [0, 0, 0, 32]}), r"'qwen2vl\.rope\.dimension_sections' is \[0, 0, 0, 32\]; the first three axes have no pairs"),
+        ("qwen2vl", dict(meta={"rope.dimension_count": 32}), r"'qwen2vl\.rope\.dimension_count' is 32; this architecture turns the whole head \(64\)"),
+        ("qwen3vl", dict(meta={"n_deepstack_layers": "two"}), r"'qwen3vl\.n_deepstack_layers'"),
+        ("qwen3vlmoe", dict(drop="blk.1.ffn_up_exps.weight"), r"tensor 'blk\.1\.ffn_up_exps\.weight' is missing"),
+        ("mistral3", dict(meta={"attention.layer_norm_rms_epsilon": None}), r"'mistral3\.attention\.layer_norm_rms_epsilon' is missing"),
+        ("mistral3", dict(meta={"rope.scaling.original_context_length": 0}), r"'mistral3\.rope\.scaling\.original_context_length' is 0; attention temperature scaling needs the original context"),
     ],
 )
 def test_family_tensors_checked(tmp_path: Path, name: str, kw: dict, match: str) -> None:
@@ -212,19 +223,39 @@ def test_family_tensors_checked(tmp_path: Path, name: str, kw: dict, match: str)
     assert str(p) in str(e.value)
 
 
-def test_qwen35_rope_sections_that_leave_text_pairs_unrotated(tmp_path: Path) -> None:
-    # Sections covering fewer pairs than rotate would put some on the fourth (non-text) axis.
-    p = tmp_path / "m.gguf"
+def test_qwen35_rope_sections_with_pairs_on_the_fourth_axis(tmp_path: Path) -> None:
+    # Sections that put pairs on the fourth axis load as llama.cpp reads them: a text token's
+    # position there is 0, so those pairs do not turn (and the logits differ from the model's own).
+    p, q = tmp_path / "p.gguf", tmp_path / "q.gguf"
     write_family(p, "qwen35", meta={"rope.dimension_sections": [1, 1, 0, 1]})
-    with pytest.raises(dl.UnsupportedModelError, match=r"'qwen35\.rope\.dimension_sections' is \[1, 1, 0, 1\]: rotary pair 2 of 8"):
+    write_family(q, "qwen35")
+    ids = [1, 40, 50, 60, 70, 80, 90, 100]
+    a, b = (dl.eval_all(m, dl.create_session(m), ids) for m in (dl.load_model(p), dl.load_model(q)))
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "match"),
+    [
+        ("mistral3", dict(meta={"expert_count": 8}), r"'mistral3\.expert_count' is set: mistral3 with routed experts is not supported"),
+        ("mistral3", dict(extra={"blk.1.ffn_down.bias": np.zeros(256, F32)}), r"tensor 'blk\.1\.ffn_down\.bias' is not supported \(no output or FFN biases\)"),
+        ("mistral3", dict(meta={"rope.scaling.type": "longrope"}), r"'mistral3\.rope\.scaling\.type' is \"longrope\", which is not supported for mistral3"),
+        ("gemma2", dict(meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}), r"'gemma2\.rope\.scaling\.type' is \"yarn\", which is not supported for gemma2"),
+    ],
+)
+def test_family_pieces_not_supported(tmp_path: Path, name: str, kw: dict, match: str) -> None:
+    p = tmp_path / "m.gguf"
+    write_family(p, name, **kw)
+    with pytest.raises(dl.UnsupportedModelError, match=match) as e:
         dl.load_model(p)
+    assert str(p) in str(e.value)
 
 
-@pytest.mark.parametrize("kind", ["yarn", "su", "dynamic"])
+@pytest.mark.parametrize("kind", ["su", "dynamic"])
 def test_unknown_rope_scaling_type(tmp_path: Path, kind: str) -> None:
     p = tmp_path / "m.gguf"
     write_family(p, "qwen2", meta={"rope.scaling.type": kind, "rope.scaling.factor": 4.0})
-    with pytest.raises(dl.UnsupportedModelError, match=rf"'qwen2\.rope\.scaling\.type' is \"{kind}\", which is not supported \(supported: none, linear, longrope\)") as e:
+    with pytest.raises(dl.UnsupportedModelError, match=rf"'qwen2\.rope\.scaling\.type' is \"{kind}\", which is not supported \(supported: none, linear, longrope, yarn\)") as e:
         dl.load_model(p)
     assert str(p) in str(e.value)
 

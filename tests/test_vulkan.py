@@ -195,7 +195,7 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
 
 
 @needs_device
-@pytest.mark.parametrize("name, why", [("qwen3moe", "experts"), ("qwen35", "recurrent")])
+@pytest.mark.parametrize("name, why", [("qwen3moe", "experts"), ("qwen35", "recurrent"), ("mistral3", "temperature_scale")])
 def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why: str) -> None:
     """A MoE or a DeltaNet hybrid, which the resident driver declines, goes on the per-op rails:
     capture says "gpu:rails", the decline says why not resident, there are no device regions,
@@ -248,6 +248,28 @@ def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why:
     assert gpu.gpu_tier_status().backend == "vulkan"
     del m2
     assert gpu.gpu_tier_status().vram_bytes == after.vram_bytes
+
+
+@needs_device
+@pytest.mark.parametrize("name", ["qwen2", "qwen2vl", "qwen3vl"])
+def test_vl_text_towers_are_resident(tmp_path: Path, name: str) -> None:
+    """The VL text towers are plain attention and a dense FFN: resident, their multi-axis RoPE
+    (pairs on the fourth axis not turning) reaching the device through the RoPE tables."""
+    from synthetic import family_reference_logits
+
+    path = tmp_path / f"{name}.gguf"
+    ref = family_reference_logits(write_family(path, name), name, IDS)
+    cpu_m = dl.load_model(path)
+    want = dl.eval_all(cpu_m, dl.create_session(cpu_m), IDS)
+    del cpu_m
+    arm()
+    m = load_on_device(path)
+    got = dl.eval_all(m, gpu.create_device_session(m), IDS)
+    # As close to float64 as the CPU lands (the device sums in its own order, which these tiny
+    # random models amplify: qwen2's own shape parts from the CPU by as much).
+    for i in range(len(IDS)):
+        dev_err, cpu_err = (np.abs(lsm(x[i]) - lsm(ref[i])).max() for x in (got, want))
+        assert dev_err <= 1.5 * cpu_err + 0.05, (i, dev_err, cpu_err)
 
 
 @needs_device

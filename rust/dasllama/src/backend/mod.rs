@@ -123,18 +123,89 @@ impl RopeTable<'_> {
     }
 }
 
+/// One rotary embedding: which values of a head rotate, and how a position becomes each pair's
+/// angle. Text positions only: a multi-axis (M-RoPE) token has the same position on its first
+/// three axes and 0 on the fourth, as llama.cpp gives a text token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// Leading values of each head that rotate (the rest pass through).
+    pub dim: usize,
+    pub base: f32,
+    /// NEOX pairing (i, i + dim/2) instead of adjacent pairs (2i, 2i + 1).
+    pub neox: bool,
+    /// Multiplies every angle (`1 / rope.scaling.factor` under linear, longrope or YaRN scaling).
+    pub freq_scale: f32,
+    /// Multiplies every sine and cosine (`rope.scaling.attn_factor`; longrope files carry one;
+    /// under YaRN, ggml's magnitude correction too), so it scales queries and keys alike, as
+    /// ggml's RoPE does.
+    pub mscale: f32,
+    /// YaRN's correction range (ggml's `corr_dims`: the first and last pair of the ramp between
+    /// extrapolated and interpolated angles).
+    pub yarn: Option<[f32; 2]>,
+    /// M-RoPE sections (`rope.dimension_sections`): which position axis each pair reads.
+    pub mrope: Option<Mrope>,
+}
+
+/// The pairs' position axes of a multi-axis RoPE, as ggml's `ggml_mrope_cache_init` assigns them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mrope {
+    /// Pairs per axis (time, height, width, extra).
+    pub sections: [usize; 4],
+    /// Qwen3-VL's interleaved layout (t, h, w cycling) instead of consecutive runs.
+    pub interleaved: bool,
+}
+
+impl Mrope {
+    /// The axis (0-3) pair `i` takes its position from.
+    pub fn axis(&self, i: usize) -> usize {
+        let s = self.sections;
+        let sector = i % s.iter().sum::<usize>();
+        if self.interleaved {
+            match sector % 3 {
+                1 if sector < 3 * s[1] => 1,
+                2 if sector < 3 * s[2] => 2,
+                0 if sector < 3 * s[0] => 0,
+                _ => 3,
+            }
+        } else if sector < s[0] {
+            0
+        } else if sector < s[0] + s[1] {
+            1
+        } else if sector < s[0] + s[1] + s[2] {
+            2
+        } else {
+            3
+        }
+    }
+}
+
 /// The sines and cosines of one position's rotary angles, computed once and applied to every
 /// head (as ggml's rope cache): theta advances by repeated f32 multiplication; pair i's angle is
-/// divided by `factors[i]` (longrope) and multiplied by `freq_scale`, its sine and cosine by `mscale`.
-pub fn rope_cache(n_dims: usize, pos: usize, base: f32, freq_scale: f32, mscale: f32, factors: Option<&[f32]>, out: &mut Vec<(f32, f32)>) {
-    let theta_scale = base.powf(-2.0 / n_dims as f32);
-    let mut theta = pos as f32;
+/// divided by `factors[i]` (longrope) and multiplied by `freq_scale` (YaRN: blended with the
+/// unscaled angle along its ramp), its sine and cosine by `mscale`. A text token's pairs on the
+/// fourth M-RoPE axis see position 0.
+pub fn rope_cache(r: &Rope, pos: usize, factors: Option<&[f32]>, out: &mut Vec<(f32, f32)>) {
+    let theta_scale = r.base.powf(-2.0 / r.dim as f32);
+    let (mut theta, mut theta_e) = (pos as f32, 0.0f32);
     out.clear();
-    for i in 0..n_dims / 2 {
+    for i in 0..r.dim / 2 {
         let ff = factors.map_or(1.0, |f| f[i]);
-        let (s, c) = (freq_scale * (theta / ff)).sin_cos();
-        out.push((s * mscale, c * mscale));
+        let extra = r.mrope.is_some_and(|m| m.axis(i) == 3);
+        let extrap = (if extra { theta_e } else { theta }) / ff;
+        let interp = r.freq_scale * extrap;
+        let angle = match r.yarn {
+            // ggml's rope_yarn with ext_factor 1: the ramp runs from 1 (extrapolate) to 0.
+            Some([low, high]) => {
+                let y = ((i as f32) - low) / (high - low).max(0.001);
+                let mix = 1.0 - y.clamp(0.0, 1.0);
+                interp * (1.0 - mix) + extrap * mix
+            }
+            None => interp,
+        };
+        let (s, c) = angle.sin_cos();
+        out.push((s * r.mscale, c * r.mscale));
         theta *= theta_scale;
+        theta_e *= theta_scale;
     }
 }
 

@@ -377,11 +377,13 @@ pub(crate) mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Rope;
 
     #[test]
     fn rope_cache_scaling_is_the_identity_when_off_and_divides_angles_when_on() {
         let (mut a, mut b) = (Vec::new(), Vec::new());
-        rope_cache(64, 37, 10000.0, 1.0, 1.0, None, &mut a);
+        let r = Rope { dim: 64, base: 10000.0, neox: true, freq_scale: 1.0, mscale: 1.0, yarn: None, mrope: None };
+        rope_cache(&r, 37, None, &mut a);
         let theta_scale = 10000f32.powf(-2.0 / 64.0);
         let mut theta = 37.0f32;
         for &(s, c) in &a {
@@ -389,7 +391,7 @@ mod tests {
             theta *= theta_scale;
         }
         let f: Vec<f32> = (0..32).map(|i| 1.0 + i as f32 * 0.1).collect();
-        rope_cache(64, 37, 10000.0, 0.5, 2.0, Some(&f), &mut b);
+        rope_cache(&Rope { freq_scale: 0.5, mscale: 2.0, ..r }, 37, Some(&f), &mut b);
         let mut theta = 37.0f32;
         for (i, &(s, c)) in b.iter().enumerate() {
             let (s0, c0) = (0.5 * (theta / f[i])).sin_cos();

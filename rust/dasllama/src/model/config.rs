@@ -5,22 +5,8 @@
 use super::meta::{MetaValue, Metadata};
 pub use crate::backend::Activation;
 use crate::backend::AttnShape;
-pub use crate::backend::{DeltaNet, HeadMap};
+pub use crate::backend::{DeltaNet, HeadMap, Mrope, Rope};
 use crate::{Error, Result};
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Rope {
-    /// Leading values of each head that rotate (the rest pass through).
-    pub dim: usize,
-    pub base: f32,
-    /// NEOX pairing (i, i + dim/2) instead of adjacent pairs (2i, 2i + 1).
-    pub neox: bool,
-    /// Multiplies every angle (`1 / rope.scaling.factor` under linear or longrope scaling).
-    pub freq_scale: f32,
-    /// Multiplies every sine and cosine (`rope.scaling.attn_factor`; longrope files carry one),
-    /// so it scales queries and keys alike, as ggml's RoPE does.
-    pub mscale: f32,
-}
 
 /// Causal self-attention over the session's K/V pages of this layer.
 #[derive(Clone, Debug, PartialEq)]
@@ -41,13 +27,31 @@ pub struct Attention {
     /// (2 * head_dim rows a head); the attention output is multiplied by their sigmoid before
     /// `attn_output` (qwen35, qwen3next).
     pub gated: bool,
+    /// Llama 4's attention temperature (mistral3's `attention.temperature_scale`): each query is
+    /// multiplied by a factor that grows with its position's distance in original contexts.
+    pub temp: Option<AttnTemp>,
+}
+
+/// Queries at position p are multiplied by 1 + scale * ln(floor(p / floor) + 1), as llama.cpp's
+/// `llm_graph_input_attn_temp` computes it (in f64, rounded to f32): 1 in the first `floor`
+/// positions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnTemp {
+    pub scale: f32,
+    pub floor: usize,
+}
+
+impl AttnTemp {
+    pub fn factor(&self, pos: usize) -> f32 {
+        ((((pos as f32) / self.floor as f32).floor() as f64 + 1.0).ln() * self.scale as f64 + 1.0) as f32
+    }
 }
 
 impl Attention {
     /// Global attention with the shared RoPE and scale, no QK-norm or soft-capping: what most
     /// families start from.
     pub(crate) fn plain(s: &Shared) -> Attention {
-        Attention { rope: s.rope, window: 0, qk_norm: false, scale: s.scale, scale_query: false, softcap: None, gated: false }
+        Attention { rope: s.rope, window: 0, qk_norm: false, scale: s.scale, scale_query: false, softcap: None, gated: false, temp: None }
     }
 
     /// What the backend needs to know of this layer's attention.
@@ -204,6 +208,16 @@ impl Config {
         self.layers.iter().any(|l| matches!(l.mixer, Mixer::DeltaNet(_)))
     }
 
+    /// Replace every attention layer's RoPE by `f` of it.
+    pub(crate) fn map_ropes(&mut self, f: impl Fn(Rope) -> Result<Rope>) -> Result<()> {
+        for l in self.layers.iter_mut().chain(self.nextn.iter_mut()) {
+            if let Mixer::Attention(a) = &mut l.mixer {
+                a.rope = f(a.rope)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Every distinct RoPE of the attention layers (the forward pass tabulates each once).
     pub fn ropes(&self) -> Vec<Rope> {
         let mut out: Vec<Rope> = Vec::new();
@@ -316,16 +330,10 @@ pub(crate) fn base_config(m: &Metadata, arch: &str, layer: impl Fn(usize, &Share
         }
     };
     let hidden = m.req_positive("feed_forward_length")?;
-    let (freq_scale, mscale) = rope_scaling(m)?;
+    let seq_len = m.req_positive("context_length")?;
     let shared = Shared {
         hidden,
-        rope: Rope {
-            dim: m.size("rope.dimension_count")?.unwrap_or(head_dim),
-            base: m.positive_or("rope.freq_base", 10000.0)? as f32,
-            neox: false,
-            freq_scale,
-            mscale,
-        },
+        rope: read_rope(m, m.size("rope.dimension_count")?.unwrap_or(head_dim), seq_len, false)?,
         scale: 1.0 / (head_dim as f32).sqrt(),
         window: m.size("attention.sliding_window")?.unwrap_or(0),
     };
@@ -337,7 +345,7 @@ pub(crate) fn base_config(m: &Metadata, arch: &str, layer: impl Fn(usize, &Share
         n_kv_heads,
         head_dim,
         vocab_size: 0,
-        seq_len: m.req_positive("context_length")?,
+        seq_len,
         norm_eps: m.positive_or("attention.layer_norm_rms_epsilon", 1e-5)? as f32,
         embed_scale: None,
         final_softcap: None,
@@ -357,10 +365,14 @@ pub(crate) struct Shared {
     pub window: usize,
 }
 
-/// The RoPE scaling the file asks for, as (angle multiplier, sine/cosine multiplier), read as
-/// llama.cpp reads it: `rope.scaling.type` (linear when absent), `rope.scaling.factor`, and
-/// `rope.scaling.attn_factor`. YaRN's ramp is not implemented, so a file that asks for it is refused.
-fn rope_scaling(m: &Metadata) -> Result<(f32, f32)> {
+/// The RoPE of `dim` rotated values the file asks for (NORM pairing; a family sets its own),
+/// read as llama.cpp reads it: `rope.freq_base`, `rope.scaling.type` (linear when absent),
+/// `rope.scaling.factor`, `rope.scaling.attn_factor`, and for YaRN the original context
+/// (`rope.scaling.original_context_length`, else `context_length`) and, where the family's
+/// llama.cpp graph reads them (`yarn_keys`), `rope.scaling.yarn_beta_fast`, `_beta_slow` and
+/// `_log_multiplier` (else ggml's 32, 1 and 0).
+pub(crate) fn read_rope(m: &Metadata, dim: usize, n_ctx_train: usize, yarn_keys: bool) -> Result<Rope> {
+    let base = m.positive_or("rope.freq_base", 10000.0)? as f32;
     let kind = match m.get("rope.scaling.type") {
         None => "linear".to_string(),
         Some(MetaValue::Str(s)) => s.clone(),
@@ -377,15 +389,94 @@ fn rope_scaling(m: &Metadata) -> Result<(f32, f32)> {
         Some(f) if f > 0.0 => f as f32,
         Some(f) => return Err(Error::Gguf(format!("metadata key '{}' is {f}; it must be greater than 0", m.key("rope.scaling.factor")))),
     };
-    let mscale = m.positive_or("rope.scaling.attn_factor", 1.0)? as f32;
+    let attn_factor = m.positive_or("rope.scaling.attn_factor", 1.0)? as f32;
+    let rope = Rope { dim, base, neox: false, freq_scale: 1.0 / factor, mscale: attn_factor, yarn: None, mrope: None };
     match kind.as_str() {
-        "none" => Ok((1.0, mscale)),
-        "linear" | "longrope" => Ok((1.0 / factor, mscale)),
+        "none" => Ok(Rope { freq_scale: 1.0, ..rope }),
+        "linear" | "longrope" => Ok(rope),
+        "yarn" => yarn(m, rope, n_ctx_train, yarn_keys),
         other => Err(Error::UnsupportedModel(format!(
-            "metadata key '{}' is {other:?}, which is not supported (supported: none, linear, longrope)",
+            "metadata key '{}' is {other:?}, which is not supported (supported: none, linear, longrope, yarn)",
             m.key("rope.scaling.type")
         ))),
     }
+}
+
+/// YaRN as llama.cpp sets it up (`llama_context`'s attention factor, ggml's correction dims),
+/// in the same f32 steps: the sines and cosines end up scaled by attn_factor * yarn_attn_factor
+/// * (1 + 0.1 ln(1 / freq_scale)).
+fn yarn(m: &Metadata, rope: Rope, n_ctx_train: usize, yarn_keys: bool) -> Result<Rope> {
+    let key = |k: &str, default: f32| -> Result<f32> {
+        match m.float(k)? {
+            Some(v) if yarn_keys => {
+                if !v.is_finite() {
+                    return Err(Error::Gguf(format!("metadata key '{}' is {v}; it must be a finite number", m.key(k))));
+                }
+                Ok(v as f32)
+            }
+            _ => Ok(default),
+        }
+    };
+    let (beta_fast, beta_slow, log_mul) =
+        (key("rope.scaling.yarn_beta_fast", 32.0)?, key("rope.scaling.yarn_beta_slow", 1.0)?, key("rope.scaling.yarn_log_multiplier", 0.0)?);
+    let n_ctx_orig = match m.size("rope.scaling.original_context_length")? {
+        Some(0) | None => n_ctx_train,
+        Some(n) => n,
+    };
+    let mscale_of = |scale: f32, mscale: f32| if scale <= 1.0 { 1.0 } else { 0.1 * mscale * scale.ln() + 1.0 };
+    let factor = 1.0 / rope.freq_scale;
+    let mut attn = if log_mul != 0.0 { mscale_of(factor, 1.0) / mscale_of(factor, log_mul) } else { mscale_of(factor, 1.0) };
+    attn *= 1.0 / (1.0 + 0.1 * factor.ln());
+    attn *= rope.mscale;
+    // ggml's rope_yarn: every pair's magnitude correction.
+    let mscale = attn * (1.0 + 0.1 * (1.0 / rope.freq_scale).ln());
+    let corr = |beta: f32| rope.dim as f32 * (n_ctx_orig as f32 / (beta * 2.0 * std::f32::consts::PI)).ln() / (2.0 * rope.base.ln());
+    let low = corr(beta_fast).floor().max(0.0);
+    let high = corr(beta_slow).ceil().min(rope.dim as f32 - 1.0);
+    Ok(Rope { mscale, yarn: Some([low, high]), ..rope })
+}
+
+/// Refuse YaRN where a family gives some layers another base than the one its correction dims
+/// were worked out for (gemma2/3's sliding layers).
+pub(crate) fn no_yarn(m: &Metadata, c: &Config) -> Result<()> {
+    if c.ropes().iter().any(|r| r.yarn.is_some()) {
+        return Err(Error::UnsupportedModel(format!("metadata key '{}' is \"yarn\", which is not supported for {}", m.key("rope.scaling.type"), c.arch)));
+    }
+    Ok(())
+}
+
+/// A multi-axis RoPE's `rope.dimension_sections` (required: four pair counts, or one for all
+/// four, as llama.cpp reads it), checked as ggml checks it: some pairs on the first three axes,
+/// no more pairs than the head has values. A text token has one position on the first three axes and 0 on the
+/// fourth, so the pairs there do not turn (`Mrope::axis`).
+pub(crate) fn mrope(m: &Metadata, rope: Rope, head_dim: usize, interleaved: bool) -> Result<Rope> {
+    let key = "rope.dimension_sections";
+    let bad = || Error::Gguf(format!("metadata key '{}' must be an array of 4 non-negative integers", m.key(key)));
+    let mut sections = [0usize; 4];
+    match m.get(key) {
+        None => return Err(Error::Gguf(format!("metadata key '{}' is missing", m.key(key)))),
+        Some(MetaValue::Array(a)) => {
+            if a.len() != 4 {
+                return Err(Error::Gguf(format!("metadata key '{}' has {} values; it must have 4", m.key(key), a.len())));
+            }
+            for (i, x) in a.iter().enumerate() {
+                match x {
+                    MetaValue::Int(n) if *n >= 0 => sections[i] = *n as usize,
+                    _ => return Err(bad()),
+                }
+            }
+        }
+        Some(MetaValue::Int(n)) if *n >= 0 => sections = [*n as usize; 4],
+        Some(_) => return Err(bad()),
+    }
+    if sections[..3].iter().all(|&n| n == 0) {
+        return Err(Error::Gguf(format!("metadata key '{}' is {sections:?}; the first three axes have no pairs", m.key(key))));
+    }
+    let total: usize = sections.iter().sum();
+    if total > head_dim {
+        return Err(Error::Gguf(format!("metadata key '{}' is {sections:?}: {total} pairs, more than the head has values ({head_dim})", m.key(key))));
+    }
+    Ok(Rope { mrope: Some(Mrope { sections, interleaved }), ..rope })
 }
 
 /// Which layers are recurrent (DeltaNet) in a hybrid, as llama.cpp reads it:
@@ -488,8 +579,23 @@ mod tests {
         assert_eq!((attn(&c, 0).rope.freq_scale, attn(&c, 0).rope.mscale), (0.25, 1.0));
         let c = configure("qwen2", &[("rope.scaling.type", MetaValue::Str("none".into())), ("rope.scaling.factor", MetaValue::Float(4.0))]).unwrap();
         assert_eq!(attn(&c, 0).rope.freq_scale, 1.0);
-        let e = configure("qwen2", &[("rope.scaling.type", MetaValue::Str("yarn".into()))]).unwrap_err().to_string();
-        assert!(e.contains("'qwen2.rope.scaling.type' is \"yarn\""), "{e}");
+        let e = configure("qwen2", &[("rope.scaling.type", MetaValue::Str("dynamic".into()))]).unwrap_err().to_string();
+        assert!(e.contains("'qwen2.rope.scaling.type' is \"dynamic\""), "{e}");
+        // YaRN: ggml's correction dims from the original context (32 here), the magnitude
+        // 1 + 0.1 ln(factor) (ggml's, with llama.cpp's attention factor cancelling its own), the beta keys
+        // read only where the family's graph reads them (mistral3, not qwen2).
+        let yarn = [
+            ("rope.scaling.type", MetaValue::Str("yarn".into())),
+            ("rope.scaling.factor", MetaValue::Float(4.0)),
+            ("rope.scaling.original_context_length", MetaValue::Int(32)),
+            ("rope.scaling.yarn_beta_fast", MetaValue::Float(2.0)),
+            ("attention.layer_norm_rms_epsilon", MetaValue::Float(1e-5)),
+        ];
+        let r = attn(&configure("qwen2", &yarn).unwrap(), 0).rope;
+        assert_eq!((r.freq_scale, r.yarn), (0.25, Some([0.0, 6.0])));
+        assert!((r.mscale - (1.0 + 0.1 * 4f32.ln())).abs() < 1e-6, "{}", r.mscale);
+        let r = attn(&configure("mistral3", &yarn).unwrap(), 0).rope;
+        assert_eq!((r.yarn, r.neox), (Some([3.0, 6.0]), false));
         // phi3: long factors when the context outgrows the original one.
         let long =
             configure("phi3", &[("rope.scaling.original_context_length", MetaValue::Int(32)), ("rope.scaling.attn_factor", MetaValue::Float(1.5))]).unwrap();
@@ -497,5 +603,54 @@ mod tests {
         let short = configure("phi3", &[("rope.scaling.original_context_length", MetaValue::Int(64))]).unwrap();
         assert_eq!(short.rope_factors, Some("rope_factors_short.weight"));
         assert!(matches!(short.layers[0].ffn, Ffn::Dense { fused: true, .. }));
+    }
+
+    #[test]
+    fn vl_towers_read_multi_axis_rope_for_text() {
+        let sec = |v: &[i64]| ("rope.dimension_sections", MetaValue::Array(v.iter().map(|&n| MetaValue::Int(n)).collect()));
+        let r = attn(&configure("qwen2vl", &[sec(&[16, 8, 8, 0])]).unwrap(), 0).rope;
+        assert!(r.neox);
+        assert_eq!(r.mrope, Some(Mrope { sections: [16, 8, 8, 0], interleaved: false }));
+        assert_eq!((r.mrope.unwrap().axis(15), r.mrope.unwrap().axis(16), r.mrope.unwrap().axis(31)), (0, 1, 2));
+        let r = attn(&configure("qwen3vl", &[sec(&[11, 11, 10, 0]), ("n_deepstack_layers", MetaValue::Int(3))]).unwrap(), 0).rope;
+        assert_eq!(r.mrope, Some(Mrope { sections: [11, 11, 10, 0], interleaved: true }));
+        // Qwen3-VL's own sections over 64 pairs put two on the fourth axis in ggml's layout: a
+        // text token sees position 0 there, so they do not turn; the others turn as plain RoPE.
+        let m = Mrope { sections: [24, 20, 20, 0], interleaved: true };
+        assert_eq!((0..64).filter(|&i| m.axis(i) == 3).collect::<Vec<_>>(), [61, 62]);
+        let plain = Rope { dim: 128, base: 5e6, neox: true, freq_scale: 1.0, mscale: 1.0, yarn: None, mrope: None };
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        crate::backend::rope_cache(&plain, 37, None, &mut a);
+        crate::backend::rope_cache(&Rope { mrope: Some(m), ..plain }, 37, None, &mut b);
+        for i in 0..64 {
+            assert_eq!(b[i], if i == 61 || i == 62 { (0.0, 1.0) } else { a[i] }, "pair {i}");
+        }
+        let err = |arch: &str, extra: &[(&str, MetaValue)]| configure(arch, extra).unwrap_err().to_string();
+        assert!(err("qwen3vl", &[]).contains("'qwen3vl.rope.dimension_sections' is missing"));
+        assert!(err("qwen2vl", &[sec(&[16, 8, 8])]).contains("'qwen2vl.rope.dimension_sections' has 3 values; it must have 4"));
+        assert!(err("qwen2vl", &[sec(&[0, 0, 0, 8])]).contains("the first three axes have no pairs"));
+        assert!(err("qwen2vl", &[sec(&[40, 20, 20, 0])]).contains("80 pairs, more than the head has values (64)"));
+        assert!(err("qwen2vl", &[sec(&[8, 8, 8, 0]), ("rope.dimension_count", MetaValue::Int(32))]).contains("'qwen2vl.rope.dimension_count' is 32"));
+        let e = err("qwen3vl", &[sec(&[8, 8, 8, 0]), ("n_deepstack_layers", MetaValue::Int(-1))]);
+        assert!(e.contains("qwen3vl.n_deepstack_layers"), "{e}");
+    }
+
+    #[test]
+    fn mistral3_reads_temperature_scaling() {
+        let eps = ("attention.layer_norm_rms_epsilon", MetaValue::Float(1e-5));
+        let c = configure(
+            "mistral3",
+            &[eps.clone(), ("attention.temperature_scale", MetaValue::Float(0.1)), ("rope.scaling.original_context_length", MetaValue::Int(16))],
+        )
+        .unwrap();
+        let t = attn(&c, 0).temp.unwrap();
+        assert_eq!((t.factor(0), t.factor(15)), (1.0, 1.0));
+        assert_eq!(t.factor(16), (2f64.ln() * 0.1f32 as f64 + 1.0) as f32);
+        assert_eq!(c.rope_factors, Some("rope_freqs.weight"));
+        assert_eq!(attn(&configure("mistral3", std::slice::from_ref(&eps)).unwrap(), 0).temp, None);
+        let e = configure("mistral3", &[]).unwrap_err().to_string();
+        assert!(e.contains("'mistral3.attention.layer_norm_rms_epsilon' is missing"), "{e}");
+        let e = configure("mistral3", &[eps, ("expert_count", MetaValue::Int(8))]).unwrap_err().to_string();
+        assert!(e.contains("'mistral3.expert_count' is set"), "{e}");
     }
 }

@@ -329,7 +329,7 @@ pub(super) fn rope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)]) ->
     for r in ropes {
         let mut tab = Vec::with_capacity(rows.len() * r.dim / 2);
         for &(_, pos) in rows {
-            rope_cache(r.dim, pos, r.base, r.freq_scale, r.mscale, m.rope_factors.as_deref(), &mut one);
+            rope_cache(r, pos, m.rope_factors.as_deref(), &mut one);
             tab.extend_from_slice(&one);
         }
         tables.push(tab);
@@ -391,6 +391,12 @@ pub(super) fn block(
             let rope = RopeTable { pairs: &tables[ri], half: a.rope.dim / 2, neox: a.rope.neox };
             b.norm_rope(&mut s.q[..n * qd], qd, c.head_dim, w.q_norm.as_deref(), c.norm_eps, &rope);
             b.norm_rope(&mut s.k[..n * kvd], kvd, c.head_dim, w.k_norm.as_deref(), c.norm_eps, &rope);
+            if let Some(temp) = a.temp {
+                for (q, &(_, pos)) in s.q[..n * qd].chunks_exact_mut(qd).zip(rows) {
+                    let f = temp.factor(pos);
+                    q.iter_mut().for_each(|v| *v *= f);
+                }
+            }
             let mut off = 0;
             for (kv, &cnt) in kvs.iter_mut().zip(counts) {
                 kv.append(slot, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);

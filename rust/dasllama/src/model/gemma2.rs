@@ -1,7 +1,7 @@
 //! gemma2: GELU-tanh GLU, post-norms, scaled embeddings, NEOX RoPE, soft-capped attention scores
 //! and logits, and sliding-window layers alternating with global ones (the even layers slide).
 
-use super::config::{base_config, swa_layers, Activation, Attention, Config, Ffn, LayerDesc, Mixer, Rope};
+use super::config::{base_config, no_yarn, swa_layers, Activation, Attention, Config, Ffn, LayerDesc, Mixer, Rope};
 use super::meta::Metadata;
 use crate::Result;
 
@@ -28,11 +28,13 @@ pub fn configure(m: &Metadata) -> Result<Config> {
                 scale_query: true,
                 softcap: Some(attn_cap),
                 gated: false,
+                temp: None,
             }),
             ffn: Ffn::Dense { hidden: s.hidden, act: Activation::GeluTanh, fused: false },
             post_norms: true,
         }
     })?;
+    no_yarn(m, &c)?;
     c.norm_eps = m.positive_or("attention.layer_norm_rms_epsilon", 1e-6)? as f32;
     c.embed_scale = Some((c.dim as f32).sqrt());
     c.final_softcap = Some(final_cap);

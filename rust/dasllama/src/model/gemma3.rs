@@ -1,7 +1,7 @@
 //! gemma3: GELU-tanh GLU, QK-norm, post-norms, scaled embeddings, NEOX RoPE, and five
 //! sliding-window layers (RoPE base 10k) for every global one (the file's base, 1M by default).
 
-use super::config::{base_config, Activation, Attention, Config, Ffn, LayerDesc, Mixer, Rope};
+use super::config::{base_config, no_yarn, Activation, Attention, Config, Ffn, LayerDesc, Mixer, Rope};
 use super::meta::Metadata;
 use crate::Result;
 
@@ -22,11 +22,13 @@ pub fn configure(m: &Metadata) -> Result<Config> {
                 scale_query: true,
                 softcap: None,
                 gated: false,
+                temp: None,
             }),
             ffn: Ffn::Dense { hidden: s.hidden, act: Activation::GeluTanh, fused: false },
             post_norms: true,
         }
     })?;
+    no_yarn(m, &c)?;
     c.norm_eps = m.positive_or("attention.layer_norm_rms_epsilon", 1e-6)? as f32;
     c.embed_scale = Some((c.dim as f32).sqrt());
     c.final_softcap = m.float("final_logit_softcapping")?.filter(|&f| f != 0.0).map(|f| f as f32);

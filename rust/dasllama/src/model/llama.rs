@@ -6,7 +6,12 @@ use super::meta::Metadata;
 use crate::Result;
 
 pub fn configure(m: &Metadata) -> Result<Config> {
-    base_config(m, "llama", |_, s| LayerDesc {
+    configure_as(m, "llama")
+}
+
+/// llama's layers under another architecture name (mistral3).
+pub(crate) fn configure_as(m: &Metadata, arch: &str) -> Result<Config> {
+    base_config(m, arch, |_, s| LayerDesc {
         mixer: Mixer::Attention(Attention::plain(s)),
         ffn: Ffn::Dense { hidden: s.hidden, act: Activation::Silu, fused: false },
         post_norms: false,

@@ -7,19 +7,23 @@ mod gemma2;
 mod gemma3;
 mod llama;
 mod meta;
+mod mistral3;
 pub mod mtp;
 mod phi3;
 mod qwen2;
 mod qwen2moe;
+mod qwen2vl;
 mod qwen3;
 mod qwen35;
 mod qwen3moe;
 mod qwen3next;
+mod qwen3vl;
+mod qwen3vlmoe;
 
 use crate::backend::Placement;
 pub use crate::backend::{Activation, Numerics};
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
-pub use config::{Attention, Config, DeltaNet, Ffn, HeadMap, LayerDesc, Mixer, Rope};
+pub use config::{Attention, AttnTemp, Config, DeltaNet, Ffn, HeadMap, LayerDesc, Mixer, Mrope, Rope};
 pub use meta::{MetaValue, Metadata};
 pub use mtp::MtpHead;
 
@@ -360,6 +364,14 @@ impl<'a> TensorTable<'a> {
         let (d, qd, kvd) = (config.dim, config.q_dim(), config.kv_dim());
         let n = |s: &str| format!("blk.{il}.{s}.weight");
         let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
+        // Biases llama.cpp would add where a file has them, which no family here applies: refuse
+        // the file rather than ignore them.
+        for t in ["attn_output", "ffn_gate", "ffn_up", "ffn_down"] {
+            let b = format!("blk.{il}.{t}.bias");
+            if table.has(&b) {
+                return Err(Error::UnsupportedModel(format!("{file}: tensor '{b}' is not supported (no output or FFN biases)")));
+            }
+        }
         let mixer = match &desc.mixer {
             Mixer::Attention(a) => {
                 // A gated layer's Q projection carries each head's gate after its queries.

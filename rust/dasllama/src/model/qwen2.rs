@@ -6,7 +6,12 @@ use super::meta::Metadata;
 use crate::Result;
 
 pub fn configure(m: &Metadata) -> Result<Config> {
-    base_config(m, "qwen2", |_, s| LayerDesc {
+    configure_as(m, "qwen2")
+}
+
+/// qwen2's layers under another architecture name (qwen2vl's text tower).
+pub(crate) fn configure_as(m: &Metadata, arch: &str) -> Result<Config> {
+    base_config(m, arch, |_, s| LayerDesc {
         mixer: Mixer::Attention(Attention { rope: Rope { neox: true, ..s.rope }, ..Attention::plain(s) }),
         ffn: Ffn::Dense { hidden: s.hidden, act: Activation::Silu, fused: false },
         post_norms: false,

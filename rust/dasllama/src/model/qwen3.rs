@@ -6,7 +6,12 @@ use super::meta::Metadata;
 use crate::Result;
 
 pub fn configure(m: &Metadata) -> Result<Config> {
-    base_config(m, "qwen3", |_, s| LayerDesc {
+    configure_as(m, "qwen3")
+}
+
+/// qwen3's layers under another architecture name (qwen3vl's text tower).
+pub(crate) fn configure_as(m: &Metadata, arch: &str) -> Result<Config> {
+    base_config(m, arch, |_, s| LayerDesc {
         mixer: Mixer::Attention(Attention { rope: Rope { neox: true, ..s.rope }, qk_norm: true, ..Attention::plain(s) }),
         ffn: Ffn::Dense { hidden: s.hidden, act: Activation::Silu, fused: false },
         post_norms: false,

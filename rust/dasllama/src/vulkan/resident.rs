@@ -99,6 +99,9 @@ pub fn decline(m: &Model) -> Option<String> {
     for (il, d) in c.layers.iter().enumerate() {
         match &d.mixer {
             Mixer::Attention(a) if a.gated => return Some(format!("layer {il} is gated attention; the device driver runs plain attention only")),
+            Mixer::Attention(a) if a.temp.is_some() => {
+                return Some(format!("layer {il} scales its queries by position (attention.temperature_scale), which the device driver does not"))
+            }
             Mixer::Attention(_) => {}
             _ => return Some(format!("layer {il} is not an attention layer (a recurrent hybrid); the device driver runs attention models only")),
         }
@@ -303,7 +306,7 @@ impl Resident {
             rope_at.push(words.len());
             for p in pieces {
                 for j in 0..p.len {
-                    rope_cache(r.dim, p.pos + j, r.base, r.freq_scale, r.mscale, factors, &mut one);
+                    rope_cache(r, p.pos + j, factors, &mut one);
                     words.extend(one.iter().flat_map(|&(s, c)| [s.to_bits(), c.to_bits()]));
                 }
             }
