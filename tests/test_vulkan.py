@@ -663,3 +663,17 @@ def test_tutorial_gpu_sections_run_unchanged(smollm: dl.Model, capsys: pytest.Ca
     # keep the re-armed model's counter empty.
     assert "calls ran on the CPU" not in out and gpu.gpu_cpu_passes() == [], out
     assert m.device.kind == "vulkan" and gpu.gpu_tier_status().backend == "vulkan"
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [({}, "cpu"), ({"DASLLAMA_GPU": "0"}, "cpu"), ({"DASLLAMA_GPU": "1"}, "auto"), ({"DASLLAMA_GPU": "vulkan"}, "vulkan"), ({"DASLLAMA_DEVICE": "vulkan:1", "DASLLAMA_GPU": "0"}, "vulkan:1")],
+)
+def test_the_environment_picks_the_default_device(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], want: str) -> None:
+    from dasllama.devices import default_device
+
+    monkeypatch.delenv("DASLLAMA_DEVICE", raising=False)
+    monkeypatch.delenv("DASLLAMA_GPU", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert default_device() == want

@@ -147,14 +147,15 @@ def device(spec: str | Device) -> Device:
 
 def default_device() -> str:
     """What ``load_model(device=None)`` uses outside the tutorial's armed tier: ``DASLLAMA_DEVICE``,
-    else ``DASLLAMA_GPU`` (1/on/vulkan: "vulkan", auto: "auto"), else the CPU."""
+    else ``DASLLAMA_GPU`` ("vulkan": that, required; 1/on/true/auto: "auto", which falls back to
+    the CPU), else the CPU."""
     d = os.environ.get("DASLLAMA_DEVICE")
     if d:
         return d
     g = os.environ.get("DASLLAMA_GPU", "").strip().lower()
-    if g in ("1", "on", "true", "vulkan"):
+    if g == "vulkan":
         return "vulkan"
-    if g == "auto":
+    if g in ("1", "on", "true", "auto"):
         return "auto"
     return "cpu"
 
