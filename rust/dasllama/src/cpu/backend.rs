@@ -3,7 +3,7 @@
 
 use super::deltanet;
 use super::{convert_weight, matmul_many, ops, team, Team, Weight};
-use crate::backend::{Activation, AttnShape, DeltaNet, DnParams, Host, MatmulOffload, Numerics, Ops, RopeTable};
+use crate::backend::{Activation, AttnShape, DeltaNet, DnParams, Gating, Host, MatmulOffload, Numerics, Ops, RopeTable, Route};
 use crate::kv::{KvCache, RecIo};
 use crate::quant::GgmlType;
 
@@ -114,21 +114,34 @@ impl Ops for CpuOps<'_> {
         ops::softcap(x, cap);
     }
 
-    fn route(&mut self, logits: &[f32], n_expert: usize, n_used: usize, norm: bool, out: &mut Vec<(usize, f32)>) {
+    fn route(&mut self, logits: &[f32], r: &Route<'_>, out: &mut Vec<(usize, f32)>) {
         out.clear();
+        let n_expert = r.n_expert;
         let mut p = vec![0.0f32; n_expert];
+        let mut sel = vec![0.0f32; n_expert];
         let mut order: Vec<usize> = (0..n_expert).collect();
         for row in logits.chunks_exact(n_expert) {
             p.copy_from_slice(row);
-            ops::softmax(&mut p);
-            // Most probable first; ties to the lower index.
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            match r.gating {
+                Gating::Softmax => ops::softmax(&mut p),
+                Gating::Sigmoid => p.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+            }
+            // The selection bias moves the choice only; the weights are the unbiased scores.
+            match r.bias {
+                Some(b) => sel.iter_mut().zip(p.iter().zip(b)).for_each(|(s, (p, b))| *s = p + b),
+                None => sel.copy_from_slice(&p),
+            }
+            // Highest first; ties to the lower index.
+            order.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(a.cmp(&b)));
             let first = out.len();
-            out.extend(order[..n_used].iter().map(|&e| (e, p[e])));
-            if norm {
+            out.extend(order[..r.n_used].iter().map(|&e| (e, p[e])));
+            if r.norm {
                 // llama.cpp clamps the sum below at the smallest normal f16.
                 let sum = out[first..].iter().map(|&(_, w)| w).sum::<f32>().max(6.103_515_6e-5);
                 out[first..].iter_mut().for_each(|(_, w)| *w /= sum);
+            }
+            if r.scale != 1.0 {
+                out[first..].iter_mut().for_each(|(_, w)| *w *= r.scale);
             }
         }
     }
