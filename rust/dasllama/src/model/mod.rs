@@ -5,6 +5,7 @@ mod config;
 pub mod forward;
 mod gemma2;
 mod gemma3;
+mod glm4moe;
 mod llama;
 mod meta;
 mod mistral3;
