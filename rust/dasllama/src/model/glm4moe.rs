@@ -40,8 +40,7 @@ pub fn configure(m: &Metadata) -> Result<Config> {
     let lead = m.size("leading_dense_block_count")?.unwrap_or(0);
     // 0 (absent) and 1 leave the weights as they are.
     let scale = match m.float("expert_weights_scale")? {
-        None => 1.0,
-        Some(s) if s == 0.0 => 1.0,
+        None | Some(0.0) => 1.0,
         Some(s) => s as f32,
     };
     let norm_weights = m.flag("expert_weights_norm")?.unwrap_or(false);
