@@ -407,3 +407,40 @@ fn attention_ggml(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize
         one(0, &mut out[..qd]);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(logits: &[f32], r: &Route<'_>) -> Vec<(usize, f32)> {
+        let mut out = Vec::new();
+        let mut act = Vec::new();
+        Cpu.run(Numerics::Fast, &mut act, None, &mut |ops| ops.route(logits, r, &mut out));
+        out
+    }
+
+    #[test]
+    fn sigmoid_routing_chooses_by_biased_score_and_weights_by_the_unbiased_one() {
+        let logits = [2.0f32, 0.0, -1.0, 1.0];
+        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        // Expert 2's bias lifts it over experts 1 and 3; expert 0 stays first.
+        let bias = [0.0f32, 0.0, 0.6, 0.0];
+        let r = Route { n_expert: 4, n_used: 2, gating: Gating::Sigmoid, bias: Some(&bias), norm: false, scale: 1.0 };
+        assert_eq!(route(&logits, &r), vec![(0, s(2.0)), (2, s(-1.0))]);
+        // Renormalised, then scaled.
+        let got = route(&logits, &Route { norm: true, scale: 2.5, ..r });
+        let sum = s(2.0) + s(-1.0);
+        assert_eq!(got, vec![(0, s(2.0) / sum * 2.5), (2, s(-1.0) / sum * 2.5)]);
+        // Without the bias, the plain top 2.
+        assert_eq!(route(&logits, &Route { bias: None, ..r }), vec![(0, s(2.0)), (3, s(1.0))]);
+    }
+
+    #[test]
+    fn softmax_routing_is_unchanged() {
+        let logits = [0.5f32, 1.5, -0.5, 1.0];
+        let r = Route { n_expert: 4, n_used: 2, gating: Gating::Softmax, bias: None, norm: true, scale: 1.0 };
+        let got = route(&logits, &r);
+        assert_eq!(got.iter().map(|&(e, _)| e).collect::<Vec<_>>(), vec![1, 3]);
+        assert!((got[0].1 + got[1].1 - 1.0).abs() < 1e-6);
+    }
+}
