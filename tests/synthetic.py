@@ -59,6 +59,8 @@ def _add_keys(w: GGUFWriter, arch: str, keys: dict[str, Any]) -> None:
             continue
         if isinstance(v, str):
             w.add_string(f"{arch}.{k}", v)
+        elif isinstance(v, bool):
+            w.add_bool(f"{arch}.{k}", v)
         elif isinstance(v, float):
             w.add_float32(f"{arch}.{k}", v)
         elif isinstance(v, list):
@@ -349,6 +351,41 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "attention.layer_norm_rms_epsilon": 1e-5,
         },
     ),
+    # GLM-4.5's layers: Q/K/V biases, QK-norm (the 355B model's; the Air has none), NEOX RoPE on
+    # 32 of 64 values, the FFN under post_attention_norm. Layer 0 dense, layers 1-2 routed: 8
+    # experts scored by sigmoid, the top 3 chosen by score plus a selection bias (`exp_probs_b`,
+    # large enough to change choices), renormalised and scaled by 2.5, plus an ungated shared
+    # expert of 2 experts' width. An MTP (NextN) block follows the trunk (block 3), which
+    # llama.cpp loads past and the forward pass does not run. As with qwen3next, a near-tie of
+    # router scores flips a choice under activation rounding on some seeds (llama.cpp's own
+    # prefill and decode then part by 0.6 nats); `seed` picks weights where they agree (0.035).
+    "glm4moe": dict(
+        arch="glm4moe",
+        seed=3,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        layers=3,
+        glm=dict(lead=1, nextn=True),
+        bias=True,
+        qk_norm=True,
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=3, hidden=256, shared=512, norm=True, sigmoid=True, bias=0.15, scale=2.5),
+        meta={
+            "block_count": 4,
+            "nextn_predict_layers": 1,
+            "leading_dense_block_count": 1,
+            "rope.dimension_count": 32,
+            "expert_count": 8,
+            "expert_used_count": 3,
+            "expert_feed_forward_length": 256,
+            "expert_shared_count": 2,
+            "expert_weights_norm": True,
+            "expert_weights_scale": 2.5,
+            "expert_gating_func": 2,
+        },
+    ),
     # Gated DeltaNet hybrid: layers 0-2 recurrent (2 key heads, 4 value heads of 64, a 4-tap
     # convolution), layer 3 gated full attention (QK-norm, NEOX RoPE on 16 of 64 values, Q's
     # sigmoid gate on the output); value heads read key heads tiled; dense FFN under
@@ -593,6 +630,9 @@ def write_family(
             vec(p + "post_attention_norm.weight", DIM)
             _ffn(f, p, mat, stack, vec)
             continue
+        if "glm" in f:
+            _glm_block(f, p, i >= f["glm"]["lead"], mat, stack, vec, qd, kvd, hd)
+            continue
         if "hybrid" in f:
             # Gated attention: each head's queries, then its gate, in the Q projection.
             mat(p + "attn_q.weight", 2 * qd, DIM)
@@ -651,6 +691,14 @@ def write_family(
     vec("output_norm.weight", DIM)
     if f.get("output"):
         mat("output.weight", len(VOCAB), DIM, *f["output"])
+    if f.get("glm", {}).get("nextn"):
+        p = f"blk.{layers}."
+        vec(p + "attn_norm.weight", DIM)
+        _glm_block(f, p, True, mat, stack, vec, qd, kvd, hd)
+        mat(p + "nextn.eh_proj.weight", DIM, 2 * DIM)
+        vec(p + "nextn.enorm.weight", DIM)
+        vec(p + "nextn.hnorm.weight", DIM)
+        vec(p + "nextn.shared_head_norm.weight", DIM)
     if mtp is not False:
         if sidecar:
             sw = GGUFWriter(str(mtp), arch)
@@ -679,6 +727,37 @@ def write_family(
         wr.write_tensors_to_file()
         wr.close()
     return weights
+
+
+def _glm_block(f: dict[str, Any], p: str, routed: bool, mat: Any, stack: Any, vec: Any, qd: int, kvd: int, hd: int) -> None:
+    """A glm4moe block: biased Q/K/V, QK-norm where the family has it, the FFN under
+    post_attention_norm: a dense SwiGLU, or routed experts with a selection bias and an
+    ungated shared expert (after `attn_norm`, which the caller writes)."""
+    mat(p + "attn_q.weight", qd, DIM)
+    mat(p + "attn_k.weight", kvd, DIM)
+    mat(p + "attn_v.weight", kvd, DIM)
+    vec(p + "attn_q.bias", qd, 0.0, 0.2)
+    vec(p + "attn_k.bias", kvd, 0.0, 1.0)
+    vec(p + "attn_v.bias", kvd, 0.0, 0.2)
+    if f.get("qk_norm"):
+        vec(p + "attn_q_norm.weight", hd)
+        vec(p + "attn_k_norm.weight", hd)
+    mat(p + "attn_output.weight", DIM, qd)
+    vec(p + "post_attention_norm.weight", DIM)
+    if not routed:
+        mat(p + "ffn_gate.weight", HIDDEN, DIM)
+        mat(p + "ffn_up.weight", HIDDEN, DIM)
+        mat(p + "ffn_down.weight", DIM, HIDDEN)
+        return
+    e = f["moe"]
+    mat(p + "ffn_gate_inp.weight", e["n"], DIM, 0.1, QT.F32)
+    vec(p + "exp_probs_b.bias", e["n"], 0.0, e["bias"])
+    stack(p + "ffn_gate_exps.weight", e["n"], e["hidden"], DIM)
+    stack(p + "ffn_up_exps.weight", e["n"], e["hidden"], DIM)
+    stack(p + "ffn_down_exps.weight", e["n"], DIM, e["hidden"])
+    mat(p + "ffn_gate_shexp.weight", e["shared"], DIM)
+    mat(p + "ffn_up_shexp.weight", e["shared"], DIM)
+    mat(p + "ffn_down_shexp.weight", DIM, e["shared"])
 
 
 def _ffn(f: dict[str, Any], p: str, mat: Any, stack: Any, vec: Any) -> None:
@@ -712,18 +791,25 @@ def _swiglu(h: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray) -> np
 
 def _moe(W: dict[str, np.ndarray], p: str, e: dict[str, int], h: np.ndarray) -> np.ndarray:
     logits = h @ W[p + "ffn_gate_inp.weight"].T
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
+    if e.get("sigmoid"):  # glm4moe: sigmoid scores, chosen with a bias that does not weight them
+        probs = 1 / (1 + np.exp(-logits))
+        sel = probs + W[p + "exp_probs_b.bias"]
+    else:
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        sel = probs
     out = np.zeros_like(h)
     for t in range(len(h)):
-        top = np.argsort(-probs[t], kind="stable")[: e["used"]]
+        top = np.argsort(-sel[t], kind="stable")[: e["used"]]
         w = probs[t, top]
         if "shared" not in e or e.get("norm"):  # qwen3moe, qwen3next renormalise; qwen2moe takes them as they come
             w = w / w.sum()
+        w = w * e.get("scale", 1.0)
         for x, wx in zip(top, w, strict=True):
             out[t] += wx * _swiglu(h[t], W[p + "ffn_gate_exps.weight"][x], W[p + "ffn_up_exps.weight"][x], W[p + "ffn_down_exps.weight"][x])
     if "shared" in e:
-        gate = 1 / (1 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))
+        gated = p + "ffn_gate_inp_shexp.weight" in W
+        gate = 1 / (1 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"]))) if gated else np.ones(len(h))
         out += gate[:, None] * _swiglu(h, W[p + "ffn_gate_shexp.weight"], W[p + "ffn_up_shexp.weight"], W[p + "ffn_down_shexp.weight"])
     return out
 
@@ -773,6 +859,11 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
     for i in range(f.get("layers", LAYERS)):
         p = f"blk.{i}."
         h = _rms(x, W[p + "attn_norm.weight"], eps)
+        if "glm" in f:
+            x = x + _glm_attention(W, p, H, KVH, HD, h, rope, eps, f.get("qk_norm", False))
+            h = _rms(x, W[p + "post_attention_norm.weight"], eps)
+            x = x + (_moe(W, p, f["moe"], h) if i >= f["glm"]["lead"] else _swiglu(h, W[p + "ffn_gate.weight"], W[p + "ffn_up.weight"], W[p + "ffn_down.weight"]))
+            continue
         if "hybrid" in f:
             x = x + (_deltanet(W, p, f["hybrid"], h, eps) if _recurrent(f, meta, i) else _gated_attention(W, p, H, KVH, HD, h, rope, eps))
             h = _rms(x, W[p + "post_attention_norm.weight"], eps)
@@ -827,6 +918,26 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
         cap = meta["final_logit_softcapping"]
         out = cap * np.tanh(out / cap)
     return out
+
+
+def _glm_attention(W: dict[str, np.ndarray], p: str, H: int, KVH: int, HD: int, h: np.ndarray, rope: Any, eps: float, qk_norm: bool) -> np.ndarray:
+    """Causal attention with Q/K/V biases and QK-norm where the file has it."""
+    T = len(h)
+    q = (h @ W[p + "attn_q.weight"].T + W[p + "attn_q.bias"]).reshape(T, H, HD)
+    k = (h @ W[p + "attn_k.weight"].T + W[p + "attn_k.bias"]).reshape(T, KVH, HD)
+    v = (h @ W[p + "attn_v.weight"].T + W[p + "attn_v.bias"]).reshape(T, KVH, HD)
+    if qk_norm:
+        q, k = _rms(q, W[p + "attn_q_norm.weight"], eps), _rms(k, W[p + "attn_k_norm.weight"], eps)
+    q = np.stack([rope(q[t], t) for t in range(T)])
+    k = np.stack([rope(k[t], t) for t in range(T)])
+    att = np.zeros((T, H, HD))
+    for t in range(T):
+        for hh in range(H):
+            kv = hh // (H // KVH)
+            sc = k[: t + 1, kv] @ q[t, hh] / np.sqrt(HD)
+            pr = np.exp(sc - sc.max())
+            att[t, hh] = (pr / pr.sum()) @ v[: t + 1, kv]
+    return att.reshape(T, -1) @ W[p + "attn_output.weight"].T
 
 
 def _mrope_fourth_axis(sections: list[int], pairs: int, interleaved: bool) -> np.ndarray:

@@ -209,6 +209,22 @@ F32 = np.float32
         ("qwen2vl", dict(meta={"rope.dimension_count": 32}), r"'qwen2vl\.rope\.dimension_count' is 32; this architecture turns the whole head \(64\)"),
         ("qwen3vl", dict(meta={"n_deepstack_layers": "two"}), r"'qwen3vl\.n_deepstack_layers'"),
         ("qwen3vlmoe", dict(drop="blk.1.ffn_up_exps.weight"), r"tensor 'blk\.1\.ffn_up_exps\.weight' is missing"),
+        # glm4moe: expert counts and widths against the tensors, the selection bias, the shared
+        # expert's count, where the dense layers end, the MTP block count.
+        ("glm4moe", dict(meta={"expert_count": 6}), r"tensor 'blk\.1\.ffn_gate_inp\.weight' is 8x256 but the model's metadata implies 6x256"),
+        ("glm4moe", dict(meta={"expert_used_count": 9}), r"'glm4moe\.expert_used_count' is 9; it must be between 1 and expert_count \(8\)"),
+        ("glm4moe", dict(drop="blk.2.exp_probs_b.bias"), r"tensor 'blk\.2\.exp_probs_b\.bias' is missing"),
+        ("glm4moe", dict(replace={"blk.1.exp_probs_b.bias": np.zeros(6, F32)}), r"tensor 'blk\.1\.exp_probs_b\.bias' has 6 values, expected 8"),
+        ("glm4moe", dict(meta={"expert_shared_count": None}), r"'glm4moe\.expert_shared_count' is missing"),
+        ("glm4moe", dict(meta={"expert_shared_count": 1}), r"tensor 'blk\.1\.ffn_gate_shexp\.weight' is 512x256 but the model's metadata implies 256x256"),
+        ("glm4moe", dict(drop="blk.2.ffn_down_shexp.weight"), r"tensor 'blk\.2\.ffn_down_shexp\.weight' is missing"),
+        ("glm4moe", dict(meta={"expert_feed_forward_length": 128, "expert_shared_count": 4}), r"tensor 'blk\.1\.ffn_gate_exps\.weight' has shape \[256, 256, 8\] but the model's metadata implies \[256, 128, 8\]"),
+        ("glm4moe", dict(meta={"leading_dense_block_count": 0}), r"tensor 'blk\.0\.ffn_gate_shexp\.weight' is missing"),
+        ("glm4moe", dict(meta={"leading_dense_block_count": 2}), r"tensor 'blk\.1\.ffn_gate\.weight' is missing"),
+        ("glm4moe", dict(meta={"nextn_predict_layers": 4}), r"'glm4moe\.nextn_predict_layers' is 4 but the model has 4 blocks"),
+        ("glm4moe", dict(meta={"expert_weights_norm": 1}), r"'glm4moe\.expert_weights_norm' must be a boolean"),
+        ("glm4moe", dict(drop="blk.1.post_attention_norm.weight"), r"tensor 'blk\.1\.post_attention_norm\.weight' is missing"),
+        ("glm4moe", dict(replace={"blk.0.attn_k_norm.weight": np.ones(32, F32)}), r"tensor 'blk\.0\.attn_k_norm\.weight' has 32 values, expected 64"),
         ("mistral3", dict(meta={"attention.layer_norm_rms_epsilon": None}), r"'mistral3\.attention\.layer_norm_rms_epsilon' is missing"),
         ("mistral3", dict(meta={"rope.scaling.original_context_length": 0}), r"'mistral3\.rope\.scaling\.original_context_length' is 0; attention temperature scaling needs the original context"),
     ],
@@ -241,6 +257,8 @@ def test_qwen35_rope_sections_with_pairs_on_the_fourth_axis(tmp_path: Path) -> N
         ("mistral3", dict(extra={"blk.1.ffn_down.bias": np.zeros(256, F32)}), r"tensor 'blk\.1\.ffn_down\.bias' is not supported \(no output or FFN biases\)"),
         ("mistral3", dict(meta={"rope.scaling.type": "longrope"}), r"'mistral3\.rope\.scaling\.type' is \"longrope\", which is not supported for mistral3"),
         ("gemma2", dict(meta={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}), r"'gemma2\.rope\.scaling\.type' is \"yarn\", which is not supported for gemma2"),
+        ("glm4moe", dict(meta={"expert_gating_func": 3}), r"'glm4moe\.expert_gating_func' is 3, which is not supported \(supported: 1 softmax, 2 sigmoid\)"),
+        ("glm4moe", dict(meta={"expert_feed_forward_length": [256, 256, 128, 256]}), r"'glm4moe\.expert_feed_forward_length' varies by layer, which is not supported"),
     ],
 )
 def test_family_pieces_not_supported(tmp_path: Path, name: str, kw: dict, match: str) -> None:

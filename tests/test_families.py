@@ -162,6 +162,10 @@ ABLATIONS = {
     "mistral3 without its attention temperature": ("mistral3", dict(meta={"attention.temperature_scale": None})),
     "mistral3 with ggml's default YaRN betas": ("mistral3", dict(meta={"rope.scaling.yarn_beta_fast": None, "rope.scaling.yarn_beta_slow": None})),
     "mistral3 without the YaRN log multiplier": ("mistral3", dict(meta={"rope.scaling.yarn_log_multiplier": None})),
+    "glm4moe without its selection bias": ("glm4moe", dict(replace={f"blk.{i}.exp_probs_b.bias": np.zeros(8, np.float32) for i in (1, 2)})),
+    "glm4moe with softmax scores": ("glm4moe", dict(meta={"expert_gating_func": 1})),
+    "glm4moe without its weight scale": ("glm4moe", dict(meta={"expert_weights_scale": None})),
+    "glm4moe without one layer's query norm": ("glm4moe", dict(drop="blk.1.attn_q_norm.weight")),
     "qwen3next with an ungated shared expert": ("qwen3next", dict(replace={f"blk.{i}.ffn_gate_inp_shexp.weight": np.full(256, 30.0, np.float32) for i in range(4)})),
 }
 

@@ -44,7 +44,9 @@ def headed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dl.Model]:
     d = tmp_path_factory.mktemp("headed")
     for name in HYBRIDS:
         write_family(d / f"{name}-mtp.gguf", name, mtp=True)
-    return {name: dl.load_model(d / f"{name}-mtp.gguf") for name in HYBRIDS}
+    # glm4moe's synthetic file carries its NextN block as GLM-4.5's converter writes it.
+    write_family(d / "glm4moe-mtp.gguf", "glm4moe")
+    return {name: dl.load_model(d / f"{name}-mtp.gguf") for name in [*HYBRIDS, "glm4moe"]}
 
 
 def own_head(m: dl.Model) -> _native.Drafter:
@@ -144,7 +146,7 @@ def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[1] + [int(t) for t in rng.integers(3, 267, size=int(rng.integers(3, 20)))] for _ in range(n)]
 
 
-@pytest.mark.parametrize(("name", "streams"), [("qwen35", 1), ("qwen35", 4), ("qwen35", 16), ("qwen3next", 4)])
+@pytest.mark.parametrize(("name", "streams"), [("qwen35", 1), ("qwen35", 4), ("qwen35", 16), ("qwen3next", 4), ("glm4moe", 4)])
 def test_mtp_greedy_output_is_unchanged(headed: dict[str, dl.Model], name: str, streams: int) -> None:
     m = headed[name]
     prompts = random_prompts(16 if streams == 16 else 6)

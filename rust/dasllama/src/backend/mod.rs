@@ -17,6 +17,26 @@ pub use recurrent::{DeltaNet, DnParams, HeadMap};
 use crate::kv::{KvCache, RecIo};
 use crate::quant::{GgmlType, Weight};
 
+/// How a router turns its logits into scores (llama.cpp's `expert_gating_func`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    Softmax,
+    Sigmoid,
+}
+
+/// One layer's routing, for `Ops::route`.
+#[derive(Clone, Copy, Debug)]
+pub struct Route<'a> {
+    pub n_expert: usize,
+    pub n_used: usize,
+    pub gating: Gating,
+    /// Added to the scores to choose the experts only (`exp_probs_b`, one per expert).
+    pub bias: Option<&'a [f32]>,
+    pub norm: bool,
+    /// Multiplies the weights (1: none).
+    pub scale: f32,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
     Silu,
@@ -232,10 +252,11 @@ pub trait Ops {
     /// x = cap * tanh(x / cap), each value (logit soft-capping).
     fn softcap(&mut self, x: &mut [f32], cap: f32);
 
-    /// Route each row of router logits (rows of `n_expert`): softmax, the `n_used` most probable
-    /// experts (most probable first), their probabilities as weights, renormalised to sum to 1
-    /// where `norm`. `out` gets n_used (expert, weight) pairs per row.
-    fn route(&mut self, logits: &[f32], n_expert: usize, n_used: usize, norm: bool, out: &mut Vec<(usize, f32)>);
+    /// Route each row of router logits (rows of `r.n_expert`) as `r` says (llama.cpp's
+    /// `build_moe_ffn`): scores by softmax or sigmoid, the `n_used` experts of the highest scores
+    /// plus `r.bias` (highest first), their unbiased scores as weights, renormalised to sum to 1
+    /// where `r.norm`, then multiplied by `r.scale`. `out` gets n_used (expert, weight) pairs per row.
+    fn route(&mut self, logits: &[f32], r: &Route<'_>, out: &mut Vec<(usize, f32)>);
 
     /// x += a * y.
     fn add_scaled(&mut self, x: &mut [f32], y: &[f32], a: f32);

@@ -3,7 +3,7 @@
 
 use super::deltanet;
 use super::{convert_weight, matmul_many, ops, team, Team, Weight};
-use crate::backend::{Activation, AttnShape, DeltaNet, DnParams, Host, MatmulOffload, Numerics, Ops, RopeTable};
+use crate::backend::{Activation, AttnShape, DeltaNet, DnParams, Gating, Host, MatmulOffload, Numerics, Ops, RopeTable, Route};
 use crate::kv::{KvCache, RecIo};
 use crate::quant::GgmlType;
 
@@ -114,21 +114,34 @@ impl Ops for CpuOps<'_> {
         ops::softcap(x, cap);
     }
 
-    fn route(&mut self, logits: &[f32], n_expert: usize, n_used: usize, norm: bool, out: &mut Vec<(usize, f32)>) {
+    fn route(&mut self, logits: &[f32], r: &Route<'_>, out: &mut Vec<(usize, f32)>) {
         out.clear();
+        let n_expert = r.n_expert;
         let mut p = vec![0.0f32; n_expert];
+        let mut sel = vec![0.0f32; n_expert];
         let mut order: Vec<usize> = (0..n_expert).collect();
         for row in logits.chunks_exact(n_expert) {
             p.copy_from_slice(row);
-            ops::softmax(&mut p);
-            // Most probable first; ties to the lower index.
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            match r.gating {
+                Gating::Softmax => ops::softmax(&mut p),
+                Gating::Sigmoid => p.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+            }
+            // The selection bias moves the choice only; the weights are the unbiased scores.
+            match r.bias {
+                Some(b) => sel.iter_mut().zip(p.iter().zip(b)).for_each(|(s, (p, b))| *s = p + b),
+                None => sel.copy_from_slice(&p),
+            }
+            // Highest first; ties to the lower index.
+            order.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(a.cmp(&b)));
             let first = out.len();
-            out.extend(order[..n_used].iter().map(|&e| (e, p[e])));
-            if norm {
+            out.extend(order[..r.n_used].iter().map(|&e| (e, p[e])));
+            if r.norm {
                 // llama.cpp clamps the sum below at the smallest normal f16.
                 let sum = out[first..].iter().map(|&(_, w)| w).sum::<f32>().max(6.103_515_6e-5);
                 out[first..].iter_mut().for_each(|(_, w)| *w /= sum);
+            }
+            if r.scale != 1.0 {
+                out[first..].iter_mut().for_each(|(_, w)| *w *= r.scale);
             }
         }
     }
@@ -392,5 +405,42 @@ fn attention_ggml(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize
         team.for_each_chunk_mut(&mut out[..rows.len() * qd], group * hdim, &one);
     } else {
         one(0, &mut out[..qd]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(logits: &[f32], r: &Route<'_>) -> Vec<(usize, f32)> {
+        let mut out = Vec::new();
+        let mut act = Vec::new();
+        Cpu.run(Numerics::Fast, &mut act, None, &mut |ops| ops.route(logits, r, &mut out));
+        out
+    }
+
+    #[test]
+    fn sigmoid_routing_chooses_by_biased_score_and_weights_by_the_unbiased_one() {
+        let logits = [2.0f32, 0.0, -1.0, 1.0];
+        let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+        // Expert 2's bias lifts it over experts 1 and 3; expert 0 stays first.
+        let bias = [0.0f32, 0.0, 0.6, 0.0];
+        let r = Route { n_expert: 4, n_used: 2, gating: Gating::Sigmoid, bias: Some(&bias), norm: false, scale: 1.0 };
+        assert_eq!(route(&logits, &r), vec![(0, s(2.0)), (2, s(-1.0))]);
+        // Renormalised, then scaled.
+        let got = route(&logits, &Route { norm: true, scale: 2.5, ..r });
+        let sum = s(2.0) + s(-1.0);
+        assert_eq!(got, vec![(0, s(2.0) / sum * 2.5), (2, s(-1.0) / sum * 2.5)]);
+        // Without the bias, the plain top 2.
+        assert_eq!(route(&logits, &Route { bias: None, ..r }), vec![(0, s(2.0)), (3, s(1.0))]);
+    }
+
+    #[test]
+    fn softmax_routing_is_unchanged() {
+        let logits = [0.5f32, 1.5, -0.5, 1.0];
+        let r = Route { n_expert: 4, n_used: 2, gating: Gating::Softmax, bias: None, norm: true, scale: 1.0 };
+        let got = route(&logits, &r);
+        assert_eq!(got.iter().map(|&(e, _)| e).collect::<Vec<_>>(), vec![1, 3]);
+        assert!((got[0].1 + got[1].1 - 1.0).abs() < 1e-6);
     }
 }

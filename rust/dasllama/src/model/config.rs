@@ -3,8 +3,8 @@
 //! metadata. The skeleton walks the layer list; it never tests a family name.
 
 use super::meta::{MetaValue, Metadata};
-pub use crate::backend::Activation;
 use crate::backend::AttnShape;
+pub use crate::backend::{Activation, Gating};
 pub use crate::backend::{DeltaNet, HeadMap, Mrope, Rope};
 use crate::{Error, Result};
 
@@ -16,6 +16,9 @@ pub struct Attention {
     pub window: usize,
     /// RMS-norm each query and key head (weights `attn_q_norm`, `attn_k_norm`).
     pub qk_norm: bool,
+    /// Where `qk_norm` is off: RMS-norm the queries (keys) if the file has `attn_q_norm`
+    /// (`attn_k_norm`), each on its own, as llama.cpp's glm4moe graph does.
+    pub qk_norm_if_present: bool,
     pub scale: f32,
     /// `scale` multiplies the queries (before their f16 rounding) instead of the scores, as
     /// llama.cpp's gemma and phi3 graphs do; it matters where small queries round to f16 subnormals.
@@ -51,7 +54,17 @@ impl Attention {
     /// Global attention with the shared RoPE and scale, no QK-norm or soft-capping: what most
     /// families start from.
     pub(crate) fn plain(s: &Shared) -> Attention {
-        Attention { rope: s.rope, window: 0, qk_norm: false, scale: s.scale, scale_query: false, softcap: None, gated: false, temp: None }
+        Attention {
+            rope: s.rope,
+            window: 0,
+            qk_norm: false,
+            qk_norm_if_present: false,
+            scale: s.scale,
+            scale_query: false,
+            softcap: None,
+            gated: false,
+            temp: None,
+        }
     }
 
     /// What the backend needs to know of this layer's attention.
@@ -121,13 +134,24 @@ pub enum Ffn {
     /// down(act(gate(x)) * up(x)). `fused`: gate and up are one tensor, `ffn_up`, of 2 * hidden
     /// rows, the gate's first (phi3); otherwise `ffn_gate` and `ffn_up`.
     Dense { hidden: usize, act: Activation, fused: bool },
-    /// Routed experts (qwen2moe, qwen3moe): a softmax over `n_expert` router logits
-    /// (`ffn_gate_inp`); the `n_used` most probable experts each run a SwiGLU of width `hidden`
-    /// (3-D `ffn_{gate,up,down}_exps`) and their outputs are added, weighted by those
-    /// probabilities (renormalised to sum to 1 where `norm_weights`). `shared`: the width of an
-    /// always-run SwiGLU expert (`ffn_*_shexp`) whose output joins them scaled by the sigmoid of
-    /// its own gate (`ffn_gate_inp_shexp`).
-    Moe { n_expert: usize, n_used: usize, hidden: usize, norm_weights: bool, shared: Option<usize> },
+    /// Routed experts (qwen2moe, qwen3moe, glm4moe): `gating` (softmax or sigmoid) over `n_expert`
+    /// router logits (`ffn_gate_inp`) scores each expert; the `n_used` of the highest scores (plus
+    /// the selection bias `exp_probs_b` where `sel_bias`) each run a SwiGLU of width `hidden`
+    /// (3-D `ffn_{gate,up,down}_exps`) and their outputs are added, weighted by their scores
+    /// (renormalised to sum to 1 where `norm_weights`, then multiplied by `scale`). `shared`: the
+    /// width of an always-run SwiGLU expert (`ffn_*_shexp`) whose output joins them, scaled by
+    /// the sigmoid of its own gate (`ffn_gate_inp_shexp`) where `shared_gated`.
+    Moe {
+        n_expert: usize,
+        n_used: usize,
+        hidden: usize,
+        norm_weights: bool,
+        shared: Option<usize>,
+        gating: Gating,
+        sel_bias: bool,
+        scale: f32,
+        shared_gated: bool,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -5,7 +5,7 @@
 
 use super::{BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model, Rope};
 pub use crate::backend::LogitRows;
-use crate::backend::{host, rope_cache, Activation, DnParams, MatmulOffload, Ops, RopeTable};
+use crate::backend::{host, rope_cache, Activation, DnParams, MatmulOffload, Ops, RopeTable, Route};
 use crate::kv::KvCache;
 use crate::kv::RecIo;
 use crate::{Error, Result};
@@ -146,11 +146,11 @@ struct MoeScratch {
 /// chosen expert once over the rows that chose it (gathered into one matrix), adding its output
 /// to theirs with their weights; the shared expert, if any, over every row under its gate.
 #[allow(clippy::too_many_arguments)]
-fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, n_expert: usize, n_used: usize, hd: usize, norm: bool, s: &mut MoeScratch, o: &mut Vec<f32>) {
-    let n = h.len() / d;
+fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usize, s: &mut MoeScratch, o: &mut Vec<f32>) {
+    let (n, n_expert, n_used) = (h.len() / d, r.n_expert, r.n_used);
     let logits = grow(&mut s.out, n * n_expert);
     b.matmul(&mut [(&e.router, logits)], h, &vec![1; n]);
-    b.route(&s.out[..n * n_expert], n_expert, n_used, norm, &mut s.route);
+    b.route(&s.out[..n * n_expert], r, &mut s.route);
     let o = grow(o, n * d);
     o.fill(0.0);
     for ex in 0..n_expert {
@@ -185,11 +185,17 @@ fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, n_expert: usize, n_use
         b.glu(&mut s.gate[..n * hs], &s.up[..n * hs], hs, Activation::Silu);
         let out = grow(&mut s.out, n * d);
         b.matmul(&mut [(&sh.down, out)], &s.gate[..n * hs], &ones);
-        let g = grow(&mut s.x, n);
-        b.matmul(&mut [(&sh.gate_inp, g)], h, &ones);
-        b.sigmoid(&mut s.x[..n]);
-        for t in 0..n {
-            b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[t * d..(t + 1) * d], s.x[t]);
+        match &sh.gate_inp {
+            Some(gi) => {
+                let g = grow(&mut s.x, n);
+                b.matmul(&mut [(gi, g)], h, &ones);
+                b.sigmoid(&mut s.x[..n]);
+                for t in 0..n {
+                    b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[t * d..(t + 1) * d], s.x[t]);
+                }
+            }
+            // Ungated (glm4moe): the routed output plus the shared one.
+            None => b.add(&mut o[..n * d], &s.out[..n * d]),
         }
     }
 }
@@ -434,8 +440,9 @@ pub(super) fn block(
             let o = grow(&mut s.o, n * d);
             b.matmul(&mut [(down, o)], &s.gate[..n * hd], counts);
         }
-        (Ffn::Moe { n_expert, n_used, hidden, norm_weights, .. }, FfnWeights::Moe(e)) => {
-            moe(b, e, &s.h[..n * d], d, n_expert, n_used, hidden, norm_weights, &mut s.moe, &mut s.o);
+        (Ffn::Moe { n_expert, n_used, hidden, norm_weights, gating, scale, .. }, FfnWeights::Moe(e)) => {
+            let r = Route { n_expert, n_used, gating, bias: e.sel_bias.as_deref(), norm: norm_weights, scale };
+            moe(b, e, &s.h[..n * d], d, &r, hidden, &mut s.moe, &mut s.o);
         }
         _ => unreachable!("the loader builds each layer's FFN weights from its description"),
     }

@@ -24,6 +24,7 @@ pub fn configure(m: &Metadata) -> Result<Config> {
                 rope: Rope { base: if swa[il] { swa_base } else { base }, neox: true, ..s.rope },
                 window: if swa[il] { window } else { 0 },
                 qk_norm: false,
+                qk_norm_if_present: false,
                 scale,
                 scale_query: true,
                 softcap: Some(attn_cap),

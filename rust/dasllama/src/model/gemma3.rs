@@ -18,6 +18,7 @@ pub fn configure(m: &Metadata) -> Result<Config> {
                 rope: if swa { Rope { base: 10_000.0, neox: true, freq_scale: 1.0, ..s.rope } } else { Rope { base: global_base, neox: true, ..s.rope } },
                 window: if swa { s.window } else { 0 },
                 qk_norm: true,
+                qk_norm_if_present: false,
                 scale: s.scale,
                 scale_query: true,
                 softcap: None,

@@ -5,6 +5,7 @@ mod config;
 pub mod forward;
 mod gemma2;
 mod gemma3;
+mod glm4moe;
 mod llama;
 mod meta;
 mod mistral3;
@@ -124,6 +125,9 @@ pub enum FfnWeights {
 pub struct Experts {
     /// n_expert x dim.
     pub router: Weight,
+    /// n_expert: added to the router's scores to choose experts (`exp_probs_b`), where the
+    /// family routes so.
+    pub sel_bias: Option<Vec<f32>>,
     pub gate: Vec<Weight>,
     pub up: Vec<Weight>,
     pub down: Vec<Weight>,
@@ -131,8 +135,8 @@ pub struct Experts {
 }
 
 pub struct SharedExpert {
-    /// 1 x dim: the logit of the shared expert's sigmoid gate.
-    pub gate_inp: Weight,
+    /// 1 x dim: the logit of the shared expert's sigmoid gate, where it has one.
+    pub gate_inp: Option<Weight>,
     pub gate: Weight,
     pub up: Weight,
     pub down: Weight,
@@ -372,6 +376,13 @@ impl<'a> TensorTable<'a> {
                 return Err(Error::UnsupportedModel(format!("{file}: tensor '{b}' is not supported (no output or FFN biases)")));
             }
         }
+        let qk_norm = |a: &config::Attention, name: &str| {
+            if a.qk_norm_if_present && !a.qk_norm {
+                table.opt_vector(&n(name), config.head_dim)
+            } else {
+                norm(a.qk_norm, name, config.head_dim)
+            }
+        };
         let mixer = match &desc.mixer {
             Mixer::Attention(a) => {
                 // A gated layer's Q projection carries each head's gate after its queries.
@@ -385,8 +396,8 @@ impl<'a> TensorTable<'a> {
                     bk,
                     bv,
                     wo: table.matrix(&n("attn_output"), d, qd)?,
-                    q_norm: norm(a.qk_norm, "attn_q_norm", config.head_dim)?,
-                    k_norm: norm(a.qk_norm, "attn_k_norm", config.head_dim)?,
+                    q_norm: qk_norm(a, "attn_q_norm")?,
+                    k_norm: qk_norm(a, "attn_k_norm")?,
                 })
             }
             Mixer::DeltaNet(dn) => {
@@ -408,7 +419,7 @@ impl<'a> TensorTable<'a> {
                 };
                 FfnWeights::Dense { gate, up, down: table.matrix(&n("ffn_down"), d, hd)? }
             }
-            Ffn::Moe { n_expert, hidden: hd, shared, .. } => {
+            Ffn::Moe { n_expert, hidden: hd, shared, sel_bias, shared_gated, .. } => {
                 if numerics == Numerics::Ggml {
                     return Err(Error::UnsupportedModel(format!(
                         "{file}: numerics='ggml' does not reproduce ggml's order for routed experts; load with numerics='fast'"
@@ -416,7 +427,7 @@ impl<'a> TensorTable<'a> {
                 }
                 let shared = match shared {
                     Some(sh) => Some(SharedExpert {
-                        gate_inp: table.matrix(&n("ffn_gate_inp_shexp"), 1, d)?,
+                        gate_inp: if shared_gated { Some(table.matrix(&n("ffn_gate_inp_shexp"), 1, d)?) } else { None },
                         gate: table.matrix(&n("ffn_gate_shexp"), sh, d)?,
                         up: table.matrix(&n("ffn_up_shexp"), sh, d)?,
                         down: table.matrix(&n("ffn_down_shexp"), d, sh)?,
@@ -425,6 +436,7 @@ impl<'a> TensorTable<'a> {
                 };
                 FfnWeights::Moe(Box::new(Experts {
                     router: table.matrix(&n("ffn_gate_inp"), n_expert, d)?,
+                    sel_bias: if sel_bias { Some(table.vector(&format!("blk.{il}.exp_probs_b.bias"), n_expert)?) } else { None },
                     gate: table.stack(&n("ffn_gate_exps"), n_expert, hd, d)?,
                     up: table.stack(&n("ffn_up_exps"), n_expert, hd, d)?,
                     down: table.stack(&n("ffn_down_exps"), n_expert, d, hd)?,
@@ -544,7 +556,7 @@ impl Model {
                 FfnWeights::Moe(e) => {
                     dense.push(&e.router);
                     if let Some(s) = &e.shared {
-                        dense.extend([&s.gate_inp, &s.gate, &s.up, &s.down]);
+                        dense.extend(s.gate_inp.iter().chain([&s.gate, &s.up, &s.down]));
                     }
                     experts.extend(e.gate.iter().chain(&e.up).chain(&e.down));
                 }

@@ -2,7 +2,7 @@
 //! FFN of routed experts (softmax router, top-k weights as they come) plus a shared expert under
 //! a sigmoid gate.
 
-use super::config::{base_config, Attention, Config, Ffn, LayerDesc, Mixer, Rope};
+use super::config::{base_config, Attention, Config, Ffn, Gating, LayerDesc, Mixer, Rope};
 use super::meta::Metadata;
 use crate::Result;
 
@@ -15,7 +15,17 @@ pub fn configure(m: &Metadata) -> Result<Config> {
     let shared = m.size("expert_shared_feed_forward_length")?.filter(|&h| h > 0).unwrap_or(ff);
     base_config(m, "qwen2moe", |_, s| LayerDesc {
         mixer: Mixer::Attention(Attention { rope: Rope { neox: true, ..s.rope }, ..Attention::plain(s) }),
-        ffn: Ffn::Moe { n_expert, n_used, hidden, norm_weights: false, shared: Some(shared) },
+        ffn: Ffn::Moe {
+            n_expert,
+            n_used,
+            hidden,
+            norm_weights: false,
+            shared: Some(shared),
+            gating: Gating::Softmax,
+            sel_bias: false,
+            scale: 1.0,
+            shared_gated: true,
+        },
         post_norms: false,
     })
 }

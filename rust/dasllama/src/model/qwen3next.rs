@@ -3,7 +3,7 @@
 //! (n_v / n_k)), beta and alpha from one projection `ssm_ba`, and an FFN of routed experts
 //! (softmax router, top-k weights renormalised) plus a shared expert under a sigmoid gate.
 
-use super::config::{Config, Ffn, HeadMap};
+use super::config::{Config, Ffn, Gating, HeadMap};
 use super::meta::Metadata;
 use crate::Result;
 
@@ -13,5 +13,15 @@ pub fn configure(m: &Metadata) -> Result<Config> {
     let ff = m.req_positive("feed_forward_length")?;
     let hidden = m.size("expert_feed_forward_length")?.filter(|&h| h > 0).unwrap_or(ff / n_used);
     let shared = m.size("expert_shared_feed_forward_length")?.filter(|&h| h > 0).unwrap_or(ff);
-    super::qwen35::hybrid(m, "qwen3next", HeadMap::Grouped, true, |_| Ffn::Moe { n_expert, n_used, hidden, norm_weights: true, shared: Some(shared) })
+    super::qwen35::hybrid(m, "qwen3next", HeadMap::Grouped, true, |_| Ffn::Moe {
+        n_expert,
+        n_used,
+        hidden,
+        norm_weights: true,
+        shared: Some(shared),
+        gating: Gating::Softmax,
+        sel_bias: false,
+        scale: 1.0,
+        shared_gated: true,
+    })
 }

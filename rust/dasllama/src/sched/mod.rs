@@ -1200,8 +1200,8 @@ fn body_macs(m: &Model) -> f64 {
             attn + match l.ffn {
                 Ffn::Dense { hidden, .. } => 3 * c.dim * hidden,
                 // A row runs the router, its chosen experts and the shared one.
-                Ffn::Moe { n_expert, n_used, hidden, shared, .. } => {
-                    c.dim * n_expert + n_used * 3 * c.dim * hidden + shared.map_or(0, |s| 3 * c.dim * s + c.dim)
+                Ffn::Moe { n_expert, n_used, hidden, shared, shared_gated, .. } => {
+                    c.dim * n_expert + n_used * 3 * c.dim * hidden + shared.map_or(0, |s| 3 * c.dim * s + if shared_gated { c.dim } else { 0 })
                 }
             }
         })
