@@ -604,6 +604,7 @@ def write_family(
     extra: dict[str, np.ndarray] | None = None,
     mtp: bool | Path = False,
     legacy_qkvz: bool = False,
+    fuse_gate_up: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write family ``name`` of ``FAMILIES`` deterministically (the same bytes on every call with
     the same gguf and numpy); return the exact weights (numpy order: rows x cols). ``drop`` leaves
@@ -611,6 +612,8 @@ def write_family(
     values in place of a tensor and ``extra`` adds tensors (bad-input tests). ``legacy_qkvz``
     writes a hybrid's Q/K/V and gate as older qwen3next files did: one F32 ``ssm_in`` of the
     same values, grouped per key head (query, key, its value heads' values, their gates).
+    ``fuse_gate_up`` (gemma4-moe) writes each layer's expert gates and ups as one F32
+    ``ffn_gate_up_exps`` of the same values (each expert's gate rows, then its up rows).
 
     ``mtp`` (hybrid families): True adds an MTP head after the trunk (block ``layers``: gated
     attention and the family's FFN, ``nextn.eh_proj``, ``enorm``, ``hnorm`` and
@@ -727,7 +730,11 @@ def write_family(
             _glm_block(f, p, i >= f["glm"]["lead"], mat, stack, vec, qd, kvd, hd)
             continue
         if "gemma4" in f:
+            if fuse_gate_up:
+                held.update({p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"})
             _gemma4_block(f, i, mat, stack, vec, put, weights)
+            if fuse_gate_up:
+                put(p + "ffn_gate_up_exps.weight", np.concatenate([weights[p + "ffn_gate_exps.weight"], weights[p + "ffn_up_exps.weight"]], axis=1).astype(np.float32))
             continue
         if "hybrid" in f:
             # Gated attention: each head's queries, then its gate, in the Q projection.

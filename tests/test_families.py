@@ -85,6 +85,18 @@ def test_against_numpy(name: str, tmp_path: Path) -> None:
     assert np.abs(got - ref).max() <= 0.005 * scale, (np.abs(got - ref).max(), scale)
 
 
+def test_gemma4_fused_expert_gate_and_up(tmp_path: Path) -> None:
+    # Gemma 4's converter writes each layer's expert gates and ups as one `ffn_gate_up_exps`
+    # (gates first): read as two, it lands on the float64 reference as the split file does.
+    path = tmp_path / "fused.gguf"
+    weights = write_family(path, "gemma4-moe", fuse_gate_up=True)
+    ids = family_cases("gemma4-moe")[0]
+    ref = family_reference_logits(weights, "gemma4-moe", ids)
+    m = dl.load_model(path, dl.QuantMode.fp32)
+    got = dl.eval_all(m, dl.create_session(m), ids)
+    assert np.abs(got - ref).max() <= 0.005 * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_synthetic_file_is_the_one_llamacpp_ran(name: str, files: dict[str, Path]) -> None:
     # The goldens hold for these exact bytes; a different gguf or numpy that wrote other bytes

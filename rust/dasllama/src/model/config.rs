@@ -227,6 +227,9 @@ pub struct Config {
     /// The tensor of per-frequency RoPE divisors every layer uses, where the file has it (phi3's
     /// longrope: `rope_factors_long` when the context outgrows the original one, else `_short`).
     pub rope_factors: Option<&'static str>,
+    /// The file must have `rope_factors` (gemma4's full layers: llama.cpp requires `rope_freqs`);
+    /// otherwise a file without it runs unscaled.
+    pub rope_factors_required: bool,
     /// The tensor (`blk.N.<name>.weight`) that norms the FFN's input: `ffn_norm`, or
     /// `post_attention_norm` where the family names it so (qwen35, qwen3next).
     pub ffn_norm: &'static str,
@@ -463,6 +466,7 @@ pub(crate) fn bare_config(m: &Metadata, arch: &str, heads: Heads, layers: Vec<La
         embed_scale: None,
         final_softcap: None,
         rope_factors: None,
+        rope_factors_required: false,
         ffn_norm: "ffn_norm",
         per_layer_input: 0,
         layers,

@@ -775,7 +775,7 @@ impl Model {
             table.matrix("token_embd.weight", config.vocab_size, d)?
         };
         let rope_factors = match config.rope_factors {
-            Some(name) if table.has(name) => {
+            Some(name) if table.has(name) || config.rope_factors_required => {
                 let dim = config.ropes().iter().find(|r| r.factors).map_or(0, |r| r.dim);
                 Some(table.vector(name, dim / 2)?)
             }
