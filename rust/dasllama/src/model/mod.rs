@@ -94,7 +94,9 @@ pub enum MixerWeights {
 
 pub struct AttnWeights {
     /// Q, K and V: three tensors, or row ranges of a fused `attn_qkv` (the same dots either way).
-    /// A gated layer's Q has 2 * head_dim rows a head: its queries, then its gate.
+    /// A gated layer's Q has 2 * head_dim rows a head: its queries, then its gate. K and V have
+    /// no rows where the layer reads an earlier layer's K/V (`Attention::kv_from`), V none where
+    /// it takes K's projection as V (`Attention::v_optional` and no `attn_v` in the file).
     pub wq: Weight,
     pub wk: Weight,
     pub wv: Weight,
