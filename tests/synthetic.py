@@ -386,6 +386,35 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "expert_gating_func": 2,
         },
     ),
+    # gpt-oss's layers: biases on Q/K/V and the output, a sink logit per head (large enough to
+    # take a good share of the softmax), NEOX RoPE with the real model's YaRN (base 150000, factor
+    # 32 over an original context of 4096), even layers sliding over 8 positions (the cases run
+    # 24, so the window cuts), more query heads than dim / head_dim (as the real 64 x 64 > 2880).
+    # The FFN under post_attention_norm, all routed: the router's biased logits pick the top 4 of
+    # 8 experts, weighted by a softmax over those 4; each expert a clamped swiglu_oai (gate and up
+    # wide enough that the clamp at 7 bites) with biases on gate, up and down.
+    "gpt-oss": dict(
+        arch="gpt-oss",
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        layers=3,
+        oai=dict(sinks=(1.0, 1.0)),
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=4, hidden=256, gate_up=0.25),
+        meta={
+            "rope.freq_base": 150000.0,
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": 32.0,
+            "rope.scaling.original_context_length": 4096,
+            "attention.sliding_window": 8,
+            "attention.layer_norm_rms_epsilon": 1e-5,
+            "expert_count": 8,
+            "expert_used_count": 4,
+            "expert_feed_forward_length": 256,
+        },
+    ),
     # Gated DeltaNet hybrid: layers 0-2 recurrent (2 key heads, 4 value heads of 64, a 4-tap
     # convolution), layer 3 gated full attention (QK-norm, NEOX RoPE on 16 of 64 values, Q's
     # sigmoid gate on the output); value heads read key heads tiled; dense FFN under
@@ -633,6 +662,9 @@ def write_family(
         if "glm" in f:
             _glm_block(f, p, i >= f["glm"]["lead"], mat, stack, vec, qd, kvd, hd)
             continue
+        if "oai" in f:
+            _oai_block(f, p, mat, stack, vec, heads, qd, kvd, rng, weights, put)
+            continue
         if "hybrid" in f:
             # Gated attention: each head's queries, then its gate, in the Q projection.
             mat(p + "attn_q.weight", 2 * qd, DIM)
@@ -760,6 +792,32 @@ def _glm_block(f: dict[str, Any], p: str, routed: bool, mat: Any, stack: Any, ve
     mat(p + "ffn_down_shexp.weight", DIM, e["shared"])
 
 
+def _oai_block(f: dict[str, Any], p: str, mat: Any, stack: Any, vec: Any, heads: int, qd: int, kvd: int, rng: np.random.Generator, weights: dict[str, np.ndarray], put: Any) -> None:
+    """A gpt-oss block (after `attn_norm`, which the caller writes): biased Q/K/V and output,
+    the heads' sinks, the FFN under post_attention_norm: a biased router and biased experts
+    (their biases 2-D, [width, n] in GGUF order, as llama.cpp requires)."""
+    mat(p + "attn_q.weight", qd, DIM)
+    mat(p + "attn_k.weight", kvd, DIM)
+    mat(p + "attn_v.weight", kvd, DIM)
+    vec(p + "attn_q.bias", qd, 0.0, 0.2)
+    vec(p + "attn_k.bias", kvd, 0.0, 0.5)
+    vec(p + "attn_v.bias", kvd, 0.0, 0.2)
+    mat(p + "attn_output.weight", DIM, qd)
+    vec(p + "attn_output.bias", DIM, 0.0, 0.1)
+    vec(p + "attn_sinks.weight", heads, *f["oai"]["sinks"])
+    vec(p + "post_attention_norm.weight", DIM)
+    e = f["moe"]
+    mat(p + "ffn_gate_inp.weight", e["n"], DIM, 0.1, QT.F32)
+    vec(p + "ffn_gate_inp.bias", e["n"], 0.0, 0.3)
+    stack(p + "ffn_gate_exps.weight", e["n"], e["hidden"], DIM, e["gate_up"])
+    stack(p + "ffn_up_exps.weight", e["n"], e["hidden"], DIM, e["gate_up"])
+    stack(p + "ffn_down_exps.weight", e["n"], DIM, e["hidden"])
+    for t, width, std in (("ffn_gate_exps", e["hidden"], 0.5), ("ffn_up_exps", e["hidden"], 0.5), ("ffn_down_exps", DIM, 0.05)):
+        b = rng.normal(0, std, size=(e["n"], width)).astype(np.float32)
+        weights[p + t + ".bias"] = b
+        put(p + t + ".bias", b)
+
+
 def _ffn(f: dict[str, Any], p: str, mat: Any, stack: Any, vec: Any) -> None:
     """A hybrid layer's FFN: dense SwiGLU, or routed experts and a shared one."""
     if "moe" in f:
@@ -864,6 +922,12 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
             h = _rms(x, W[p + "post_attention_norm.weight"], eps)
             x = x + (_moe(W, p, f["moe"], h) if i >= f["glm"]["lead"] else _swiglu(h, W[p + "ffn_gate.weight"], W[p + "ffn_up.weight"], W[p + "ffn_down.weight"]))
             continue
+        if "oai" in f:
+            window = meta["attention.sliding_window"] if i % 2 == 0 else 0
+            x = x + _oai_attention(W, p, H, KVH, HD, h, rope, window)
+            h = _rms(x, W[p + "post_attention_norm.weight"], eps)
+            x = x + _oai_moe(W, p, f["moe"], h)
+            continue
         if "hybrid" in f:
             x = x + (_deltanet(W, p, f["hybrid"], h, eps) if _recurrent(f, meta, i) else _gated_attention(W, p, H, KVH, HD, h, rope, eps))
             h = _rms(x, W[p + "post_attention_norm.weight"], eps)
@@ -938,6 +1002,46 @@ def _glm_attention(W: dict[str, np.ndarray], p: str, H: int, KVH: int, HD: int, 
             pr = np.exp(sc - sc.max())
             att[t, hh] = (pr / pr.sum()) @ v[: t + 1, kv]
     return att.reshape(T, -1) @ W[p + "attn_output.weight"].T
+
+
+def _oai_attention(W: dict[str, np.ndarray], p: str, H: int, KVH: int, HD: int, h: np.ndarray, rope: Any, window: int) -> np.ndarray:
+    """gpt-oss's attention: biased Q/K/V and output, a window where given, and each head's
+    sink logit in its softmax's normalizer (weight on nothing)."""
+    T = len(h)
+    q = (h @ W[p + "attn_q.weight"].T + W[p + "attn_q.bias"]).reshape(T, H, HD)
+    k = (h @ W[p + "attn_k.weight"].T + W[p + "attn_k.bias"]).reshape(T, KVH, HD)
+    v = (h @ W[p + "attn_v.weight"].T + W[p + "attn_v.bias"]).reshape(T, KVH, HD)
+    q = np.stack([rope(q[t], t) for t in range(T)])
+    k = np.stack([rope(k[t], t) for t in range(T)])
+    sinks = W[p + "attn_sinks.weight"]
+    att = np.zeros((T, H, HD))
+    for t in range(T):
+        lo = max(0, t - window + 1) if window else 0
+        for hh in range(H):
+            kv = hh // (H // KVH)
+            sc = k[lo : t + 1, kv] @ q[t, hh] / np.sqrt(HD)
+            m = max(sc.max(), sinks[hh])
+            pr = np.exp(sc - m)
+            att[t, hh] = (pr / (pr.sum() + np.exp(sinks[hh] - m))) @ v[lo : t + 1, kv]
+    return att.reshape(T, -1) @ W[p + "attn_output.weight"].T + W[p + "attn_output.bias"]
+
+
+def _oai_moe(W: dict[str, np.ndarray], p: str, e: dict[str, Any], h: np.ndarray) -> np.ndarray:
+    """gpt-oss's experts: the top `used` by the biased router logits, weighted by a softmax over
+    those; each a clamped swiglu_oai (alpha 1.702, limit 7) with biases."""
+    logits = h @ W[p + "ffn_gate_inp.weight"].T + W[p + "ffn_gate_inp.bias"]
+    out = np.zeros_like(h)
+    for t in range(len(h)):
+        top = np.argsort(-logits[t], kind="stable")[: e["used"]]
+        w = np.exp(logits[t, top] - logits[t, top].max())
+        w /= w.sum()
+        for x, wx in zip(top, w, strict=True):
+            g = h[t] @ W[p + "ffn_gate_exps.weight"][x].T + W[p + "ffn_gate_exps.bias"][x]
+            u = h[t] @ W[p + "ffn_up_exps.weight"][x].T + W[p + "ffn_up_exps.bias"][x]
+            g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+            a = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+            out[t] += wx * (a @ W[p + "ffn_down_exps.weight"][x].T + W[p + "ffn_down_exps.bias"][x])
+    return out
 
 
 def _mrope_fourth_axis(sections: list[int], pairs: int, interleaved: bool) -> np.ndarray:

@@ -166,6 +166,12 @@ ABLATIONS = {
     "glm4moe with softmax scores": ("glm4moe", dict(meta={"expert_gating_func": 1})),
     "glm4moe without its weight scale": ("glm4moe", dict(meta={"expert_weights_scale": None})),
     "glm4moe without one layer's query norm": ("glm4moe", dict(drop="blk.1.attn_q_norm.weight")),
+    "gpt-oss without its sinks": ("gpt-oss", dict(replace={f"blk.{i}.attn_sinks.weight": np.full(8, -1e30, np.float32) for i in range(3)})),
+    "gpt-oss without its window": ("gpt-oss", dict(meta={"attention.sliding_window": 64})),
+    "gpt-oss without YaRN": ("gpt-oss", dict(meta={"rope.scaling.type": "none"})),
+    "gpt-oss without its router's bias": ("gpt-oss", dict(replace={f"blk.{i}.ffn_gate_inp.bias": np.zeros(8, np.float32) for i in range(3)})),
+    "gpt-oss without its experts' gate biases": ("gpt-oss", dict(replace={f"blk.{i}.ffn_gate_exps.bias": np.zeros((8, 256), np.float32) for i in range(3)})),
+    "gpt-oss without its output bias": ("gpt-oss", dict(replace={f"blk.{i}.attn_output.bias": np.zeros(256, np.float32) for i in range(3)})),
     "qwen3next with an ungated shared expert": ("qwen3next", dict(replace={f"blk.{i}.ffn_gate_inp_shexp.weight": np.full(256, 30.0, np.float32) for i in range(4)})),
 }
 
