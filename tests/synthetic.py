@@ -1126,15 +1126,16 @@ def _deltanet(W: dict[str, np.ndarray], p: str, hy: dict[str, Any], h: np.ndarra
     return o.reshape(T, -1) @ W[p + "ssm_out.weight"].T
 
 
-def write_scripted_model(path: Path, specials: list[str], script: dict[str, str], template: str) -> None:
+def write_scripted_model(path: Path, specials: list[str], script: dict[str, str], template: str, pieces: tuple[str, ...] = (), ctx: int = 256) -> None:
     """A llama model that continues each token with the one ``script`` names (pieces or specials,
     as their text): its layers add nothing (zero output projections) and its output matrix holds,
     for each token, the embedding of the token it follows, so the logits peak on the successor.
     ``specials`` join the vocabulary as control tokens, except thought markers (``<think>``,
     ``</think>``), which Qwen3's files mark user-defined (shown as text); ``template`` is its chat
-    template."""
+    template. ``pieces`` join as plain pieces after the specials (words a script emits whole, as
+    Harmony's channel names); ``ctx`` is the context length."""
     rng = np.random.default_rng(99)
-    vocab = VOCAB + specials
+    vocab = VOCAB + specials + list(pieces)
     n = len(vocab)
     w = GGUFWriter(str(path), "llama")
     _add_keys(
@@ -1142,7 +1143,7 @@ def write_scripted_model(path: Path, specials: list[str], script: dict[str, str]
         "llama",
         {
             "block_count": 1,
-            "context_length": 256,
+            "context_length": ctx,
             "embedding_length": DIM,
             "feed_forward_length": HIDDEN,
             "attention.head_count": HEADS,
@@ -1152,8 +1153,8 @@ def write_scripted_model(path: Path, specials: list[str], script: dict[str, str]
     )
     w.add_tokenizer_model("llama")
     w.add_token_list(vocab)
-    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))] + [0.0] * len(specials))
-    w.add_token_types(TYPES + [4 if "think>" in t else 3 for t in specials])
+    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))] + [0.0] * len(specials) + [-100.0] * len(pieces))
+    w.add_token_types(TYPES + [4 if "think>" in t else 3 for t in specials] + [1] * len(pieces))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(template)
