@@ -195,9 +195,10 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
 
 
 @needs_device
-@pytest.mark.parametrize("name, why", [("qwen3moe", "experts"), ("qwen35", "recurrent"), ("mistral3", "temperature_scale")])
+@pytest.mark.parametrize("name, why", [("qwen3moe", "experts"), ("qwen35", "recurrent"), ("mistral3", "temperature_scale"), ("gpt-oss", "attention sinks")])
 def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why: str) -> None:
-    """A MoE or a DeltaNet hybrid, which the resident driver declines, goes on the per-op rails:
+    """A MoE, a DeltaNet hybrid or attention with sinks (gpt-oss), which the resident driver
+    declines, goes on the per-op rails:
     capture says "gpu:rails", the decline says why not resident, there are no device regions,
     and its matrices multiply on the device (activations rounded as the CPU rounds them) while
     attention, routing and the recurrence stay on the CPU over host K/V. Logits track the CPU's;
