@@ -415,6 +415,29 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "expert_feed_forward_length": 256,
         },
     ),
+    # gpt-oss as its files ship: the routed experts in MXFP4 (the rest in the formats above).
+    "gpt-oss-mxfp4": dict(
+        arch="gpt-oss",
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        layers=3,
+        oai=dict(sinks=(1.0, 1.0)),
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=4, hidden=256, gate_up=0.25, format=QT.MXFP4),
+        meta={
+            "rope.freq_base": 150000.0,
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": 32.0,
+            "rope.scaling.original_context_length": 4096,
+            "attention.sliding_window": 8,
+            "attention.layer_norm_rms_epsilon": 1e-5,
+            "expert_count": 8,
+            "expert_used_count": 4,
+            "expert_feed_forward_length": 256,
+        },
+    ),
     # Gated DeltaNet hybrid: layers 0-2 recurrent (2 key heads, 4 value heads of 64, a 4-tap
     # convolution), layer 3 gated full attention (QK-norm, NEOX RoPE on 16 of 64 values, Q's
     # sigmoid gate on the output); value heads read key heads tiled; dense FFN under
@@ -611,8 +634,9 @@ def write_family(
         put(name, data, kind)
 
     def stack(name: str, n: int, rows: int, cols: int, scale: float = 0.08) -> None:
-        # n experts' matrices as one 3-D tensor (GGUF shape [cols, rows, n]).
-        kind = formats[count[0] % len(formats)]
+        # n experts' matrices as one 3-D tensor (GGUF shape [cols, rows, n]), in the family's
+        # expert format where it has one.
+        kind = f.get("moe", {}).get("format") or formats[count[0] % len(formats)]
         count[0] += 1
         if kind in K_QUANTS | IQ4:
             raw = (_k_blocks if kind in K_QUANTS else _iq4_blocks)(n * rows, cols, kind, scale, rng)
