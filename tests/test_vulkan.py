@@ -195,7 +195,7 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
 
 
 @needs_device
-@pytest.mark.parametrize("name, why", [("qwen3moe", "experts"), ("qwen35", "recurrent"), ("mistral3", "temperature_scale"), ("gpt-oss", "attention sinks")])
+@pytest.mark.parametrize("name, why", [("qwen3moe", "experts"), ("qwen35", "recurrent"), ("mistral3", "temperature_scale"), ("gpt-oss", "attention sinks"), ("gpt-oss-mxfp4", "do not read MXFP4")])
 def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why: str) -> None:
     """A MoE, a DeltaNet hybrid or attention with sinks (gpt-oss), which the resident driver
     declines, goes on the per-op rails:
