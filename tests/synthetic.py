@@ -896,10 +896,11 @@ def _moe(W: dict[str, np.ndarray], p: str, e: dict[str, int], h: np.ndarray) -> 
     return out
 
 
-def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]) -> np.ndarray:
-    """Float64 forward pass of ``write_family(name)``'s weights; logits after each position."""
+def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int], meta_over: dict[str, Any] | None = None) -> np.ndarray:
+    """Float64 forward pass of ``write_family(name)``'s weights; logits after each position.
+    ``meta_over``: the keys ``write_family`` was given as ``meta``."""
     f = FAMILIES[name]
-    meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {})}
+    meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {}), **(meta_over or {})}
     arch, H, KVH, HD = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
     qd, kvd = H * HD, KVH * HD
     eps = meta["attention.layer_norm_rms_epsilon"]
