@@ -202,19 +202,6 @@ pub fn place(dev: &Arc<Device>, m: &Model, o: &Options) -> std::result::Result<A
 
 /// The per-op rails for a model the resident driver declined (`why`, which its status keeps).
 fn place_rails(dev: &Arc<Device>, m: &Model, o: &Options, why: String) -> std::result::Result<Arc<dyn Placement>, String> {
-    // Matrices the device kernels cannot read (gpt-oss's MXFP4 experts) stay on the CPU: say so.
-    let mut unread: Vec<String> = Vec::new();
-    let mut n_unread = 0;
-    for w in m.matrices() {
-        if let Some(what) = weights::unsupported(w) {
-            n_unread += 1;
-            if !unread.contains(&what) {
-                unread.push(what);
-            }
-        }
-    }
-    let why =
-        if n_unread > 0 { format!("{why}; {n_unread} of its matrices stay on the CPU (the device kernels do not read {})", unread.join(", ")) } else { why };
     let budget = dev.budget(o.vram_mb);
     match Rails::upload(&dev.gpu, m, budget) {
         Ok(r) if r.matrices() > 0 => {
