@@ -425,7 +425,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         oai=dict(sinks=(1.0, 1.0)),
         embd=(0.12, QT.Q8_0),
         output=(0.12, QT.Q8_0),
-        moe=dict(n=8, used=4, hidden=256, gate_up=0.25, format=QT.MXFP4),
+        stack_formats=[QT.MXFP4],
+        moe=dict(n=8, used=4, hidden=256, gate_up=0.25),
         meta={
             "rope.freq_base": 150000.0,
             "rope.scaling.type": "yarn",
@@ -437,6 +438,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "expert_used_count": 4,
             "expert_feed_forward_length": 256,
         },
+    ),
+    # qwen3moe with its expert stacks in MXFP4, as gpt-oss ships them (gguf quantizes them, by
+    # ggml's reference rounding), the other matrices in MXFP4 and Q8_0 in turn, the token
+    # embedding (and so the tied output) in MXFP4.
+    "qwen3moe-mxfp4": dict(
+        arch="qwen3moe",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.MXFP4),
+        formats=[QT.MXFP4, QT.Q8_0],
+        stack_formats=[QT.MXFP4],
+        moe=dict(n=8, used=3, hidden=256),
+        meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 3, "expert_feed_forward_length": 256},
     ),
     # Gated DeltaNet hybrid: layers 0-2 recurrent (2 key heads, 4 value heads of 64, a 4-tap
     # convolution), layer 3 gated full attention (QK-norm, NEOX RoPE on 16 of 64 values, Q's
@@ -609,6 +625,7 @@ def write_family(
     count = [0]
     out = [w]
     formats = f.get("formats", FAMILY_FORMATS)
+    stack_formats = f.get("stack_formats", formats)
 
     held: set[str] = set()  # written another way (legacy_qkvz)
 
@@ -634,9 +651,8 @@ def write_family(
         put(name, data, kind)
 
     def stack(name: str, n: int, rows: int, cols: int, scale: float = 0.08) -> None:
-        # n experts' matrices as one 3-D tensor (GGUF shape [cols, rows, n]), in the family's
-        # expert format where it has one.
-        kind = f.get("moe", {}).get("format") or formats[count[0] % len(formats)]
+        # n experts' matrices as one 3-D tensor (GGUF shape [cols, rows, n]).
+        kind = stack_formats[count[0] % len(stack_formats)]
         count[0] += 1
         if kind in K_QUANTS | IQ4:
             raw = (_k_blocks if kind in K_QUANTS else _iq4_blocks)(n * rows, cols, kind, scale, rng)

@@ -313,3 +313,30 @@ def test_sliding_window_pattern_as_llamacpp_reads_it(tmp_path: Path) -> None:
     write_family(r, "gemma2")
     m = dl.load_model(r)
     assert not np.array_equal(dl.eval_all(m, dl.create_session(m), ids), a[0])
+
+
+def test_mxfp4_tensor_truncated_or_ragged(tmp_path: Path) -> None:
+    # An MXFP4 tensor (an expert stack) cut off by the end of the file, and an MXFP4 matrix whose
+    # rows are not whole 32-value blocks: each names the tensor.
+    from gguf import GGMLQuantizationType as QT
+    from gguf import GGUFReader
+
+    p = tmp_path / "mx.gguf"
+    write_family(p, "qwen3moe-mxfp4")
+    tensors = GGUFReader(p).tensors
+    last = max((t for t in tensors if t.tensor_type == QT.MXFP4), key=lambda t: t.data_offset)
+    assert last.name.endswith("_exps.weight"), last.name
+    data = p.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: last.data_offset + last.n_bytes // 2])
+    with pytest.raises(dl.GgufError, match=rf"tensor '{last.name}' needs bytes .* the file is truncated"):
+        dl.load_model(tmp_path / "cut.gguf")
+
+    ragged = bytearray(data)
+    name = b"blk.0.attn_q.weight"
+    assert next(t for t in tensors if t.name == name.decode()).tensor_type == QT.MXFP4
+    at = ragged.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    assert struct.unpack_from("<IQ", ragged, at) == (2, 256)
+    ragged[at + 4 : at + 12] = struct.pack("<Q", 240)
+    (tmp_path / "ragged.gguf").write_bytes(bytes(ragged))
+    with pytest.raises(dl.GgufError, match=r"tensor 'blk\.0\.attn_q\.weight' row of 240 values is not a whole number of MXFP4 blocks"):
+        dl.load_model(tmp_path / "ragged.gguf")

@@ -496,6 +496,26 @@ def test_iq4_weights_stay_on_the_cpu_and_say_why(tmp_path: Path) -> None:
 
 
 @needs_device
+def test_mxfp4_matrices_stay_on_the_cpu_and_say_why(tmp_path: Path) -> None:
+    # No shader reads MXFP4: a MoE with MXFP4 experts goes on the per-op rails with its Q8_0
+    # matrices only, and the reason names the format and how many matrices stay on the CPU. The
+    # logits are the CPU's within the device's rounding.
+    path = tmp_path / "mx.gguf"
+    write_family(path, "qwen3moe-mxfp4")
+    cpu_m = dl.load_model(path)
+    want = dl.eval_all(cpu_m, dl.create_session(cpu_m), IDS)
+    del cpu_m
+    arm()
+    m = dl.load_model(path)
+    slot = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot) == "gpu:rails", slot.reason
+    assert "routed experts" in slot.reason and "the device kernels do not read MXFP4 matrices, so those stay on the CPU (" in slot.reason, slot.reason
+    got = dl.eval_all(m, dl.create_session(m), IDS)
+    for i in range(len(IDS)):
+        assert np.abs(lsm(got[i]) - lsm(want[i])).max() <= 0.05, i
+
+
+@needs_device
 def test_bad_inputs_give_clear_outcomes(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
     write_model(path, QT.Q8_0, ctx=64)
