@@ -1221,3 +1221,55 @@ def write_scripted_model(path: Path, specials: list[str], script: dict[str, str]
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# Text the gpt-4o pre-tokenizer (gpt-oss's o200k) splits in every way it can: case runs,
+# contractions in either case, digit triples, punctuation runs with newlines, non-ASCII letters.
+GPT4O_TEXTS = [
+    "Hello World's 12345 na\u00efveTEST\n\n x",
+    "the inner WEATHER in Paris isn't 1234567 degrees!!\r\n\tok",
+    "  leading   spaces and \u00c9COLE \u00e9t\u00e9 \u00c0\u00c9\u00ce",
+    "CamelCaseWordsHere and HTTPServer's API_KEY=abc123",
+    "\u4e2d\u6587 \u0442\u0435\u043a\u0441\u0442 \u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac \U0001f642\U0001f642 done.",
+    "a/b\\c <tag>x</tag>\n\n\n",
+    "I'LL SEE YOU'RE don'T",
+    "x  \n  y \t\n",
+    "O'Neil McDONALD's 3.14159 1,000,000",
+]
+
+
+def _gpt2_bytes() -> dict[int, str]:
+    """GPT-2's byte-to-unicode map (each byte as a printable char)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def write_gpt4o_vocab_model(path: Path) -> None:
+    """The gpt-oss family's file with a byte-level BPE vocabulary under the `gpt-4o`
+    pre-tokenizer: the 256 byte tokens (ids = byte values) and 11 merges, as many tokens as the
+    family's embedding has rows."""
+    bmap = _gpt2_bytes()
+    merges = [("\u0120", "t"), ("h", "e"), ("\u0120t", "he"), ("i", "n"), ("e", "r"), ("\u0120", "a"), ("o", "n"), ("\u0120", "W"), ("\u0120", "n"), ("\u00c3", "\u00af"), ("'", "s")]
+    toks = [bmap[b] for b in range(256)] + [a + b for a, b in merges]
+
+    def vocab(w: GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-4o")
+        w.add_token_list(toks)
+        w.add_token_types([1] * len(toks))
+        w.add_token_merges([f"{a} {b}" for a, b in merges])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+
+    global _write_vocab
+    plain, _write_vocab = _write_vocab, vocab
+    try:
+        write_family(path, "gpt-oss")
+    finally:
+        _write_vocab = plain

@@ -89,7 +89,9 @@ pub(super) struct Bpe {
 impl Bpe {
     pub(super) fn new(pre: &str, vocab: &Vocab, by_text: &HashMap<String, u32>) -> Result<Self> {
         let (pats, ignore_merges) = pre_regexes(pre).ok_or_else(|| {
-            Error::UnsupportedModel(format!("pre-tokenizer '{pre}' is not supported (supported: smollm, llama-bpe, qwen2, gpt-2, default and their aliases)"))
+            Error::UnsupportedModel(format!(
+                "pre-tokenizer '{pre}' is not supported (supported: smollm, llama-bpe, qwen2, gpt-2, gpt-4o, default and their aliases)"
+            ))
         })?;
         let regexes = pats.iter().map(|p| Regex::new(p).expect("built-in regex compiles")).collect();
         let byte_char = bytes_to_unicode();
