@@ -457,6 +457,65 @@ mod tests {
     }
 
     #[test]
+    fn attention_with_sinks_and_a_window_in_both_orders() {
+        use crate::kv::{Geometry, KvCodec};
+        let (nh, nkv, hd, n) = (4usize, 2usize, 32usize, 12usize);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+                })
+                .collect()
+        };
+        let (k, v, q) = (rnd(n * nkv * hd), rnd(n * nkv * hd), rnd(n * nh * hd).iter().map(|x| x * 4.0).collect::<Vec<f32>>());
+        let sinks = [0.5f32, -1.0, 2.0, 0.0];
+        let rows: Vec<(usize, usize)> = (0..n).map(|p| (0, p)).collect();
+        let run = |numerics: Numerics, window: usize, sinks: Option<&[f32]>| {
+            let geo = Geometry { n_layers: 1, kv_dim: nkv * hd, head_dim: hd, page_rows: 8, codec: KvCodec::F16 };
+            let mut kv = KvCache::private(geo);
+            kv.reserve(n).unwrap();
+            kv.append(0, &k, &v);
+            let shape =
+                AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, window, scale: 1.0 / (hd as f32).sqrt(), scale_query: false, softcap: None, sinks };
+            let mut out = vec![0.0f32; n * nh * hd];
+            Cpu.run(numerics, &mut Vec::new(), None, &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[n], &q, &mut out));
+            out
+        };
+        let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;
+        for window in [0, 5] {
+            // Float64 over the f16 K/V the cache holds: each head's sink joins its softmax's
+            // normalizer with no value, so its weights sum to less than 1.
+            let mut want = vec![0.0f64; n * nh * hd];
+            for t in 0..n {
+                for h in 0..nh {
+                    let kvh = h / (nh / nkv);
+                    let lo = if window > 0 { (t + 1).saturating_sub(window) } else { 0 };
+                    let sc: Vec<f64> = (lo..=t)
+                        .map(|j| (0..hd).map(|i| q[(t * nh + h) * hd + i] as f64 * f16(k[(j * nkv + kvh) * hd + i])).sum::<f64>() / (hd as f64).sqrt())
+                        .collect();
+                    let m = sc.iter().cloned().fold(sinks[h] as f64, f64::max);
+                    let z = sc.iter().map(|s| (s - m).exp()).sum::<f64>() + (sinks[h] as f64 - m).exp();
+                    for (jj, s) in sc.iter().enumerate() {
+                        for i in 0..hd {
+                            want[(t * nh + h) * hd + i] += (s - m).exp() / z * f16(v[((lo + jj) * nkv + kvh) * hd + i]);
+                        }
+                    }
+                }
+            }
+            for numerics in [Numerics::Fast, Numerics::Ggml] {
+                let got = run(numerics, window, Some(&sinks));
+                let err = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0.0, f64::max);
+                assert!(err < 1e-2, "{numerics:?} window {window}: {err}");
+                let plain = run(numerics, window, None);
+                let off = plain.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0.0, f64::max);
+                assert!(off > 0.1, "{numerics:?} window {window}: the sinks moved nothing ({off})");
+            }
+        }
+    }
+
+    #[test]
     fn softmax_routing_is_unchanged() {
         let logits = [0.5f32, 1.5, -0.5, 1.0];
         let r = Route { n_expert: 4, n_used: 2, gating: Gating::Softmax, bias: None, norm: true, scale: 1.0 };
