@@ -3,9 +3,10 @@ of 2880 with 4 routed per token) and fewer layers, its expert stacks in MXFP4 as
 them, the other matrices in Q8_0, written with random weights as a qwen3moe GGUF (QK-norm and
 softmax routing instead of gpt-oss's sinks and biases, which change no matmul). Decode tokens/s
 (one token per call after a short prompt) and pp512 (one 512-token prompt), dasllama against
-llama.cpp on the same file, both on the same number of threads; median of 3.
+llama.cpp on the same file, both on the same number of threads. The two take turns, a round each
+(on a shared machine both see the same load); the table has the median of `--rounds`.
 
-    python benches/bench_mxfp4.py [--layers 4] [--threads 2] [--llama-python /tmp/llamacpp/bin/python]
+    python benches/bench_mxfp4.py [--layers 4] [--threads 2] [--rounds 3] [--llama-python /tmp/llamacpp/bin/python]
 
 The file (about 0.45 GB a layer) is written once to --out (default ~/.cache/dasllama/bench/).
 """
@@ -97,23 +98,22 @@ def write_model(path: Path, layers: int, seed: int = 39) -> None:
     w.close()
 
 
-def timed(f, runs: int = 3) -> float:
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in ("decode", "pp")}
 
 
 def pp_ids(n: int) -> list[int]:
     return [1] + [3 + (7 * i) % 260 for i in range(n - 1)]
 
 
-def bench_dasllama(path: Path, steps: int, pp: int) -> dict[str, float]:
+def bench_dasllama(m: object, steps: int, pp: int) -> dict[str, float]:
     import dasllama as dl
-
-    m = dl.load_model(path)
 
     def decode() -> None:
         s = dl.create_session(m)
@@ -124,7 +124,7 @@ def bench_dasllama(path: Path, steps: int, pp: int) -> dict[str, float]:
     def prefill() -> None:
         dl.eval(m, dl.create_session(m), pp_ids(pp))
 
-    dl.eval(m, dl.create_session(m), PROMPT)  # page the weights in
+    dl.eval(m, dl.create_session(m), PROMPT)  # the weights' pages in memory
     prompt_s = timed(lambda: dl.eval(m, dl.create_session(m), PROMPT))
     return {"decode": steps / (timed(decode) - prompt_s), "pp": pp / timed(prefill)}
 
@@ -158,6 +158,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32, help="decode steps per run")
+    ap.add_argument("--rounds", type=int, default=3, help="turns each engine takes")
     ap.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill run")
     ap.add_argument("--out", default=str(Path.home() / ".cache" / "dasllama" / "bench"))
     ap.add_argument("--llama-python", default=None, help="an interpreter with llama_cpp: run llama.cpp on the same file")
@@ -173,18 +174,29 @@ def main() -> None:
         print(f"writing {path} ...", file=sys.stderr)
         write_model(path, args.layers)
     os.environ["DASLLAMA_THREADS"] = str(args.threads)
-    ours = bench_dasllama(path, args.steps, args.pp)
-    theirs = None
-    if args.llama_python:
-        cmd = [args.llama_python, __file__, "--llama-only", json.dumps([str(path), args.steps, args.pp, args.threads])]
-        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-        if r.returncode == 0 and lines:
-            theirs = json.loads(lines[-1])
-        else:
-            print(f"llama.cpp run failed: {r.stderr.strip()[-500:]}", file=sys.stderr)
+    import dasllama as dl
+
+    m = dl.load_model(path)
+    ours_runs: list[dict[str, float]] = []
+    theirs_runs: list[dict[str, float]] = []
+    loads = []
+    for _ in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        ours_runs.append(bench_dasllama(m, args.steps, args.pp))
+        if args.llama_python:
+            cmd = [args.llama_python, __file__, "--llama-only", json.dumps([str(path), args.steps, args.pp, args.threads])]
+            r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+            if r.returncode != 0 or not lines:
+                print(f"llama.cpp run failed: {r.stderr.strip()[-500:]}", file=sys.stderr)
+                continue
+            theirs_runs.append(json.loads(lines[-1]))
+    ours, theirs = median_of(ours_runs), median_of(theirs_runs) if theirs_runs else None
     size = path.stat().st_size / 2**30
-    print(f"\n{path.name} ({size:.2f} GiB, {args.layers} layers, MXFP4 experts), {cpu_name()}, {args.threads} threads, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\n{path.name} ({size:.2f} GiB, {args.layers} layers, MXFP4 experts), {cpu_name()}, {args.threads} threads, "
+        f"median of {args.rounds} rounds, load average {min(loads):.1f}-{max(loads):.1f}"
+    )
     print(f"| {'':<12} | {'dasllama':>9} | {'llama.cpp':>9} | {'ratio':>6} |")
     print(f"|{'-' * 14}|{'-' * 11}|{'-' * 11}|{'-' * 8}|")
     for key, label in (("decode", "decode tok/s"), ("pp", f"pp{args.pp} tok/s")):

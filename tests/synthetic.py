@@ -439,6 +439,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "expert_feed_forward_length": 256,
         },
     ),
+    # qwen3 with its matrices in MXFP4 and Q8_0 in turn (gguf quantizes them by ggml's reference
+    # rounding), the token embedding in Q8_0: MXFP4 in dense matmuls, in both numerics.
+    "qwen3-mxfp4": dict(
+        arch="qwen3",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.Q8_0),
+        formats=[QT.MXFP4, QT.Q8_0],
+        meta={"rope.freq_base": 1000000.0},
+    ),
     # qwen3moe with its expert stacks in MXFP4, as gpt-oss ships them (gguf quantizes them, by
     # ggml's reference rounding), the other matrices in MXFP4 and Q8_0 in turn, the token
     # embedding (and so the tied output) in MXFP4.

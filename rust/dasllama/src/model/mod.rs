@@ -326,7 +326,7 @@ impl<'a> TensorTable<'a> {
         };
         crate::backend::host().prepare(w, to, self.numerics).ok_or_else(|| {
             Error::UnsupportedModel(format!(
-                "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers F32 and F16 rows of a multiple of 32 values, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and Q4_K with a multiple of 8 rows); load with numerics='fast'",
+                "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers F32 and F16 rows of a multiple of 32 values, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and Q4_K and MXFP4 with a multiple of 8 rows); load with numerics='fast'",
                 self.file,
                 self.ty_name(name)
             ))

@@ -460,7 +460,7 @@ pub(super) unsafe fn e8m0_half8(p: *const u8) -> __m256 {
     _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)))
 }
 
-/// Eight rows' scales of block `i` of a tile of `nb` blocks per row, as f32.
+/// The eight rows' scales of block `i` of the tile at `t` (its first region, `tile`), as f32.
 #[inline(always)]
 unsafe fn scales8<F: Fmt>(t: *const u8, i: usize) -> __m256 {
     if F::MX {
