@@ -166,6 +166,8 @@ ABLATIONS = {
     "glm4moe with softmax scores": ("glm4moe", dict(meta={"expert_gating_func": 1})),
     "glm4moe without its weight scale": ("glm4moe", dict(meta={"expert_weights_scale": None})),
     "glm4moe without one layer's query norm": ("glm4moe", dict(drop="blk.1.attn_q_norm.weight")),
+    "qwen35moe with an ungated shared expert": ("qwen35moe", dict(replace={f"blk.{i}.ffn_gate_inp_shexp.weight": np.full(256, 30.0, np.float32) for i in range(4)})),
+    "qwen35moe with one expert a token": ("qwen35moe", dict(meta={"expert_used_count": 1})),
     "qwen3next with an ungated shared expert": ("qwen3next", dict(replace={f"blk.{i}.ffn_gate_inp_shexp.weight": np.full(256, 30.0, np.float32) for i in range(4)})),
 }
 

@@ -16,6 +16,7 @@ mod qwen2moe;
 mod qwen2vl;
 mod qwen3;
 mod qwen35;
+mod qwen35moe;
 mod qwen3moe;
 mod qwen3next;
 mod qwen3vl;
