@@ -159,6 +159,15 @@ pub struct Model {
     /// read or swap the handle, never across a pass; dropping the model (or the placement)
     /// frees the device's memory for it.
     placement: Mutex<Option<Arc<dyn Placement>>>,
+    /// This load's own number (never reused in the process): what the prefix cache keys a
+    /// model's pages and recurrent states by, so that another model never takes them.
+    pub uid: u64,
+}
+
+/// The next `Model::uid`.
+fn next_model_uid() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One entry of the GGUF tensor table, as read by the Python loader.
@@ -627,7 +636,7 @@ impl Model {
                 config.head_dim
             )));
         }
-        Ok(Model { config, tok_embd, layers, output_norm, output, rope_factors, tokenizer, numerics, mtp, placement: Mutex::new(None) })
+        Ok(Model { config, tok_embd, layers, output_norm, output, rope_factors, tokenizer, numerics, mtp, placement: Mutex::new(None), uid: next_model_uid() })
     }
 }
 
