@@ -3,8 +3,9 @@ snapshot of the recurrent state after it where a stream's pass ended there (its 
 boundary, the last one its turn reached), and a later prompt takes the pages up to the deepest
 such page with that state. A second turn then prefills only what follows that page, gives the
 same tokens and bit-identical log-probabilities as a cold run, and counts its hit like any other
-(also in the server's /metrics); eviction and clearing free the snapshots; speculation (MTP heads,
-prompt lookup) still gives the output without it."""
+(also in the server's /metrics); a system prompt shared by different prompts gets a state where
+the match ends from its second request; eviction and clearing free the snapshots; speculation (MTP
+heads, prompt lookup) still gives the output without it."""
 
 from __future__ import annotations
 
@@ -108,6 +109,26 @@ def test_a_shared_prompt_prefix_is_taken_by_the_next_round(hybrid: dl.Model) -> 
                 assert cached == (len(prompts[i]) - 1) // 4 * 4, (i, cached)
     st = dl.scheduler_stats(sch)
     assert st["kv_pages_used"] == st["kv_pages_cached"] and st["kv_snapshots"] <= 4 * 2, st
+
+
+def test_a_system_prompt_gets_its_state_from_the_second_request_on(hybrid: dl.Model) -> None:
+    # Three requests over one 22-token system prompt, one after another (page_rows 4). The first
+    # leaves snapshots at its own prompt's end and turn's end, past the shared part. The second
+    # matches the shared pages (20 tokens) without a state there: it prefills whole, but ends a
+    # pass at 20 and leaves the state there. The third takes it.
+    rng = np.random.default_rng(11)
+    system = [1] + [int(t) for t in rng.integers(3, 267, size=21)]
+    prompts = [system + [int(t) for t in rng.integers(3, 267, size=k)] for k in (9, 14, 21)]
+    cold = dl.create_scheduler(hybrid, max_streams=1, chunk_tokens=64)
+    want = [turn(hybrid, cold, i, p, 6)[0] for i, p in enumerate(prompts)]
+    sch = dl.create_scheduler(hybrid, max_streams=1, chunk_tokens=64, page_rows=4)
+    cached = []
+    for i, p in enumerate(prompts):
+        got, _, fin = turn(hybrid, sch, i, p, 6)
+        assert got == want[i], i
+        cached.append(fin.n_cached)
+    st = dl.scheduler_stats(sch)
+    assert cached == [0, 0, 20] and st["kv_cache_stateless"] == 1 and st["kv_cache_hits"] == 1, (cached, st)
 
 
 def test_eviction_and_clearing_free_the_snapshots(hybrid: dl.Model) -> None:

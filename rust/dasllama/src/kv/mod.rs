@@ -388,6 +388,13 @@ impl KvPool {
     /// must be empty). Returns the number of positions attached. A hybrid's session takes the
     /// chain only up to its deepest page that carries a recurrent-state snapshot, and that state.
     pub fn attach(&self, kv: &mut KvCache, prompt: &[u32], limit: usize) -> usize {
+        self.attach_matched(kv, prompt, limit).0
+    }
+
+    /// `attach`, and how many positions of cached pages matched (more than attached where a
+    /// hybrid's matched pages past the deepest snapshot had none: a pass ending there would
+    /// leave the state the next prompt with that prefix needs).
+    pub fn attach_matched(&self, kv: &mut KvCache, prompt: &[u32], limit: usize) -> (usize, usize) {
         assert!(kv.is_empty(), "attach needs an empty session");
         let r = self.0.geo.page_rows;
         let mut st = self.lock();
@@ -405,6 +412,7 @@ impl KvPool {
             }
             parent = h;
         }
+        let matched = chain.len() * r;
         let mut snap = None;
         if let Some(rec) = &kv.rec {
             // The deepest page whose snapshot fits this session's layers.
@@ -432,7 +440,7 @@ impl KvPool {
         if let Some(s) = snap {
             kv.restore(s);
         }
-        got
+        (got, matched)
     }
 
     pub fn stats(&self) -> PoolStats {
@@ -965,7 +973,7 @@ mod tests {
         fill(&mut plain, 8, 0.0);
         pool.donate(&plain, &toks);
         let mut b = hybrid(&pool, 1);
-        assert_eq!(pool.attach(&mut b, &toks, 7), 0);
+        assert_eq!(pool.attach_matched(&mut b, &toks, 7), (0, 4));
         assert_eq!((b.len(), pool.stats().cache_stateless, pool.stats().cache_hits), (0, 1, 0));
     }
 

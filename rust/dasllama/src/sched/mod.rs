@@ -111,6 +111,10 @@ struct Stream {
     in_kv: Vec<u32>,
     /// Prompt positions that came from the prefix cache.
     cached: usize,
+    /// A hybrid's prompt matched cached pages up to here with no recurrent-state snapshot past
+    /// `cached`: its prefill ends a pass here and offers the state, for the next prompt with this
+    /// prefix (a shared system prompt). 0: none.
+    share_at: usize,
     /// Prompt tokens already evaluated.
     fed: usize,
     generated: usize,
@@ -519,7 +523,10 @@ impl Scheduler {
                 // A hybrid's session takes the pages up to the deepest one that carries a
                 // snapshot of its recurrent state, and that state (`KvPool::attach`).
                 if s.fed == 0 {
-                    let got = pool.attach(&mut s.session.kv, &s.req.prompt, s.req.prompt.len() - 1);
+                    let (got, matched) = pool.attach_matched(&mut s.session.kv, &s.req.prompt, s.req.prompt.len() - 1);
+                    if matched > got && s.session.kv.recurrent() {
+                        s.share_at = matched;
+                    }
                     if got > 0 {
                         (s.cached, s.fed) = (got, got);
                         s.in_kv = s.req.prompt[..got].to_vec();
@@ -624,6 +631,13 @@ impl Scheduler {
             s.in_kv.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
             s.fed += k;
             self.stats.prefill_tokens += k as u64;
+            if s.fed == s.share_at && s.fed < s.req.prompt.len() {
+                // The pass ended where the cached pages stopped having a state: give them one.
+                s.share_at = 0;
+                if let Some(pool) = self.pool.as_ref().filter(|_| !self.device_kv) {
+                    pool.donate(&s.session.kv, &s.in_kv);
+                }
+            }
             if s.fed == s.req.prompt.len() {
                 // Offer the prompt's full pages now, not only when the stream finishes, so that
                 // the streams behind it with the same prefix skip it.
@@ -690,10 +704,12 @@ impl Scheduler {
             // A hybrid's piece that would cross its prompt's last page boundary stops there, so
             // that the pass ends on it and the session keeps the recurrent state there for the
             // prefix cache (chunking does not change the results: rows compute alike).
-            let k = match self.snapshot_boundary(s) {
-                Some(b) if s.fed < b && b < s.fed + k => b - s.fed,
-                _ => k,
-            };
+            let k = [self.snapshot_boundary(s), Some(s.share_at)]
+                .into_iter()
+                .flatten()
+                .filter(|&b| s.fed < b && b < s.fed + k)
+                .map(|b| b - s.fed)
+                .fold(k, usize::min);
             if k == 0 {
                 break;
             }
@@ -828,6 +844,7 @@ impl Scheduler {
             self.slots[slot] = Some(Stream {
                 in_kv: Vec::new(),
                 cached: 0,
+                share_at: 0,
                 req,
                 session,
                 fed: 0,
