@@ -701,9 +701,10 @@ impl Scheduler {
                     }
                 }
             };
-            // A hybrid's piece that would cross its prompt's last page boundary stops there, so
-            // that the pass ends on it and the session keeps the recurrent state there for the
-            // prefix cache (chunking does not change the results: rows compute alike).
+            // A hybrid's piece that would cross its prompt's last page boundary, or the end of its
+            // stateless match (`share_at`), stops there, so that the pass ends on it and the
+            // session keeps the recurrent state there for the prefix cache (chunking does not
+            // change the results: rows compute alike).
             let k = [self.snapshot_boundary(s), Some(s.share_at)]
                 .into_iter()
                 .flatten()
