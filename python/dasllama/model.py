@@ -21,7 +21,10 @@ from .gguf_file import read_header
 log = logging.getLogger("dasllama")
 
 # Token texts llama.cpp treats as end-of-generation besides eos (llama-vocab.cpp).
-_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|eom_id|>"}
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>", "<|eom_id|>"}
+# Harmony's (gpt-oss's) structural tokens, which llama.cpp shows as text (user-defined) whatever
+# the file says, so that a reply's channels can be read from its text.
+_HARMONY_SHOWN = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
 
 
 class QuantMode(enum.Enum):
@@ -138,6 +141,12 @@ def _tokenizer_args(meta: dict[str, Any], path: Path) -> dict[str, Any]:
     eos = tid("tokenizer.ggml.eos_token_id")
     eog = {t for t in (tid("tokenizer.ggml.eot_token_id"), tid("tokenizer.ggml.eom_token_id")) if t is not None}
     eog |= {i for i, (t, ty) in enumerate(zip(tokens, types, strict=False)) if ty in (3, 4) and t in _EOG_TEXTS}
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types, strict=False)) if ty in (3, 4) and t in _EOG_TEXTS | _HARMONY_SHOWN}
+    if "<|return|>" in special and "<|call|>" in special:
+        # Harmony: <|end|> closes one message (the analysis) and the reply goes on; <|return|>
+        # and <|call|> end it (llama.cpp drops <|end|> from its end-of-generation ids the same way).
+        eog.discard(special.get("<|end|>", -1))
+        types = [4 if t in _HARMONY_SHOWN and ty in (3, 4) else ty for t, ty in zip(tokens, types, strict=False)]
     eog.discard(eos)  # type: ignore[arg-type]
     return dict(
         tokenizer_model=model,

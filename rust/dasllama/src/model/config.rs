@@ -67,8 +67,9 @@ impl Attention {
         }
     }
 
-    /// What the backend needs to know of this layer's attention.
-    pub fn shape(&self, c: &Config) -> AttnShape {
+    /// What the backend needs to know of this layer's attention (its sinks are weights: the
+    /// forward pass adds them).
+    pub fn shape(&self, c: &Config) -> AttnShape<'static> {
         AttnShape {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
@@ -77,6 +78,7 @@ impl Attention {
             scale: self.scale,
             scale_query: self.scale_query,
             softcap: self.softcap,
+            sinks: None,
         }
     }
 }
@@ -189,6 +191,13 @@ pub struct Config {
     /// The MTP (NextN) blocks the file declares after the trunk's (`nextn_predict_layers`):
     /// blocks n_layers.., which the forward pass does not run (`model::mtp`).
     pub nextn: Vec<LayerDesc>,
+    /// Every attention layer has per-head sink logits (`attn_sinks`, required; gpt-oss).
+    pub attn_sinks: bool,
+    /// Biases on the attention output, the router and the routed experts are part of the model
+    /// (required, as gpt-oss's graph adds them); elsewhere a file that has them is refused.
+    pub extra_biases: bool,
+    /// The routed experts' GLU (SiLU unless the family says otherwise).
+    pub expert_act: Activation,
 }
 
 impl Config {
@@ -377,6 +386,9 @@ pub(crate) fn base_config(m: &Metadata, arch: &str, layer: impl Fn(usize, &Share
         ffn_norm: "ffn_norm",
         layers: (0..n_layers).map(|il| layer(il, &shared)).collect(),
         nextn: Vec::new(),
+        attn_sinks: false,
+        extra_biases: false,
+        expert_act: Activation::Silu,
     })
 }
 
@@ -657,6 +669,44 @@ mod tests {
         assert!(err("qwen2vl", &[sec(&[8, 8, 8, 0]), ("rope.dimension_count", MetaValue::Int(32))]).contains("'qwen2vl.rope.dimension_count' is 32"));
         let e = err("qwen3vl", &[sec(&[8, 8, 8, 0]), ("n_deepstack_layers", MetaValue::Int(-1))]);
         assert!(e.contains("qwen3vl.n_deepstack_layers"), "{e}");
+    }
+
+    #[test]
+    fn gpt_oss_reads_its_window_pattern_yarn_and_experts() {
+        let keys = [
+            ("attention.layer_norm_rms_epsilon", MetaValue::Float(1e-5)),
+            ("attention.sliding_window", MetaValue::Int(128)),
+            ("attention.key_length", MetaValue::Int(64)),
+            ("expert_count", MetaValue::Int(32)),
+            ("expert_used_count", MetaValue::Int(4)),
+            ("expert_feed_forward_length", MetaValue::Int(128)),
+            ("rope.scaling.type", MetaValue::Str("yarn".into())),
+            ("rope.scaling.factor", MetaValue::Float(32.0)),
+            ("rope.scaling.original_context_length", MetaValue::Int(4096)),
+            ("rope.freq_base", MetaValue::Float(150000.0)),
+        ];
+        let c = configure("gpt-oss", &keys).unwrap();
+        assert_eq!((0..4).map(|il| attn(&c, il).window).collect::<Vec<_>>(), [128, 0, 128, 0]);
+        let r = attn(&c, 1).rope;
+        assert!(r.neox && r.yarn.is_some() && r.freq_scale == 1.0 / 32.0, "{r:?}");
+        assert!((r.mscale - (1.0 + 0.1 * 32f32.ln())).abs() < 1e-6);
+        assert!(c.attn_sinks && c.extra_biases && c.expert_act == Activation::SwigluOai && c.ffn_norm == "post_attention_norm");
+        let Ffn::Moe { n_expert, n_used, hidden, gating, norm_weights, shared, .. } = c.layers[0].ffn else { panic!("routed") };
+        assert_eq!((n_expert, n_used, hidden, gating, norm_weights, shared), (32, 4, 128, Gating::SoftmaxWeight, false, None));
+        // Other families keep SiLU experts, no sinks, no extra biases.
+        let q = configure("qwen3moe", &[("expert_count", MetaValue::Int(8)), ("expert_used_count", MetaValue::Int(2))]).unwrap();
+        assert!(!q.attn_sinks && !q.extra_biases && q.expert_act == Activation::Silu);
+        let without = |k: &str| keys.iter().filter(|(n, _)| *n != k).cloned().collect::<Vec<_>>();
+        for key in ["attention.sliding_window", "expert_feed_forward_length", "attention.layer_norm_rms_epsilon", "expert_count"] {
+            let e = configure("gpt-oss", &without(key)).unwrap_err().to_string();
+            assert!(e.contains(&format!("'gpt-oss.{key}' is missing")), "{e}");
+        }
+        let mut swa = keys.to_vec();
+        swa.push(("rope.freq_base_swa", MetaValue::Float(10000.0)));
+        assert!(configure("gpt-oss", &swa).unwrap_err().to_string().contains("'gpt-oss.rope.freq_base_swa' is 10000"));
+        let mut rot = keys.to_vec();
+        rot.push(("rope.dimension_count", MetaValue::Int(32)));
+        assert!(configure("gpt-oss", &rot).unwrap_err().to_string().contains("'gpt-oss.rope.dimension_count' is 32"));
     }
 
     #[test]

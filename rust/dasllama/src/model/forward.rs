@@ -146,10 +146,13 @@ struct MoeScratch {
 /// chosen expert once over the rows that chose it (gathered into one matrix), adding its output
 /// to theirs with their weights; the shared expert, if any, over every row under its gate.
 #[allow(clippy::too_many_arguments)]
-fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usize, s: &mut MoeScratch, o: &mut Vec<f32>) {
+fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usize, act: Activation, s: &mut MoeScratch, o: &mut Vec<f32>) {
     let (n, n_expert, n_used) = (h.len() / d, r.n_expert, r.n_used);
     let logits = grow(&mut s.out, n * n_expert);
     b.matmul(&mut [(&e.router, logits)], h, &vec![1; n]);
+    if let Some(eb) = &e.biases {
+        b.add_bias(&mut s.out[..n * n_expert], &eb.router);
+    }
     b.route(&s.out[..n * n_expert], r, &mut s.route);
     let o = grow(o, n * d);
     o.fill(0.0);
@@ -169,9 +172,16 @@ fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usi
         // Each gathered row on its own: a row's arithmetic never depends on what runs beside it.
         let ones = vec![1; m];
         b.matmul(&mut [(&e.gate[ex], &mut s.gate[..m * hd]), (&e.up[ex], &mut s.up[..m * hd])], &s.x[..m * d], &ones);
-        b.glu(&mut s.gate[..m * hd], &s.up[..m * hd], hd, Activation::Silu);
+        if let Some(eb) = &e.biases {
+            b.add_bias(&mut s.gate[..m * hd], &eb.gate[ex * hd..(ex + 1) * hd]);
+            b.add_bias(&mut s.up[..m * hd], &eb.up[ex * hd..(ex + 1) * hd]);
+        }
+        b.glu(&mut s.gate[..m * hd], &s.up[..m * hd], hd, act);
         let out = grow(&mut s.out, m * d);
         b.matmul(&mut [(&e.down[ex], out)], &s.gate[..m * hd], &ones);
+        if let Some(eb) = &e.biases {
+            b.add_bias(&mut s.out[..m * d], &eb.down[ex * d..(ex + 1) * d]);
+        }
         for (j, &(t, w)) in s.rows.iter().enumerate() {
             b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[j * d..(j + 1) * d], w);
         }
@@ -409,13 +419,17 @@ pub(super) fn block(
                 off += cnt;
             }
             let att = grow(&mut s.att, n * qd);
-            b.attention(&a.shape(c), slot, kvs, rows, counts, &s.q[..n * qd], att);
+            let shape = crate::backend::AttnShape { sinks: w.sinks.as_deref(), ..a.shape(c) };
+            b.attention(&shape, slot, kvs, rows, counts, &s.q[..n * qd], att);
             if a.gated {
                 b.sigmoid(&mut s.attn_gate[..n * qd]);
                 b.mul(&mut s.att[..n * qd], &s.attn_gate[..n * qd]);
             }
             let o = grow(&mut s.o, n * d);
             b.matmul(&mut [(&w.wo, o)], &s.att[..n * qd], counts);
+            if let Some(bo) = &w.bo {
+                b.add_bias(&mut s.o[..n * d], bo);
+            }
         }
         Mixer::DeltaNet(dn) => {
             let MixerWeights::DeltaNet(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
@@ -442,7 +456,7 @@ pub(super) fn block(
         }
         (Ffn::Moe { n_expert, n_used, hidden, norm_weights, gating, scale, .. }, FfnWeights::Moe(e)) => {
             let r = Route { n_expert, n_used, gating, bias: e.sel_bias.as_deref(), norm: norm_weights, scale };
-            moe(b, e, &s.h[..n * d], d, &r, hidden, &mut s.moe, &mut s.o);
+            moe(b, e, &s.h[..n * d], d, &r, hidden, c.expert_act, &mut s.moe, &mut s.o);
         }
         _ => unreachable!("the loader builds each layer's FFN weights from its description"),
     }

@@ -6,6 +6,7 @@ pub mod forward;
 mod gemma2;
 mod gemma3;
 mod glm4moe;
+mod gptoss;
 mod llama;
 mod meta;
 mod mistral3;
@@ -79,6 +80,10 @@ pub struct AttnWeights {
     pub wo: Weight,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// The output projection's bias (`attn_output.bias`, where `Config::extra_biases`).
+    pub bo: Option<Vec<f32>>,
+    /// One sink logit per query head (`attn_sinks`, where `Config::attn_sinks`).
+    pub sinks: Option<Vec<f32>>,
 }
 
 /// A gated DeltaNet layer's weights (see `config::DeltaNet`).
@@ -133,6 +138,16 @@ pub struct Experts {
     pub up: Vec<Weight>,
     pub down: Vec<Weight>,
     pub shared: Option<SharedExpert>,
+    /// Where `Config::extra_biases`: the router's bias (n_expert, added to its logits) and each
+    /// expert's gate, up (n_expert x hidden) and down (n_expert x dim) biases.
+    pub biases: Option<ExpertBiases>,
+}
+
+pub struct ExpertBiases {
+    pub router: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
 }
 
 pub struct SharedExpert {
@@ -321,7 +336,7 @@ impl<'a> TensorTable<'a> {
         };
         crate::backend::host().prepare(w, to, self.numerics).ok_or_else(|| {
             Error::UnsupportedModel(format!(
-                "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers F32 and F16 rows of a multiple of 32 values, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and Q4_K with a multiple of 8 rows); load with numerics='fast'",
+                "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers F32 and F16 rows of a multiple of 32 values, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and Q4_K and MXFP4 with a multiple of 8 rows); load with numerics='fast'",
                 self.file,
                 self.ty_name(name)
             ))
@@ -379,8 +394,10 @@ impl<'a> TensorTable<'a> {
         let n = |s: &str| format!("blk.{il}.{s}.weight");
         let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
         // Biases llama.cpp would add where a file has them, which no family here applies: refuse
-        // the file rather than ignore them.
-        for t in ["attn_output", "ffn_gate", "ffn_up", "ffn_down"] {
+        // the file rather than ignore them. (The output's and the experts' are read where the
+        // family's graph adds them.)
+        let extra: &[&str] = if config.extra_biases { &[] } else { &["attn_output", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] };
+        for t in ["ffn_gate", "ffn_up", "ffn_down"].iter().chain(extra) {
             let b = format!("blk.{il}.{t}.bias");
             if table.has(&b) {
                 return Err(Error::UnsupportedModel(format!("{file}: tensor '{b}' is not supported (no output or FFN biases)")));
@@ -408,6 +425,8 @@ impl<'a> TensorTable<'a> {
                     wo: table.matrix(&n("attn_output"), d, qd)?,
                     q_norm: qk_norm(a, "attn_q_norm")?,
                     k_norm: qk_norm(a, "attn_k_norm")?,
+                    bo: if config.extra_biases { Some(table.vector(&format!("blk.{il}.attn_output.bias"), d)?) } else { None },
+                    sinks: if config.attn_sinks { Some(table.vector(&n("attn_sinks"), config.n_heads)?) } else { None },
                 })
             }
             Mixer::DeltaNet(dn) => {
@@ -451,6 +470,17 @@ impl<'a> TensorTable<'a> {
                     up: table.stack(&n("ffn_up_exps"), n_expert, hd, d)?,
                     down: table.stack(&n("ffn_down_exps"), n_expert, d, hd)?,
                     shared,
+                    biases: if config.extra_biases {
+                        let b = |t: &str, len: usize| table.vector(&format!("blk.{il}.{t}.bias"), len);
+                        Some(ExpertBiases {
+                            router: b("ffn_gate_inp", n_expert)?,
+                            gate: b("ffn_gate_exps", n_expert * hd)?,
+                            up: b("ffn_up_exps", n_expert * hd)?,
+                            down: b("ffn_down_exps", n_expert * d)?,
+                        })
+                    } else {
+                        None
+                    },
                 }))
             }
         };
