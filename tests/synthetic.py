@@ -613,6 +613,39 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "final_logit_softcapping": 10.0,
         },
     ),
+    # Qwen3.6-35B-A3B's layers: qwen35's hybrid (value heads tiled over key heads, separate beta
+    # and alpha, interleaved multi-axis RoPE) with qwen3next's FFN: 8 routed experts (top 2,
+    # renormalised) and a shared expert under a sigmoid gate. As for qwen3next, `seed` picks
+    # weights where llama.cpp's own prefill and decode agree (0.100) and we agree with it (0.116);
+    # `mtp_seed` draws the MTP head's weights apart, where no router near-tie parts its rows from
+    # llama.cpp's (tests/golden/families/README.md).
+    "qwen35moe": dict(
+        arch="qwen35moe",
+        seed=1,
+        mtp_seed=3,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        layers=4,
+        hybrid=dict(nk=2, nv=4, hd=64, conv=4, fused_ba=False),
+        embd=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=2, hidden=256, shared=512, norm=True),
+        meta={
+            "rope.freq_base": 1000000.0,
+            "rope.dimension_count": 16,
+            "rope.dimension_sections": [3, 3, 2, 0],
+            "full_attention_interval": 4,
+            "ssm.conv_kernel": 4,
+            "ssm.state_size": 64,
+            "ssm.group_count": 2,
+            "ssm.time_step_rank": 4,
+            "ssm.inner_size": 256,
+            "expert_count": 8,
+            "expert_used_count": 2,
+            "expert_feed_forward_length": 256,
+            "expert_shared_feed_forward_length": 512,
+        },
+    ),
 }
 
 
@@ -889,6 +922,9 @@ def write_family(
         vec(p + "nextn.hnorm.weight", DIM)
         vec(p + "nextn.shared_head_norm.weight", DIM)
     if mtp is not False:
+        if "mtp_seed" in f:
+            # The head's weights from a stream of their own (the trunk's stay as they are).
+            rng = np.random.default_rng(f["mtp_seed"])
         if sidecar:
             sw = GGUFWriter(str(mtp), arch)
             _add_keys(sw, arch, side_keys)

@@ -225,6 +225,17 @@ F32 = np.float32
         ("glm4moe", dict(meta={"expert_weights_norm": 1}), r"'glm4moe\.expert_weights_norm' must be a boolean"),
         ("glm4moe", dict(drop="blk.1.post_attention_norm.weight"), r"tensor 'blk\.1\.post_attention_norm\.weight' is missing"),
         ("glm4moe", dict(replace={"blk.0.attn_k_norm.weight": np.ones(32, F32)}), r"tensor 'blk\.0\.attn_k_norm\.weight' has 32 values, expected 64"),
+        # qwen35moe: expert counts and widths against the tensors, the shared expert's gate and
+        # width, the hybrid's separate beta/alpha projections, the MTP block count.
+        ("qwen35moe", dict(meta={"expert_count": 6}), r"tensor 'blk\.0\.ffn_gate_inp\.weight' is 8x256 but the model's metadata implies 6x256"),
+        ("qwen35moe", dict(meta={"expert_used_count": 9}), r"'qwen35moe\.expert_used_count' is 9; it must be between 1 and expert_count \(8\)"),
+        ("qwen35moe", dict(meta={"expert_count": None}), r"'qwen35moe\.expert_count' is missing"),
+        ("qwen35moe", dict(meta={"expert_feed_forward_length": 128}), r"tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \[256, 256, 8\] but the model's metadata implies \[256, 128, 8\]"),
+        ("qwen35moe", dict(drop="blk.1.ffn_gate_inp_shexp.weight"), r"tensor 'blk\.1\.ffn_gate_inp_shexp\.weight' is missing"),
+        ("qwen35moe", dict(replace={"blk.3.ffn_gate_inp_shexp.weight": np.zeros(128, F32)}), r"tensor 'blk\.3\.ffn_gate_inp_shexp\.weight' is 1x128 but the model's metadata implies 1x256"),
+        ("qwen35moe", dict(meta={"expert_shared_feed_forward_length": 256}), r"tensor 'blk\.0\.ffn_gate_shexp\.weight' is 512x256 but the model's metadata implies 256x256"),
+        ("qwen35moe", dict(drop="blk.2.ssm_alpha.weight"), r"tensor 'blk\.2\.ssm_alpha\.weight' is missing"),
+        ("qwen35moe", dict(meta={"nextn_predict_layers": 4}), r"'qwen35moe\.nextn_predict_layers' is 4 but the model has 4 blocks"),
         # gemma4: expert counts, the router's and experts' scales, per-layer arrays of the wrong
         # length, the per-layer embeddings' tensors, a KV-sharing count the layers cannot carry.
         ("gemma4-moe", dict(meta={"expert_count": 6}), r"tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \[256, 256, 8\] but the model's metadata implies \[256, 256, 6\] \(6 experts\)"),

@@ -166,6 +166,8 @@ def test_ggml_numerics_reproduce_llamacpp(name: str, files: dict[str, Path]) -> 
     assert worst < GGML_PREFILL_TOLERANCE.get(name, 1e-4) and flips == 0, worst
 
 
+    "qwen35moe with an ungated shared expert": ("qwen35moe", dict(replace={f"blk.{i}.ffn_gate_inp_shexp.weight": np.full(256, 30.0, np.float32) for i in range(4)})),
+    "qwen35moe with one expert a token": ("qwen35moe", dict(meta={"expert_used_count": 1})),
 # Each family's distinguishing piece, taken out of its file (the rest byte for byte the same):
 # the golden must then miss by far more than the tolerance, or that piece was never tested.
 ABLATIONS = {

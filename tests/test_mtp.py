@@ -146,7 +146,7 @@ def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[1] + [int(t) for t in rng.integers(3, 267, size=int(rng.integers(3, 20)))] for _ in range(n)]
 
 
-@pytest.mark.parametrize(("name", "streams"), [("qwen35", 1), ("qwen35", 4), ("qwen35", 16), ("qwen3next", 4), ("glm4moe", 4)])
+@pytest.mark.parametrize(("name", "streams"), [("qwen35", 1), ("qwen35", 4), ("qwen35", 16), ("qwen3next", 4), ("qwen35moe", 4), ("glm4moe", 4)])
 def test_mtp_greedy_output_is_unchanged(headed: dict[str, dl.Model], name: str, streams: int) -> None:
     m = headed[name]
     prompts = random_prompts(16 if streams == 16 else 6)

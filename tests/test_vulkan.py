@@ -195,6 +195,39 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
 
 
 @needs_device
+def test_qwen35moe_runs_on_the_per_op_rails(tmp_path: Path) -> None:
+    """qwen35moe (a DeltaNet hybrid with routed experts) goes on the per-op rails, the decline
+    naming its recurrent layers; scheduler streams there equal its single streams there. (Its
+    logits are not held to the CPU's here: on this tiny random file a router near-tie at the
+    first position moves even the CPU 0.36 nats from float64, and the device's sums pick the
+    other expert.)"""
+    from synthetic import write_family
+
+    path = tmp_path / "qwen35moe.gguf"
+    write_family(path, "qwen35moe")
+    arm()
+    m = dl.load_model(path)
+    slot = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot) == "gpu:rails", slot.reason
+    assert "recurrent" in gpu.gpu_resident_decline() and "recurrent" in slot.reason, (gpu.gpu_resident_decline(), slot.reason)
+    prompts = [[1, 259 + i % 8, 40 + i] for i in range(4)]
+    solo = [dl.generate(m, dl.create_session(m), p, dl.SamplingParams(temp=0.0), 6) for p in prompts]
+    sch = dl.create_scheduler(m, max_streams=4, chunk_tokens=2)
+    for i, p in enumerate(prompts):
+        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=6))
+    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for ev in drain(m, sch):
+        assert ev.finish != "error", ev.error
+        if ev.kind == "piece" or (ev.finish == "stop" and ev.token >= 0):
+            toks[ev.id].append(ev.token)
+    for i in range(len(prompts)):
+        assert toks[i] == solo[i][: len(toks[i])] and toks[i], (i, toks[i], solo[i])
+    del sch
+    gpu.moe_gpu_drop_model()
+    assert gpu.gpu_tier_status().backend == "cpu"
+
+
+@needs_device
 @pytest.mark.parametrize(
     "name, why",
     [

@@ -34,7 +34,7 @@ from .errors import ContextOverflowError, DasllamaError, DeviceError, EngineErro
 from .fetch import DEFAULT_MODEL, fetch
 from .grammar import check_grammar, json_object_grammar, json_schema_grammar
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
-from .scheduler import PendingReq, SchedEvent, Scheduler, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, set_step_budget, step_budget, submit
+from .scheduler import PendingReq, SchedEvent, Scheduler, clear_prefix_cache, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, set_step_budget, step_budget, submit
 from .session import (
     BatchWorkspace,
     KVDtype,
@@ -95,6 +95,7 @@ __all__ = [
     "attach_mtp_drafter",
     "attach_ngram_drafter",
     "check_grammar",
+    "clear_prefix_cache",
     "create_batch_workspace",
     "create_chat_renderer",
     "create_kv_pool",

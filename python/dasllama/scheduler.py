@@ -150,6 +150,12 @@ def _inject_fault(sch: Scheduler, id: int) -> bool:
     return _native._inject_stream_fault(sch, int(id))
 
 
+def clear_prefix_cache(sch: Scheduler) -> None:
+    """Forget every page (and a hybrid's recurrent-state snapshot) the prefix cache holds: no
+    later request attaches anything donated before. Pages live streams hold stay theirs."""
+    _native.clear_prefix_cache(sch)
+
+
 def n_active(sch: Scheduler) -> int:
     return _native.scheduler_counts(sch)[0]
 
@@ -160,10 +166,10 @@ def n_queued(sch: Scheduler) -> int:
 
 def scheduler_stats(sch: Scheduler) -> dict[str, float]:
     """Counters: decode_steps, avg_batch, prefill_chunks, prefill_tokens, cached_tokens, finished,
-    avg_ttft_ms, spec_verifies/spec_drafted/spec_accepted (speculation), prefix_refused (prompts
-    of a hybrid model admitted with a paged pool, which never look in the prefix cache: its pages
-    hold K/V, not the recurrent state of their positions, so such a model prefills every prompt
-    whole); with a paged pool also its page counts and the prefix cache's chains and hits."""
+    avg_ttft_ms, spec_verifies/spec_drafted/spec_accepted (speculation); with a paged pool also
+    its page counts and the prefix cache's chains and hits, and for a hybrid model the recurrent-
+    state snapshots it holds (kv_snapshots, kv_snapshot_bytes) and the prompts that matched cached
+    pages none of which carried one (kv_cache_stateless: prefilled whole)."""
     stats = dict(_native.scheduler_stats(sch))
     pool = _native.scheduler_pool_stats(sch)
     if pool is not None:

@@ -381,7 +381,7 @@ class Routes:
         lines += [f'dasllama_queue_depth{{model="{n}"}} {c[1]}' for n, (c, _) in stats.items()]
         lines += ["# HELP dasllama_active_streams Streams decoding or prefilling.", "# TYPE dasllama_active_streams gauge"]
         lines += [f'dasllama_active_streams{{model="{n}"}} {c[0]}' for n, (c, _) in stats.items()]
-        for key, metric in (("kv_pages_used", "dasllama_kv_pages_used"), ("kv_pages_free", "dasllama_kv_pages_free"), ("kv_pages_cached", "dasllama_kv_pages_cached")):
+        for key, metric in (("kv_pages_used", "dasllama_kv_pages_used"), ("kv_pages_free", "dasllama_kv_pages_free"), ("kv_pages_cached", "dasllama_kv_pages_cached"), ("kv_snapshots", "dasllama_prefix_cache_state_snapshots")):
             lines += [f"# TYPE {metric} gauge"]
             lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
         for key, metric, help_ in (

@@ -328,6 +328,9 @@ fn stats_dict<'py>(py: Python<'py>, st: PoolStats) -> PyResult<Bound<'py, PyDict
     d.set_item("bytes_allocated", st.bytes_allocated)?;
     d.set_item("cache_chains", st.cache_chains)?;
     d.set_item("cache_hits", st.cache_hits)?;
+    d.set_item("snapshots", st.snapshots)?;
+    d.set_item("snapshot_bytes", st.snapshot_bytes)?;
+    d.set_item("cache_stateless", st.cache_stateless)?;
     Ok(d)
 }
 
@@ -849,6 +852,12 @@ fn step_budget(sch: &PyScheduler) -> Option<f64> {
     sch.inner.step_budget()
 }
 
+/// Forget every page and recurrent-state snapshot the scheduler's prefix cache holds.
+#[pyfunction]
+fn clear_prefix_cache(sch: &mut PyScheduler) {
+    sch.inner.clear_prefix_cache();
+}
+
 #[pyfunction]
 fn scheduler_counts(sch: &PyScheduler) -> (usize, usize) {
     (sch.inner.n_active(), sch.inner.n_queued())
@@ -868,7 +877,6 @@ fn scheduler_stats<'py>(py: Python<'py>, sch: &PyScheduler) -> PyResult<Bound<'p
     d.set_item("spec_verifies", s.spec_verifies)?;
     d.set_item("spec_drafted", s.spec_drafted)?;
     d.set_item("spec_accepted", s.spec_accepted)?;
-    d.set_item("prefix_refused", s.prefix_refused)?;
     if let Some((a, b)) = sch.inner.pass_cost() {
         d.set_item("spec_pass_us", a * 1e6)?;
         d.set_item("spec_row_us", b * 1e6)?;
@@ -952,6 +960,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_step_budget, m)?)?;
     m.add_function(wrap_pyfunction!(step_budget, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(clear_prefix_cache, m)?)?;
     m.add_function(wrap_pyfunction!(arch_names, m)?)?;
     m.add_function(wrap_pyfunction!(n_threads, m)?)?;
     m.add_function(wrap_pyfunction!(amx_status, m)?)?;

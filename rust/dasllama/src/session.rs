@@ -40,7 +40,7 @@ impl Session {
     /// A session whose KV pages come from `pool`.
     pub fn paged(m: &Model, pool: &KvPool) -> Result<Self> {
         m.check_kv(&pool.geometry())?;
-        Ok(Self::with_kv(m, KvCache::paged(pool)))
+        Ok(Self::with_kv(m, KvCache::paged(pool).owned_by(m.uid)))
     }
 
     /// A hybrid's session keeps its DeltaNet layers' recurrent state beside its K/V pages.

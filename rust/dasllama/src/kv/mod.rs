@@ -2,7 +2,8 @@
 //! shared pool that owns pages and recycles them, and the prefix cache of finished streams' pages.
 //!
 //! A page is reference-counted by `Arc`: session tables and the prefix cache hold it; when the last
-//! holder lets go, its id returns to the pool. A page held by more than one holder is never written:
+//! holder lets go, its id returns to the pool. A hybrid's cached page can carry a snapshot of the
+//! recurrent state after its last position (`RecSnapshot`), without which its K/V is no use. A page held by more than one holder is never written:
 //! a session about to write into a shared page copies it first (copy-on-write). Rows are stored in
 //! the pool's codec (`codec.rs`: f16 or q8_0).
 
@@ -160,6 +161,36 @@ struct CacheEntry {
     last_used: u64,
     /// The first page of a chain.
     first: bool,
+    /// Its page's place in the chain (0 first).
+    depth: usize,
+    /// A hybrid's recurrent state after this page's last position (see `RecSnapshot`); dropped
+    /// with the entry.
+    snap: Option<Arc<RecSnapshot>>,
+}
+
+/// A hybrid's recurrent state after its first `pos` positions (a page boundary): every DeltaNet
+/// layer's convolution inputs and state matrices, as the session had committed them. K/V pages
+/// give an attention layer its past; a DeltaNet layer's past is this state alone, so the prefix
+/// cache gives a hybrid's session cached pages only up to a page that carries one, and puts the
+/// state back with them. A snapshot is as big as a session's whole state (on Qwen3.6-35B-A3B
+/// about 60 MiB against a 16-row page's 0.3 MiB), so the cache keeps few: a session keeps the one
+/// of the last page boundary it committed, and offers that one when it donates (the scheduler
+/// makes a prompt's last boundary and every decode step's a pass end; `KvPool` bounds their number
+/// and counts their bytes against its page budget).
+pub struct RecSnapshot {
+    pos: usize,
+    conv: Vec<Vec<f32>>,
+    ssm: Vec<Vec<f32>>,
+}
+
+impl RecSnapshot {
+    /// The position the state follows.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+    pub fn bytes(&self) -> usize {
+        4 * self.conv.iter().chain(&self.ssm).map(Vec::len).sum::<usize>()
+    }
 }
 
 struct PoolState {
@@ -168,6 +199,36 @@ struct PoolState {
     cache: HashMap<u64, CacheEntry>,
     clock: u64,
     hits: u64,
+    /// Cached recurrent-state snapshots: how many, their bytes, and how many the cache keeps at
+    /// most (0: none; `KvPool::keep_snapshots`).
+    snaps: usize,
+    snap_bytes: usize,
+    max_snaps: usize,
+    /// Hybrid prompts whose first cached page matched but no matched page carried a snapshot.
+    stateless: u64,
+}
+
+impl PoolState {
+    /// Take an entry out of the cache (its page and snapshot drop with it, after the lock).
+    fn remove(&mut self, k: u64) -> CacheEntry {
+        let e = self.cache.remove(&k).expect("the key is in the cache");
+        if let Some(s) = &e.snap {
+            self.snaps -= 1;
+            self.snap_bytes -= s.bytes();
+        }
+        e
+    }
+
+    /// The least recently used entry whose page no session holds; of pages used together (a
+    /// chain), the deepest first, so that a chain is cut from its end, not stranded behind a gap.
+    fn victim(&self) -> Option<u64> {
+        self.cache.iter().filter(|(_, e)| Arc::strong_count(&e.page) == 1).min_by_key(|(_, e)| (e.last_used, std::cmp::Reverse(e.depth))).map(|(k, _)| *k)
+    }
+
+    /// What the cache holds in pages: its pages, and its snapshots' bytes in pages of `page_bytes`.
+    fn held(&self, page_bytes: usize) -> usize {
+        self.cache.len() + self.snap_bytes.div_ceil(page_bytes.max(1))
+    }
 }
 
 pub struct PoolShared {
@@ -193,6 +254,11 @@ pub struct PoolStats {
     pub bytes_allocated: usize,
     pub cache_chains: usize,
     pub cache_hits: u64,
+    /// Recurrent-state snapshots the cache holds (hybrids), and their bytes.
+    pub snapshots: usize,
+    pub snapshot_bytes: usize,
+    /// Hybrid prompts that matched cached pages none of which carried a snapshot (prefilled whole).
+    pub cache_stateless: u64,
 }
 
 fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
@@ -211,7 +277,17 @@ impl KvPool {
             geo,
             max_pages: max_pages.min(u32::MAX as usize) as u32,
             max_cached,
-            state: Mutex::new(PoolState { free: Vec::new(), created: 0, cache: HashMap::new(), clock: 0, hits: 0 }),
+            state: Mutex::new(PoolState {
+                free: Vec::new(),
+                created: 0,
+                cache: HashMap::new(),
+                clock: 0,
+                hits: 0,
+                snaps: 0,
+                snap_bytes: 0,
+                max_snaps: 0,
+                stateless: 0,
+            }),
         })))
     }
 
@@ -243,9 +319,8 @@ impl KvPool {
                 }
                 // Evict the least recently used cached page no session holds; its drop (after
                 // the lock is released) returns its slot.
-                let victim = st.cache.iter().filter(|(_, e)| Arc::strong_count(&e.page) == 1).min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k);
-                match victim {
-                    Some(k) => evicted.push(st.cache.remove(&k).expect("victim is in the cache")),
+                match st.victim() {
+                    Some(k) => evicted.push(st.remove(k)),
                     None => {
                         return Err(Error::PoolFull(format!(
                             "the KV pool is full ({} pages of {} positions, all in use); use fewer streams or a bigger pool",
@@ -258,19 +333,29 @@ impl KvPool {
         }
     }
 
-    /// Offer a finished stream's full pages (covering `tokens`) to the prefix cache.
-    /// A hybrid's pages are not taken: they do not hold the recurrent state of their positions.
+    /// Offer a finished stream's full pages (covering `tokens`) to the prefix cache. A hybrid's
+    /// session offers its pages up to the last page boundary it kept a snapshot of, with that
+    /// snapshot (the pages past it would be no use without the state there), and none if the
+    /// cache keeps no snapshots.
     pub fn donate(&self, kv: &KvCache, tokens: &[u32]) {
-        if kv.recurrent() {
-            return;
-        }
         let r = self.0.geo.page_rows;
         let full = kv.len().min(tokens.len()) / r;
+        let (full, snap) = match &kv.rec {
+            None => (full, None),
+            Some(rec) => match &rec.mark {
+                Some(s) if s.pos <= full * r => (s.pos / r, Some(s.clone())),
+                _ => return,
+            },
+        };
+        let mut dropped = Vec::new();
         {
             let mut st = self.lock();
+            if snap.is_some() && st.max_snaps == 0 {
+                return;
+            }
             st.clock += 1;
             let now = st.clock;
-            let mut parent = 0u64;
+            let mut parent = kv.owner;
             for (i, page) in kv.pages.iter().take(full).enumerate() {
                 let toks = &tokens[i * r..(i + 1) * r];
                 let h = chain_hash(parent, toks);
@@ -279,63 +364,129 @@ impl KvPool {
                     tokens: toks.to_vec(),
                     last_used: now,
                     first: i == 0,
+                    depth: i,
+                    snap: None,
                 });
                 parent = h;
             }
+            // The snapshot goes with the page that ends where it was taken (one there already is
+            // the same state: the same model after the same tokens).
+            if let Some(s) = snap {
+                let e = st.cache.get_mut(&parent).expect("the last page was just cached");
+                if e.snap.is_none() {
+                    let b = s.bytes();
+                    e.snap = Some(s);
+                    st.snaps += 1;
+                    st.snap_bytes += b;
+                }
+            }
+            // Beyond the limit, the least recently used snapshots go (their pages stay, good
+            // for the snapshots deeper in their chains).
+            while st.snaps > st.max_snaps {
+                let Some(k) = st.cache.iter().filter(|(_, e)| e.snap.is_some()).min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k) else { break };
+                let s = st.cache.get_mut(&k).and_then(|e| e.snap.take()).expect("an entry with a snapshot");
+                st.snaps -= 1;
+                st.snap_bytes -= s.bytes();
+                dropped.push(s);
+            }
         }
+        drop(dropped);
         self.trim();
     }
 
-    /// Enforce the cache's page limit, evicting least recently used pages no session holds. A page
-    /// a session still holds stays until a later trim.
+    /// Keep at most `n` recurrent-state snapshots in the cache (0, the default: none, and so no
+    /// hybrid's pages either). The scheduler sets this for a hybrid's pool.
+    pub fn keep_snapshots(&self, n: usize) {
+        self.lock().max_snaps = n;
+    }
+
+    /// Forget every cached page and snapshot (pages sessions hold stay theirs); a later prompt
+    /// attaches nothing donated before.
+    pub fn clear_cache(&self) {
+        let evicted = {
+            let mut st = self.lock();
+            (st.snaps, st.snap_bytes) = (0, 0);
+            std::mem::take(&mut st.cache)
+        };
+        drop(evicted);
+    }
+
+    /// Enforce the cache's page limit (snapshots count as the pages their bytes would fill),
+    /// evicting least recently used pages no session holds, with their snapshots. A page a
+    /// session still holds stays until a later trim.
     pub fn trim(&self) {
         if self.0.max_cached == 0 {
             return;
         }
+        let page_bytes = self.0.geo.page_bytes();
         let mut evicted = Vec::new();
         {
             let mut st = self.lock();
-            while st.cache.len() > self.0.max_cached {
-                let Some(k) = st.cache.iter().filter(|(_, e)| Arc::strong_count(&e.page) == 1).min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k) else { break };
-                evicted.push(st.cache.remove(&k).expect("victim is in the cache"));
+            while st.held(page_bytes) > self.0.max_cached {
+                let Some(k) = st.victim() else { break };
+                evicted.push(st.remove(k));
             }
         }
         drop(evicted);
     }
 
     /// Attach the longest cached chain of whole pages matching `prompt[..limit]` to `kv` (which
-    /// must be empty). Returns the number of positions attached: none for a hybrid's session,
-    /// since K/V pages alone cannot give it the recurrent state of their positions.
+    /// must be empty). Returns the number of positions attached. A hybrid's session takes the
+    /// chain only up to its deepest page that carries a recurrent-state snapshot, and that state.
     pub fn attach(&self, kv: &mut KvCache, prompt: &[u32], limit: usize) -> usize {
+        self.attach_matched(kv, prompt, limit).0
+    }
+
+    /// `attach`, and how many positions of cached pages matched (more than attached where a
+    /// hybrid's matched pages past the deepest snapshot had none: a pass ending there would
+    /// leave the state the next prompt with that prefix needs).
+    pub fn attach_matched(&self, kv: &mut KvCache, prompt: &[u32], limit: usize) -> (usize, usize) {
         assert!(kv.is_empty(), "attach needs an empty session");
-        if kv.recurrent() {
-            return 0;
-        }
         let r = self.0.geo.page_rows;
         let mut st = self.lock();
         st.clock += 1;
         let now = st.clock;
-        let mut parent = 0u64;
-        let mut got = 0;
+        // Chains start from the owner: a page (or state) of another model never matches.
+        let mut parent = kv.owner;
+        let mut chain = Vec::new();
         for i in 0..limit.min(prompt.len()) / r {
             let toks = &prompt[i * r..(i + 1) * r];
             let h = chain_hash(parent, toks);
-            match st.cache.get_mut(&h) {
-                Some(e) if e.tokens == toks => {
-                    e.last_used = now;
-                    kv.pages.push(e.page.clone());
-                    got += r;
-                }
+            match st.cache.get(&h) {
+                Some(e) if e.tokens == toks => chain.push(h),
                 _ => break,
             }
             parent = h;
         }
+        let matched = chain.len() * r;
+        let mut snap = None;
+        if let Some(rec) = &kv.rec {
+            // The deepest page whose snapshot fits this session's layers.
+            let fits = |s: &RecSnapshot| {
+                s.conv.len() == rec.sizes.len() && rec.sizes.iter().zip(s.conv.iter().zip(&s.ssm)).all(|(&(c, m), (sc, sm))| sc.len() == c && sm.len() == m)
+            };
+            let deepest = chain.iter().rposition(|h| st.cache[h].snap.as_deref().is_some_and(fits));
+            if deepest.is_none() && !chain.is_empty() {
+                st.stateless += 1;
+            }
+            chain.truncate(deepest.map_or(0, |d| d + 1));
+            snap = chain.last().and_then(|h| st.cache[h].snap.clone());
+        }
+        for h in &chain {
+            let e = st.cache.get_mut(h).expect("matched above");
+            e.last_used = now;
+            kv.pages.push(e.page.clone());
+        }
+        let got = chain.len() * r;
         if got > 0 {
             st.hits += 1;
         }
         drop(st);
         kv.len = got;
-        got
+        if let Some(s) = snap {
+            kv.restore(s);
+        }
+        (got, matched)
     }
 
     pub fn stats(&self) -> PoolStats {
@@ -354,6 +505,9 @@ impl KvPool {
             bytes_allocated: live * bytes_per_page,
             cache_chains: st.cache.values().filter(|e| e.first).count(),
             cache_hits: st.hits,
+            snapshots: st.snaps,
+            snapshot_bytes: st.snap_bytes,
+            cache_stateless: st.stateless,
         }
     }
 }
@@ -366,6 +520,8 @@ pub struct KvCache {
     pages: Vec<Arc<Page>>,
     pool: Option<KvPool>,
     rec: Option<RecState>,
+    /// Whose K/V this is (`Model::uid`; 0 unknown): the prefix cache's chains start from it.
+    owner: u64,
 }
 
 /// The recurrent state of a session's DeltaNet layers after its `len` positions: per layer the
@@ -383,6 +539,10 @@ pub struct RecState {
     /// The committed copy.
     cur: usize,
     journal: Journal,
+    /// Keep a snapshot of the committed state at every page boundary a pass ends on (for the
+    /// prefix cache), and the last one kept (dropped when the session goes back before it).
+    marks: bool,
+    mark: Option<Arc<RecSnapshot>>,
 }
 
 /// How a hybrid's session takes back rows of its last pass (a speculative verify chunk whose
@@ -428,6 +588,30 @@ impl RecState {
     pub fn bytes(&self) -> usize {
         self.sizes.iter().map(|&(c, s)| 2 * 4 * (c + s)).sum()
     }
+
+    /// The position of the last page-boundary snapshot this session kept, if any.
+    pub fn mark_pos(&self) -> Option<usize> {
+        self.mark.as_ref().map(|s| s.pos)
+    }
+
+    /// Keep the committed state as the snapshot at `pos`, reusing the last one's buffers where
+    /// the cache does not hold it.
+    fn take_mark(&mut self, pos: usize) {
+        if self.conv.is_empty() {
+            return;
+        }
+        let cur = self.cur;
+        let mut m = self.mark.take().and_then(|a| Arc::try_unwrap(a).ok()).unwrap_or(RecSnapshot { pos, conv: Vec::new(), ssm: Vec::new() });
+        m.pos = pos;
+        for (dst, src) in [(&mut m.conv, &self.conv), (&mut m.ssm, &self.ssm)] {
+            dst.resize_with(src.len(), Vec::new);
+            for (d, s) in dst.iter_mut().zip(src) {
+                d.clear();
+                d.extend_from_slice(&s[cur]);
+            }
+        }
+        self.mark = Some(Arc::new(m));
+    }
 }
 
 /// Read access to one layer of a session's KV during attention.
@@ -462,18 +646,62 @@ impl LayerView<'_> {
 impl KvCache {
     /// A session's private store of `geo` (its pages grown on demand).
     pub fn private(geo: Geometry) -> Self {
-        KvCache { geo, len: 0, pages: Vec::new(), pool: None, rec: None }
+        KvCache { geo, len: 0, pages: Vec::new(), pool: None, rec: None, owner: 0 }
     }
 
     pub fn paged(pool: &KvPool) -> Self {
-        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()), rec: None }
+        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()), rec: None, owner: 0 }
+    }
+
+    /// Mark this K/V as `owner`'s (a model's `uid`), so that the prefix cache never gives it
+    /// another model's pages or state.
+    pub fn owned_by(mut self, owner: u64) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    /// For the prefix cache: a hybrid's session keeps a snapshot of its recurrent state at every
+    /// page boundary a pass ends on (the last one only; `RecSnapshot`). No-op without a state.
+    pub fn keep_marks(&mut self) {
+        if let Some(r) = &mut self.rec {
+            r.marks = true;
+        }
+    }
+
+    /// Take the state of a cached snapshot at its position (`attach` has put the pages up to it
+    /// in the table): it becomes the committed state, with nothing recorded to go back over.
+    fn restore(&mut self, snap: Arc<RecSnapshot>) {
+        let r = self.rec.as_mut().expect("a snapshot restores a recurrent state");
+        r.grow();
+        let cur = r.cur;
+        for (dst, src) in r.conv.iter_mut().zip(&snap.conv).chain(r.ssm.iter_mut().zip(&snap.ssm)) {
+            dst[cur].copy_from_slice(src);
+        }
+        r.journal = Journal::default();
+        debug_assert_eq!(snap.pos, self.len);
+        if r.marks {
+            r.mark = Some(snap);
+        }
+    }
+
+    /// After the session moved to `len`: forget a snapshot past it, and keep one at it if it is
+    /// a page boundary.
+    fn mark(&mut self) {
+        let (len, rows) = (self.len, self.geo.page_rows);
+        let Some(r) = self.rec.as_mut().filter(|r| r.marks) else { return };
+        if r.mark.as_ref().is_some_and(|m| m.pos > len) {
+            r.mark = None;
+        }
+        if len > 0 && len % rows == 0 && r.mark_pos() != Some(len) {
+            r.take_mark(len);
+        }
     }
 
     /// Keep a recurrent state of these (conv, ssm) sizes per DeltaNet layer beside the pages
     /// (none: a model of attention layers only). Allocated at the first pass, freed on release.
     pub fn with_recurrent(mut self, sizes: Vec<(usize, usize)>) -> Self {
         if !sizes.is_empty() {
-            self.rec = Some(RecState { sizes, conv: Vec::new(), ssm: Vec::new(), cur: 0, journal: Journal::default() });
+            self.rec = Some(RecState { sizes, conv: Vec::new(), ssm: Vec::new(), cur: 0, journal: Journal::default(), marks: false, mark: None });
         }
         self
     }
@@ -556,6 +784,7 @@ impl KvCache {
         }
         self.len = pos;
         self.pages.truncate(pos.div_ceil(self.geo.page_rows));
+        self.mark();
     }
 
     pub fn len(&self) -> usize {
@@ -626,6 +855,8 @@ impl KvCache {
                 r.journal.valid = r.journal.fresh;
                 r.journal.fresh = false;
             }
+            self.len = len;
+            self.mark();
         }
         self.len = len;
     }
@@ -650,6 +881,7 @@ impl KvCache {
         if let Some(r) = &mut self.rec {
             (r.conv, r.ssm) = (Vec::new(), Vec::new());
             r.journal = Journal::default();
+            r.mark = None;
         }
     }
 }
@@ -734,6 +966,153 @@ mod tests {
         assert_eq!(pool.stats().pages_cached, 0);
         let mut c = KvCache::paged(&pool);
         assert!(c.reserve(1).is_err());
+    }
+
+    /// A hybrid's paged session (one DeltaNet layer of 2 + 3 floats) owned by `owner`, keeping
+    /// page-boundary snapshots; `run` advances it by `rows` with its state set to `mark`.
+    fn hybrid(pool: &KvPool, owner: u64) -> KvCache {
+        let mut kv = KvCache::paged(pool).owned_by(owner).with_recurrent(vec![(2, 3)]);
+        kv.keep_marks();
+        kv
+    }
+
+    fn run(kv: &mut KvCache, rows: usize, mark: f32) {
+        let len = kv.len();
+        kv.reserve(len + rows).unwrap();
+        let g = kv.geo.clone();
+        for il in 0..g.n_layers {
+            let k = vec![mark; rows * g.kv_dim];
+            kv.append(il, &k, &k);
+        }
+        let io = kv.rec_io(0);
+        io.conv_out.fill(mark);
+        io.ssm_out.fill(mark);
+        kv.commit(len + rows);
+    }
+
+    fn state(kv: &mut KvCache) -> (f32, f32) {
+        let len = kv.len();
+        kv.reserve(len).unwrap();
+        let io = kv.rec_io(0);
+        (io.conv_in[0], io.ssm_in[0])
+    }
+
+    #[test]
+    fn a_hybrid_takes_cached_pages_up_to_a_snapshot_and_its_state() {
+        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16, slots: None };
+        let pool = KvPool::new(geo, 16, 0).unwrap();
+        pool.keep_snapshots(4);
+        let toks: Vec<u32> = (0..12).collect();
+        let mut a = hybrid(&pool, 7);
+        run(&mut a, 3, 1.0);
+        run(&mut a, 1, 2.0); // ends on the boundary at 4: a snapshot of state 2
+        run(&mut a, 5, 3.0); // crosses 8 without ending there: none
+        assert_eq!(a.rec_state().unwrap().mark_pos(), Some(4));
+        pool.donate(&a, &toks[..9]);
+        // Only the page up to the snapshot is cached (the next would be no use without a state).
+        let st = pool.stats();
+        assert_eq!((st.pages_cached, st.snapshots, st.snapshot_bytes), (1, 1, 4 * 5), "{st:?}");
+        let mut b = hybrid(&pool, 7);
+        assert_eq!(pool.attach(&mut b, &toks, 11), 4);
+        assert_eq!(state(&mut b), (2.0, 2.0));
+        // It goes on from there as a session that ran those rows would.
+        run(&mut b, 4, 5.0);
+        assert_eq!((b.len(), state(&mut b), b.rec_state().unwrap().mark_pos()), (8, (5.0, 5.0), Some(8)));
+        // Another model's session matches nothing; nor does anything after the cache is cleared.
+        let mut c = hybrid(&pool, 8);
+        assert_eq!(pool.attach(&mut c, &toks, 11), 0);
+        pool.clear_cache();
+        let st = pool.stats();
+        assert_eq!((st.pages_cached, st.snapshots, st.snapshot_bytes), (0, 0, 0), "{st:?}");
+        let mut d = hybrid(&pool, 7);
+        assert_eq!(pool.attach(&mut d, &toks, 11), 0);
+        assert_eq!(pool.stats().cache_hits, 1);
+    }
+
+    #[test]
+    fn pages_without_a_snapshot_give_a_hybrid_nothing() {
+        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16, slots: None };
+        let pool = KvPool::new(geo, 16, 0).unwrap();
+        let toks: Vec<u32> = (0..8).collect();
+        let mut a = hybrid(&pool, 1);
+        run(&mut a, 8, 1.0);
+        // No snapshots kept (the default): a hybrid donates nothing.
+        pool.donate(&a, &toks);
+        assert_eq!(pool.stats().pages_cached, 0);
+        // An attention-only session's pages, under the same owner, carry no state.
+        let mut plain = KvCache::paged(&pool).owned_by(1);
+        fill(&mut plain, 8, 0.0);
+        pool.donate(&plain, &toks);
+        let mut b = hybrid(&pool, 1);
+        assert_eq!(pool.attach_matched(&mut b, &toks, 7), (0, 4));
+        assert_eq!((b.len(), pool.stats().cache_stateless, pool.stats().cache_hits), (0, 1, 0));
+    }
+
+    #[test]
+    fn a_snapshot_goes_with_its_page_and_within_the_limits() {
+        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 2, codec: KvCodec::F16, slots: None };
+        // A pool of 2 pages: the second stream's pages come from evicting the first's.
+        let pool = KvPool::new(geo.clone(), 2, 0).unwrap();
+        pool.keep_snapshots(1);
+        let mut a = hybrid(&pool, 1);
+        run(&mut a, 2, 1.0);
+        pool.donate(&a, &[1, 2]);
+        a.release();
+        assert_eq!(pool.stats().snapshots, 1);
+        let mut b = hybrid(&pool, 1);
+        run(&mut b, 4, 2.0);
+        let st = pool.stats();
+        assert_eq!((st.pages_cached, st.snapshots, st.snapshot_bytes), (0, 0, 0), "eviction frees the snapshot: {st:?}");
+        // Beyond the limit the least recently used snapshot goes, and its page stays.
+        let pool = KvPool::new(geo.clone(), 8, 0).unwrap();
+        pool.keep_snapshots(1);
+        for (toks, mark) in [([1, 2], 1.0), ([3, 4], 2.0)] {
+            let mut x = hybrid(&pool, 1);
+            run(&mut x, 2, mark);
+            pool.donate(&x, &toks);
+        }
+        let st = pool.stats();
+        assert_eq!((st.pages_cached, st.snapshots), (2, 1), "{st:?}");
+        let mut d = hybrid(&pool, 1);
+        assert_eq!(pool.attach(&mut d, &[1, 2, 0], 2), 0, "the older snapshot went");
+        assert_eq!(pool.attach(&mut d, &[3, 4, 0], 2), 2);
+        assert_eq!(state(&mut d), (2.0, 2.0));
+        // A page budget counts a snapshot as the pages its bytes fill (20 bytes: 2 of 16).
+        let pool = KvPool::new(geo.clone(), 8, 2).unwrap();
+        pool.keep_snapshots(4);
+        let mut e = hybrid(&pool, 1);
+        run(&mut e, 2, 1.0);
+        pool.donate(&e, &[1, 2]);
+        e.release();
+        pool.trim();
+        let st = pool.stats();
+        assert_eq!((geo.page_bytes(), st.pages_cached, st.snapshots), (16, 0, 0), "1 page + 2 for its snapshot > 2: {st:?}");
+    }
+
+    #[test]
+    fn going_back_before_a_snapshot_forgets_it() {
+        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16, slots: None };
+        let pool = KvPool::new(geo, 8, 0).unwrap();
+        let mut kv = hybrid(&pool, 1);
+        run(&mut kv, 2, 1.0);
+        // A verify chunk that ends on the boundary (recording its rows), taken back to inside it.
+        let len = kv.len();
+        kv.reserve(len + 2).unwrap();
+        let io = kv.rec_io(0);
+        io.conv_out.fill(2.0);
+        io.ssm_out.fill(2.0);
+        kv.journal(0, &[0.0; 8], &[0.0; 2], &[0.0; 2], 2);
+        kv.commit(len + 2);
+        assert_eq!(kv.rec_state().unwrap().mark_pos(), Some(4));
+        kv.rewind(3, |_, io, _, _, _, _| {
+            io.conv_out.fill(9.0);
+            io.ssm_out.fill(9.0);
+        });
+        assert_eq!(kv.rec_state().unwrap().mark_pos(), None);
+        run(&mut kv, 1, 4.0);
+        assert_eq!(kv.rec_state().unwrap().mark_pos(), Some(4));
+        kv.release();
+        assert_eq!(kv.rec_state().unwrap().mark_pos(), None);
     }
 
     #[test]

@@ -27,6 +27,7 @@ static REGISTRY: &[ArchDesc] = &[
     ArchDesc { name: "qwen3moe", configure: super::qwen3moe::configure },
     ArchDesc { name: "qwen3vlmoe", configure: super::qwen3vlmoe::configure },
     ArchDesc { name: "qwen35", configure: super::qwen35::configure },
+    ArchDesc { name: "qwen35moe", configure: super::qwen35moe::configure },
     ArchDesc { name: "qwen3next", configure: super::qwen3next::configure },
 ];
 

@@ -18,6 +18,7 @@ mod qwen2moe;
 mod qwen2vl;
 mod qwen3;
 mod qwen35;
+mod qwen35moe;
 mod qwen3moe;
 mod qwen3next;
 mod qwen3vl;
@@ -224,6 +225,15 @@ pub struct Model {
     /// read or swap the handle, never across a pass; dropping the model (or the placement)
     /// frees the device's memory for it.
     placement: Mutex<Option<Arc<dyn Placement>>>,
+    /// This load's own number (never reused in the process): what the prefix cache keys a
+    /// model's pages and recurrent states by, so that another model never takes them.
+    pub uid: u64,
+}
+
+/// The next `Model::uid`.
+fn next_model_uid() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One entry of the GGUF tensor table, as read by the Python loader.
@@ -825,7 +835,20 @@ impl Model {
                 "{file}: head size {hd} is not a multiple of 32, which numerics='ggml' needs; load with numerics='fast'"
             )));
         }
-        Ok(Model { config, tok_embd, layers, output_norm, output, rope_factors, ple, tokenizer, numerics, mtp, placement: Mutex::new(None) })
+        Ok(Model {
+            config,
+            tok_embd,
+            layers,
+            output_norm,
+            output,
+            rope_factors,
+            ple,
+            tokenizer,
+            numerics,
+            mtp,
+            placement: Mutex::new(None),
+            uid: next_model_uid(),
+        })
     }
 }
 

@@ -111,6 +111,10 @@ struct Stream {
     in_kv: Vec<u32>,
     /// Prompt positions that came from the prefix cache.
     cached: usize,
+    /// A hybrid's prompt matched cached pages up to here with no recurrent-state snapshot past
+    /// `cached`: its prefill ends a pass here and offers the state, for the next prompt with this
+    /// prefix (a shared system prompt). 0: none.
+    share_at: usize,
     /// Prompt tokens already evaluated.
     fed: usize,
     generated: usize,
@@ -142,9 +146,6 @@ pub struct SchedStats {
     pub spec_verifies: u64,
     pub spec_drafted: u64,
     pub spec_accepted: u64,
-    /// Prompts that did not look in the prefix cache because the model keeps a recurrent state
-    /// (a hybrid: K/V pages alone cannot restore its DeltaNet layers, so it prefills whole).
-    pub prefix_refused: u64,
 }
 
 /// The scheduler's speculation: its drafter and what its passes cost.
@@ -195,6 +196,8 @@ const STEP_BUDGET_S: f64 = 0.060;
 const MIN_CHUNK: usize = 16;
 /// Until the step's cost is measured, chunks are at most this long.
 const FIRST_CHUNK: usize = 64;
+/// A hybrid's prefix cache keeps at most this many recurrent-state snapshots per stream.
+const SNAPSHOTS_PER_STREAM: usize = 4;
 
 fn default_step_budget() -> Option<f64> {
     match std::env::var("DASLLAMA_STEP_MS").ok().and_then(|v| v.trim().parse::<f64>().ok()) {
@@ -226,7 +229,14 @@ impl Scheduler {
             // only allocated when written, so this bounds memory rather than reserving it.
             let geo = m.kv_geometry(page_rows, codec);
             m.check_kv(&geo)?;
-            Some(KvPool::new(geo, 2 * max_streams * per_stream, prefix_groups)?)
+            let pool = KvPool::new(geo, 2 * max_streams * per_stream, prefix_groups)?;
+            if m.config.recurrent() {
+                // A hybrid's cached pages are of use only with a snapshot of its recurrent state
+                // (`kv::RecSnapshot`), each as big as a session's state: a few per stream (a
+                // conversation's last turn and its prompt's end), at most.
+                pool.keep_snapshots(SNAPSHOTS_PER_STREAM * max_streams);
+            }
+            Some(pool)
         } else if codec != KvCodec::F16 {
             return Err(Error::InvalidArgument("a KV codec other than f16 needs the paged pool (page_rows > 0)".into()));
         } else {
@@ -510,10 +520,13 @@ impl Scheduler {
         if let Some(pool) = self.pool.as_ref().filter(|_| !self.device_kv) {
             for &i in &prefilling {
                 let s = self.slots[i].as_mut().expect("prefilling stream");
-                // A hybrid prefills whole (counted at admission): the cache holds K/V pages, not
-                // the recurrent state of their positions, and `KvPool::attach` refuses it.
-                if s.fed == 0 && !m.config.recurrent() {
-                    let got = pool.attach(&mut s.session.kv, &s.req.prompt, s.req.prompt.len() - 1);
+                // A hybrid's session takes the pages up to the deepest one that carries a
+                // snapshot of its recurrent state, and that state (`KvPool::attach`).
+                if s.fed == 0 {
+                    let (got, matched) = pool.attach_matched(&mut s.session.kv, &s.req.prompt, s.req.prompt.len() - 1);
+                    if matched > got && s.session.kv.recurrent() {
+                        s.share_at = matched;
+                    }
                     if got > 0 {
                         (s.cached, s.fed) = (got, got);
                         s.in_kv = s.req.prompt[..got].to_vec();
@@ -618,6 +631,13 @@ impl Scheduler {
             s.in_kv.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
             s.fed += k;
             self.stats.prefill_tokens += k as u64;
+            if s.fed == s.share_at && s.fed < s.req.prompt.len() {
+                // The pass ended where the cached pages stopped having a state: give them one.
+                s.share_at = 0;
+                if let Some(pool) = self.pool.as_ref().filter(|_| !self.device_kv) {
+                    pool.donate(&s.session.kv, &s.in_kv);
+                }
+            }
             if s.fed == s.req.prompt.len() {
                 // Offer the prompt's full pages now, not only when the stream finishes, so that
                 // the streams behind it with the same prefix skip it.
@@ -681,6 +701,16 @@ impl Scheduler {
                     }
                 }
             };
+            // A hybrid's piece that would cross its prompt's last page boundary, or the end of its
+            // stateless match (`share_at`), stops there, so that the pass ends on it and the
+            // session keeps the recurrent state there for the prefix cache (chunking does not
+            // change the results: rows compute alike).
+            let k = [self.snapshot_boundary(s), Some(s.share_at)]
+                .into_iter()
+                .flatten()
+                .filter(|&b| s.fed < b && b < s.fed + k)
+                .map(|b| b - s.fed)
+                .fold(k, usize::min);
             if k == 0 {
                 break;
             }
@@ -690,6 +720,25 @@ impl Scheduler {
             if k < rest {
                 break;
             }
+        }
+    }
+
+    /// Where a hybrid stream's prompt prefill should end a pass: its last page boundary (None for
+    /// attention-only models, or without a host prefix cache).
+    fn snapshot_boundary(&self, s: &Stream) -> Option<usize> {
+        let pool = self.host_pool()?;
+        if !s.session.kv.recurrent() {
+            return None;
+        }
+        let r = pool.geometry().page_rows;
+        Some(s.req.prompt.len() / r * r)
+    }
+
+    /// Forget every page and recurrent-state snapshot the prefix cache holds: no later prompt
+    /// attaches anything donated before.
+    pub fn clear_prefix_cache(&mut self) {
+        if let Some(p) = &self.pool {
+            p.clear_cache();
         }
     }
 
@@ -787,13 +836,16 @@ impl Scheduler {
                 }
             };
             session.record.reseed(req.seed);
-            if self.pool.is_some() && m.config.recurrent() {
-                self.stats.prefix_refused += 1;
+            if self.pool.is_some() && !self.device_kv {
+                // A hybrid's session keeps its recurrent state at the page boundaries its passes
+                // end on, for the prefix cache (no-op for attention-only models).
+                session.kv.keep_marks();
             }
             // The prefix cache is looked up in `step`, just before the stream's first chunk.
             self.slots[slot] = Some(Stream {
                 in_kv: Vec::new(),
                 cached: 0,
+                share_at: 0,
                 req,
                 session,
                 fed: 0,
@@ -1148,8 +1200,21 @@ impl Scheduler {
         if let (Some(pool), true) = (self.pool.as_ref().filter(|_| !self.device_kv), ended_well) {
             // Close the turn in the KV (what the next turn's prompt will hold), then offer the
             // full pages. A close that does not fit the context is simply not donated.
+            // A hybrid's close that crosses a page boundary runs in two passes split there, so the
+            // session keeps its recurrent state at the boundary (`kv::RecSnapshot`).
             let close = s.req.close_toks.clone();
-            if close.is_empty() || error::catch("closing a turn", || s.session.eval(m, &close)).is_ok() {
+            let r = pool.geometry().page_rows;
+            let at = s.in_kv.len();
+            let split = if s.session.kv.recurrent() { ((at + close.len()) / r * r).saturating_sub(at).min(close.len()) } else { 0 };
+            let closed = error::catch("closing a turn", || {
+                for part in [&close[..split], &close[split..]] {
+                    if !part.is_empty() {
+                        s.session.eval(m, part)?;
+                    }
+                }
+                Ok(())
+            });
+            if closed.is_ok() {
                 s.in_kv.extend_from_slice(&close);
                 pool.donate(&s.session.kv, &s.in_kv);
             }
