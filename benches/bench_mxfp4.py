@@ -1,10 +1,10 @@
-"""MXFP4 experts: a MoE of gpt-oss-20b's widths (d 2880, 64 query / 8 KV heads of 64, 32 experts
-of 2880 with 4 routed per token) and fewer layers, its expert stacks in MXFP4 as gpt-oss ships
-them, the other matrices in Q8_0, written with random weights as a qwen3moe GGUF (QK-norm and
-softmax routing instead of gpt-oss's sinks and biases, which change no matmul). Decode tokens/s
-(one token per call after a short prompt) and pp512 (one 512-token prompt), dasllama against
-llama.cpp on the same file, both on the same number of threads. The two take turns, a round each
-(on a shared machine both see the same load); the table has the median of `--rounds`.
+"""MXFP4 experts: a gpt-oss file of gpt-oss-20b's widths (d 2880, 64 query / 8 KV heads of 64,
+32 experts of 2880 with 4 routed per token, attention sinks, biases, every other layer sliding over
+128, YaRN) and fewer layers, its expert stacks in MXFP4 as gpt-oss ships them, the other matrices
+in Q8_0, written with random weights. Decode tokens/s (one token per call after a short prompt)
+and pp512 (one 512-token prompt), dasllama against llama.cpp on the same file, both on the same
+number of threads. The two take turns, a round each (on a shared machine both see the same load);
+the table has the median of `--rounds`.
 
     python benches/bench_mxfp4.py [--layers 4] [--threads 2] [--rounds 3] [--llama-python /tmp/llamacpp/bin/python]
 
@@ -54,14 +54,16 @@ def write_model(path: Path, layers: int, seed: int = 39) -> None:
 
     s, rng = GPTOSS, np.random.default_rng(seed)
     d, hd = s["dim"], s["head_dim"]
-    w = GGUFWriter(str(path), "qwen3moe")
+    w = GGUFWriter(str(path), "gpt-oss")
     keys = {
         "block_count": layers, "context_length": 4096, "embedding_length": d, "feed_forward_length": s["expert_ffn"],
         "attention.head_count": s["heads"], "attention.head_count_kv": s["kv_heads"], "attention.key_length": hd,
-        "attention.value_length": hd, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 150000.0,
+        "attention.value_length": hd, "attention.layer_norm_rms_epsilon": 1e-5, "attention.sliding_window": 128,
+        "rope.freq_base": 150000.0, "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
+        "rope.scaling.original_context_length": 4096,
         "expert_count": s["experts"], "expert_used_count": s["used"], "expert_feed_forward_length": s["expert_ffn"],
     }  # fmt: skip
-    _add_keys(w, "qwen3moe", keys)
+    _add_keys(w, "gpt-oss", keys)
     _write_vocab(w)
 
     def q8(name: str, rows: int, cols: int, std: float) -> None:
@@ -70,26 +72,37 @@ def write_model(path: Path, layers: int, seed: int = 39) -> None:
     def norm(name: str, n: int) -> None:
         w.add_tensor(name, (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32))
 
+    def vec(name: str, shape: tuple[int, ...], std: float) -> None:
+        w.add_tensor(name, rng.normal(0, std, size=shape).astype(np.float32))
+
     def experts(name: str, rows: int, cols: int) -> None:
         raw = rng.integers(0, 256, size=(s["experts"], rows, cols // 32, 17), dtype=np.uint8)
         raw[..., 0] = 120
         w.add_tensor(name, raw.reshape(s["experts"], rows, -1), raw_dtype=QT.MXFP4)
 
     q8("token_embd.weight", len(VOCAB), d, 0.5)
+    qd, kvd = s["heads"] * hd, s["kv_heads"] * hd
     for i in range(layers):
         p = f"blk.{i}."
         norm(p + "attn_norm.weight", d)
-        q8(p + "attn_q.weight", s["heads"] * hd, d, d**-0.5)
-        q8(p + "attn_k.weight", s["kv_heads"] * hd, d, d**-0.5)
-        q8(p + "attn_v.weight", s["kv_heads"] * hd, d, d**-0.5)
-        norm(p + "attn_q_norm.weight", hd)
-        norm(p + "attn_k_norm.weight", hd)
-        q8(p + "attn_output.weight", d, s["heads"] * hd, 0.5 * (s["heads"] * hd) ** -0.5)
-        norm(p + "ffn_norm.weight", d)
-        w.add_tensor(p + "ffn_gate_inp.weight", rng.normal(0, d**-0.5, size=(s["experts"], d)).astype(np.float32))
+        q8(p + "attn_q.weight", qd, d, d**-0.5)
+        q8(p + "attn_k.weight", kvd, d, d**-0.5)
+        q8(p + "attn_v.weight", kvd, d, d**-0.5)
+        vec(p + "attn_q.bias", (qd,), 0.1)
+        vec(p + "attn_k.bias", (kvd,), 0.1)
+        vec(p + "attn_v.bias", (kvd,), 0.1)
+        q8(p + "attn_output.weight", d, qd, 0.5 * qd**-0.5)
+        vec(p + "attn_output.bias", (d,), 0.05)
+        vec(p + "attn_sinks.weight", (s["heads"],), 1.0)
+        norm(p + "post_attention_norm.weight", d)
+        vec(p + "ffn_gate_inp.weight", (s["experts"], d), d**-0.5)
+        vec(p + "ffn_gate_inp.bias", (s["experts"],), 0.1)
         experts(p + "ffn_gate_exps.weight", s["expert_ffn"], d)
         experts(p + "ffn_up_exps.weight", s["expert_ffn"], d)
         experts(p + "ffn_down_exps.weight", d, s["expert_ffn"])
+        # The experts' biases, [n, width] as llama.cpp reads them.
+        for t, width in (("ffn_gate_exps", s["expert_ffn"]), ("ffn_up_exps", s["expert_ffn"]), ("ffn_down_exps", d)):
+            vec(p + t + ".bias", (s["experts"], width), 0.05)
     norm("output_norm.weight", d)
     q8("output.weight", len(VOCAB), d, d**-0.5)
     w.write_header_to_file()
@@ -168,7 +181,7 @@ def main() -> None:
         path, steps, pp, threads = json.loads(args.llama_only)
         print(json.dumps(bench_llama_cpp(Path(path), steps, pp, threads)))
         return
-    path = Path(args.out) / f"bench-gptoss-shape-{args.layers}l-mxfp4.gguf"
+    path = Path(args.out) / f"bench-gptoss-{args.layers}l-mxfp4.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"writing {path} ...", file=sys.stderr)

@@ -166,8 +166,6 @@ def test_ggml_numerics_reproduce_llamacpp(name: str, files: dict[str, Path]) -> 
     assert worst < GGML_PREFILL_TOLERANCE.get(name, 1e-4) and flips == 0, worst
 
 
-    "qwen35moe with an ungated shared expert": ("qwen35moe", dict(replace={f"blk.{i}.ffn_gate_inp_shexp.weight": np.full(256, 30.0, np.float32) for i in range(4)})),
-    "qwen35moe with one expert a token": ("qwen35moe", dict(meta={"expert_used_count": 1})),
 # Each family's distinguishing piece, taken out of its file (the rest byte for byte the same):
 # the golden must then miss by far more than the tolerance, or that piece was never tested.
 ABLATIONS = {
@@ -198,6 +196,8 @@ ABLATIONS = {
     "gemma4-moe without the router's scale": ("gemma4-moe", dict(replace={f"blk.{i}.ffn_gate_inp.scale": np.ones(256, np.float32) for i in range(3)})),
     "gemma4-moe without its experts' scales": ("gemma4-moe", dict(replace={f"blk.{i}.ffn_down_exps.scale": np.ones(8, np.float32) for i in range(3)})),
     "gemma4-e without per-layer token embeddings": ("gemma4-e", dict(replace={"per_layer_token_embd.weight": np.zeros((len(VOCAB), 160), np.float32)})),
+    "qwen35moe with an ungated shared expert": ("qwen35moe", dict(replace={f"blk.{i}.ffn_gate_inp_shexp.weight": np.full(256, 30.0, np.float32) for i in range(4)})),
+    "qwen35moe with one expert a token": ("qwen35moe", dict(meta={"expert_used_count": 1})),
     "gpt-oss without its sinks": ("gpt-oss", dict(replace={f"blk.{i}.attn_sinks.weight": np.full(8, -1e30, np.float32) for i in range(3)})),
     "gpt-oss without its window": ("gpt-oss", dict(meta={"attention.sliding_window": 64})),
     "gpt-oss without YaRN": ("gpt-oss", dict(meta={"rope.scaling.type": "none"})),
