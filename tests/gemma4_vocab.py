@@ -48,6 +48,9 @@ Hello world! hello there, how are you? I'm fine, thanks. It's what we're doing a
 The quick brown fox jumps over the lazy dog. 1234567890 3.14159 and 2,718
 {"key": [1, 2, {"nested": null}]} https://example.com/path?q=1&r=2 x=1;y=2;z=x+y
 naïve café résumé mixed 中文 and English αβγ
+thought
+thought
+thought
 """
 N_MERGES = 260
 

@@ -2,20 +2,23 @@
 tests/gemma4_vocab.py with Gemma 4's own template (tests/golden/gemma4_chat_template.jinja):
 tokenization and rendered prompts equal llama.cpp's (tests/golden/gemma4.json, made by
 scripts/make_gemma4_goldens.py); thoughts split as llama.cpp's parser splits them; the nothink
-guard ends a thinking-off reply at a stray channel marker, through the scheduler."""
+guard ends a thinking-off reply at a stray channel marker, through the scheduler and the server."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import drain
 from gemma4_vocab import ID, TEMPLATE_PATH, TOKENS, write_gemma4_vocab_model
 
 import dasllama as dl
 from dasllama.chat import GEMMA4_THOUGHT, encode_prompt, thought_markers
+from serverproc import start, stop
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "gemma4.json").read_text())
 TEMPLATE = TEMPLATE_PATH.read_text()
@@ -154,3 +157,38 @@ def test_scheduler_lets_a_leading_thought_through(tmp_path: Path) -> None:
     # `<|channel>` before any content is a leading thought: emitted, and the reader splits it.
     assert text.startswith("<|channel> the<channel|>"), text
     assert dl.split_reasoning("<|channel>thought\n the<channel|>x", GEMMA4_THOUGHT) == (" the", "x")
+
+
+# --- through the real HTTP server: `reasoning_content` and the guard on Gemma 4's turns ---
+
+# Thinking on (the bare `<|turn>model\n`): a thought in the channel, then the answer. Thinking off
+# (the closed channel): an answer, then a stray marker.
+SERVED = {"\n": "<|channel>", "<|channel>": "thought", "thought": "\u2581the", "\u2581the": "<channel|>", "<channel|>": "The", "The": "\u2581capital", "\u2581capital": "<|channel>"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    d = tmp_path_factory.mktemp("gemma4-server")
+    write_gemma4_vocab_model(d / "g4.gguf", TEMPLATE, SERVED)
+    proc, base = start("--model", str(d / "g4.gguf"), "--alias", "g4", "--streams", "2")
+    yield base
+    assert stop(proc) == 0
+
+
+def ask(base: str, **extra: object) -> dict:
+    body = {"model": "g4", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12, "temperature": 0, **extra}
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_server_splits_gemma4_thoughts_and_guards_thinking_off_turns(server: str) -> None:
+    on = ask(server, chat_template_kwargs={"enable_thinking": True})
+    # `<|channel>thought the<channel|>The capital<|channel>…`: thinking on has no guard, so the
+    # second marker is text; the turn runs to max_tokens.
+    assert on["message"].get("reasoning_content") == " the" and on["message"]["content"].startswith("The capital<|channel>"), on
+    for off in ({}, {"enable_thinking": False}):
+        r = ask(server, **off)
+        # The closed channel's prompt: the answer, and the stray marker ends it.
+        assert (r["message"]["content"], r["finish_reason"]) == ("The capital", "stop"), r
+        assert "reasoning_content" not in r["message"]
