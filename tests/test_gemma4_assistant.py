@@ -1,0 +1,101 @@
+"""Gemma 4's assistant drafter (``gemma4-assistant``): found beside its model as llama.cpp finds
+it, and refused, naming the key or tensor, where it was made for another target (architecture,
+width, vocabulary, head sizes)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from gemma4_assistant import write_assistant
+from gemma4_vocab import TEMPLATE_PATH, TOKENS, write_gemma4_vocab_model
+
+import dasllama as dl
+from dasllama.gguf_file import read_header
+from dasllama.speculative import assistant_mismatch
+
+
+def test_sidecar_names_as_llama_cpp_finds_them(tmp_path: Path) -> None:
+    def touch(*names: str) -> None:
+        for n in names:
+            (tmp_path / n).write_bytes(b"GGUF")
+
+    # Hugging Face's flat layout (ggml-org/gemma-4-31B-it-GGUF): the sidecar carries the model's
+    # name without its quantization; the same quantization wins, else the closest in bits.
+    touch("model-Q4_K_M.gguf", "mtp-model-BF16.gguf", "mtp-model-Q8_0.gguf", "mtp-other-Q4_K_M.gguf")
+    assert Path(dl.mtp_drafter_sidecar(tmp_path / "model-Q4_K_M.gguf")).name == "mtp-model-Q8_0.gguf"
+    touch("mtp-model-Q4_0.gguf")
+    assert Path(dl.mtp_drafter_sidecar(tmp_path / "model-Q4_K_M.gguf")).name == "mtp-model-Q4_0.gguf"
+    touch("mtp-model-Q4_K_M.gguf")
+    assert Path(dl.mtp_drafter_sidecar(tmp_path / "model-Q4_K_M.gguf")).name == "mtp-model-Q4_K_M.gguf"
+    # The names the converter writes beside any model come first.
+    touch("gemma-4-E2B-it-Q8_0.gguf", "mtp-gemma-4-E2B-it-Q8_0.gguf", "mtp-gemma-4-E2B-it-Q8_0-Q8_0.gguf")
+    assert Path(dl.mtp_drafter_sidecar(tmp_path / "gemma-4-E2B-it-Q8_0.gguf")).name == "mtp-gemma-4-E2B-it-Q8_0-Q8_0.gguf"
+    # Another model's sidecar, or none: "".
+    touch("solo-Q8_0.gguf", "plain.gguf", "mtp-modelx-Q8_0.gguf")
+    assert dl.mtp_drafter_sidecar(tmp_path / "solo-Q8_0.gguf") == ""
+    assert dl.mtp_drafter_sidecar(tmp_path / "plain.gguf") == ""
+
+
+def test_an_assistant_for_another_architecture_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    target = tmp_path / "model-Q8_0.gguf"
+    write_gemma4_vocab_model(target, TEMPLATE_PATH.read_text())
+    write_assistant(tmp_path / "mtp-model-Q8_0.gguf", target_width=16, n_vocab=len(TOKENS))
+    m = dl.load_model(target)
+    side = dl.mtp_drafter_sidecar(m.path)
+    assert Path(side).name == "mtp-model-Q8_0.gguf"
+    with caplog.at_level(logging.WARNING, logger="dasllama"):
+        assert not dl.attach_mtp_drafter(m, side)
+    assert "gemma4-assistant drafter, which drafts for gemma4 models" in caplog.text and "is llama" in caplog.text
+    assert not dl.mtp_capable(m) and dl.drafter_kind(m) is None
+    # The server's --spec: auto falls back to prompt lookup, mtp says why it cannot.
+    from dasllama.speculative import configure
+
+    assert configure(m, "auto").startswith("n-gram")
+    with pytest.raises(ValueError, match="cannot draft"):
+        configure(m, "mtp")
+
+
+@dataclass
+class Target:
+    """What the check reads of a gemma4 target: its architecture, metadata, file and vocabulary."""
+
+    metadata: dict[str, Any] = field(default_factory=dict)
+    arch: str = "gemma4"
+    path: Path = Path("gemma-4-E2B-it-Q8_0.gguf")
+    n_vocab: int = 640
+
+
+GEMMA4 = {"gemma4.embedding_length": 32, "gemma4.attention.key_length": 8, "gemma4.attention.key_length_swa": 8}
+
+
+@pytest.mark.parametrize(
+    ("kw", "target", "message"),
+    [
+        ({}, {}, None),
+        ({"target_width": 24}, {}, "gemma4-assistant.embedding_length_out is 24: it was made for a target of width 24, and gemma-4-E2B-it-Q8_0.gguf's gemma4.embedding_length is 32"),
+        ({"meta": {"embedding_length_out": None}}, {}, "embedding_length_out is missing"),
+        ({"target_width": 16, "width": 16}, {"gemma4.embedding_length": 16}, "equals its embedding_length"),
+        ({"n_vocab": 600}, {}, "'token_embd.weight' has 600 rows: a vocabulary of 600"),
+        ({"head_dim_swa": 4}, {}, "gemma4-assistant.attention.key_length_swa is 4, and gemma-4-E2B-it-Q8_0.gguf's gemma4.attention.key_length_swa is 8"),
+        ({"head_dim": 16}, {}, "gemma4-assistant.attention.key_length is 16"),
+    ],
+)
+def test_an_assistant_made_for_another_target_names_the_key(tmp_path: Path, kw: dict[str, Any], target: dict[str, Any], message: str | None) -> None:
+    args: dict[str, Any] = {"target_width": 32, "n_vocab": 640, **kw}
+    write_assistant(tmp_path / "a.gguf", **args)
+    t = Target({**GEMMA4, **target})
+    why = assistant_mismatch(cast(dl.Model, t), read_header(tmp_path / "a.gguf"))
+    if message is None:
+        assert why is None
+    else:
+        assert why is not None and message in why, why
+
+
+def test_an_assistant_for_a_non_gemma4_target_is_refused_by_name(tmp_path: Path) -> None:
+    write_assistant(tmp_path / "a.gguf", target_width=32, n_vocab=640)
+    why = assistant_mismatch(cast(dl.Model, Target(GEMMA4, arch="qwen3")), read_header(tmp_path / "a.gguf"))
+    assert why == "it is a gemma4-assistant drafter, which drafts for gemma4 models, and gemma-4-E2B-it-Q8_0.gguf is qwen3"
