@@ -1,16 +1,20 @@
 """Gemma 4's assistant drafter (``gemma4-assistant``): found beside its model as llama.cpp finds
 it, and refused, naming the key or tensor, where it was made for another target (architecture,
-width, vocabulary, head sizes)."""
+width, vocabulary, head sizes); the float64 reference the drafter will be checked against (its
+target half equals llama.cpp's)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import pytest
-from gemma4_assistant import write_assistant
+from gemma4_assistant import reference_step, target_reference, write_assistant, write_target
 from gemma4_vocab import TEMPLATE_PATH, TOKENS, write_gemma4_vocab_model
 
 import dasllama as dl
@@ -69,7 +73,7 @@ class Target:
     n_vocab: int = 640
 
 
-GEMMA4 = {"gemma4.embedding_length": 32, "gemma4.attention.key_length": 8, "gemma4.attention.key_length_swa": 8}
+GEMMA4 = {"gemma4.embedding_length": 32, "gemma4.attention.key_length": 16, "gemma4.attention.key_length_swa": 8}
 
 
 @pytest.mark.parametrize(
@@ -81,7 +85,7 @@ GEMMA4 = {"gemma4.embedding_length": 32, "gemma4.attention.key_length": 8, "gemm
         ({"target_width": 16, "width": 16}, {"gemma4.embedding_length": 16}, "equals its embedding_length"),
         ({"n_vocab": 600}, {}, "'token_embd.weight' has 600 rows: a vocabulary of 600"),
         ({"head_dim_swa": 4}, {}, "gemma4-assistant.attention.key_length_swa is 4, and gemma-4-E2B-it-Q8_0.gguf's gemma4.attention.key_length_swa is 8"),
-        ({"head_dim": 16}, {}, "gemma4-assistant.attention.key_length is 16"),
+        ({"head_dim": 32}, {}, "gemma4-assistant.attention.key_length is 32"),
     ],
 )
 def test_an_assistant_made_for_another_target_names_the_key(tmp_path: Path, kw: dict[str, Any], target: dict[str, Any], message: str | None) -> None:
@@ -99,3 +103,39 @@ def test_an_assistant_for_a_non_gemma4_target_is_refused_by_name(tmp_path: Path)
     write_assistant(tmp_path / "a.gguf", target_width=32, n_vocab=640)
     why = assistant_mismatch(cast(dl.Model, Target(GEMMA4, arch="qwen3")), read_header(tmp_path / "a.gguf"))
     assert why == "it is a gemma4-assistant drafter, which drafts for gemma4 models, and gemma-4-E2B-it-Q8_0.gguf is qwen3"
+
+
+def test_reference_target_is_llama_cpps(tmp_path: Path) -> None:
+    # The float64 Gemma 4 target whose K/V and hidden states the assistant's reference reads
+    # equals llama.cpp's on the synthetic target (scripts/make_gemma4_target_golden.py); f16 K/V
+    # in llama.cpp bounds the agreement.
+    g = json.loads((Path(__file__).parent / "golden" / "gemma4-target.json").read_text())
+    wt = write_target(tmp_path / "t.gguf", n_vocab=len(TOKENS))
+    assert hashlib.sha256((tmp_path / "t.gguf").read_bytes()).hexdigest() == g["sha256"]
+    for c in g["cases"]:
+        logits, hidden, _ = target_reference(wt, c["ids"])
+        assert np.abs(logits - np.array(c["logits"])).max() < 0.01
+        assert np.abs(hidden - np.array(c["hidden"])).max() < 0.005
+
+
+def test_reference_step_reads_the_window_and_the_whole_context(tmp_path: Path) -> None:
+    # Sliding layers read the target's last `sliding_window` positions, global layers all of them:
+    # K/V the sliding layers should not see change nothing there.
+    wt = write_target(tmp_path / "t.gguf", n_vocab=len(TOKENS))
+    wa = write_assistant(tmp_path / "a.gguf", target_width=32, n_vocab=len(TOKENS))
+    meta = {"attention.head_count": 2, "rope.freq_base_swa": 10_000.0, "rope.freq_base": 1_000_000.0, "attention.sliding_window": 4}
+    ids = [2, 300, 301, 302, 303, 304, 305]
+    _, hidden, kvs = target_reference(wt, ids)
+    n = len(ids)
+
+    def step(kv: dict[bool, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        return reference_step(wa, meta, (True, False), wt["token_embd.weight"][5], hidden[-1], n, kv)[0]
+
+    base = step({True: kvs[0], False: kvs[1]})
+    assert np.isfinite(base).all()
+    k, v = (a.copy() for a in kvs[0])
+    k[: n - 3], v[: n - 3] = 7.0, -7.0  # older than the window
+    assert np.array_equal(step({True: (k, v), False: kvs[1]}), base)
+    k, v = (a.copy() for a in kvs[1])
+    k[0] = -k[0]  # the global layer sees position 0
+    assert not np.allclose(step({True: kvs[0], False: (k, v)}), base)
