@@ -139,3 +139,45 @@ def test_reference_step_reads_the_window_and_the_whole_context(tmp_path: Path) -
     k, v = (a.copy() for a in kvs[1])
     k[0] = -k[0]  # the global layer sees position 0
     assert not np.allclose(step({True: kvs[0], False: (k, v)}), base)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"meta": {"attention.head_count": 4}}, "its tensor 'blk.0.attn_q.weight' is 16x16; its metadata implies 16x32"),
+        ({"meta": {"feed_forward_length": 24}}, "its tensor 'blk.0.ffn_gate.weight' is 16x32; its metadata implies 16x24"),
+        ({"meta": {"nextn_predict_layers": None, "block_count": None}}, "gemma4-assistant.nextn_predict_layers (or block_count) is missing or 0"),
+        ({"meta": {"nextn_predict_layers": 3, "block_count": 3}}, "sliding_window_pattern is missing or shorter than its 3 layers"),
+    ],
+)
+def test_an_assistant_whose_tensors_disagree_with_its_metadata_names_the_tensor(tmp_path: Path, kw: dict[str, Any], message: str) -> None:
+    write_assistant(tmp_path / "a.gguf", target_width=32, n_vocab=640, **kw)
+    why = assistant_mismatch(cast(dl.Model, Target(GEMMA4)), read_header(tmp_path / "a.gguf"))
+    assert why is not None and message in why, why
+
+
+def test_an_assistant_missing_a_tensor_names_it(tmp_path: Path) -> None:
+    from gguf import GGUFReader, GGUFWriter
+
+    write_assistant(tmp_path / "a.gguf", target_width=32, n_vocab=640)
+    # Rewrite the file without its post-projection.
+    r = GGUFReader(tmp_path / "a.gguf")
+    w = GGUFWriter(str(tmp_path / "b.gguf"), "gemma4-assistant")
+    for f in r.fields.values():
+        if f.name.startswith("gemma4-assistant."):
+            v = f.contents()
+            if isinstance(v, list):
+                w.add_array(f.name, v)
+            elif isinstance(v, float):
+                w.add_float32(f.name, v)
+            else:
+                w.add_uint32(f.name, int(v))
+    for t in r.tensors:
+        if t.name != "nextn.post_projection.weight":
+            w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    why = assistant_mismatch(cast(dl.Model, Target(GEMMA4)), read_header(tmp_path / "b.gguf"))
+    assert why == "its tensor 'nextn.post_projection.weight' is missing", why

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from . import _native
 from .gguf_file import GgufHeader, read_header
@@ -190,6 +191,69 @@ def assistant_mismatch(m: Model, hdr: GgufHeader) -> str | None:
         mine, target = meta.get(f"{a}.{key}"), tmeta.get(f"{t}.{key}")
         if mine is not None and target is not None and int(mine) != int(target):
             return f"{a}.{key} is {mine}, and {m.path.name}'s {t}.{key} is {target}: its queries do not fit the target's keys"
+    return _assistant_tensors_mismatch(hdr, int(theirs), m.n_vocab)
+
+
+def _per_layer(meta: dict[str, Any], key: str, n_layers: int) -> list[int] | str:
+    """A key that is one number or one per layer (llama.cpp's get_key_or_arr), per layer; a
+    message naming it where it is missing or of another length."""
+    v = meta.get(f"{ASSISTANT_ARCH}.{key}")
+    if v is None:
+        return f"{ASSISTANT_ARCH}.{key} is missing"
+    if not hasattr(v, "__len__"):
+        return [int(v)] * n_layers
+    xs = [int(x) for x in v]  # an array (read as a list or a NumPy array)
+    return xs if len(xs) == n_layers else f"{ASSISTANT_ARCH}.{key} has {len(xs)} entries for {n_layers} layers"
+
+
+def _assistant_tensors_mismatch(hdr: GgufHeader, target_width: int, n_vocab: int) -> str | None:
+    """The first tensor of the assistant file that is missing or has another shape than its
+    metadata implies (as llama.cpp's gemma4-assistant loader creates them), named; else None."""
+    meta, a = hdr.metadata, ASSISTANT_ARCH
+    n_layers = int(meta.get(f"{a}.nextn_predict_layers") or meta.get(f"{a}.block_count") or 0)
+    if n_layers <= 0:
+        return f"{a}.nextn_predict_layers (or block_count) is missing or 0: it has no layers"
+    width = int(meta.get(f"{a}.embedding_length", 0))
+    raw = meta.get(f"{a}.attention.sliding_window_pattern")
+    pattern = [bool(x) for x in raw] if hasattr(raw, "__len__") and not isinstance(raw, str) else []
+    if len(pattern) < n_layers:
+        return f"{a}.attention.sliding_window_pattern is missing or shorter than its {n_layers} layers"
+    heads, ffs = _per_layer(meta, "attention.head_count", n_layers), _per_layer(meta, "feed_forward_length", n_layers)
+    for v in (heads, ffs):
+        if isinstance(v, str):
+            return v
+    assert isinstance(heads, list) and isinstance(ffs, list)
+    hd_full = int(meta.get(f"{a}.attention.key_length", 0))
+    hd_swa = int(meta.get(f"{a}.attention.key_length_swa", hd_full))
+    want: dict[str, list[int]] = {
+        "token_embd.weight": [width, n_vocab],
+        "output_norm.weight": [width],
+        "nextn.pre_projection.weight": [2 * target_width, width],
+        "nextn.post_projection.weight": [width, target_width],
+    }
+    for i in range(n_layers):
+        hd, p = hd_swa if pattern[i] else hd_full, f"blk.{i}."
+        want |= {
+            p + "attn_norm.weight": [width],
+            p + "attn_q.weight": [width, hd * heads[i]],
+            p + "attn_q_norm.weight": [hd],
+            p + "attn_output.weight": [hd * heads[i], width],
+            p + "post_attention_norm.weight": [width],
+            p + "layer_output_scale.weight": [1],
+            p + "ffn_norm.weight": [width],
+            p + "ffn_gate.weight": [width, ffs[i]],
+            p + "ffn_up.weight": [width, ffs[i]],
+            p + "ffn_down.weight": [ffs[i], width],
+            p + "post_ffw_norm.weight": [width],
+        }
+        if not pattern[i]:
+            want["rope_freqs.weight"] = [hd // 2]
+    have = {t.name: [int(x) for x in t.shape] for t in hdr.tensors}
+    for name, shape in want.items():
+        if name not in have:
+            return f"its tensor '{name}' is missing"
+        if have[name] != shape:
+            return f"its tensor '{name}' is {'x'.join(map(str, have[name]))}; its metadata implies {'x'.join(map(str, shape))}"
     return None
 
 
