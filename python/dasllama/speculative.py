@@ -214,8 +214,8 @@ def _assistant_tensors_mismatch(hdr: GgufHeader, target_width: int, n_vocab: int
     if n_layers <= 0:
         return f"{a}.nextn_predict_layers (or block_count) is missing or 0: it has no layers"
     width = int(meta.get(f"{a}.embedding_length", 0))
-    raw = meta.get(f"{a}.attention.sliding_window_pattern")
-    pattern = [bool(x) for x in raw] if hasattr(raw, "__len__") and not isinstance(raw, str) else []
+    raw: Any = meta.get(f"{a}.attention.sliding_window_pattern")
+    pattern = [bool(x) for x in raw] if raw is not None and hasattr(raw, "__len__") and not isinstance(raw, str) else []
     if len(pattern) < n_layers:
         return f"{a}.attention.sliding_window_pattern is missing or shorter than its {n_layers} layers"
     heads, ffs = _per_layer(meta, "attention.head_count", n_layers), _per_layer(meta, "feed_forward_length", n_layers)
