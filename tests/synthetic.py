@@ -440,6 +440,99 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "expert_shared_feed_forward_length": 512,
         },
     ),
+    # Gemma 4, dense (the 12B/31B shape): sliding layers of 4 query and 2 K/V heads of 64, a
+    # full layer of 4 and 1 of 128 whose V is its K (no attn_v); NEOX RoPE, the full layer's
+    # p-RoPE turning 16 of its 64 pairs (`rope_freqs`: the rest divided by 1e30), bases 1e6 and
+    # 1e4; Q/K norms with weights, V norms without, unscaled scores, a window of 6, sandwich
+    # norms, each layer's output scaled (`layer_output_scale`), GELU, logits soft-capped at 10.
+    "gemma4": dict(
+        arch="gemma4",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        layers=4,
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q8_0),
+        gemma4=dict(swa=[True, True, False, True], full_hd=128, full_kv=1, k_eq_v=True, rot=16),
+        meta={
+            "attention.sliding_window_pattern": [True, True, False, True],
+            "attention.sliding_window": 6,
+            "attention.head_count_kv": [2, 2, 1, 2],
+            "attention.key_length": 128,
+            "attention.value_length": 128,
+            "attention.key_length_swa": 64,
+            "attention.value_length_swa": 64,
+            "rope.dimension_count": 128,
+            "rope.dimension_count_swa": 64,
+            "rope.freq_base": 1000000.0,
+            "rope.freq_base_swa": 10000.0,
+            "embedding_length_per_layer_input": 0,
+            "final_logit_softcapping": 10.0,
+        },
+    ),
+    # Gemma 4 26B-A4B's FFN on the dense shape's attention (V of its own here): every layer a
+    # dense GELU GLU of 512 beside 8 routed experts of 256 (top 2): the router reads the residual
+    # normed without a weight, scaled by 1/sqrt(dim) and `ffn_gate_inp.scale`; softmax scores,
+    # renormalised, each expert's output scaled by `ffn_down_exps.scale`; pre_ffw_norm_2,
+    # post_ffw_norm_1 and _2 around the two halves.
+    "gemma4-moe": dict(
+        arch="gemma4",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        layers=3,
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q8_0),
+        gemma4=dict(swa=[True, False, True], full_hd=128, full_kv=1, k_eq_v=False, rot=16),
+        moe=dict(n=8, used=2, hidden=256),
+        meta={
+            "attention.sliding_window_pattern": [True, False, True],
+            "attention.sliding_window": 6,
+            "attention.head_count_kv": [2, 1, 2],
+            "attention.key_length": 128,
+            "attention.value_length": 128,
+            "attention.key_length_swa": 64,
+            "attention.value_length_swa": 64,
+            "rope.dimension_count": 128,
+            "rope.dimension_count_swa": 64,
+            "rope.freq_base": 1000000.0,
+            "rope.freq_base_swa": 10000.0,
+            "embedding_length_per_layer_input": 0,
+            "expert_count": 8,
+            "expert_used_count": 2,
+            "expert_feed_forward_length": 256,
+        },
+    ),
+    # Gemma 4 E-series (E2B/E4B): per-layer embeddings of 32 values a layer, the last 2 of 5
+    # layers reading the K/V of the last earlier layer of their kind (their file has no attn_k or
+    # attn_v), those two twice as wide in their FFN (`feed_forward_length` per layer).
+    "gemma4-e": dict(
+        arch="gemma4",
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        layers=5,
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q8_0),
+        gemma4=dict(swa=[True, True, False, True, False], full_hd=128, full_kv=1, k_eq_v=False, rot=16, ple=32, shared=2, hidden=[512, 512, 512, 1024, 1024]),
+        meta={
+            "attention.sliding_window_pattern": [True, True, False, True, False],
+            "attention.sliding_window": 6,
+            "attention.head_count_kv": [2, 2, 1, 2, 1],
+            "attention.key_length": 128,
+            "attention.value_length": 128,
+            "attention.key_length_swa": 64,
+            "attention.value_length_swa": 64,
+            "rope.dimension_count": 128,
+            "rope.dimension_count_swa": 64,
+            "rope.freq_base": 1000000.0,
+            "rope.freq_base_swa": 10000.0,
+            "embedding_length_per_layer_input": 32,
+            "attention.shared_kv_layers": 2,
+            "feed_forward_length": [512, 512, 512, 1024, 1024],
+            "final_logit_softcapping": 10.0,
+        },
+    ),
 }
 
 
@@ -633,6 +726,9 @@ def write_family(
         if "glm" in f:
             _glm_block(f, p, i >= f["glm"]["lead"], mat, stack, vec, qd, kvd, hd)
             continue
+        if "gemma4" in f:
+            _gemma4_block(f, i, mat, stack, vec, put, weights)
+            continue
         if "hybrid" in f:
             # Gated attention: each head's queries, then its gate, in the Q projection.
             mat(p + "attn_q.weight", 2 * qd, DIM)
@@ -688,6 +784,8 @@ def write_family(
         weights["rope_factors_long.weight"], weights["rope_factors_short.weight"] = long, short
         put("rope_factors_long.weight", long)
         put("rope_factors_short.weight", short)
+    if "gemma4" in f:
+        _gemma4_globals(f, layers, mat, vec, put, weights)
     vec("output_norm.weight", DIM)
     if f.get("output"):
         mat("output.weight", len(VOCAB), DIM, *f["output"])
@@ -727,6 +825,145 @@ def write_family(
         wr.write_tensors_to_file()
         wr.close()
     return weights
+
+
+def _gemma4_heads(f: dict[str, Any], i: int) -> tuple[int, int, int]:
+    """Layer ``i`` of a gemma4 family: (query heads, K/V heads, head size)."""
+    g = f["gemma4"]
+    return (f["heads"], f["kv_heads"], f["head_dim"]) if g["swa"][i] else (f["heads"], g["full_kv"], g["full_hd"])
+
+
+def _gemma4_block(f: dict[str, Any], i: int, mat: Any, stack: Any, vec: Any, put: Any, weights: dict[str, np.ndarray]) -> None:
+    """A gemma4 block after its `attn_norm`: attention (no K/V where the layer reads an earlier
+    one's, no V on a full layer of a k_eq_v family), Q/K norms, sandwich norms, the FFN (a GELU GLU,
+    beside routed experts where the family has them), per-layer embedding weights, the output scale."""
+    g, p = f["gemma4"], f"blk.{i}."
+    heads, kvh, hd = _gemma4_heads(f, i)
+    own_kv = i < f.get("layers", LAYERS) - g.get("shared", 0)
+    mat(p + "attn_q.weight", heads * hd, DIM)
+    if own_kv:
+        mat(p + "attn_k.weight", kvh * hd, DIM)
+        if not (g["k_eq_v"] and not g["swa"][i]):
+            mat(p + "attn_v.weight", kvh * hd, DIM)
+    vec(p + "attn_q_norm.weight", hd, 0.5, 0.1)
+    if own_kv:
+        vec(p + "attn_k_norm.weight", hd, 0.5, 0.1)
+    mat(p + "attn_output.weight", DIM, heads * hd)
+    vec(p + "post_attention_norm.weight", DIM)
+    vec(p + "ffn_norm.weight", DIM)
+    hidden = g.get("hidden", [HIDDEN] * f.get("layers", LAYERS))[i]
+    mat(p + "ffn_gate.weight", hidden, DIM)
+    mat(p + "ffn_up.weight", hidden, DIM)
+    mat(p + "ffn_down.weight", DIM, hidden)
+    if "moe" in f:
+        e = f["moe"]
+        mat(p + "ffn_gate_inp.weight", e["n"], DIM, 0.5, QT.F32)
+        vec(p + "ffn_gate_inp.scale", DIM, 1.0, 0.3)
+        vec(p + "pre_ffw_norm_2.weight", DIM)
+        vec(p + "post_ffw_norm_1.weight", DIM)
+        vec(p + "post_ffw_norm_2.weight", DIM)
+        stack(p + "ffn_gate_exps.weight", e["n"], e["hidden"], DIM)
+        stack(p + "ffn_up_exps.weight", e["n"], e["hidden"], DIM)
+        stack(p + "ffn_down_exps.weight", e["n"], DIM, e["hidden"])
+        vec(p + "ffn_down_exps.scale", e["n"], 1.0, 0.3)
+    vec(p + "post_ffw_norm.weight", DIM)
+    if g.get("ple"):
+        mat(p + "inp_gate.weight", g["ple"], DIM, 0.08, QT.Q8_0)
+        mat(p + "proj.weight", DIM, g["ple"], 0.08, QT.F16)
+        vec(p + "post_norm.weight", DIM)
+    vec(p + "layer_output_scale.weight", 1, 0.8, 0.1)
+
+
+def _gemma4_globals(f: dict[str, Any], layers: int, mat: Any, vec: Any, put: Any, weights: dict[str, np.ndarray]) -> None:
+    """gemma4's tensors outside the blocks: the full layers' p-RoPE factors (1 on the pairs that
+    turn, 1e30 on the rest, as the converter writes them) and the per-layer embeddings."""
+    g = f["gemma4"]
+    pairs = g["full_hd"] // 2
+    factors = np.array([1.0] * g["rot"] + [1e30] * (pairs - g["rot"]), np.float32)
+    weights["rope_freqs.weight"] = factors
+    put("rope_freqs.weight", factors)
+    if g.get("ple"):
+        mat("per_layer_token_embd.weight", len(VOCAB), layers * g["ple"], 0.5, QT.F16)
+        mat("per_layer_model_proj.weight", layers * g["ple"], DIM, 0.08, QT.Q8_0)
+        vec("per_layer_proj_norm.weight", g["ple"])
+
+
+def _gelu(g: np.ndarray) -> np.ndarray:
+    return 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3)))
+
+
+def _gemma4_logits(W: dict[str, np.ndarray], f: dict[str, Any], meta: dict[str, Any], ids: list[int]) -> np.ndarray:
+    """Float64 forward pass of a gemma4 family, as llama.cpp's gemma4 graph computes it."""
+    g, eps, T = f["gemma4"], meta["attention.layer_norm_rms_epsilon"], len(ids)
+    L = f.get("layers", LAYERS)
+    first_shared = L - g.get("shared", 0)
+
+    def rope(x: np.ndarray, pos: int, swa: bool) -> np.ndarray:
+        rd = meta["rope.dimension_count_swa"] if swa else meta["rope.dimension_count"]
+        base = meta["rope.freq_base_swa"] if swa else meta["rope.freq_base"]
+        theta = pos * base ** (-np.arange(0, rd, 2) / rd)
+        if not swa:
+            theta = theta / W["rope_freqs.weight"][: rd // 2]
+        c, s = np.cos(theta), np.sin(theta)
+        out = x.copy()
+        a, b = x[..., : rd // 2], x[..., rd // 2 : rd]
+        out[..., : rd // 2], out[..., rd // 2 : rd] = a * c - b * s, a * s + b * c
+        return out
+
+    x = W["token_embd.weight"][ids] * np.sqrt(DIM)
+    if g.get("ple"):
+        np_ = g["ple"]
+        tok = W["per_layer_token_embd.weight"][ids].reshape(T, L, np_) * np.sqrt(np_)
+        proj = (x @ W["per_layer_model_proj.weight"].T / np.sqrt(DIM)).reshape(T, L, np_)
+        ple = (_rms(proj, W["per_layer_proj_norm.weight"], eps) + tok) / np.sqrt(2)
+    kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for i in range(L):
+        p, swa = f"blk.{i}.", g["swa"][i]
+        H, KVH, HD = _gemma4_heads(f, i)
+        h = _rms(x, W[p + "attn_norm.weight"], eps)
+        q = _rms((h @ W[p + "attn_q.weight"].T).reshape(T, H, HD), W[p + "attn_q_norm.weight"], eps)
+        q = np.stack([rope(q[t], t, swa) for t in range(T)])
+        if i < first_shared:
+            kraw = (h @ W[p + "attn_k.weight"].T).reshape(T, KVH, HD)
+            vraw = (h @ W[p + "attn_v.weight"].T).reshape(T, KVH, HD) if p + "attn_v.weight" in W else kraw
+            k = np.stack([rope(kk, t, swa) for t, kk in enumerate(_rms(kraw, W[p + "attn_k_norm.weight"], eps))])
+            kv[i] = (k, _rms(vraw, 1.0, eps))
+            k, v = kv[i]
+        else:
+            k, v = kv[first_shared - (2 if swa else 1)]
+        window = meta["attention.sliding_window"] if swa else 0
+        att = np.zeros((T, H, HD))
+        for t in range(T):
+            lo = max(0, t - window + 1) if window else 0
+            for hh in range(H):
+                sc = k[lo : t + 1, hh // (H // KVH)] @ q[t, hh]
+                pr = np.exp(sc - sc.max())
+                att[t, hh] = (pr / pr.sum()) @ v[lo : t + 1, hh // (H // KVH)]
+        x = x + _rms(att.reshape(T, -1) @ W[p + "attn_output.weight"].T, W[p + "post_attention_norm.weight"], eps)
+        hf = _rms(x, W[p + "ffn_norm.weight"], eps)
+        d = (_gelu(hf @ W[p + "ffn_gate.weight"].T) * (hf @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
+        if "moe" in f:
+            e = f["moe"]
+            d = _rms(d, W[p + "post_ffw_norm_1.weight"], eps)
+            logits = (_rms(x, 1.0, eps) / np.sqrt(DIM) * W[p + "ffn_gate_inp.scale"]) @ W[p + "ffn_gate_inp.weight"].T
+            probs = np.exp(logits - logits.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            hm = _rms(x, W[p + "pre_ffw_norm_2.weight"], eps)
+            routed = np.zeros_like(x)
+            for t in range(T):
+                top = np.argsort(-probs[t], kind="stable")[: e["used"]]
+                for xx, wx in zip(top, probs[t, top] / probs[t, top].sum(), strict=True):
+                    gx = _gelu(hm[t] @ W[p + "ffn_gate_exps.weight"][xx].T) * (hm[t] @ W[p + "ffn_up_exps.weight"][xx].T)
+                    routed[t] += wx * W[p + "ffn_down_exps.scale"][xx] * (gx @ W[p + "ffn_down_exps.weight"][xx].T)
+            d = d + _rms(routed, W[p + "post_ffw_norm_2.weight"], eps)
+        x = x + _rms(d, W[p + "post_ffw_norm.weight"], eps)
+        if g.get("ple"):
+            gate = _gelu(x @ W[p + "inp_gate.weight"].T) * ple[:, i]
+            x = x + _rms(gate @ W[p + "proj.weight"].T, W[p + "post_norm.weight"], eps)
+        x = x * W[p + "layer_output_scale.weight"][0]
+    out = _rms(x, W["output_norm.weight"], eps) @ W.get("output.weight", W["token_embd.weight"]).T
+    cap = meta.get("final_logit_softcapping")
+    return cap * np.tanh(out / cap) if cap else out
 
 
 def _glm_block(f: dict[str, Any], p: str, routed: bool, mat: Any, stack: Any, vec: Any, qd: int, kvd: int, hd: int) -> None:
@@ -818,6 +1055,8 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
     """Float64 forward pass of ``write_family(name)``'s weights; logits after each position."""
     f = FAMILIES[name]
     meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {})}
+    if "gemma4" in f:
+        return _gemma4_logits({k: v.astype(np.float64) for k, v in wt.items()}, f, meta, ids)
     arch, H, KVH, HD = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
     qd, kvd = H * HD, KVH * HD
     eps = meta["attention.layer_norm_rms_epsilon"]

@@ -195,7 +195,18 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
 
 
 @needs_device
-@pytest.mark.parametrize("name, why", [("qwen3moe", "experts"), ("qwen35", "recurrent"), ("mistral3", "temperature_scale")])
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("qwen3moe", "experts"),
+        ("qwen35", "recurrent"),
+        ("mistral3", "temperature_scale"),
+        # Gemma 4: sliding and full layers of different heads; the E-series' per-layer embeddings.
+        ("gemma4", "layer 0 has heads of its own (4 of 64 values, the model's 4 of 128)"),
+        ("gemma4-moe", "heads of its own"),
+        ("gemma4-e", "per-layer embeddings"),
+    ],
+)
 def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why: str) -> None:
     """A MoE or a DeltaNet hybrid, which the resident driver declines, goes on the per-op rails:
     capture says "gpu:rails", the decline says why not resident, there are no device regions,

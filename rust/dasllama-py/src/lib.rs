@@ -294,7 +294,7 @@ fn create_kv_pool(py: Python<'_>, m: &PyModel, page_rows: usize, max_pages: usiz
     let geo = m.inner.kv_geometry(page_rows, codec(kv_dtype)?);
     let model = &m.inner;
     let inner = native(py, "create_kv_pool", || {
-        model.check_kv(geo)?;
+        model.check_kv(&geo)?;
         KvPool::new(geo, max_pages, 0)
     })?;
     Ok(PyKvPool { model: m.inner.clone(), inner })

@@ -39,7 +39,7 @@ impl Session {
 
     /// A session whose KV pages come from `pool`.
     pub fn paged(m: &Model, pool: &KvPool) -> Result<Self> {
-        m.check_kv(pool.geometry())?;
+        m.check_kv(&pool.geometry())?;
         Ok(Self::with_kv(m, KvCache::paged(pool)))
     }
 

@@ -164,6 +164,9 @@ pub struct Rope {
     pub yarn: Option<[f32; 2]>,
     /// M-RoPE sections (`rope.dimension_sections`): which position axis each pair reads.
     pub mrope: Option<Mrope>,
+    /// Divide the angles by the model's frequency factors (`Config::rope_factors`) where it has
+    /// them: every layer's RoPE but gemma4's sliding layers', which the file's `rope_freqs` is not for.
+    pub factors: bool,
 }
 
 /// The pairs' position axes of a multi-axis RoPE, as ggml's `ggml_mrope_cache_init` assigns them.
@@ -205,6 +208,7 @@ impl Mrope {
 /// unscaled angle along its ramp), its sine and cosine by `mscale`. A text token's pairs on the
 /// fourth M-RoPE axis see position 0.
 pub fn rope_cache(r: &Rope, pos: usize, factors: Option<&[f32]>, out: &mut Vec<(f32, f32)>) {
+    let factors = factors.filter(|_| r.factors);
     let theta_scale = r.base.powf(-2.0 / r.dim as f32);
     let (mut theta, mut theta_e) = (pos as f32, 0.0f32);
     out.clear();

@@ -382,7 +382,7 @@ mod tests {
     #[test]
     fn rope_cache_scaling_is_the_identity_when_off_and_divides_angles_when_on() {
         let (mut a, mut b) = (Vec::new(), Vec::new());
-        let r = Rope { dim: 64, base: 10000.0, neox: true, freq_scale: 1.0, mscale: 1.0, yarn: None, mrope: None };
+        let r = Rope { dim: 64, base: 10000.0, neox: true, freq_scale: 1.0, mscale: 1.0, yarn: None, mrope: None, factors: true };
         rope_cache(&r, 37, None, &mut a);
         let theta_scale = 10000f32.powf(-2.0 / 64.0);
         let mut theta = 37.0f32;

@@ -83,28 +83,74 @@ impl Page {
 }
 
 /// Geometry shared by a pool and its sessions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Geometry {
     pub n_layers: usize,
     pub kv_dim: usize,
     pub head_dim: usize,
     pub page_rows: usize,
     pub codec: KvCodec,
+    /// Each K/V slot's own heads where slots differ (gemma4's sliding and full layers); None:
+    /// every slot holds `kv_dim / head_dim` heads of `head_dim`.
+    pub slots: Option<Arc<[Slot]>>,
+}
+
+/// One layer's K/V in a page of a geometry whose layers differ: `n_kv_heads` heads of
+/// `head_dim`, K then V, from byte `offset` of the page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub head_dim: usize,
+    pub n_kv_heads: usize,
+    offset: usize,
 }
 
 impl Geometry {
-    fn head_bytes(&self) -> usize {
-        self.codec.bytes(self.head_dim)
+    /// A page of layers with their own (head_dim, n_kv_heads) each, laid one after another.
+    pub fn layered(layers: &[(usize, usize)], page_rows: usize, codec: KvCodec) -> Geometry {
+        let mut offset = 0;
+        let slots: Arc<[Slot]> = layers
+            .iter()
+            .map(|&(head_dim, n_kv_heads)| {
+                let s = Slot { head_dim, n_kv_heads, offset };
+                offset += 2 * page_rows * n_kv_heads * codec.bytes(head_dim);
+                s
+            })
+            .collect();
+        let (head_dim, n) = layers.iter().copied().max_by_key(|&(hd, n)| hd * n).unwrap_or((0, 0));
+        Geometry { n_layers: layers.len(), kv_dim: head_dim * n, head_dim, page_rows, codec, slots: Some(slots) }
+    }
+
+    /// Slot `il`'s (head_dim, n_kv_heads).
+    pub fn heads(&self, il: usize) -> (usize, usize) {
+        match &self.slots {
+            Some(s) => (s[il].head_dim, s[il].n_kv_heads),
+            None => (self.head_dim, self.kv_dim / self.head_dim),
+        }
+    }
+    fn head_bytes(&self, il: usize) -> usize {
+        self.codec.bytes(self.heads(il).0)
     }
     /// Bytes of one page: every layer's K and V rows.
     pub fn page_bytes(&self) -> usize {
-        self.n_layers * 2 * self.page_rows * self.codec.bytes(self.kv_dim)
+        match &self.slots {
+            Some(s) => s.iter().map(|s| 2 * self.page_rows * s.n_kv_heads * self.codec.bytes(s.head_dim)).sum(),
+            None => self.n_layers * 2 * self.page_rows * self.codec.bytes(self.kv_dim),
+        }
     }
     /// Byte offset of (layer, K or V, KV head, row) inside a page. A head's rows are contiguous,
     /// so attention reads each head as one sequential stream the hardware prefetches.
     fn at(&self, il: usize, v: bool, h: usize, row: usize) -> usize {
-        let heads = self.kv_dim / self.head_dim;
-        (((il * 2 + v as usize) * heads + h) * self.page_rows + row) * self.head_bytes()
+        match &self.slots {
+            Some(s) => {
+                let s = s[il];
+                let hb = self.codec.bytes(s.head_dim);
+                s.offset + ((v as usize * s.n_kv_heads + h) * self.page_rows + row) * hb
+            }
+            None => {
+                let heads = self.kv_dim / self.head_dim;
+                (((il * 2 + v as usize) * heads + h) * self.page_rows + row) * self.head_bytes(il)
+            }
+        }
     }
 }
 
@@ -170,7 +216,7 @@ impl KvPool {
     }
 
     pub fn geometry(&self) -> Geometry {
-        self.0.geo
+        self.0.geo.clone()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
@@ -294,7 +340,7 @@ impl KvPool {
 
     pub fn stats(&self) -> PoolStats {
         let st = self.lock();
-        let geo = self.0.geo;
+        let geo = &self.0.geo;
         let cached_in_use = st.cache.values().filter(|e| Arc::strong_count(&e.page) > 1).count();
         let live = st.created as usize - st.free.len();
         let bytes_per_page = geo.page_bytes();
@@ -397,7 +443,8 @@ impl LayerView<'_> {
     /// K (or V) of KV head `h` at positions `from..to`, as runs of consecutive rows that share a
     /// page: (first position of the run, the run's bytes, contiguous).
     pub fn rows(&self, v: bool, h: usize, from: usize, to: usize) -> impl Iterator<Item = (usize, &[u8])> + '_ {
-        let g = self.cache.geo;
+        let g = &self.cache.geo;
+        let hb = g.head_bytes(self.il);
         let mut pos = from;
         std::iter::from_fn(move || {
             if pos >= to {
@@ -405,7 +452,7 @@ impl LayerView<'_> {
             }
             let end = to.min((pos / g.page_rows + 1) * g.page_rows);
             let at = g.at(self.il, v, h, pos % g.page_rows);
-            let run = (pos, &self.cache.pages[pos / g.page_rows].data()[at..at + (end - pos) * g.head_bytes()]);
+            let run = (pos, &self.cache.pages[pos / g.page_rows].data()[at..at + (end - pos) * hb]);
             pos = end;
             Some(run)
         })
@@ -553,15 +600,16 @@ impl KvCache {
 
     /// Write rows for layer `il` at positions len.. (made exclusive by `reserve`).
     pub(crate) fn append(&mut self, il: usize, k: &[f32], v: &[f32]) {
-        let g = self.geo;
-        for (j, (kr, vr)) in k.chunks_exact(g.kv_dim).zip(v.chunks_exact(g.kv_dim)).enumerate() {
+        let g = &self.geo;
+        let (hd, heads) = g.heads(il);
+        for (j, (kr, vr)) in k.chunks_exact(hd * heads).zip(v.chunks_exact(hd * heads)).enumerate() {
             let pos = self.len + j;
             let page = &self.pages[pos / g.page_rows];
             assert_eq!(Arc::strong_count(page), 1, "writing into a shared KV page");
             // SAFETY: the assert above: this session holds the only reference to the page.
             let data = unsafe { page.data_mut() };
-            let (row, hb) = (pos % g.page_rows, g.head_bytes());
-            for (h, (kh, vh)) in kr.chunks_exact(g.head_dim).zip(vr.chunks_exact(g.head_dim)).enumerate() {
+            let (row, hb) = (pos % g.page_rows, g.head_bytes(il));
+            for (h, (kh, vh)) in kr.chunks_exact(hd).zip(vr.chunks_exact(hd)).enumerate() {
                 let (ka, va) = (g.at(il, false, h, row), g.at(il, true, h, row));
                 g.codec.encode(kh, &mut data[ka..ka + hb]);
                 g.codec.encode(vh, &mut data[va..va + hb]);
@@ -611,7 +659,7 @@ mod tests {
     use super::*;
 
     fn fill(kv: &mut KvCache, n: usize, base: f32) {
-        let g = kv.geo;
+        let g = kv.geo.clone();
         let len = kv.len();
         kv.reserve(len + n).unwrap();
         for il in 0..g.n_layers {
@@ -623,7 +671,7 @@ mod tests {
 
     #[test]
     fn shared_pages_are_copied_before_a_write_and_slots_come_back() {
-        let geo = Geometry { n_layers: 2, kv_dim: 4, head_dim: 4, page_rows: 4, codec: KvCodec::F16 };
+        let geo = Geometry { n_layers: 2, kv_dim: 4, head_dim: 4, page_rows: 4, codec: KvCodec::F16, slots: None };
         let pool = KvPool::new(geo, 8, 0).unwrap();
         let mut a = KvCache::paged(&pool);
         fill(&mut a, 8, 1.0);
@@ -651,8 +699,31 @@ mod tests {
     }
 
     #[test]
+    fn layers_of_their_own_heads_keep_their_rows_apart() {
+        // Slot 0: 2 heads of 4; slot 1: 1 head of 8 (gemma4's sliding and full layers).
+        let geo = Geometry::layered(&[(4, 2), (8, 1)], 2, KvCodec::F16);
+        assert_eq!(geo.page_bytes(), 2 * 2 * (8 + 8) * 2);
+        let mut kv = KvCache::private(geo);
+        kv.reserve(3).unwrap();
+        let a: Vec<f32> = (0..3 * 8).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..3 * 8).map(|i| 100.0 + i as f32).collect();
+        kv.append(0, &a, &b);
+        kv.append(1, &b, &a);
+        kv.commit(3);
+        let row = |il: usize, v: bool, h: usize, pos: usize, n: usize| {
+            let mut out = vec![0.0f32; n];
+            KvCodec::F16.decode(kv.layer(il).rows(v, h, pos, pos + 1).next().unwrap().1, &mut out);
+            out
+        };
+        assert_eq!(row(0, false, 1, 2, 4), [20.0, 21.0, 22.0, 23.0]);
+        assert_eq!(row(0, true, 0, 1, 4), [108.0, 109.0, 110.0, 111.0]);
+        assert_eq!(row(1, false, 0, 2, 8), (116..124).map(|i| i as f32).collect::<Vec<_>>());
+        assert_eq!(row(1, true, 0, 0, 8), (0..8).map(|i| i as f32).collect::<Vec<_>>());
+    }
+
+    #[test]
     fn a_full_pool_evicts_cached_pages_then_refuses() {
-        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 2, codec: KvCodec::F16 };
+        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 2, codec: KvCodec::F16, slots: None };
         let pool = KvPool::new(geo, 2, 0).unwrap();
         let mut a = KvCache::paged(&pool);
         fill(&mut a, 4, 0.0);
@@ -667,7 +738,7 @@ mod tests {
 
     #[test]
     fn a_recurrent_state_goes_back_by_replaying_the_last_pass() {
-        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16 };
+        let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16, slots: None };
         let mut kv = KvCache::private(geo).with_recurrent(vec![(2, 3)]);
         // Each pass writes its state as the copy it does not read; `committed` reads it back.
         let pass = |kv: &mut KvCache, rows: usize, mark: f32, journal: bool| {

@@ -15,6 +15,7 @@ static REGISTRY: &[ArchDesc] = &[
     ArchDesc { name: "mistral3", configure: super::mistral3::configure },
     ArchDesc { name: "gemma2", configure: super::gemma2::configure },
     ArchDesc { name: "gemma3", configure: super::gemma3::configure },
+    ArchDesc { name: "gemma4", configure: super::gemma4::configure },
     ArchDesc { name: "glm4moe", configure: super::glm4moe::configure },
     ArchDesc { name: "phi3", configure: super::phi3::configure },
     ArchDesc { name: "qwen2", configure: super::qwen2::configure },

@@ -12,6 +12,17 @@ use crate::{Error, Result};
 #[derive(Clone, Debug, PartialEq)]
 pub struct Attention {
     pub rope: Rope,
+    /// This layer's own head geometry where it differs from the model's (`Config::n_heads`,
+    /// `n_kv_heads`, `head_dim`): gemma4's full-attention layers.
+    pub heads: Option<Heads>,
+    /// RMS-norm each value head, without a weight (gemma4).
+    pub v_norm: bool,
+    /// A file without `attn_v` for this layer takes K's projection as V (gemma4's
+    /// `attention_k_eq_v`); elsewhere `attn_v` is required.
+    pub v_optional: bool,
+    /// Read the K/V of that earlier layer instead of keeping any (gemma4's E-series: the last
+    /// `attention.shared_kv_layers` layers project queries only).
+    pub kv_from: Option<usize>,
     /// Keys older than this many positions are not attended (0: the whole context).
     pub window: usize,
     /// RMS-norm each query and key head (weights `attn_q_norm`, `attn_k_norm`).
@@ -35,6 +46,23 @@ pub struct Attention {
     pub temp: Option<AttnTemp>,
 }
 
+/// A layer's attention heads: `n_heads` query heads and `n_kv_heads` K/V heads of `head_dim`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Heads {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Heads {
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
 /// Queries at position p are multiplied by 1 + scale * ln(floor(p / floor) + 1), as llama.cpp's
 /// `llm_graph_input_attn_temp` computes it (in f64, rounded to f32): 1 in the first `floor`
 /// positions.
@@ -56,6 +84,10 @@ impl Attention {
     pub(crate) fn plain(s: &Shared) -> Attention {
         Attention {
             rope: s.rope,
+            heads: None,
+            v_norm: false,
+            v_optional: false,
+            kv_from: None,
             window: 0,
             qk_norm: false,
             qk_norm_if_present: false,
@@ -67,12 +99,18 @@ impl Attention {
         }
     }
 
+    /// This layer's heads: its own, or the model's.
+    pub fn heads(&self, c: &Config) -> Heads {
+        self.heads.unwrap_or(Heads { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim })
+    }
+
     /// What the backend needs to know of this layer's attention.
     pub fn shape(&self, c: &Config) -> AttnShape {
+        let h = self.heads(c);
         AttnShape {
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
+            n_heads: h.n_heads,
+            n_kv_heads: h.n_kv_heads,
+            head_dim: h.head_dim,
             window: self.window,
             scale: self.scale,
             scale_query: self.scale_query,
@@ -152,6 +190,13 @@ pub enum Ffn {
         scale: f32,
         shared_gated: bool,
     },
+    /// gemma4's 26B-A4B: a dense GLU (`ffn_gate`/`ffn_up`/`ffn_down` of width `hidden`, input
+    /// normed by `ffn_norm`, output by `post_ffw_norm_1`) beside routed experts (input normed by
+    /// `pre_ffw_norm_2`, output by `post_ffw_norm_2`), their sum normed by `post_ffw_norm`. The
+    /// router reads the residual RMS-normed without a weight, scaled by 1/sqrt(dim) and by
+    /// `ffn_gate_inp.scale`; softmax scores, the `n_used` best renormalised, each expert's output
+    /// scaled by its `ffn_down_exps.scale` where the file has it. `act` is every GLU's.
+    DenseMoe { hidden: usize, n_expert: usize, n_used: usize, expert_hidden: usize, act: Activation },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -185,6 +230,9 @@ pub struct Config {
     /// The tensor (`blk.N.<name>.weight`) that norms the FFN's input: `ffn_norm`, or
     /// `post_attention_norm` where the family names it so (qwen35, qwen3next).
     pub ffn_norm: &'static str,
+    /// Values of each layer's own input per token (gemma4's per-layer embeddings,
+    /// `embedding_length_per_layer_input`; 0: none).
+    pub per_layer_input: usize,
     pub layers: Vec<LayerDesc>,
     /// The MTP (NextN) blocks the file declares after the trunk's (`nextn_predict_layers`):
     /// blocks n_layers.., which the forward pass does not run (`model::mtp`).
@@ -199,18 +247,33 @@ impl Config {
         self.n_kv_heads * self.head_dim
     }
 
-    /// Where layer `il` keeps its K/V in a session's pages: its index among the attention layers
-    /// (pages hold attention layers only; a recurrent layer keeps its state beside them).
+    /// Where layer `il` keeps its K/V in a session's pages: its index among the layers that keep
+    /// K/V (pages hold attention layers only; a recurrent layer keeps its state beside them, and a
+    /// layer that reads an earlier layer's K/V reads that layer's slot).
     pub fn kv_slot(&self, il: usize) -> Option<usize> {
-        match self.layers[il].mixer {
-            Mixer::Attention(_) => Some(self.layers[..il].iter().filter(|l| matches!(l.mixer, Mixer::Attention(_))).count()),
+        match &self.layers[il].mixer {
+            Mixer::Attention(Attention { kv_from: Some(src), .. }) => self.kv_slot(*src),
+            Mixer::Attention(_) => Some(self.layers[..il].iter().filter(|l| keeps_kv(l)).count()),
             Mixer::DeltaNet(_) => None,
         }
     }
 
     /// How many layers keep K/V.
     pub fn kv_layers(&self) -> usize {
-        self.layers.iter().filter(|l| matches!(l.mixer, Mixer::Attention(_))).count()
+        self.layers.iter().filter(|l| keeps_kv(l)).count()
+    }
+
+    /// The heads of each layer that keeps K/V, in slot order, where they differ between layers
+    /// (None: every slot has the model's).
+    pub fn kv_heads(&self) -> Option<Vec<Heads>> {
+        let h: Vec<Heads> =
+            self.layers.iter().filter(|l| keeps_kv(l)).filter_map(|l| if let Mixer::Attention(a) = &l.mixer { Some(a.heads(self)) } else { None }).collect();
+        h.iter().any(|x| x.kv_dim() != self.kv_dim() || x.head_dim != self.head_dim).then_some(h)
+    }
+
+    /// Every attention layer's heads (the model's and those of layers with their own).
+    pub fn all_heads(&self) -> Vec<Heads> {
+        self.layers.iter().filter_map(|l| if let Mixer::Attention(a) = &l.mixer { Some(a.heads(self)) } else { None }).collect()
     }
 
     /// Where layer `il` keeps its recurrent state in a session: its index among the DeltaNet layers.
@@ -262,6 +325,7 @@ impl Config {
             .map(|l| match l.ffn {
                 Ffn::Dense { hidden, .. } => hidden,
                 Ffn::Moe { hidden, shared, .. } => hidden.max(shared.unwrap_or(0)),
+                Ffn::DenseMoe { hidden, expert_hidden, .. } => hidden.max(expert_hidden),
             })
             .max()
             .unwrap_or(0)
@@ -274,11 +338,40 @@ impl Config {
         if self.n_layers > blocks {
             return bad("block_count", format!("is {} but the file holds tensors for {blocks} blocks", self.n_layers));
         }
-        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return bad("attention.head_count_kv", format!("is {}, which does not divide attention.head_count ({})", self.n_kv_heads, self.n_heads));
-        }
-        if self.head_dim < 2 || !self.head_dim.is_multiple_of(2) {
-            return bad("attention.key_length", format!("is {}; a head needs an even size of at least 2", self.head_dim));
+        for (il, l) in self.layers.iter().enumerate() {
+            let a = match &l.mixer {
+                Mixer::Attention(a) => a,
+                Mixer::DeltaNet(_) => continue,
+            };
+            let h = a.heads(self);
+            if !h.n_heads.is_multiple_of(h.n_kv_heads) {
+                return bad("attention.head_count_kv", format!("is {}, which does not divide attention.head_count ({})", h.n_kv_heads, h.n_heads));
+            }
+            // A layer with its own heads has them from the family's own key (gemma4's `_swa`).
+            let hd_key = if a.heads.is_some_and(|x| x.head_dim != self.head_dim) { "attention.key_length_swa" } else { "attention.key_length" };
+            if h.head_dim < 2 || !h.head_dim.is_multiple_of(2) {
+                return bad(hd_key, format!("is {}; a head needs an even size of at least 2", h.head_dim));
+            }
+            if a.rope.dim > h.head_dim || a.rope.dim < 2 || !a.rope.dim.is_multiple_of(2) {
+                return bad("rope.dimension_count", format!("is {}; it must be even, at least 2 and at most the head size {}", a.rope.dim, h.head_dim));
+            }
+            if !(a.rope.base.is_finite() && a.rope.base > 0.0) {
+                return bad("rope.freq_base", format!("gives a RoPE base of {}", a.rope.base));
+            }
+            if let Some(cap) = a.softcap {
+                if !(cap.is_finite() && cap > 0.0) {
+                    return bad("attn_logit_softcapping", format!("is {cap}; it must be a positive number"));
+                }
+            }
+            if let Some(src) = a.kv_from {
+                let owner = match self.layers.get(src).map(|l| &l.mixer) {
+                    Some(Mixer::Attention(s)) if src < il && s.kv_from.is_none() => s,
+                    _ => return Err(Error::Internal(format!("layer {il} of {} reads the K/V of layer {src}, which keeps none before it", self.arch))),
+                };
+                if owner.heads(self) != h {
+                    return Err(Error::Internal(format!("layer {il} of {} reads the K/V of layer {src}, whose heads differ", self.arch)));
+                }
+            }
         }
         if let Some(v) = meta.size("attention.value_length")? {
             if v != self.head_dim {
@@ -289,28 +382,11 @@ impl Config {
                 )));
             }
         }
-        for l in &self.layers {
-            let a = match &l.mixer {
-                Mixer::Attention(a) => a,
-                Mixer::DeltaNet(_) => continue,
-            };
-            if a.rope.dim > self.head_dim || a.rope.dim < 2 || !a.rope.dim.is_multiple_of(2) {
-                return bad("rope.dimension_count", format!("is {}; it must be even, at least 2 and at most the head size {}", a.rope.dim, self.head_dim));
-            }
-            if !(a.rope.base.is_finite() && a.rope.base > 0.0) {
-                return bad("rope.freq_base", format!("gives a RoPE base of {}", a.rope.base));
-            }
-            if let Some(cap) = a.softcap {
-                if !(cap.is_finite() && cap > 0.0) {
-                    return bad("attn_logit_softcapping", format!("is {cap}; it must be a positive number"));
-                }
-            }
-        }
         if self.layers.len() != self.n_layers {
             return Err(Error::Internal(format!("the {} family described {} layers of {}", self.arch, self.layers.len(), self.n_layers)));
         }
         for l in &self.layers {
-            if let Ffn::Moe { n_expert, n_used, .. } = l.ffn {
+            if let Ffn::Moe { n_expert, n_used, .. } | Ffn::DenseMoe { n_expert, n_used, .. } = l.ffn {
                 if n_used == 0 || n_used > n_expert {
                     return bad("expert_used_count", format!("is {n_used}; it must be between 1 and expert_count ({n_expert})"));
                 }
@@ -326,6 +402,11 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Whether a layer keeps K/V of its own in the session's pages.
+fn keeps_kv(l: &LayerDesc) -> bool {
+    matches!(l.mixer, Mixer::Attention(Attention { kv_from: None, .. }))
 }
 
 /// The fields every family reads the same way, with llama's conventions for the rest; a family
@@ -361,21 +442,30 @@ pub(crate) fn base_config(m: &Metadata, arch: &str, layer: impl Fn(usize, &Share
         scale: 1.0 / (head_dim as f32).sqrt(),
         window: m.size("attention.sliding_window")?.unwrap_or(0),
     };
+    let layers = (0..n_layers).map(|il| layer(il, &shared)).collect();
+    bare_config(m, arch, Heads { n_heads, n_kv_heads, head_dim }, layers)
+}
+
+/// A config of these layers and model-wide heads, with the sizes every family reads alike
+/// (`embedding_length`, `context_length`, the norm epsilon) and llama's conventions for the rest:
+/// what a family whose layers `base_config` cannot describe starts from (gemma4).
+pub(crate) fn bare_config(m: &Metadata, arch: &str, heads: Heads, layers: Vec<LayerDesc>) -> Result<Config> {
     Ok(Config {
         arch: arch.into(),
-        dim,
-        n_layers,
-        n_heads,
-        n_kv_heads,
-        head_dim,
+        dim: m.req_positive("embedding_length")?,
+        n_layers: layers.len(),
+        n_heads: heads.n_heads,
+        n_kv_heads: heads.n_kv_heads,
+        head_dim: heads.head_dim,
         vocab_size: 0,
-        seq_len,
+        seq_len: m.req_positive("context_length")?,
         norm_eps: m.positive_or("attention.layer_norm_rms_epsilon", 1e-5)? as f32,
         embed_scale: None,
         final_softcap: None,
         rope_factors: None,
         ffn_norm: "ffn_norm",
-        layers: (0..n_layers).map(|il| layer(il, &shared)).collect(),
+        per_layer_input: 0,
+        layers,
         nextn: Vec::new(),
     })
 }
@@ -414,7 +504,7 @@ pub(crate) fn read_rope(m: &Metadata, dim: usize, n_ctx_train: usize, yarn_keys:
         Some(f) => return Err(Error::Gguf(format!("metadata key '{}' is {f}; it must be greater than 0", m.key("rope.scaling.factor")))),
     };
     let attn_factor = m.positive_or("rope.scaling.attn_factor", 1.0)? as f32;
-    let rope = Rope { dim, base, neox: false, freq_scale: 1.0 / factor, mscale: attn_factor, yarn: None, mrope: None };
+    let rope = Rope { dim, base, neox: false, freq_scale: 1.0 / factor, mscale: attn_factor, yarn: None, mrope: None, factors: true };
     match kind.as_str() {
         "none" => Ok(Rope { freq_scale: 1.0, ..rope }),
         "linear" | "longrope" => Ok(rope),
@@ -642,7 +732,7 @@ mod tests {
         // text token sees position 0 there, so they do not turn; the others turn as plain RoPE.
         let m = Mrope { sections: [24, 20, 20, 0], interleaved: true };
         assert_eq!((0..64).filter(|&i| m.axis(i) == 3).collect::<Vec<_>>(), [61, 62]);
-        let plain = Rope { dim: 128, base: 5e6, neox: true, freq_scale: 1.0, mscale: 1.0, yarn: None, mrope: None };
+        let plain = Rope { dim: 128, base: 5e6, neox: true, freq_scale: 1.0, mscale: 1.0, yarn: None, mrope: None, factors: true };
         let (mut a, mut b) = (Vec::new(), Vec::new());
         crate::backend::rope_cache(&plain, 37, None, &mut a);
         crate::backend::rope_cache(&Rope { mrope: Some(m), ..plain }, 37, None, &mut b);
@@ -657,6 +747,49 @@ mod tests {
         assert!(err("qwen2vl", &[sec(&[8, 8, 8, 0]), ("rope.dimension_count", MetaValue::Int(32))]).contains("'qwen2vl.rope.dimension_count' is 32"));
         let e = err("qwen3vl", &[sec(&[8, 8, 8, 0]), ("n_deepstack_layers", MetaValue::Int(-1))]);
         assert!(e.contains("qwen3vl.n_deepstack_layers"), "{e}");
+    }
+
+    #[test]
+    fn gemma4_layers_have_their_own_heads_ropes_and_kv_sources() {
+        let arr = |v: &[i64]| MetaValue::Array(v.iter().map(|&n| MetaValue::Int(n)).collect());
+        let swa = MetaValue::Array([true, true, false, true].iter().map(|&b| MetaValue::Bool(b)).collect());
+        let keys = |shared: i64| {
+            vec![
+                ("attention.sliding_window_pattern", swa.clone()),
+                ("attention.sliding_window", MetaValue::Int(8)),
+                ("attention.head_count_kv", arr(&[2, 2, 1, 2])),
+                ("attention.key_length", MetaValue::Int(128)),
+                ("attention.key_length_swa", MetaValue::Int(64)),
+                ("rope.dimension_count_swa", MetaValue::Int(64)),
+                ("rope.freq_base", MetaValue::Float(1e6)),
+                ("attention.layer_norm_rms_epsilon", MetaValue::Float(1e-6)),
+                ("embedding_length_per_layer_input", MetaValue::Int(0)),
+                ("attention.shared_kv_layers", MetaValue::Int(shared)),
+                ("feed_forward_length", arr(&[512, 512, 512, 1024])),
+            ]
+        };
+        let c = configure("gemma4", &keys(0)).unwrap();
+        let (a0, a2) = (attn(&c, 0), attn(&c, 2));
+        assert_eq!((c.head_dim, c.n_kv_heads), (128, 1), "the model's heads are its full layers'");
+        assert_eq!(a0.heads, Some(Heads { n_heads: 4, n_kv_heads: 2, head_dim: 64 }));
+        assert_eq!((a2.heads, a0.window, a2.window, a0.scale), (None, 8, 0, 1.0));
+        assert_eq!((a0.rope.dim, a0.rope.base, a0.rope.factors, a2.rope.dim, a2.rope.base, a2.rope.factors), (64, 10_000.0, false, 128, 1e6, true));
+        assert!(a0.v_norm && a0.v_optional && a0.qk_norm && a0.rope.neox);
+        assert!(matches!(c.layers[3].ffn, Ffn::Dense { hidden: 1024, act: Activation::GeluTanh, .. }));
+        assert_eq!((c.kv_layers(), c.kv_heads().unwrap().len()), (4, 4));
+        // The last 2 layers read the K/V of the last earlier layer of their kind (llama.cpp's
+        // reuse: the one before last keeping K/V for a sliding layer, the last for a full one).
+        let e = configure("gemma4", &keys(2)).unwrap_err().to_string();
+        assert!(e.contains("'gemma4.attention.sliding_window_pattern' makes layer 1 sliding but layer 2"), "{e}");
+        let mut alt = keys(2);
+        alt[0].1 = MetaValue::Array([true, false, true, false].iter().map(|&b| MetaValue::Bool(b)).collect());
+        alt[2].1 = arr(&[2, 1, 2, 1]);
+        let c = configure("gemma4", &alt).unwrap();
+        assert_eq!((attn(&c, 2).kv_from, attn(&c, 3).kv_from, c.kv_layers()), (Some(0), Some(1), 2));
+        assert_eq!((c.kv_slot(2), c.kv_slot(3)), (Some(0), Some(1)));
+        c.validate(&meta("gemma4", &alt), 4).unwrap();
+        let e = configure("gemma4", &keys(3)).unwrap_err().to_string();
+        assert!(e.contains("'gemma4.attention.shared_kv_layers' is 3 but the model has 4 layers"), "{e}");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! Multi-token calls (prefill, verify chunks, batches) run every matmul as one GEMM over all rows.
 
 use super::{BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model, Rope};
+use crate::backend::Gating;
 pub use crate::backend::LogitRows;
 use crate::backend::{host, rope_cache, Activation, DnParams, MatmulOffload, Ops, RopeTable, Route};
 use crate::kv::KvCache;
@@ -28,6 +29,12 @@ pub struct Scratch {
     attn_gate: Vec<f32>,
     dn: DnScratch,
     moe: MoeScratch,
+    /// gemma4: the routed half of a `DenseMoe` FFN and its router's input; every row's
+    /// per-layer inputs (n_layers * per_layer_input each) and one layer's share of them.
+    o2: Vec<f32>,
+    rin: Vec<f32>,
+    ple: Vec<f32>,
+    ple_one: Vec<f32>,
     /// The backend's own buffer (the CPU's quantized activations).
     act: Vec<u8>,
     /// Keep every row's hidden state after the final norm in `hidden` (rows of `dim`, in batch
@@ -52,6 +59,10 @@ impl Scratch {
             attn_gate: Vec::new(),
             dn: DnScratch { qkv: Vec::new(), z: Vec::new(), beta: Vec::new(), alpha: Vec::new(), ba: Vec::new(), out: Vec::new() },
             moe: MoeScratch { route: Vec::new(), rows: Vec::new(), x: Vec::new(), gate: Vec::new(), up: Vec::new(), out: Vec::new() },
+            o2: Vec::new(),
+            rin: Vec::new(),
+            ple: Vec::new(),
+            ple_one: Vec::new(),
             act: Vec::new(),
             keep_hidden: false,
             hidden: Vec::new(),
@@ -142,14 +153,22 @@ struct MoeScratch {
     out: Vec<f32>,
 }
 
+/// How a layer's experts run beyond their routing: the router's input where it is not the
+/// experts' (gemma4), the GLU's activation, and each expert's output scale, if any.
+struct ExpertRun<'a> {
+    router_in: Option<&'a [f32]>,
+    act: Activation,
+    expert_scale: Option<&'a [f32]>,
+}
+
 /// The routed experts of one layer over `n` rows of `h` into `o`: route every row, then run each
 /// chosen expert once over the rows that chose it (gathered into one matrix), adding its output
 /// to theirs with their weights; the shared expert, if any, over every row under its gate.
 #[allow(clippy::too_many_arguments)]
-fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usize, s: &mut MoeScratch, o: &mut Vec<f32>) {
+fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usize, run: &ExpertRun<'_>, s: &mut MoeScratch, o: &mut Vec<f32>) {
     let (n, n_expert, n_used) = (h.len() / d, r.n_expert, r.n_used);
     let logits = grow(&mut s.out, n * n_expert);
-    b.matmul(&mut [(&e.router, logits)], h, &vec![1; n]);
+    b.matmul(&mut [(&e.router, logits)], run.router_in.unwrap_or(h), &vec![1; n]);
     b.route(&s.out[..n * n_expert], r, &mut s.route);
     let o = grow(o, n * d);
     o.fill(0.0);
@@ -169,11 +188,12 @@ fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usi
         // Each gathered row on its own: a row's arithmetic never depends on what runs beside it.
         let ones = vec![1; m];
         b.matmul(&mut [(&e.gate[ex], &mut s.gate[..m * hd]), (&e.up[ex], &mut s.up[..m * hd])], &s.x[..m * d], &ones);
-        b.glu(&mut s.gate[..m * hd], &s.up[..m * hd], hd, Activation::Silu);
+        b.glu(&mut s.gate[..m * hd], &s.up[..m * hd], hd, run.act);
         let out = grow(&mut s.out, m * d);
         b.matmul(&mut [(&e.down[ex], out)], &s.gate[..m * hd], &ones);
+        let es = run.expert_scale.map_or(1.0, |sc| sc[ex]);
         for (j, &(t, w)) in s.rows.iter().enumerate() {
-            b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[j * d..(j + 1) * d], w);
+            b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[j * d..(j + 1) * d], w * es);
         }
     }
     if let Some(sh) = &e.shared {
@@ -296,9 +316,18 @@ fn forward_rows(
     let ropes = c.ropes();
     let tables = rope_tables(m, &ropes, &rows);
     let journal: Vec<bool> = counts.iter().enumerate().map(|(i, &cnt)| want != LogitRows::Hidden && want.tail(i, cnt) > 1).collect();
+    if let Some(p) = &m.ple {
+        per_layer_inputs(m, b, p, tokens, counts, x, s);
+    }
     for (il, (l, desc)) in m.layers.iter().zip(&c.layers).enumerate() {
         let slot = c.kv_slot(il).or(c.rec_slot(il)).expect("every layer keeps K/V or a recurrent state");
         block(m, b, desc, l, slot, kvs, counts, &rows, &ropes, &tables, x, &journal, s);
+        if let Some(p) = &l.ple {
+            per_layer_mix(m, b, p, il, counts, x, s);
+        }
+        if let Some(sc) = l.out_scale {
+            x.iter_mut().for_each(|v| *v *= sc);
+        }
     }
     if s.keep_hidden {
         // Every row's hidden state after the final norm, for a drafter that reads it (MTP).
@@ -326,6 +355,50 @@ fn forward_rows(
     if let Some(cap) = c.final_softcap {
         b.softcap(logits, cap);
     }
+}
+
+/// gemma4's per-layer inputs of the batch's rows into `s.ple` (each row n_layers * per_layer_input
+/// values, layer by layer), as llama.cpp's `project_per_layer_inputs`: the token's row of
+/// `per_layer_token_embd` scaled by sqrt(per_layer_input), plus the scaled embedding `x`
+/// projected, scaled by 1/sqrt(dim) and RMS-normed per layer, the sum scaled by 1/sqrt(2).
+fn per_layer_inputs(m: &Model, b: &mut dyn Ops, p: &super::Ple, tokens: &[u32], counts: &[usize], x: &[f32], s: &mut Scratch) {
+    let c = &m.config;
+    let (n, np) = (tokens.len(), c.per_layer_input);
+    let width = np * c.n_layers;
+    let proj = grow(&mut s.ple, n * width);
+    b.matmul(&mut [(&p.proj, proj)], x, counts);
+    let inv_dim = 1.0 / (c.dim as f32).sqrt();
+    s.ple[..n * width].iter_mut().for_each(|v| *v *= inv_dim);
+    b.rms_norm(&mut s.ple[..n * width], &p.proj_norm, c.norm_eps);
+    let (tok_scale, half) = ((np as f32).sqrt(), 1.0 / 2f32.sqrt());
+    let row = grow(&mut s.ple_one, width);
+    for (t, &tok) in tokens.iter().enumerate() {
+        p.tok_embd.dequantize_row(tok as usize, row);
+        for (v, e) in s.ple[t * width..(t + 1) * width].iter_mut().zip(row.iter()) {
+            *v = (*v + e * tok_scale) * half;
+        }
+    }
+}
+
+/// Layer `il`'s use of its per-layer input (`PleLayer`), added to the rows `x`.
+fn per_layer_mix(m: &Model, b: &mut dyn Ops, p: &super::PleLayer, il: usize, counts: &[usize], x: &mut [f32], s: &mut Scratch) {
+    let c = &m.config;
+    let (d, np) = (c.dim, c.per_layer_input);
+    let n = x.len() / d;
+    let width = np * c.n_layers;
+    // This layer's share of every row's inputs, as one matrix.
+    let inp = grow(&mut s.ple_one, n * np);
+    for t in 0..n {
+        inp[t * np..(t + 1) * np].copy_from_slice(&s.ple[t * width + il * np..t * width + (il + 1) * np]);
+    }
+    let g = grow(&mut s.gate, n * np);
+    b.matmul(&mut [(&p.gate, g)], x, counts);
+    // gelu(gate) times the input: a GLU with the input as its up half.
+    b.glu(&mut s.gate[..n * np], &s.ple_one[..n * np], np, Activation::GeluTanh);
+    let o = grow(&mut s.o, n * d);
+    b.matmul(&mut [(&p.proj, o)], &s.gate[..n * np], counts);
+    b.rms_norm(&mut s.o[..n * d], &p.post_norm, c.norm_eps);
+    b.add(x, &s.o[..n * d]);
 }
 
 /// RoPE sines and cosines per row, once for every layer (one table per distinct RoPE).
@@ -364,7 +437,7 @@ pub(super) fn block(
 ) {
     let c = &m.config;
     let n = rows.len();
-    let (d, qd, kvd) = (c.dim, c.q_dim(), c.kv_dim());
+    let d = c.dim;
     let LayerDesc { mixer, ffn, .. } = desc;
     let h = grow(&mut s.h, n * d);
     h.copy_from_slice(x);
@@ -372,6 +445,10 @@ pub(super) fn block(
     match mixer {
         Mixer::Attention(a) => {
             let MixerWeights::Attention(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
+            let heads = a.heads(c);
+            let (qd, kvd, hd) = (heads.q_dim(), heads.kv_dim(), heads.head_dim);
+            // A layer that reads an earlier layer's K/V projects queries only.
+            let own_kv = a.kv_from.is_none();
             grow(&mut s.q, n * qd);
             grow(&mut s.k, n * kvd);
             grow(&mut s.v, n * kvd);
@@ -380,11 +457,16 @@ pub(super) fn block(
                 grow(&mut s.qg, n * 2 * qd);
                 grow(&mut s.attn_gate, n * qd);
                 b.matmul(&mut [(&w.wq, &mut s.qg[..n * 2 * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
-                let hd = c.head_dim;
                 for (i, pair) in s.qg[..n * 2 * qd].chunks_exact(2 * hd).enumerate() {
                     s.q[i * hd..(i + 1) * hd].copy_from_slice(&pair[..hd]);
                     s.attn_gate[i * hd..(i + 1) * hd].copy_from_slice(&pair[hd..]);
                 }
+            } else if !own_kv {
+                b.matmul(&mut [(&w.wq, &mut s.q[..n * qd])], &s.h[..n * d], counts);
+            } else if w.wv.rows == 0 {
+                // No V projection (gemma4's attention_k_eq_v): V is K's, before K's norm and RoPE.
+                b.matmul(&mut [(&w.wq, &mut s.q[..n * qd]), (&w.wk, &mut s.k[..n * kvd])], &s.h[..n * d], counts);
+                s.v[..n * kvd].copy_from_slice(&s.k[..n * kvd]);
             } else {
                 b.matmul(&mut [(&w.wq, &mut s.q[..n * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
             }
@@ -395,18 +477,26 @@ pub(super) fn block(
             }
             let ri = ropes.iter().position(|r| *r == a.rope).expect("every layer's RoPE is tabulated");
             let rope = RopeTable { pairs: &tables[ri], half: a.rope.dim / 2, neox: a.rope.neox };
-            b.norm_rope(&mut s.q[..n * qd], qd, c.head_dim, w.q_norm.as_deref(), c.norm_eps, &rope);
-            b.norm_rope(&mut s.k[..n * kvd], kvd, c.head_dim, w.k_norm.as_deref(), c.norm_eps, &rope);
+            b.norm_rope(&mut s.q[..n * qd], qd, hd, w.q_norm.as_deref(), c.norm_eps, &rope);
+            if own_kv {
+                b.norm_rope(&mut s.k[..n * kvd], kvd, hd, w.k_norm.as_deref(), c.norm_eps, &rope);
+                if a.v_norm {
+                    // Each value head RMS-normed with no weight (a weight of ones multiplies exactly).
+                    b.rms_norm(&mut s.v[..n * kvd], &vec![1.0; hd], c.norm_eps);
+                }
+            }
             if let Some(temp) = a.temp {
                 for (q, &(_, pos)) in s.q[..n * qd].chunks_exact_mut(qd).zip(rows) {
                     let f = temp.factor(pos);
                     q.iter_mut().for_each(|v| *v *= f);
                 }
             }
-            let mut off = 0;
-            for (kv, &cnt) in kvs.iter_mut().zip(counts) {
-                kv.append(slot, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);
-                off += cnt;
+            if own_kv {
+                let mut off = 0;
+                for (kv, &cnt) in kvs.iter_mut().zip(counts) {
+                    kv.append(slot, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);
+                    off += cnt;
+                }
             }
             let att = grow(&mut s.att, n * qd);
             b.attention(&a.shape(c), slot, kvs, rows, counts, &s.q[..n * qd], att);
@@ -442,7 +532,35 @@ pub(super) fn block(
         }
         (Ffn::Moe { n_expert, n_used, hidden, norm_weights, gating, scale, .. }, FfnWeights::Moe(e)) => {
             let r = Route { n_expert, n_used, gating, bias: e.sel_bias.as_deref(), norm: norm_weights, scale };
-            moe(b, e, &s.h[..n * d], d, &r, hidden, &mut s.moe, &mut s.o);
+            let run = ExpertRun { router_in: None, act: Activation::Silu, expert_scale: None };
+            moe(b, e, &s.h[..n * d], d, &r, hidden, &run, &mut s.moe, &mut s.o);
+        }
+        (Ffn::DenseMoe { hidden: hd, n_expert, n_used, expert_hidden, act }, FfnWeights::DenseMoe(p)) => {
+            // The dense GLU on the FFN-normed rows.
+            grow(&mut s.gate, n * hd);
+            grow(&mut s.up, n * hd);
+            b.matmul(&mut [(&p.gate, &mut s.gate[..n * hd]), (&p.up, &mut s.up[..n * hd])], &s.h[..n * d], counts);
+            b.glu(&mut s.gate[..n * hd], &s.up[..n * hd], hd, act);
+            let o = grow(&mut s.o, n * d);
+            b.matmul(&mut [(&p.down, o)], &s.gate[..n * hd], counts);
+            b.rms_norm(&mut s.o[..n * d], &p.post_norm_1, c.norm_eps);
+            // The router reads the residual normed without a weight, scaled by 1/sqrt(dim) and
+            // per value; the experts read it normed by pre_ffw_norm_2.
+            let rin = grow(&mut s.rin, n * d);
+            rin.copy_from_slice(x);
+            b.rms_norm(rin, &vec![1.0; d], c.norm_eps);
+            let inv = 1.0 / (d as f32).sqrt();
+            for row in rin.chunks_exact_mut(d) {
+                row.iter_mut().zip(&p.router_scale).for_each(|(v, sc)| *v = *v * inv * sc);
+            }
+            let h = grow(&mut s.h, n * d);
+            h.copy_from_slice(x);
+            b.rms_norm(h, &p.pre_norm_2, c.norm_eps);
+            let r = Route { n_expert, n_used, gating: Gating::Softmax, bias: None, norm: true, scale: 1.0 };
+            let run = ExpertRun { router_in: Some(&s.rin[..n * d]), act, expert_scale: p.expert_scale.as_deref() };
+            moe(b, &p.experts, &s.h[..n * d], d, &r, expert_hidden, &run, &mut s.moe, &mut s.o2);
+            b.rms_norm(&mut s.o2[..n * d], &p.post_norm_2, c.norm_eps);
+            b.add(&mut s.o[..n * d], &s.o2[..n * d]);
         }
         _ => unreachable!("the loader builds each layer's FFN weights from its description"),
     }

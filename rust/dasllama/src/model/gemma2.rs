@@ -21,6 +21,10 @@ pub fn configure(m: &Metadata) -> Result<Config> {
         let scale = if n_layers == 46 { 1.0 / ((dim / n_heads) as f32).sqrt() } else { s.scale };
         LayerDesc {
             mixer: Mixer::Attention(Attention {
+                heads: None,
+                v_norm: false,
+                v_optional: false,
+                kv_from: None,
                 rope: Rope { base: if swa[il] { swa_base } else { base }, neox: true, ..s.rope },
                 window: if swa[il] { window } else { 0 },
                 qk_norm: false,

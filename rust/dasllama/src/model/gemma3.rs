@@ -16,6 +16,10 @@ pub fn configure(m: &Metadata) -> Result<Config> {
             mixer: Mixer::Attention(Attention {
                 // Sliding layers keep their own base and no scaling (llama.cpp's `_swa` defaults).
                 rope: if swa { Rope { base: 10_000.0, neox: true, freq_scale: 1.0, ..s.rope } } else { Rope { base: global_base, neox: true, ..s.rope } },
+                heads: None,
+                v_norm: false,
+                v_optional: false,
+                kv_from: None,
                 window: if swa { s.window } else { 0 },
                 qk_norm: true,
                 qk_norm_if_present: false,

@@ -127,7 +127,7 @@ impl MtpHead {
     /// A stream's K/V store for the head (one attention layer, private pages).
     pub fn new_kv(&self, m: &Model) -> KvCache {
         let c = &m.config;
-        KvCache::private(Geometry { n_layers: 1, kv_dim: c.kv_dim(), head_dim: c.head_dim, page_rows: PRIVATE_PAGE_ROWS, codec: KvCodec::F16 })
+        KvCache::private(Geometry { n_layers: 1, kv_dim: c.kv_dim(), head_dim: c.head_dim, page_rows: PRIVATE_PAGE_ROWS, codec: KvCodec::F16, slots: None })
     }
 }
 

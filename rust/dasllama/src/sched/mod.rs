@@ -225,7 +225,7 @@ impl Scheduler {
             // Room for every stream's whole context plus as much again for the cache; pages are
             // only allocated when written, so this bounds memory rather than reserving it.
             let geo = m.kv_geometry(page_rows, codec);
-            m.check_kv(geo)?;
+            m.check_kv(&geo)?;
             Some(KvPool::new(geo, 2 * max_streams * per_stream, prefix_groups)?)
         } else if codec != KvCodec::F16 {
             return Err(Error::InvalidArgument("a KV codec other than f16 needs the paged pool (page_rows > 0)".into()));
@@ -1203,6 +1203,8 @@ fn body_macs(m: &Model) -> f64 {
                 Ffn::Moe { n_expert, n_used, hidden, shared, shared_gated, .. } => {
                     c.dim * n_expert + n_used * 3 * c.dim * hidden + shared.map_or(0, |s| 3 * c.dim * s + if shared_gated { c.dim } else { 0 })
                 }
+                // The dense GLU, the router and the chosen experts.
+                Ffn::DenseMoe { hidden, n_expert, n_used, expert_hidden, .. } => 3 * c.dim * hidden + c.dim * n_expert + n_used * 3 * c.dim * expert_hidden,
             }
         })
         .sum();

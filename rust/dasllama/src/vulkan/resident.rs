@@ -96,8 +96,22 @@ pub fn decline(m: &Model) -> Option<String> {
     if m.numerics == Numerics::Ggml {
         return Some("numerics='ggml' reproduces llama.cpp's CPU order and runs on the CPU only".into());
     }
+    if m.ple.is_some() {
+        return Some("per-layer embeddings (embedding_length_per_layer_input), which the device driver does not run".into());
+    }
     for (il, d) in c.layers.iter().enumerate() {
         match &d.mixer {
+            Mixer::Attention(a) if a.heads.is_some() => {
+                let h = a.heads(c);
+                return Some(format!(
+                    "layer {il} has heads of its own ({} of {} values, the model's {} of {}); the device driver keeps one head geometry for every layer",
+                    h.n_heads, h.head_dim, c.n_heads, c.head_dim
+                ));
+            }
+            Mixer::Attention(a) if a.kv_from.is_some() => {
+                return Some(format!("layer {il} reads the K/V of layer {} (cross-layer KV sharing), which the device driver does not", a.kv_from.unwrap_or(0)))
+            }
+            Mixer::Attention(a) if a.v_norm => return Some(format!("layer {il} RMS-norms its values, which the device driver does not")),
             Mixer::Attention(a) if a.gated => return Some(format!("layer {il} is gated attention; the device driver runs plain attention only")),
             Mixer::Attention(a) if a.temp.is_some() => {
                 return Some(format!("layer {il} scales its queries by position (attention.temperature_scale), which the device driver does not"))

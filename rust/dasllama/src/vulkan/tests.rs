@@ -201,7 +201,7 @@ fn rope_matches_cpu() {
         let mut tab = Vec::new();
         let mut one = Vec::new();
         for t in 0..rows {
-            let r = crate::model::Rope { dim: rdim, base: 10000.0, neox, freq_scale: 1.0, mscale: 1.0, yarn: None, mrope: None };
+            let r = crate::model::Rope { dim: rdim, base: 10000.0, neox, freq_scale: 1.0, mscale: 1.0, yarn: None, mrope: None, factors: true };
             crate::cpu::ops::rope_cache(&r, 7 + 3 * t, None, &mut one);
             tab.extend(one.iter().flat_map(|&(s, c)| [s, c]));
         }
