@@ -181,3 +181,41 @@ def test_an_assistant_missing_a_tensor_names_it(tmp_path: Path) -> None:
     w.close()
     why = assistant_mismatch(cast(dl.Model, Target(GEMMA4)), read_header(tmp_path / "b.gguf"))
     assert why == "its tensor 'nextn.post_projection.weight' is missing", why
+
+
+def test_checked_against_a_loaded_gemma4_target(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from synthetic import DIM, VOCAB, write_family
+
+    # tests/synthetic.py's gemma4 ends with a full layer then a sliding one (pattern
+    # [sliding, sliding, full, sliding]); llama.cpp would pair the assistant's layers with the
+    # wrong kinds of the target's.
+    write_family(tmp_path / "model-Q8_0.gguf", "gemma4")
+    m = dl.load_model(tmp_path / "model-Q8_0.gguf")
+    side = tmp_path / "mtp-model-Q8_0.gguf"
+    write_assistant(side, target_width=DIM, n_vocab=len(VOCAB), head_dim=128, head_dim_swa=64)
+    assert dl.mtp_drafter_sidecar(m.path) == str(side)
+    with caplog.at_level(logging.WARNING, logger="dasllama"):
+        assert not dl.attach_mtp_drafter(m, side)
+    assert "last two layers are full, sliding (gemma4.attention.sliding_window_pattern)" in caplog.text
+    # Another width: named by its key before anything else.
+    write_assistant(side, target_width=DIM // 2, n_vocab=len(VOCAB), head_dim=128, head_dim_swa=64)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dasllama"):
+        assert not dl.attach_mtp_drafter(m, side)
+    assert f"embedding_length_out is {DIM // 2}" in caplog.text and not dl.mtp_capable(m)
+
+
+def test_a_fitting_assistant_is_refused_saying_the_drafter_is_not_run_yet(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A dense Gemma 4 target ending sliding, full (llama.cpp's layout, tests/gemma4_assistant.py)
+    # and its assistant: every check passes, and attaching says what is missing.
+    write_target(tmp_path / "model-Q8_0.gguf", n_vocab=len(TOKENS))
+    m = dl.load_model(tmp_path / "model-Q8_0.gguf")
+    write_assistant(tmp_path / "mtp-model-Q8_0.gguf", target_width=32, n_vocab=len(TOKENS), vocab=True)
+    side = dl.mtp_drafter_sidecar(m.path)
+    assert assistant_mismatch(m, read_header(side)) is None
+    with caplog.at_level(logging.WARNING, logger="dasllama"):
+        assert not dl.attach_mtp_drafter(m, side)
+    assert "it fits model-Q8_0.gguf, but dasllama does not run gemma4-assistant drafters yet" in caplog.text
+    from dasllama.speculative import configure
+
+    assert configure(m, "auto").startswith("n-gram") and dl.drafter_kind(m) == "ngram"

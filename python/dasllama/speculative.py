@@ -124,15 +124,9 @@ def attach_mtp_drafter(m: Model, path: str | os.PathLike[str] | None = None, max
     tokens = meta.get("tokenizer.ggml.tokens")
     why = None
     if arch == ASSISTANT_ARCH:
-        why = assistant_mismatch(m, hdr)
-        if why is None:
-            from .model import _arch_meta
-
-            tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
-            drafter, why = _native.sidecar_mtp_drafter(m._native, str(path), arch, _arch_meta(meta, arch), tensors, max_draft)
-            if drafter is not None:
-                m._drafter = drafter
-                return True
+        # The file is checked whole; running it (queries over the target's own K/V) is not
+        # implemented yet, and a file that fits is refused saying so.
+        why = assistant_mismatch(m, hdr) or f"it fits {m.path.name}, but dasllama does not run {ASSISTANT_ARCH} drafters yet"
     elif not meta.get(f"{arch}.nextn_predict_layers") or not any(".nextn." in t.name for t in hdr.tensors):
         why = f"it holds no MTP layers ({arch}.nextn_predict_layers and blk.N.nextn.* tensors)"
     elif arch != m.arch:
@@ -187,6 +181,13 @@ def assistant_mismatch(m: Model, hdr: GgufHeader) -> str | None:
     tokens = meta.get("tokenizer.ggml.tokens")
     if tokens is not None and len(tokens) != m.n_vocab:
         return f"its vocabulary (tokenizer.ggml.tokens) has {len(tokens)} tokens, and {m.path.name}'s has {m.n_vocab}"
+    # llama.cpp points the assistant's sliding layers at the target's second-to-last layer and its
+    # global layers at the last (llama_model::create_memory's share): a Gemma 4 ends sliding, full.
+    tpat: Any = tmeta.get(f"{t}.attention.sliding_window_pattern")
+    tpat = [bool(x) for x in tpat] if tpat is not None and hasattr(tpat, "__len__") else []
+    if len(tpat) >= 2 and (not tpat[-2] or tpat[-1]):
+        kinds = ", ".join("sliding" if x else "full" for x in tpat[-2:])
+        return f"{m.path.name}'s last two layers are {kinds} ({t}.attention.sliding_window_pattern): the assistant reads the K/V of a sliding then a full last layer"
     for key in ("attention.key_length", "attention.key_length_swa"):
         mine, target = meta.get(f"{a}.{key}"), tmeta.get(f"{t}.{key}")
         if mine is not None and target is not None and int(mine) != int(target):
