@@ -205,17 +205,72 @@ def test_checked_against_a_loaded_gemma4_target(tmp_path: Path, caplog: pytest.L
     assert f"embedding_length_out is {DIM // 2}" in caplog.text and not dl.mtp_capable(m)
 
 
-def test_a_fitting_assistant_is_refused_saying_the_drafter_is_not_run_yet(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # A dense Gemma 4 target ending sliding, full (llama.cpp's layout, tests/gemma4_assistant.py)
-    # and its assistant: every check passes, and attaching says what is missing.
-    write_target(tmp_path / "model-Q8_0.gguf", n_vocab=len(TOKENS))
-    m = dl.load_model(tmp_path / "model-Q8_0.gguf")
-    write_assistant(tmp_path / "mtp-model-Q8_0.gguf", target_width=32, n_vocab=len(TOKENS), vocab=True)
-    side = dl.mtp_drafter_sidecar(m.path)
-    assert assistant_mismatch(m, read_header(side)) is None
-    with caplog.at_level(logging.WARNING, logger="dasllama"):
-        assert not dl.attach_mtp_drafter(m, side)
-    assert "it fits model-Q8_0.gguf, but dasllama does not run gemma4-assistant drafters yet" in caplog.text
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[dl.Model, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A dense Gemma 4 target ending sliding, full (llama.cpp's layout) with its assistant beside
+    it, attached; and both's weights."""
+    d = tmp_path_factory.mktemp("gemma4-pair")
+    wt = write_target(d / "model-Q8_0.gguf", n_vocab=len(TOKENS))
+    wa = write_assistant(d / "mtp-model-Q8_0.gguf", target_width=32, n_vocab=len(TOKENS), vocab=True)
+    m = dl.load_model(d / "model-Q8_0.gguf")
+    assert dl.attach_mtp_drafter(m, dl.mtp_drafter_sidecar(m.path), max_draft=6)
+    return m, wt, wa
+
+
+META = {"attention.head_count": 2, "rope.freq_base_swa": 10_000.0, "rope.freq_base": 1_000_000.0, "attention.sliding_window": 4}
+
+
+def test_the_assistant_attaches_and_drafts_as_the_reference(pair: tuple[dl.Model, dict[str, np.ndarray], dict[str, np.ndarray]]) -> None:
+    m, wt, wa = pair
+    assert dl.drafter_kind(m) == "mtp" and dl.mtp_capable(m)
+    from dasllama import _native
     from dasllama.speculative import configure
 
-    assert configure(m, "auto").startswith("n-gram") and dl.drafter_kind(m) == "ngram"
+    v, d = len(TOKENS), 32
+    for ids in ([2, 300, 301, 302, 303, 304, 305], [2, 420, 421, 422, 10, 500, 501, 502, 503]):
+        _, hidden, kvs = target_reference(wt, ids)
+        got = _native.assistant_rows(m._native, m._drafter, ids, 5, 3)
+        tok, state = 5, hidden[-1]
+        for row in got:
+            logits, h_next = reference_step(wa, META, (True, False), wt["token_embd.weight"][tok], state, len(ids), {True: kvs[0], False: kvs[1]})
+            # f16 K/V and f32 arithmetic against float64.
+            assert np.abs(row[:v] - logits).max() < 0.01, np.abs(row[:v] - logits).max()
+            assert np.abs(row[v:] - h_next).max() < 0.01
+            assert int(np.argmax(row[:v])) == int(np.argmax(logits))
+            tok, state = int(np.argmax(row[:v])), row[v:].astype(np.float64)
+        assert got.shape == (3, v + d)
+    dl.detach_drafter(m)
+    assert configure(m, "auto").startswith("MTP head mtp-model-Q8_0.gguf")
+    assert dl.drafter_kind(m) == "mtp"
+
+
+def run(m: dl.Model, prompts: list[list[int]], streams: int, mtp: bool, fixed: int | None = None, page_rows: int = 0) -> tuple[dict[int, list[int]], dict[str, Any]]:
+    sch = dl.create_scheduler(m, max_streams=streams, max_queue=len(prompts), page_rows=page_rows, mtp=mtp)
+    if fixed is not None:
+        dl.fix_draft_len(sch, fixed)
+    for i, p in enumerate(prompts):
+        assert dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=20, ignore_eos=True))
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    events: list[dl.SchedEvent] = []
+    more = True
+    while more:
+        more = dl.scheduler_step(m, sch, events)
+    for e in events:
+        if e.kind == "piece":
+            out[e.id].append(e.token)
+        elif e.finish not in ("length", "stop"):
+            raise AssertionError(f"request {e.id} ended with {e.finish}: {e.error}")
+    return out, dl.scheduler_stats(sch)
+
+
+@pytest.mark.parametrize("streams", [1, 4, 16])
+def test_greedy_output_with_the_assistant_is_unchanged(pair: tuple[dl.Model, dict[str, np.ndarray], dict[str, np.ndarray]], streams: int) -> None:
+    m, _, _ = pair
+    rng = np.random.default_rng(streams)
+    prompts = [[2] + [int(t) for t in rng.integers(290, 640, size=int(rng.integers(3, 14)))] for _ in range(16 if streams == 16 else 6)]
+    assert dl.attach_mtp_drafter(m, dl.mtp_drafter_sidecar(m.path), max_draft=6)
+    want, _ = run(m, prompts, streams, mtp=False)
+    for fixed, page_rows in ((None, 0), (3, 16)):
+        got, stats = run(m, prompts, streams, mtp=True, fixed=fixed, page_rows=page_rows)
+        assert got == want, (fixed, page_rows)
+    assert stats["spec_drafted"] > 20, stats

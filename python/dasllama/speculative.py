@@ -9,7 +9,7 @@ acceptance, and what an extra row costs at the current batch)::
 
 A model whose file carries an MTP head (Qwen3.5, Qwen3-Next: ``<arch>.nextn_predict_layers``)
 drafts with it when no other drafter is attached; ``attach_mtp_drafter(m, path)`` attaches the
-head in a sidecar file instead.
+head in a sidecar file instead, or Gemma 4's assistant drafter (``gemma4-assistant``).
 
 Output does not depend on speculation: the target verifies each draft by sampling from its own
 logits for that position with the stream's own sampler, so greedy and seeded streams produce
@@ -124,9 +124,15 @@ def attach_mtp_drafter(m: Model, path: str | os.PathLike[str] | None = None, max
     tokens = meta.get("tokenizer.ggml.tokens")
     why = None
     if arch == ASSISTANT_ARCH:
-        # The file is checked whole; running it (queries over the target's own K/V) is not
-        # implemented yet, and a file that fits is refused saying so.
-        why = assistant_mismatch(m, hdr) or f"it fits {m.path.name}, but dasllama does not run {ASSISTANT_ARCH} drafters yet"
+        why = assistant_mismatch(m, hdr)
+        if why is None:
+            from .model import _arch_meta
+
+            tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
+            drafter, why = _native.sidecar_mtp_drafter(m._native, str(path), arch, _arch_meta(meta, arch), tensors, max_draft)
+            if drafter is not None:
+                m._drafter = drafter
+                return True
     elif not meta.get(f"{arch}.nextn_predict_layers") or not any(".nextn." in t.name for t in hdr.tensors):
         why = f"it holds no MTP layers ({arch}.nextn_predict_layers and blk.N.nextn.* tensors)"
     elif arch != m.arch:
