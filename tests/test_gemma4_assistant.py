@@ -244,12 +244,12 @@ def test_the_assistant_attaches_and_drafts_as_the_reference(pair: tuple[dl.Model
     assert dl.drafter_kind(m) == "mtp"
 
 
-def run(m: dl.Model, prompts: list[list[int]], streams: int, mtp: bool, fixed: int | None = None, page_rows: int = 0) -> tuple[dict[int, list[int]], dict[str, Any]]:
+def run(m: dl.Model, prompts: list[list[int]], streams: int, mtp: bool, fixed: int | None = None, page_rows: int = 0, params: dl.SamplingParams | None = None) -> tuple[dict[int, list[int]], dict[str, Any]]:
     sch = dl.create_scheduler(m, max_streams=streams, max_queue=len(prompts), page_rows=page_rows, mtp=mtp)
     if fixed is not None:
         dl.fix_draft_len(sch, fixed)
     for i, p in enumerate(prompts):
-        assert dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=20, ignore_eos=True))
+        assert dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=20, params=params or dl.SamplingParams(), seed=11 + i, ignore_eos=True))
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     events: list[dl.SchedEvent] = []
     more = True
@@ -274,3 +274,14 @@ def test_greedy_output_with_the_assistant_is_unchanged(pair: tuple[dl.Model, dic
         got, stats = run(m, prompts, streams, mtp=True, fixed=fixed, page_rows=page_rows)
         assert got == want, (fixed, page_rows)
     assert stats["spec_drafted"] > 20, stats
+
+
+def test_sampled_output_with_the_assistant_is_unchanged(pair: tuple[dl.Model, dict[str, np.ndarray], dict[str, np.ndarray]]) -> None:
+    m, _, _ = pair
+    assert dl.attach_mtp_drafter(m, dl.mtp_drafter_sidecar(m.path), max_draft=6)
+    rng = np.random.default_rng(7)
+    prompts = [[2] + [int(t) for t in rng.integers(290, 640, size=int(rng.integers(3, 14)))] for _ in range(4)]
+    params = dl.SamplingParams(temp=0.9, top_p=0.95)
+    want, _ = run(m, prompts, 4, mtp=False, params=params)
+    got, stats = run(m, prompts, 4, mtp=True, fixed=4, params=params)
+    assert got == want and stats["spec_drafted"] > 0
