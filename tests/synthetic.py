@@ -386,6 +386,86 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "expert_gating_func": 2,
         },
     ),
+    # gpt-oss's layers: biases on Q/K/V and the output, a sink logit per head (large enough to
+    # take a good share of the softmax), NEOX RoPE with the real model's YaRN (base 150000, factor
+    # 32 over an original context of 4096), even layers sliding over 8 positions (the cases run
+    # 24, so the window cuts), more query heads than dim / head_dim (as the real 64 x 64 > 2880).
+    # The FFN under post_attention_norm, all routed: the router's biased logits pick the top 4 of
+    # 8 experts, weighted by a softmax over those 4; each expert a clamped swiglu_oai (gate and up
+    # wide enough that the clamp at 7 bites) with biases on gate, up and down.
+    "gpt-oss": dict(
+        arch="gpt-oss",
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        layers=3,
+        oai=dict(sinks=(1.0, 1.0)),
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q8_0),
+        moe=dict(n=8, used=4, hidden=256, gate_up=0.25),
+        meta={
+            "rope.freq_base": 150000.0,
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": 32.0,
+            "rope.scaling.original_context_length": 4096,
+            "attention.sliding_window": 8,
+            "attention.layer_norm_rms_epsilon": 1e-5,
+            "expert_count": 8,
+            "expert_used_count": 4,
+            "expert_feed_forward_length": 256,
+        },
+    ),
+    # gpt-oss as its files ship: the routed experts in MXFP4 (the rest in the formats above).
+    "gpt-oss-mxfp4": dict(
+        arch="gpt-oss",
+        heads=8,
+        kv_heads=2,
+        head_dim=64,
+        layers=3,
+        oai=dict(sinks=(1.0, 1.0)),
+        embd=(0.12, QT.Q8_0),
+        output=(0.12, QT.Q8_0),
+        stack_formats=[QT.MXFP4],
+        moe=dict(n=8, used=4, hidden=256, gate_up=0.25),
+        meta={
+            "rope.freq_base": 150000.0,
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": 32.0,
+            "rope.scaling.original_context_length": 4096,
+            "attention.sliding_window": 8,
+            "attention.layer_norm_rms_epsilon": 1e-5,
+            "expert_count": 8,
+            "expert_used_count": 4,
+            "expert_feed_forward_length": 256,
+        },
+    ),
+    # qwen3 with its matrices in MXFP4 and Q8_0 in turn (gguf quantizes them by ggml's reference
+    # rounding), the token embedding in Q8_0: MXFP4 in dense matmuls, in both numerics.
+    "qwen3-mxfp4": dict(
+        arch="qwen3",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.Q8_0),
+        formats=[QT.MXFP4, QT.Q8_0],
+        meta={"rope.freq_base": 1000000.0},
+    ),
+    # qwen3moe with its expert stacks in MXFP4, as gpt-oss ships them (gguf quantizes them, by
+    # ggml's reference rounding), the other matrices in MXFP4 and Q8_0 in turn, the token
+    # embedding (and so the tied output) in MXFP4.
+    "qwen3moe-mxfp4": dict(
+        arch="qwen3moe",
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        qk_norm=True,
+        embd=(0.12, QT.MXFP4),
+        formats=[QT.MXFP4, QT.Q8_0],
+        stack_formats=[QT.MXFP4],
+        moe=dict(n=8, used=3, hidden=256),
+        meta={"rope.freq_base": 1000000.0, "expert_count": 8, "expert_used_count": 3, "expert_feed_forward_length": 256},
+    ),
     # Gated DeltaNet hybrid: layers 0-2 recurrent (2 key heads, 4 value heads of 64, a 4-tap
     # convolution), layer 3 gated full attention (QK-norm, NEOX RoPE on 16 of 64 values, Q's
     # sigmoid gate on the output); value heads read key heads tiled; dense FFN under
@@ -604,6 +684,7 @@ def write_family(
     extra: dict[str, np.ndarray] | None = None,
     mtp: bool | Path = False,
     legacy_qkvz: bool = False,
+    fuse_gate_up: bool = False,
 ) -> dict[str, np.ndarray]:
     """Write family ``name`` of ``FAMILIES`` deterministically (the same bytes on every call with
     the same gguf and numpy); return the exact weights (numpy order: rows x cols). ``drop`` leaves
@@ -611,6 +692,8 @@ def write_family(
     values in place of a tensor and ``extra`` adds tensors (bad-input tests). ``legacy_qkvz``
     writes a hybrid's Q/K/V and gate as older qwen3next files did: one F32 ``ssm_in`` of the
     same values, grouped per key head (query, key, its value heads' values, their gates).
+    ``fuse_gate_up`` (gemma4-moe) writes each layer's expert gates and ups as one F32
+    ``ffn_gate_up_exps`` of the same values (each expert's gate rows, then its up rows).
 
     ``mtp`` (hybrid families): True adds an MTP head after the trunk (block ``layers``: gated
     attention and the family's FFN, ``nextn.eh_proj``, ``enorm``, ``hnorm`` and
@@ -650,6 +733,7 @@ def write_family(
     count = [0]
     out = [w]
     formats = f.get("formats", FAMILY_FORMATS)
+    stack_formats = f.get("stack_formats", formats)
 
     held: set[str] = set()  # written another way (legacy_qkvz)
 
@@ -676,7 +760,7 @@ def write_family(
 
     def stack(name: str, n: int, rows: int, cols: int, scale: float = 0.08) -> None:
         # n experts' matrices as one 3-D tensor (GGUF shape [cols, rows, n]).
-        kind = formats[count[0] % len(formats)]
+        kind = stack_formats[count[0] % len(stack_formats)]
         count[0] += 1
         if kind in K_QUANTS | IQ4:
             raw = (_k_blocks if kind in K_QUANTS else _iq4_blocks)(n * rows, cols, kind, scale, rng)
@@ -727,7 +811,14 @@ def write_family(
             _glm_block(f, p, i >= f["glm"]["lead"], mat, stack, vec, qd, kvd, hd)
             continue
         if "gemma4" in f:
+            if fuse_gate_up:
+                held.update({p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"})
             _gemma4_block(f, i, mat, stack, vec, put, weights)
+            if fuse_gate_up:
+                put(p + "ffn_gate_up_exps.weight", np.concatenate([weights[p + "ffn_gate_exps.weight"], weights[p + "ffn_up_exps.weight"]], axis=1).astype(np.float32))
+            continue
+        if "oai" in f:
+            _oai_block(f, p, mat, stack, vec, heads, qd, kvd, rng, weights, put)
             continue
         if "hybrid" in f:
             # Gated attention: each head's queries, then its gate, in the Q projection.
@@ -997,6 +1088,32 @@ def _glm_block(f: dict[str, Any], p: str, routed: bool, mat: Any, stack: Any, ve
     mat(p + "ffn_down_shexp.weight", DIM, e["shared"])
 
 
+def _oai_block(f: dict[str, Any], p: str, mat: Any, stack: Any, vec: Any, heads: int, qd: int, kvd: int, rng: np.random.Generator, weights: dict[str, np.ndarray], put: Any) -> None:
+    """A gpt-oss block (after `attn_norm`, which the caller writes): biased Q/K/V and output,
+    the heads' sinks, the FFN under post_attention_norm: a biased router and biased experts
+    (their biases 2-D, [width, n] in GGUF order, as llama.cpp requires)."""
+    mat(p + "attn_q.weight", qd, DIM)
+    mat(p + "attn_k.weight", kvd, DIM)
+    mat(p + "attn_v.weight", kvd, DIM)
+    vec(p + "attn_q.bias", qd, 0.0, 0.2)
+    vec(p + "attn_k.bias", kvd, 0.0, 0.5)
+    vec(p + "attn_v.bias", kvd, 0.0, 0.2)
+    mat(p + "attn_output.weight", DIM, qd)
+    vec(p + "attn_output.bias", DIM, 0.0, 0.1)
+    vec(p + "attn_sinks.weight", heads, *f["oai"]["sinks"])
+    vec(p + "post_attention_norm.weight", DIM)
+    e = f["moe"]
+    mat(p + "ffn_gate_inp.weight", e["n"], DIM, 0.1, QT.F32)
+    vec(p + "ffn_gate_inp.bias", e["n"], 0.0, 0.3)
+    stack(p + "ffn_gate_exps.weight", e["n"], e["hidden"], DIM, e["gate_up"])
+    stack(p + "ffn_up_exps.weight", e["n"], e["hidden"], DIM, e["gate_up"])
+    stack(p + "ffn_down_exps.weight", e["n"], DIM, e["hidden"])
+    for t, width, std in (("ffn_gate_exps", e["hidden"], 0.5), ("ffn_up_exps", e["hidden"], 0.5), ("ffn_down_exps", DIM, 0.05)):
+        b = rng.normal(0, std, size=(e["n"], width)).astype(np.float32)
+        weights[p + t + ".bias"] = b
+        put(p + t + ".bias", b)
+
+
 def _ffn(f: dict[str, Any], p: str, mat: Any, stack: Any, vec: Any) -> None:
     """A hybrid layer's FFN: dense SwiGLU, or routed experts and a shared one."""
     if "moe" in f:
@@ -1051,10 +1168,11 @@ def _moe(W: dict[str, np.ndarray], p: str, e: dict[str, int], h: np.ndarray) -> 
     return out
 
 
-def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]) -> np.ndarray:
-    """Float64 forward pass of ``write_family(name)``'s weights; logits after each position."""
+def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int], meta_over: dict[str, Any] | None = None) -> np.ndarray:
+    """Float64 forward pass of ``write_family(name)``'s weights; logits after each position.
+    ``meta_over``: the keys ``write_family`` was given as ``meta``."""
     f = FAMILIES[name]
-    meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {})}
+    meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {}), **(meta_over or {})}
     if "gemma4" in f:
         return _gemma4_logits({k: v.astype(np.float64) for k, v in wt.items()}, f, meta, ids)
     arch, H, KVH, HD = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
@@ -1102,6 +1220,12 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
             x = x + _glm_attention(W, p, H, KVH, HD, h, rope, eps, f.get("qk_norm", False))
             h = _rms(x, W[p + "post_attention_norm.weight"], eps)
             x = x + (_moe(W, p, f["moe"], h) if i >= f["glm"]["lead"] else _swiglu(h, W[p + "ffn_gate.weight"], W[p + "ffn_up.weight"], W[p + "ffn_down.weight"]))
+            continue
+        if "oai" in f:
+            window = meta["attention.sliding_window"] if i % 2 == 0 else 0
+            x = x + _oai_attention(W, p, H, KVH, HD, h, rope, window)
+            h = _rms(x, W[p + "post_attention_norm.weight"], eps)
+            x = x + _oai_moe(W, p, f["moe"], h)
             continue
         if "hybrid" in f:
             x = x + (_deltanet(W, p, f["hybrid"], h, eps) if _recurrent(f, meta, i) else _gated_attention(W, p, H, KVH, HD, h, rope, eps))
@@ -1177,6 +1301,46 @@ def _glm_attention(W: dict[str, np.ndarray], p: str, H: int, KVH: int, HD: int, 
             pr = np.exp(sc - sc.max())
             att[t, hh] = (pr / pr.sum()) @ v[: t + 1, kv]
     return att.reshape(T, -1) @ W[p + "attn_output.weight"].T
+
+
+def _oai_attention(W: dict[str, np.ndarray], p: str, H: int, KVH: int, HD: int, h: np.ndarray, rope: Any, window: int) -> np.ndarray:
+    """gpt-oss's attention: biased Q/K/V and output, a window where given, and each head's
+    sink logit in its softmax's normalizer (weight on nothing)."""
+    T = len(h)
+    q = (h @ W[p + "attn_q.weight"].T + W[p + "attn_q.bias"]).reshape(T, H, HD)
+    k = (h @ W[p + "attn_k.weight"].T + W[p + "attn_k.bias"]).reshape(T, KVH, HD)
+    v = (h @ W[p + "attn_v.weight"].T + W[p + "attn_v.bias"]).reshape(T, KVH, HD)
+    q = np.stack([rope(q[t], t) for t in range(T)])
+    k = np.stack([rope(k[t], t) for t in range(T)])
+    sinks = W[p + "attn_sinks.weight"]
+    att = np.zeros((T, H, HD))
+    for t in range(T):
+        lo = max(0, t - window + 1) if window else 0
+        for hh in range(H):
+            kv = hh // (H // KVH)
+            sc = k[lo : t + 1, kv] @ q[t, hh] / np.sqrt(HD)
+            m = max(sc.max(), sinks[hh])
+            pr = np.exp(sc - m)
+            att[t, hh] = (pr / (pr.sum() + np.exp(sinks[hh] - m))) @ v[lo : t + 1, kv]
+    return att.reshape(T, -1) @ W[p + "attn_output.weight"].T + W[p + "attn_output.bias"]
+
+
+def _oai_moe(W: dict[str, np.ndarray], p: str, e: dict[str, Any], h: np.ndarray) -> np.ndarray:
+    """gpt-oss's experts: the top `used` by the biased router logits, weighted by a softmax over
+    those; each a clamped swiglu_oai (alpha 1.702, limit 7) with biases."""
+    logits = h @ W[p + "ffn_gate_inp.weight"].T + W[p + "ffn_gate_inp.bias"]
+    out = np.zeros_like(h)
+    for t in range(len(h)):
+        top = np.argsort(-logits[t], kind="stable")[: e["used"]]
+        w = np.exp(logits[t, top] - logits[t, top].max())
+        w /= w.sum()
+        for x, wx in zip(top, w, strict=True):
+            g = h[t] @ W[p + "ffn_gate_exps.weight"][x].T + W[p + "ffn_gate_exps.bias"][x]
+            u = h[t] @ W[p + "ffn_up_exps.weight"][x].T + W[p + "ffn_up_exps.bias"][x]
+            g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+            a = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+            out[t] += wx * (a @ W[p + "ffn_down_exps.weight"][x].T + W[p + "ffn_down_exps.bias"][x])
+    return out
 
 
 def _mrope_fourth_axis(sections: list[int], pairs: int, interleaved: bool) -> np.ndarray:
@@ -1261,15 +1425,16 @@ def _deltanet(W: dict[str, np.ndarray], p: str, hy: dict[str, Any], h: np.ndarra
     return o.reshape(T, -1) @ W[p + "ssm_out.weight"].T
 
 
-def write_scripted_model(path: Path, specials: list[str], script: dict[str, str], template: str) -> None:
+def write_scripted_model(path: Path, specials: list[str], script: dict[str, str], template: str, pieces: tuple[str, ...] = (), ctx: int = 256) -> None:
     """A llama model that continues each token with the one ``script`` names (pieces or specials,
     as their text): its layers add nothing (zero output projections) and its output matrix holds,
     for each token, the embedding of the token it follows, so the logits peak on the successor.
     ``specials`` join the vocabulary as control tokens, except thought markers (``<think>``,
     ``</think>``), which Qwen3's files mark user-defined (shown as text); ``template`` is its chat
-    template."""
+    template. ``pieces`` join as plain pieces after the specials (words a script emits whole, as
+    Harmony's channel names); ``ctx`` is the context length."""
     rng = np.random.default_rng(99)
-    vocab = VOCAB + specials
+    vocab = VOCAB + specials + list(pieces)
     n = len(vocab)
     w = GGUFWriter(str(path), "llama")
     _add_keys(
@@ -1277,7 +1442,7 @@ def write_scripted_model(path: Path, specials: list[str], script: dict[str, str]
         "llama",
         {
             "block_count": 1,
-            "context_length": 256,
+            "context_length": ctx,
             "embedding_length": DIM,
             "feed_forward_length": HIDDEN,
             "attention.head_count": HEADS,
@@ -1287,8 +1452,8 @@ def write_scripted_model(path: Path, specials: list[str], script: dict[str, str]
     )
     w.add_tokenizer_model("llama")
     w.add_token_list(vocab)
-    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))] + [0.0] * len(specials))
-    w.add_token_types(TYPES + [4 if "think>" in t else 3 for t in specials])
+    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))] + [0.0] * len(specials) + [-100.0] * len(pieces))
+    w.add_token_types(TYPES + [4 if "think>" in t else 3 for t in specials] + [1] * len(pieces))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(template)
@@ -1314,3 +1479,55 @@ def write_scripted_model(path: Path, specials: list[str], script: dict[str, str]
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# Text the gpt-4o pre-tokenizer (gpt-oss's o200k) splits in every way it can: case runs,
+# contractions in either case, digit triples, punctuation runs with newlines, non-ASCII letters.
+GPT4O_TEXTS = [
+    "Hello World's 12345 na\u00efveTEST\n\n x",
+    "the inner WEATHER in Paris isn't 1234567 degrees!!\r\n\tok",
+    "  leading   spaces and \u00c9COLE \u00e9t\u00e9 \u00c0\u00c9\u00ce",
+    "CamelCaseWordsHere and HTTPServer's API_KEY=abc123",
+    "\u4e2d\u6587 \u0442\u0435\u043a\u0441\u0442 \u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac \U0001f642\U0001f642 done.",
+    "a/b\\c <tag>x</tag>\n\n\n",
+    "I'LL SEE YOU'RE don'T",
+    "x  \n  y \t\n",
+    "O'Neil McDONALD's 3.14159 1,000,000",
+]
+
+
+def _gpt2_bytes() -> dict[int, str]:
+    """GPT-2's byte-to-unicode map (each byte as a printable char)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def write_gpt4o_vocab_model(path: Path) -> None:
+    """The gpt-oss family's file with a byte-level BPE vocabulary under the `gpt-4o`
+    pre-tokenizer: the 256 byte tokens (ids = byte values) and 11 merges, as many tokens as the
+    family's embedding has rows."""
+    bmap = _gpt2_bytes()
+    merges = [("\u0120", "t"), ("h", "e"), ("\u0120t", "he"), ("i", "n"), ("e", "r"), ("\u0120", "a"), ("o", "n"), ("\u0120", "W"), ("\u0120", "n"), ("\u00c3", "\u00af"), ("'", "s")]
+    toks = [bmap[b] for b in range(256)] + [a + b for a, b in merges]
+
+    def vocab(w: GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-4o")
+        w.add_token_list(toks)
+        w.add_token_types([1] * len(toks))
+        w.add_token_merges([f"{a} {b}" for a, b in merges])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+
+    global _write_vocab
+    plain, _write_vocab = _write_vocab, vocab
+    try:
+        write_family(path, "gpt-oss")
+    finally:
+        _write_vocab = plain

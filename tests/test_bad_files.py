@@ -240,6 +240,8 @@ F32 = np.float32
         ("gemma4", dict(meta={"attention.key_length_swa": None}), r"'gemma4\.attention\.key_length_swa' is missing"),
         ("gemma4", dict(meta={"embedding_length_per_layer_input": None}), r"'gemma4\.embedding_length_per_layer_input' is missing"),
         ("gemma4", dict(drop="blk.2.attn_k.weight"), r"tensor 'blk\.2\.attn_k\.weight' is missing"),
+        ("gemma4", dict(drop="rope_freqs.weight"), r"tensor 'rope_freqs\.weight' is missing"),
+        ("gemma4", dict(replace={"rope_freqs.weight": np.ones(32, F32)}), r"tensor 'rope_freqs\.weight' has 32 values, expected 64"),
         ("gemma4", dict(replace={"blk.2.attn_q_norm.weight": np.ones(64, F32)}), r"tensor 'blk\.2\.attn_q_norm\.weight' has 64 values, expected 128"),
         ("gemma4-e", dict(drop="per_layer_token_embd.weight"), r"tensor 'per_layer_token_embd\.weight' is missing"),
         ("gemma4-e", dict(drop="per_layer_model_proj.weight"), r"tensor 'per_layer_model_proj\.weight' is missing"),
@@ -250,6 +252,23 @@ F32 = np.float32
         ("gemma4-e", dict(meta={"attention.shared_kv_layers": 4}), r"'gemma4\.attention\.shared_kv_layers' is 4 but the model has 5 layers; at least 2 must keep their own K/V"),
         ("gemma4-e", dict(meta={"attention.shared_kv_layers": 1}), r"'gemma4\.attention\.sliding_window_pattern' makes layer 3 sliding but layer 4, which reads its K/V \(attention\.shared_kv_layers\), full"),
         ("gemma4-e", dict(meta={"attention.shared_kv_layers": 0}), r"tensor 'blk\.3\.attn_k\.weight' is missing"),
+        # gpt-oss: its sinks, biases and experts against the tensors, the keys llama.cpp requires.
+        ("gpt-oss", dict(drop="blk.1.attn_sinks.weight"), r"tensor 'blk\.1\.attn_sinks\.weight' is missing"),
+        ("gpt-oss", dict(replace={"blk.0.attn_sinks.weight": np.zeros(4, F32)}), r"tensor 'blk\.0\.attn_sinks\.weight' has 4 values, expected 8"),
+        ("gpt-oss", dict(meta={"expert_count": 6}), r"tensor 'blk\.0\.ffn_gate_inp\.weight' is 8x256 but the model's metadata implies 6x256"),
+        ("gpt-oss", dict(meta={"expert_count": 16}), r"tensor 'blk\.0\.ffn_gate_inp\.weight' is 8x256 but the model's metadata implies 16x256"),
+        ("gpt-oss", dict(meta={"expert_feed_forward_length": 128}), r"tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \[256, 256, 8\] but the model's metadata implies \[256, 128, 8\]"),
+        ("gpt-oss", dict(meta={"expert_used_count": 9}), r"'gpt-oss\.expert_used_count' is 9; it must be between 1 and expert_count \(8\)"),
+        ("gpt-oss", dict(meta={"attention.sliding_window": None}), r"'gpt-oss\.attention\.sliding_window' is missing"),
+        ("gpt-oss", dict(meta={"attention.sliding_window": 0}), r"'gpt-oss\.attention\.sliding_window' is 0; it must be at least 1"),
+        ("gpt-oss", dict(meta={"expert_feed_forward_length": None}), r"'gpt-oss\.expert_feed_forward_length' is missing"),
+        ("gpt-oss", dict(meta={"attention.layer_norm_rms_epsilon": None}), r"'gpt-oss\.attention\.layer_norm_rms_epsilon' is missing"),
+        ("gpt-oss", dict(drop="blk.2.attn_output.bias"), r"tensor 'blk\.2\.attn_output\.bias' is missing"),
+        ("gpt-oss", dict(drop="blk.0.ffn_gate_inp.bias"), r"tensor 'blk\.0\.ffn_gate_inp\.bias' is missing"),
+        ("gpt-oss", dict(replace={"blk.1.ffn_down_exps.bias": np.zeros((8, 128), F32)}), r"tensor 'blk\.1\.ffn_down_exps\.bias' has 1024 values, expected 2048"),
+        ("gpt-oss", dict(drop="blk.1.post_attention_norm.weight"), r"tensor 'blk\.1\.post_attention_norm\.weight' is missing"),
+        ("gpt-oss", dict(meta={"rope.dimension_count": 32}), r"'gpt-oss\.rope\.dimension_count' is 32; gpt-oss turns the whole head \(64\)"),
+        ("gpt-oss", dict(meta={"attention.sliding_window_pattern": [True, False]}), r"'gpt-oss\.attention\.sliding_window_pattern' has 2 values but the model has 3 layers"),
         ("mistral3", dict(meta={"attention.layer_norm_rms_epsilon": None}), r"'mistral3\.attention\.layer_norm_rms_epsilon' is missing"),
         ("mistral3", dict(meta={"rope.scaling.original_context_length": 0}), r"'mistral3\.rope\.scaling\.original_context_length' is 0; attention temperature scaling needs the original context"),
     ],
@@ -286,6 +305,11 @@ def test_qwen35_rope_sections_with_pairs_on_the_fourth_axis(tmp_path: Path) -> N
         ("glm4moe", dict(meta={"expert_feed_forward_length": [256, 256, 128, 256]}), r"'glm4moe\.expert_feed_forward_length' varies by layer, which is not supported"),
         ("gemma4", dict(meta={"attention.value_length_swa": 32}), r"'gemma4\.attention\.value_length_swa' is 32 but the key heads have 64 values: Gemma 4 needs K and V heads of one size"),
         ("gemma4-moe", dict(meta={"expert_feed_forward_length": [256, 128, 256]}), r"'gemma4\.expert_feed_forward_length' varies by layer, which is not supported"),
+        ("gpt-oss", dict(meta={"expert_feed_forward_length": [256, 128, 256]}), r"'gpt-oss\.expert_feed_forward_length' varies by layer, which is not supported"),
+        ("gpt-oss", dict(meta={"rope.freq_base_swa": 10000.0}), r"'gpt-oss\.rope\.freq_base_swa' is 10000 but rope\.freq_base is 150000: another RoPE base on the sliding layers is not supported"),
+        # The biases only gpt-oss's graph adds are refused elsewhere, not ignored.
+        ("qwen3moe", dict(extra={"blk.0.ffn_gate_inp.bias": np.zeros(8, F32)}), r"tensor 'blk\.0\.ffn_gate_inp\.bias' is not supported"),
+        ("qwen2", dict(extra={"blk.1.attn_output.bias": np.zeros(256, F32)}), r"tensor 'blk\.1\.attn_output\.bias' is not supported"),
     ],
 )
 def test_family_pieces_not_supported(tmp_path: Path, name: str, kw: dict, match: str) -> None:
@@ -318,3 +342,30 @@ def test_sliding_window_pattern_as_llamacpp_reads_it(tmp_path: Path) -> None:
     write_family(r, "gemma2")
     m = dl.load_model(r)
     assert not np.array_equal(dl.eval_all(m, dl.create_session(m), ids), a[0])
+
+
+def test_mxfp4_tensor_truncated_or_ragged(tmp_path: Path) -> None:
+    # An MXFP4 tensor (an expert stack) cut off by the end of the file, and an MXFP4 matrix whose
+    # rows are not whole 32-value blocks: each names the tensor.
+    from gguf import GGMLQuantizationType as QT
+    from gguf import GGUFReader
+
+    p = tmp_path / "mx.gguf"
+    write_family(p, "qwen3moe-mxfp4")
+    tensors = GGUFReader(p).tensors
+    last = max((t for t in tensors if t.tensor_type == QT.MXFP4), key=lambda t: t.data_offset)
+    assert last.name.endswith("_exps.weight"), last.name
+    data = p.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: last.data_offset + last.n_bytes // 2])
+    with pytest.raises(dl.GgufError, match=rf"tensor '{last.name}' needs bytes .* the file is truncated"):
+        dl.load_model(tmp_path / "cut.gguf")
+
+    ragged = bytearray(data)
+    name = b"blk.0.attn_q.weight"
+    assert next(t for t in tensors if t.name == name.decode()).tensor_type == QT.MXFP4
+    at = ragged.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    assert struct.unpack_from("<IQ", ragged, at) == (2, 256)
+    ragged[at + 4 : at + 12] = struct.pack("<Q", 240)
+    (tmp_path / "ragged.gguf").write_bytes(bytes(ragged))
+    with pytest.raises(dl.GgufError, match=r"tensor 'blk\.0\.attn_q\.weight' row of 240 values is not a whole number of MXFP4 blocks"):
+        dl.load_model(tmp_path / "ragged.gguf")

@@ -12,7 +12,7 @@ import dasllama as dl
 from synthetic import reference_logits, write_model
 
 IDS = [1, 261, 262, 263, 5, 70, 80, 90, 100]
-FORMATS = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+FORMATS = [QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4]
 
 
 def run(path: Path, quant: dl.QuantMode) -> np.ndarray:
@@ -37,9 +37,10 @@ def test_format_against_numpy(tmp_path: Path, qt: QT, arch: str) -> None:
     assert (nat.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
 
 
-def test_q8_mode_converts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("qt", [QT.Q4_1, QT.MXFP4], ids=lambda q: q.name)
+def test_q8_mode_converts(tmp_path: Path, qt: QT) -> None:
     path = tmp_path / "tiny.gguf"
-    ref = reference_logits(write_model(path, QT.Q4_1), IDS)
+    ref = reference_logits(write_model(path, qt), IDS)
     got = run(path, dl.QuantMode.q8)
     assert np.abs(got - ref).max() <= 0.08 * np.abs(ref).max()
 

@@ -1,11 +1,17 @@
-"""Tokenization identical to llama.cpp on every golden string and prompt, for both models."""
+"""Tokenization identical to llama.cpp on every golden string and prompt, for both models, and for
+gpt-oss's pre-tokenizer on a synthetic vocabulary."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
 
 import pytest
 
 import dasllama as dl
 from dasllama.chat import render_chat
+from synthetic import GPT4O_TEXTS, write_gpt4o_vocab_model
 
 
 @pytest.mark.parametrize("which", ["smollm", "gemma"])
@@ -67,3 +73,18 @@ def test_token_piece_bytes_for_partial_utf8(gemma: dl.Model) -> None:
 def test_token_piece_rejects_bad_id(smollm: dl.Model) -> None:
     with pytest.raises(ValueError, match="out of range"):
         dl.token_piece(smollm, smollm.n_vocab)
+
+
+def test_gpt_4o_pre_tokenizer_matches_llamacpp(tmp_path: Path) -> None:
+    # gpt-oss's pre-tokenizer on a byte-level vocabulary with a few merges: llama.cpp's ids
+    # (tests/golden/gpt4o_tokenizer.json, scripts/make_gpt4o_tokenizer_golden.py) for text that
+    # splits every way it can (case runs, contractions, digit triples, non-ASCII letters).
+    g = json.loads((Path(__file__).parent / "golden" / "gpt4o_tokenizer.json").read_text())
+    path = tmp_path / "gpt4o.gguf"
+    write_gpt4o_vocab_model(path)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == g["sha256"], "the file differs from the one llama.cpp read; rerun the script"
+    m = dl.load_model(path)
+    assert [c["text"] for c in g["cases"]] == GPT4O_TEXTS
+    for c in g["cases"]:
+        assert dl.encode(m, c["text"], add_bos=False) == c["ids"], c["text"]
+        assert dl.decode(m, c["ids"]) == c["text"]

@@ -201,6 +201,8 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
         ("qwen3moe", "experts"),
         ("qwen35", "recurrent"),
         ("mistral3", "temperature_scale"),
+        ("gpt-oss", "attention sinks"),
+        ("gpt-oss-mxfp4", "do not read MXFP4"),
         # Gemma 4: sliding and full layers of different heads; the E-series' per-layer embeddings.
         ("gemma4", "layer 0 has heads of its own (4 of 64 values, the model's 4 of 128)"),
         ("gemma4-moe", "heads of its own"),
@@ -208,7 +210,8 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
     ],
 )
 def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why: str) -> None:
-    """A MoE or a DeltaNet hybrid, which the resident driver declines, goes on the per-op rails:
+    """A MoE, a DeltaNet hybrid or attention with sinks (gpt-oss), which the resident driver
+    declines, goes on the per-op rails:
     capture says "gpu:rails", the decline says why not resident, there are no device regions,
     and its matrices multiply on the device (activations rounded as the CPU rounds them) while
     attention, routing and the recurrence stay on the CPU over host K/V. Logits track the CPU's;
@@ -503,6 +506,26 @@ def test_iq4_weights_stay_on_the_cpu_and_say_why(tmp_path: Path) -> None:
     assert gpu.gpu_slot_capture(slot) == "cpu"
     assert "the device kernels do not read IQ4_" in slot.reason and "token_embd" in slot.reason, slot.reason
     assert int(dl.eval(m, dl.create_session(m), [1, 5, 9]).argmax()) >= 0
+
+
+@needs_device
+def test_mxfp4_matrices_stay_on_the_cpu_and_say_why(tmp_path: Path) -> None:
+    # No shader reads MXFP4: a MoE with MXFP4 experts goes on the per-op rails with its Q8_0
+    # matrices only, and the reason names the format and how many matrices stay on the CPU. The
+    # logits are the CPU's within the device's rounding.
+    path = tmp_path / "mx.gguf"
+    write_family(path, "qwen3moe-mxfp4")
+    cpu_m = dl.load_model(path)
+    want = dl.eval_all(cpu_m, dl.create_session(cpu_m), IDS)
+    del cpu_m
+    arm()
+    m = dl.load_model(path)
+    slot = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot) == "gpu:rails", slot.reason
+    assert "routed experts" in slot.reason and "the device kernels do not read MXFP4 matrices, so those stay on the CPU (" in slot.reason, slot.reason
+    got = dl.eval_all(m, dl.create_session(m), IDS)
+    for i in range(len(IDS)):
+        assert np.abs(lsm(got[i]) - lsm(want[i])).max() <= 0.05, i
 
 
 @needs_device

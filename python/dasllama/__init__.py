@@ -13,6 +13,7 @@ import logging
 from ._native import amx_status, arch_names, n_threads
 from .chat import (
     ChatRenderer,
+    HarmonySplitter,
     NothinkGuard,
     ThoughtSplitter,
     add_assistant,
@@ -24,6 +25,7 @@ from .chat import (
     render_turn,
     set_thinking,
     split_reasoning,
+    thought_splitter,
     turn_stop_ids,
 )
 from .devices import Device, PlacementStatus, device, devices
@@ -68,6 +70,7 @@ __all__ = [
     "EngineError",
     "FetchError",
     "GgufError",
+    "HarmonySplitter",
     "KVDtype",
     "KvPool",
     "KvPoolFullError",
@@ -135,6 +138,7 @@ __all__ = [
     "split_reasoning",
     "step_budget",
     "submit",
+    "thought_splitter",
     "token_piece",
     "turn_stop_ids",
 ]

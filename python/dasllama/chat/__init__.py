@@ -152,6 +152,13 @@ class NothinkGuard:
 
 
 THOUGHT_MARKERS = ("<think>", "</think>")
+# Harmony (gpt-oss): the reasoning is the analysis channel, the answer the final one. The model
+# switches channels itself; the pair stands for that format wherever markers are passed around.
+HARMONY_MARKERS = ("<|channel|>analysis<|message|>", "<|channel|>final<|message|>")
+# The tokens a Harmony template writes (each one token in gpt-oss's vocabulary).
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+# The levels gpt-oss's template takes as `reasoning_effort` ("medium" where none is given).
+HARMONY_EFFORTS = ("low", "medium", "high")
 # Gemma 4 writes a thought as `<|channel>thought\n...<channel|>`: the reply's markers are these,
 # the guard's are the two channel tokens (GEMMA4_CHANNEL), and the newline after the channel's
 # name belongs to neither (llama.cpp's parser drops it too).
@@ -172,6 +179,13 @@ def _marker_id(m: Model, text: str) -> int | None:
     return ids[0] if len(ids) == 1 and m._native.token_type(ids[0]) in (3, 4) else None
 
 
+def is_harmony(m: Model) -> bool:
+    """Whether ``m`` speaks Harmony (gpt-oss): its template writes channels and its vocabulary
+    holds the format's tokens as special tokens."""
+    tmpl = m.chat_template or ""
+    return "<|channel|>" in tmpl and all(_marker_id(m, t) is not None for t in HARMONY_TOKENS)
+
+
 def thought_markers(m: Model) -> tuple[str, str] | None:
     """The template's thought markers (``<think>``, ``</think>``) where ``m`` thinks: its template
     writes them and its vocabulary holds both as special tokens (Qwen3 does; Qwen2.5 shares the
@@ -180,6 +194,8 @@ def thought_markers(m: Model) -> tuple[str, str] | None:
     if _is_gemma4_thinker(m):
         return GEMMA4_THOUGHT
     tmpl = m.chat_template or ""
+    if is_harmony(m):
+        return HARMONY_MARKERS
     if not all(t in tmpl for t in THOUGHT_MARKERS):
         return None
     if any(_marker_id(m, t) is None for t in THOUGHT_MARKERS):
@@ -199,7 +215,8 @@ def make_nothink_guard(chat: ChatRenderer) -> NothinkGuard | None:
         o, c = (_marker_id(m, t) for t in GEMMA4_CHANNEL)
         assert o is not None and c is not None
         return NothinkGuard((o,), (c,))
-    if chat.thinking is not False or thought_markers(m) is None:
+    # Harmony has no thinking-off form (gpt-oss always reasons; `reasoning_effort` sets how much).
+    if chat.thinking is not False or thought_markers(m) in (None, HARMONY_MARKERS):
         return None
     o, c = (_marker_id(m, t) for t in THOUGHT_MARKERS)
     assert o is not None and c is not None
@@ -281,9 +298,83 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+class HarmonySplitter:
+    """Splits a Harmony reply (gpt-oss) by channel as pieces arrive, with :class:`ThoughtSplitter`'s
+    ``feed``/``finish``. A reply is messages ``[<|start|>role]<|channel|>NAME[ to=...]
+    [<|constrain|>...]<|message|>BODY``, each ended by ``<|end|>`` (a control token, not in the
+    text), the next header, or the reply's end (``<|return|>`` and ``<|call|>`` stop it). Bodies of
+    the ``final`` channel are content, of ``analysis`` and ``commentary`` reasoning; the headers are
+    neither. A reply that opens with no header (a model that skips the format) is content;
+    ``in_thought``: the prompt already opened the analysis channel."""
+
+    HEADS = ("<|start|>", "<|channel|>")
+    ENDS = ("<|end|>", "<|return|>", "<|call|>")
+
+    def __init__(self, in_thought: bool = False) -> None:
+        self.state = "body" if in_thought else "start"
+        self.channel = "analysis"
+        self.buf = ""
+
+    def _sink(self, text: str, out: list[str]) -> None:
+        out[0 if self.channel == "final" else 1] += text
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self.buf += text
+        out = ["", ""]  # content, reasoning
+        while self.buf:
+            if self.state == "start":
+                stripped = self.buf.lstrip()
+                if stripped.startswith(self.HEADS):
+                    self.buf, self.state = stripped, "header"
+                    continue
+                if not stripped or any(h.startswith(stripped) for h in self.HEADS):
+                    break  # whitespace, or maybe the start of a header: wait
+                self.state, self.channel = "body", "final"
+                continue
+            if self.state == "header":
+                at = self.buf.find("<|message|>")
+                if at < 0:
+                    break
+                head, self.buf = self.buf[:at], self.buf[at + len("<|message|>") :]
+                name = head.split("<|channel|>", 1)[1] if "<|channel|>" in head else "final"
+                self.channel = name.split("<|", 1)[0].split(" ", 1)[0].strip() or "final"
+                self.state = "body"
+                continue
+            # A body runs to the next marker; what may be the start of one is held back.
+            hits = [(at, mk) for mk in self.HEADS + self.ENDS if (at := self.buf.find(mk)) >= 0]
+            if hits:
+                at, mk = min(hits)
+                self._sink(self.buf[:at], out)
+                if mk in self.HEADS:
+                    self.buf, self.state = self.buf[at:], "header"
+                else:
+                    self.buf, self.state = self.buf[at + len(mk) :], "start"
+                continue
+            keep = max(_partial_suffix(self.buf, mk) for mk in self.HEADS + self.ENDS)
+            self._sink(self.buf[: len(self.buf) - keep], out)
+            self.buf = self.buf[len(self.buf) - keep :]
+            break
+        return out[1], out[0]
+
+    def finish(self) -> tuple[str, str]:
+        rest, self.buf = self.buf, ""
+        if self.state == "body":
+            out = ["", ""]
+            self._sink(rest, out)
+            return out[1], out[0]
+        if self.state == "start" and rest.strip():
+            return "", rest.lstrip()
+        return "", ""  # an unfinished header is markup, not text
+
+
+def thought_splitter(markers: tuple[str, str] = THOUGHT_MARKERS, in_thought: bool = False) -> ThoughtSplitter | HarmonySplitter:
+    """The incremental splitter for a template's markers (:func:`thought_markers`)."""
+    return HarmonySplitter(in_thought) if markers == HARMONY_MARKERS else ThoughtSplitter(markers, in_thought)
+
+
 def split_reasoning(reply: str, markers: tuple[str, str] = THOUGHT_MARKERS, in_thought: bool = False) -> tuple[str, str]:
-    """(reasoning, content) of a whole reply (see :class:`ThoughtSplitter`)."""
-    sp = ThoughtSplitter(markers, in_thought)
+    """(reasoning, content) of a whole reply (see :class:`ThoughtSplitter`, :class:`HarmonySplitter`)."""
+    sp = thought_splitter(markers, in_thought)
     r1, c1 = sp.feed(reply)
     r2, c2 = sp.finish()
     return r1 + r2, c1 + c2

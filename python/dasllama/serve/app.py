@@ -20,7 +20,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .. import scheduler as sched
-from ..chat import ChatRenderer, NothinkGuard, encode_prompt, make_nothink_guard, render_chat, render_close, thought_markers
+from ..chat import HARMONY_EFFORTS, ChatRenderer, NothinkGuard, encode_prompt, is_harmony, make_nothink_guard, render_chat, render_close, thought_markers
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..grammar import check_grammar
 from ..model import encode
@@ -310,6 +310,17 @@ class Server:
                 rendered, extra = with_tools(rendered, tools)
             thinking = _enable_thinking(body)
             effort = _reasoning_effort(body)
+            if is_harmony(m):
+                # gpt-oss's template writes the level into its system message as given, and the
+                # model knows three; it always reasons, so "none" cannot switch it off.
+                if effort is not None and effort not in HARMONY_EFFORTS:
+                    raise ApiError(
+                        400,
+                        f"'reasoning_effort' is {effort!r}, but this model's template (Harmony, gpt-oss) takes {', '.join(HARMONY_EFFORTS)}",
+                        param="reasoning_effort",
+                        code="invalid_value",
+                    )
+                effort = effort or "medium"
             if effort is not None:
                 extra["reasoning_effort"] = effort
                 if thinking is None and effort in ("none", "minimal"):

@@ -21,7 +21,7 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 
 from .. import gpu
 from .. import scheduler as sched
-from ..chat import ThoughtSplitter, split_reasoning
+from ..chat import split_reasoning, thought_splitter
 from ..embeddings import embed
 from ..model import decode, encode
 from .app import ITL_BUCKETS, TTFT_BUCKETS, ApiError, Histogram, Job, Server, _utf8_len, internal_error
@@ -142,7 +142,7 @@ class Routes:
                 # With tools, each choice's text goes through a parser that gives calls out whole.
                 parsers = [CallParser() for _ in range(job.n)] if chat and job.tools is not None else None
                 # A leading thought goes out as `reasoning_content` deltas, before the content.
-                splitters = [ThoughtSplitter(job.markers, job.in_thought) for _ in range(job.n)] if chat and job.markers else None
+                splitters = [thought_splitter(job.markers, job.in_thought) for _ in range(job.n)] if chat and job.markers else None
                 if chat:
                     for i in range(job.n):
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})

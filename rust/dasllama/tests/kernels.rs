@@ -19,7 +19,8 @@ impl Lcg {
     }
 }
 
-/// Random weight blocks with sane (small, finite) f16 scales.
+/// Random weight blocks with sane (small, finite) f16 scales, and MXFP4's E8M0 scales 2^-10..2^5
+/// (edge: also e = 0 and 1, whose halves are the subnormals 2^-128 and 2^-127).
 fn random_weights(ty: GgmlType, n: usize, rng: &mut Lcg, edge: bool) -> Vec<u8> {
     let mut vals = vec![0.0f32; n];
     for v in vals.iter_mut() {
@@ -39,6 +40,9 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Lcg, edge: bool) -> Vec<u8> 
                 for &at in ty.f16_scale_offsets() {
                     let s = half::f16::from_f32(0.01 + (rng.next() % 100) as f32 * 0.001);
                     b[at..at + 2].copy_from_slice(&s.to_bits().to_le_bytes());
+                }
+                if ty == GgmlType::MXFP4 {
+                    b[0] = if edge { [0u8, 1, 126, 127, 128, 129][rng.next() as usize % 6] } else { 118 + (rng.next() % 16) as u8 };
                 }
             }
             out
@@ -184,7 +188,7 @@ fn multi_row_kernels_are_bit_identical_to_single_row() {
 
 #[test]
 fn tiles_round_trip() {
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::MXFP4, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
         let mut rng = Lcg(ty as u64 + 5);
         let n = 512;
         for rows in [1, 5, 8] {
@@ -313,7 +317,7 @@ fn act(ty: GgmlType, x: &[f32]) -> Vec<u8> {
 #[test]
 fn tile_kernel_variants_match_the_scalar_twin() {
     use dasllama::quant::avx2::tile_variants;
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::MXFP4, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
         let variants = tile_variants(ty);
         if report_skipped(ty, variants.len()) {
             continue;
@@ -364,6 +368,7 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
         GgmlType::Q5_0,
         GgmlType::Q5_1,
         GgmlType::Q8_0,
+        GgmlType::MXFP4,
         GgmlType::Q4K,
         GgmlType::Q6K,
         GgmlType::F16,

@@ -22,6 +22,9 @@ use crate::quant::{GgmlType, Weight};
 pub enum Gating {
     Softmax,
     Sigmoid,
+    /// The experts chosen by their raw logits, weighted by a softmax over the chosen ones only
+    /// (llama.cpp's `SOFTMAX_WEIGHT`, gpt-oss).
+    SoftmaxWeight,
 }
 
 /// One layer's routing, for `Ops::route`.
@@ -41,6 +44,9 @@ pub struct Route<'a> {
 pub enum Activation {
     Silu,
     GeluTanh,
+    /// gpt-oss's clamped GLU (ggml's `swiglu_oai`): min(g, 7) * sigmoid(1.702 * min(g, 7)) *
+    /// (clamp(u, -7, 7) + 1), with llama.cpp's constants.
+    SwigluOai,
 }
 
 /// How dot products are added up.
@@ -62,7 +68,7 @@ pub trait MatmulOffload {
 
 /// One attention layer as the kernels see it.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttnShape {
+pub struct AttnShape<'a> {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
@@ -74,9 +80,13 @@ pub struct AttnShape {
     pub scale_query: bool,
     /// cap * tanh(s / cap) on each raw q.k score before the softmax's scaling (gemma2).
     pub softcap: Option<f32>,
+    /// One learned logit per query head that joins the softmax's denominator with no value
+    /// behind it (gpt-oss's `attn_sinks`): a head may put weight on "nothing". Unscaled, as
+    /// ggml's `soft_max_ext` takes it.
+    pub sinks: Option<&'a [f32]>,
 }
 
-impl AttnShape {
+impl AttnShape<'_> {
     pub fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
     }

@@ -93,6 +93,7 @@ impl Ops for CpuOps<'_> {
             match act {
                 Activation::Silu => ops::swiglu(g, u),
                 Activation::GeluTanh => ops::geglu(g, u),
+                Activation::SwigluOai => ops::swiglu_oai(g, u),
             }
         };
         if gate.len() / width >= 16 {
@@ -125,6 +126,8 @@ impl Ops for CpuOps<'_> {
             match r.gating {
                 Gating::Softmax => ops::softmax(&mut p),
                 Gating::Sigmoid => p.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+                // Chosen by the logits themselves; the softmax over the chosen ones follows.
+                Gating::SoftmaxWeight => {}
             }
             // The selection bias moves the choice only; the weights are the unbiased scores.
             match r.bias {
@@ -135,6 +138,11 @@ impl Ops for CpuOps<'_> {
             order.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(a.cmp(&b)));
             let first = out.len();
             out.extend(order[..r.n_used].iter().map(|&e| (e, p[e])));
+            if r.gating == Gating::SoftmaxWeight {
+                let mut w: Vec<f32> = out[first..].iter().map(|&(_, w)| w).collect();
+                ops::softmax(&mut w);
+                out[first..].iter_mut().zip(w).for_each(|((_, x), w)| *x = w);
+            }
             if r.norm {
                 // llama.cpp clamps the sum below at the smallest normal f16.
                 let sum = out[first..].iter().map(|&(_, w)| w).sum::<f32>().max(6.103_515_6e-5);
@@ -300,8 +308,9 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             // Each row's weights over its own keys (the block's other keys are never read).
             for (r, t) in (t0..t0 + nb).enumerate() {
                 let (s, e) = span(t);
-                for sg in sc[r * group * nk..(r + 1) * group * nk].chunks_exact_mut(nk) {
-                    ops::attention_weights(&mut sg[s - kb..e - kb], a.score_scale());
+                for (g, sg) in sc[r * group * nk..(r + 1) * group * nk].chunks_exact_mut(nk).enumerate() {
+                    let sink = a.sinks.map(|sk| sk[kvh * group + g]);
+                    ops::attention_weights_sink(&mut sg[s - kb..e - kb], a.score_scale(), sink);
                 }
             }
             os.clear();
@@ -393,7 +402,7 @@ fn attention_ggml(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize
                 sc[j] = s * a.score_scale();
             }
             let live = (pos + 1).next_multiple_of(8);
-            ops::softmax(&mut sc[..live]);
+            ops::softmax_sink(&mut sc[..live], a.sinks.map(|sk| sk[kvh * group + g]));
             sc[live..].fill(0.0);
             ops::round_f16_slice(&mut sc);
             for (i, ov) in o[g * hdim..(g + 1) * hdim].iter_mut().enumerate() {
@@ -433,6 +442,77 @@ mod tests {
         assert_eq!(got, vec![(0, s(2.0) / sum * 2.5), (2, s(-1.0) / sum * 2.5)]);
         // Without the bias, the plain top 2.
         assert_eq!(route(&logits, &Route { bias: None, ..r }), vec![(0, s(2.0)), (3, s(1.0))]);
+    }
+
+    #[test]
+    fn softmax_weight_routing_chooses_by_logit_and_weights_by_a_softmax_of_the_chosen() {
+        let logits = [0.5f32, 2.0, -1.0, 1.0];
+        let r = Route { n_expert: 4, n_used: 2, gating: Gating::SoftmaxWeight, bias: None, norm: false, scale: 1.0 };
+        let got = route(&logits, &r);
+        let (a, b) = (1.0f64.exp(), 0.0f64.exp()); // e^(2 - 2), e^(1 - 2) over their sum
+        assert_eq!(got.iter().map(|&(e, _)| e).collect::<Vec<_>>(), vec![1, 3]);
+        assert!((got[0].1 as f64 - a / (a + b)).abs() < 1e-6 && (got[1].1 as f64 - b / (a + b)).abs() < 1e-6, "{got:?}");
+        // Over the chosen two only: a softmax over all four would weight them 0.61 and 0.22.
+        assert!((got[0].1 + got[1].1 - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn attention_with_sinks_and_a_window_in_both_orders() {
+        use crate::kv::{Geometry, KvCodec};
+        let (nh, nkv, hd, n) = (4usize, 2usize, 32usize, 12usize);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+                })
+                .collect()
+        };
+        let (k, v, q) = (rnd(n * nkv * hd), rnd(n * nkv * hd), rnd(n * nh * hd).iter().map(|x| x * 4.0).collect::<Vec<f32>>());
+        let sinks = [0.5f32, -1.0, 2.0, 0.0];
+        let rows: Vec<(usize, usize)> = (0..n).map(|p| (0, p)).collect();
+        let run = |numerics: Numerics, window: usize, sinks: Option<&[f32]>| {
+            let geo = Geometry { n_layers: 1, kv_dim: nkv * hd, head_dim: hd, page_rows: 8, codec: KvCodec::F16, slots: None };
+            let mut kv = KvCache::private(geo);
+            kv.reserve(n).unwrap();
+            kv.append(0, &k, &v);
+            let shape =
+                AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, window, scale: 1.0 / (hd as f32).sqrt(), scale_query: false, softcap: None, sinks };
+            let mut out = vec![0.0f32; n * nh * hd];
+            Cpu.run(numerics, &mut Vec::new(), None, &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[n], &q, &mut out));
+            out
+        };
+        let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;
+        for window in [0, 5] {
+            // Float64 over the f16 K/V the cache holds: each head's sink joins its softmax's
+            // normalizer with no value, so its weights sum to less than 1.
+            let mut want = vec![0.0f64; n * nh * hd];
+            for t in 0..n {
+                for h in 0..nh {
+                    let kvh = h / (nh / nkv);
+                    let lo = if window > 0 { (t + 1).saturating_sub(window) } else { 0 };
+                    let sc: Vec<f64> = (lo..=t)
+                        .map(|j| (0..hd).map(|i| q[(t * nh + h) * hd + i] as f64 * f16(k[(j * nkv + kvh) * hd + i])).sum::<f64>() / (hd as f64).sqrt())
+                        .collect();
+                    let m = sc.iter().cloned().fold(sinks[h] as f64, f64::max);
+                    let z = sc.iter().map(|s| (s - m).exp()).sum::<f64>() + (sinks[h] as f64 - m).exp();
+                    for (jj, s) in sc.iter().enumerate() {
+                        for i in 0..hd {
+                            want[(t * nh + h) * hd + i] += (s - m).exp() / z * f16(v[((lo + jj) * nkv + kvh) * hd + i]);
+                        }
+                    }
+                }
+            }
+            for numerics in [Numerics::Fast, Numerics::Ggml] {
+                let got = run(numerics, window, Some(&sinks));
+                let err = got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0.0, f64::max);
+                assert!(err < 1e-2, "{numerics:?} window {window}: {err}");
+                let plain = run(numerics, window, None);
+                let off = plain.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0.0, f64::max);
+                assert!(off > 0.1, "{numerics:?} window {window}: the sinks moved nothing ({off})");
+            }
+        }
     }
 
     #[test]

@@ -52,6 +52,11 @@ impl Weight {
         for b in data.iter_mut().skip(1).step_by(2) {
             *b &= 0x3B;
         }
+        // MXFP4's scale is a power of two in a byte of its own: keep it near 1 (no infinities, and
+        // no subnormals, which some CPUs multiply slowly).
+        if ty == GgmlType::MXFP4 {
+            data.chunks_exact_mut(ty.block_bytes()).for_each(|b| b[0] = 120 + b[0] % 8);
+        }
         Weight { ty, rows, cols, data: Bytes::Owned(std::sync::Arc::new(data)), tiled: false, ggml_dot: None }.for_kernels()
     }
 

@@ -48,11 +48,24 @@ fn rope_body(x: &mut [f32], cache: &[(f32, f32)], neox: bool) {
 /// vector expf where the CPU has AVX2 (each group's f32 sum added to an f64 total); a last
 /// partial group is padded with -inf, as ggml's padded KV rows are. libm's `exp` without AVX2.
 pub fn softmax(x: &mut [f32]) {
+    softmax_sink(x, None);
+}
+
+/// `softmax` with an attention sink where given: a logit that joins the max and the normalizer
+/// (as e^(sink - max), ggml's expf) with no value of its own, so the weights sum to less than 1
+/// (ggml's `soft_max_ext` with sinks).
+pub fn softmax_sink(x: &mut [f32], sink: Option<f32>) {
     let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let inv = exp_normalizer(x, max);
+    let max = sink.map_or(max, |s| max.max(s));
+    let inv = (1.0 / (exp_total(x, max) + sink_term(sink, max))) as f32;
     for v in x.iter_mut() {
         *v *= inv;
     }
+}
+
+/// What a sink adds to a softmax's normalizer at `max`.
+fn sink_term(sink: Option<f32>, max: f32) -> f64 {
+    sink.map_or(0.0, |s| (s - max).exp() as f64)
 }
 
 /// x = cap * tanh(x / cap), as ggml's scale, tanh, scale (soft-capped scores and logits).
@@ -69,23 +82,30 @@ pub fn softcap(x: &mut [f32], cap: f32) {
 /// the normalizer's last bits decide it. `numerics="ggml"` attends with `softmax` itself. The
 /// per-group reduction was a serial chain that made the exponentials 8% of a 4,000-token prefill.
 pub fn attention_weights(x: &mut [f32], scale: f32) {
+    attention_weights_sink(x, scale, None);
+}
+
+/// `attention_weights` with a head's sink logit where it has one (`softmax_sink`; the sink is
+/// not scaled, as ggml adds it after the scaling).
+pub fn attention_weights_sink(x: &mut [f32], scale: f32, sink: Option<f32>) {
     #[cfg(target_arch = "x86_64")]
     if crate::quant::avx2::has_avx2() {
         // SAFETY: AVX2/FMA/F16C detected; the kernels stay inside `x`.
         unsafe {
             let max = simd::scale_max(x, scale);
-            let inv = simd::exp_sub_normalizer(x, max);
-            simd::scale_round_f16(x, inv);
+            let max = sink.map_or(max, |s| max.max(s));
+            let total = simd::exp_sub_total(x, max) + sink_term(sink, max);
+            simd::scale_round_f16(x, (1.0 / total) as f32);
         }
         return;
     }
     x.iter_mut().for_each(|v| *v *= scale);
-    softmax(x);
+    softmax_sink(x, sink);
     round_f16_slice(x);
 }
 
-/// x[i] = e^(x[i] - max); returns 1 / Σ x[i] (summed as `softmax` documents).
-fn exp_normalizer(x: &mut [f32], max: f32) -> f32 {
+/// x[i] = e^(x[i] - max); returns Σ x[i] (summed as `softmax` documents).
+fn exp_total(x: &mut [f32], max: f32) -> f64 {
     let mut sum = 0.0f64;
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
@@ -106,12 +126,25 @@ fn exp_normalizer(x: &mut [f32], max: f32) -> f32 {
         *v = (*v - max).exp();
         sum += *v as f64;
     }
-    (1.0 / sum) as f32
+    sum
 }
 
 #[inline]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// ggml's `swiglu_oai` with llama.cpp's constants (alpha 1.702, limit 7): the gate clamped
+/// above, the up value both ways and shifted by 1: g = x * sigmoid(alpha * x) * (y + 1) with
+/// x = min(g, 7), y = clamp(u, -7, 7). Scalar expf, as ggml's CPU op.
+pub fn swiglu_oai(g: &mut [f32], u: &[f32]) {
+    const ALPHA: f32 = 1.702;
+    const LIMIT: f32 = 7.0;
+    for (a, &b) in g.iter_mut().zip(u) {
+        let x = a.min(LIMIT);
+        let y = b.clamp(-LIMIT, LIMIT);
+        *a = x / (1.0 + (ALPHA * -x).exp()) * (y + 1.0);
+    }
 }
 
 /// g[i] = silu(g[i]) * u[i], with ggml's vector expf where the CPU has AVX2 (as its SwiGLU).
@@ -249,10 +282,10 @@ pub(crate) mod simd {
         (n, sum)
     }
 
-    /// x[i] = e^(x[i] - max) for all of `x`; returns 1 / Σ x[i], summed in f32 lanes (see
+    /// x[i] = e^(x[i] - max) for all of `x`; returns Σ x[i], summed in f32 lanes (see
     /// `attention_weights`). A last partial group is padded with -inf, whose exponential is 0.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp_sub_normalizer(x: &mut [f32], max: f32) -> f32 {
+    pub unsafe fn exp_sub_total(x: &mut [f32], max: f32) -> f64 {
         let (n, m) = (x.len() / 8 * 8, _mm256_set1_ps(max));
         let mut acc = [_mm256_setzero_ps(); 2];
         for (k, i) in (0..n).step_by(8).enumerate() {
@@ -272,7 +305,7 @@ pub(crate) mod simd {
         let mut lanes = [0.0f32; 16];
         _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
         _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
-        (1.0 / lanes.iter().map(|&v| v as f64).sum::<f64>()) as f32
+        lanes.iter().map(|&v| v as f64).sum::<f64>()
     }
 
     /// g = g / (1 + e^-g) * u for whole groups of eight; returns how many.
@@ -398,6 +431,60 @@ mod tests {
             assert_eq!((s, c), (s0 * 2.0, c0 * 2.0));
             theta *= theta_scale;
         }
+    }
+
+    #[test]
+    fn a_sink_takes_its_share_of_the_softmax_and_none_changes_nothing() {
+        let raw: Vec<f32> = (0..37).map(|i| ((i * 7919 % 211) as f32 - 105.0) * 0.037).collect();
+        let (mut plain, mut none) = (raw.clone(), raw.clone());
+        attention_weights(&mut plain, 0.5);
+        attention_weights_sink(&mut none, 0.5, None);
+        assert_eq!(plain, none);
+        // The sink as one more (unscaled) score whose weight is dropped: the rest are the softmax
+        // of all 38 (within one f16 step), and sum to 1 minus the sink's share.
+        let sink = 1.5f32;
+        let mut with = raw.clone();
+        attention_weights_sink(&mut with, 0.5, Some(sink));
+        let all: Vec<f64> = raw.iter().map(|&v| v as f64 * 0.5).chain([sink as f64]).collect();
+        let m = all.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = all.iter().map(|v| (v - m).exp()).sum();
+        for (i, &w) in with.iter().enumerate() {
+            let want = (all[i] - m).exp() / z;
+            assert!((w as f64 - want).abs() <= want * 1e-3 + 1e-7, "weight {i}: {w} against {want}");
+        }
+        let share = (sink as f64 - m).exp() / z;
+        let total: f64 = with.iter().map(|&w| w as f64).sum();
+        assert!(share > 0.05 && (total - (1.0 - share)).abs() < 1e-2, "{total} {share}");
+        // A sink far below the scores is no sink; the scalar softmax agrees.
+        let mut low = raw.clone();
+        attention_weights_sink(&mut low, 0.5, Some(-1e30));
+        assert_eq!(low, plain);
+        let (mut a, mut b) = (raw.clone(), raw.clone());
+        softmax_sink(&mut a, Some(2.0));
+        b.push(2.0);
+        softmax(&mut b);
+        a.iter().zip(&b).for_each(|(x, y)| assert!((x - y).abs() < 1e-6, "{x} {y}"));
+    }
+
+    #[test]
+    fn swiglu_oai_clamps_the_gate_above_and_the_up_value_both_ways() {
+        let g = [-8.0f32, -1.0, 0.5, 6.0, 9.0];
+        let u = [0.5f32, -9.0, 2.0, 8.0, -0.25];
+        let mut got = g;
+        swiglu_oai(&mut got, &u);
+        for i in 0..5 {
+            let x = (g[i] as f64).min(7.0);
+            let y = (u[i] as f64).clamp(-7.0, 7.0);
+            let want = x / (1.0 + (-1.702 * x).exp()) * (y + 1.0);
+            assert!((got[i] as f64 - want).abs() < 1e-5 * want.abs().max(1.0), "{i}: {} against {want}", got[i]);
+        }
+        // The gate at 9 acts as 7; the up value -9 as -7 (so the product's sign flips).
+        assert_eq!(got[4], {
+            let mut a = [7.0f32];
+            swiglu_oai(&mut a, &[-0.25]);
+            a[0]
+        });
+        assert!(got[1] > 0.0);
     }
 
     #[test]

@@ -17,6 +17,7 @@ static REGISTRY: &[ArchDesc] = &[
     ArchDesc { name: "gemma3", configure: super::gemma3::configure },
     ArchDesc { name: "gemma4", configure: super::gemma4::configure },
     ArchDesc { name: "glm4moe", configure: super::glm4moe::configure },
+    ArchDesc { name: "gpt-oss", configure: super::gptoss::configure },
     ArchDesc { name: "phi3", configure: super::phi3::configure },
     ArchDesc { name: "qwen2", configure: super::qwen2::configure },
     ArchDesc { name: "qwen2vl", configure: super::qwen2vl::configure },

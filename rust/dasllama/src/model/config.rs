@@ -104,8 +104,9 @@ impl Attention {
         self.heads.unwrap_or(Heads { n_heads: c.n_heads, n_kv_heads: c.n_kv_heads, head_dim: c.head_dim })
     }
 
-    /// What the backend needs to know of this layer's attention.
-    pub fn shape(&self, c: &Config) -> AttnShape {
+    /// What the backend needs to know of this layer's attention (its sinks are weights: the
+    /// forward pass adds them).
+    pub fn shape(&self, c: &Config) -> AttnShape<'static> {
         let h = self.heads(c);
         AttnShape {
             n_heads: h.n_heads,
@@ -115,6 +116,7 @@ impl Attention {
             scale: self.scale,
             scale_query: self.scale_query,
             softcap: self.softcap,
+            sinks: None,
         }
     }
 }
@@ -227,6 +229,9 @@ pub struct Config {
     /// The tensor of per-frequency RoPE divisors every layer uses, where the file has it (phi3's
     /// longrope: `rope_factors_long` when the context outgrows the original one, else `_short`).
     pub rope_factors: Option<&'static str>,
+    /// The file must have `rope_factors` (gemma4's full layers: llama.cpp requires `rope_freqs`);
+    /// otherwise a file without it runs unscaled.
+    pub rope_factors_required: bool,
     /// The tensor (`blk.N.<name>.weight`) that norms the FFN's input: `ffn_norm`, or
     /// `post_attention_norm` where the family names it so (qwen35, qwen3next).
     pub ffn_norm: &'static str,
@@ -237,6 +242,13 @@ pub struct Config {
     /// The MTP (NextN) blocks the file declares after the trunk's (`nextn_predict_layers`):
     /// blocks n_layers.., which the forward pass does not run (`model::mtp`).
     pub nextn: Vec<LayerDesc>,
+    /// Every attention layer has per-head sink logits (`attn_sinks`, required; gpt-oss).
+    pub attn_sinks: bool,
+    /// Biases on the attention output, the router and the routed experts are part of the model
+    /// (required, as gpt-oss's graph adds them); elsewhere a file that has them is refused.
+    pub extra_biases: bool,
+    /// The routed experts' GLU (SiLU unless the family says otherwise).
+    pub expert_act: Activation,
 }
 
 impl Config {
@@ -463,10 +475,14 @@ pub(crate) fn bare_config(m: &Metadata, arch: &str, heads: Heads, layers: Vec<La
         embed_scale: None,
         final_softcap: None,
         rope_factors: None,
+        rope_factors_required: false,
         ffn_norm: "ffn_norm",
         per_layer_input: 0,
         layers,
         nextn: Vec::new(),
+        attn_sinks: false,
+        extra_biases: false,
+        expert_act: Activation::Silu,
     })
 }
 
@@ -790,6 +806,44 @@ mod tests {
         c.validate(&meta("gemma4", &alt), 4).unwrap();
         let e = configure("gemma4", &keys(3)).unwrap_err().to_string();
         assert!(e.contains("'gemma4.attention.shared_kv_layers' is 3 but the model has 4 layers"), "{e}");
+    }
+
+    #[test]
+    fn gpt_oss_reads_its_window_pattern_yarn_and_experts() {
+        let keys = [
+            ("attention.layer_norm_rms_epsilon", MetaValue::Float(1e-5)),
+            ("attention.sliding_window", MetaValue::Int(128)),
+            ("attention.key_length", MetaValue::Int(64)),
+            ("expert_count", MetaValue::Int(32)),
+            ("expert_used_count", MetaValue::Int(4)),
+            ("expert_feed_forward_length", MetaValue::Int(128)),
+            ("rope.scaling.type", MetaValue::Str("yarn".into())),
+            ("rope.scaling.factor", MetaValue::Float(32.0)),
+            ("rope.scaling.original_context_length", MetaValue::Int(4096)),
+            ("rope.freq_base", MetaValue::Float(150000.0)),
+        ];
+        let c = configure("gpt-oss", &keys).unwrap();
+        assert_eq!((0..4).map(|il| attn(&c, il).window).collect::<Vec<_>>(), [128, 0, 128, 0]);
+        let r = attn(&c, 1).rope;
+        assert!(r.neox && r.yarn.is_some() && r.freq_scale == 1.0 / 32.0, "{r:?}");
+        assert!((r.mscale - (1.0 + 0.1 * 32f32.ln())).abs() < 1e-6);
+        assert!(c.attn_sinks && c.extra_biases && c.expert_act == Activation::SwigluOai && c.ffn_norm == "post_attention_norm");
+        let Ffn::Moe { n_expert, n_used, hidden, gating, norm_weights, shared, .. } = c.layers[0].ffn else { panic!("routed") };
+        assert_eq!((n_expert, n_used, hidden, gating, norm_weights, shared), (32, 4, 128, Gating::SoftmaxWeight, false, None));
+        // Other families keep SiLU experts, no sinks, no extra biases.
+        let q = configure("qwen3moe", &[("expert_count", MetaValue::Int(8)), ("expert_used_count", MetaValue::Int(2))]).unwrap();
+        assert!(!q.attn_sinks && !q.extra_biases && q.expert_act == Activation::Silu);
+        let without = |k: &str| keys.iter().filter(|(n, _)| *n != k).cloned().collect::<Vec<_>>();
+        for key in ["attention.sliding_window", "expert_feed_forward_length", "attention.layer_norm_rms_epsilon", "expert_count"] {
+            let e = configure("gpt-oss", &without(key)).unwrap_err().to_string();
+            assert!(e.contains(&format!("'gpt-oss.{key}' is missing")), "{e}");
+        }
+        let mut swa = keys.to_vec();
+        swa.push(("rope.freq_base_swa", MetaValue::Float(10000.0)));
+        assert!(configure("gpt-oss", &swa).unwrap_err().to_string().contains("'gpt-oss.rope.freq_base_swa' is 10000"));
+        let mut rot = keys.to_vec();
+        rot.push(("rope.dimension_count", MetaValue::Int(32)));
+        assert!(configure("gpt-oss", &rot).unwrap_err().to_string().contains("'gpt-oss.rope.dimension_count' is 32"));
     }
 
     #[test]

@@ -169,6 +169,9 @@ fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usi
     let (n, n_expert, n_used) = (h.len() / d, r.n_expert, r.n_used);
     let logits = grow(&mut s.out, n * n_expert);
     b.matmul(&mut [(&e.router, logits)], run.router_in.unwrap_or(h), &vec![1; n]);
+    if let Some(eb) = &e.biases {
+        b.add_bias(&mut s.out[..n * n_expert], &eb.router);
+    }
     b.route(&s.out[..n * n_expert], r, &mut s.route);
     let o = grow(o, n * d);
     o.fill(0.0);
@@ -188,9 +191,16 @@ fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usi
         // Each gathered row on its own: a row's arithmetic never depends on what runs beside it.
         let ones = vec![1; m];
         b.matmul(&mut [(&e.gate[ex], &mut s.gate[..m * hd]), (&e.up[ex], &mut s.up[..m * hd])], &s.x[..m * d], &ones);
+        if let Some(eb) = &e.biases {
+            b.add_bias(&mut s.gate[..m * hd], &eb.gate[ex * hd..(ex + 1) * hd]);
+            b.add_bias(&mut s.up[..m * hd], &eb.up[ex * hd..(ex + 1) * hd]);
+        }
         b.glu(&mut s.gate[..m * hd], &s.up[..m * hd], hd, run.act);
         let out = grow(&mut s.out, m * d);
         b.matmul(&mut [(&e.down[ex], out)], &s.gate[..m * hd], &ones);
+        if let Some(eb) = &e.biases {
+            b.add_bias(&mut s.out[..m * d], &eb.down[ex * d..(ex + 1) * d]);
+        }
         let es = run.expert_scale.map_or(1.0, |sc| sc[ex]);
         for (j, &(t, w)) in s.rows.iter().enumerate() {
             b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[j * d..(j + 1) * d], w * es);
@@ -504,13 +514,17 @@ pub(super) fn block(
                 }
             }
             let att = grow(&mut s.att, n * qd);
-            b.attention(&a.shape(c), slot, kvs, rows, counts, &s.q[..n * qd], att);
+            let shape = crate::backend::AttnShape { sinks: w.sinks.as_deref(), ..a.shape(c) };
+            b.attention(&shape, slot, kvs, rows, counts, &s.q[..n * qd], att);
             if a.gated {
                 b.sigmoid(&mut s.attn_gate[..n * qd]);
                 b.mul(&mut s.att[..n * qd], &s.attn_gate[..n * qd]);
             }
             let o = grow(&mut s.o, n * d);
             b.matmul(&mut [(&w.wo, o)], &s.att[..n * qd], counts);
+            if let Some(bo) = &w.bo {
+                b.add_bias(&mut s.o[..n * d], bo);
+            }
         }
         Mixer::DeltaNet(dn) => {
             let MixerWeights::DeltaNet(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
@@ -537,7 +551,7 @@ pub(super) fn block(
         }
         (Ffn::Moe { n_expert, n_used, hidden, norm_weights, gating, scale, .. }, FfnWeights::Moe(e)) => {
             let r = Route { n_expert, n_used, gating, bias: e.sel_bias.as_deref(), norm: norm_weights, scale };
-            let run = ExpertRun { router_in: None, act: Activation::Silu, expert_scale: None };
+            let run = ExpertRun { router_in: None, act: c.expert_act, expert_scale: None };
             moe(b, e, &s.h[..n * d], d, &r, hidden, &run, &mut s.moe, &mut s.o);
         }
         (Ffn::DenseMoe { hidden: hd, n_expert, n_used, expert_hidden, act }, FfnWeights::DenseMoe(p)) => {

@@ -132,6 +132,7 @@ pub fn configure(m: &Metadata) -> Result<Config> {
     c.embed_scale = Some((c.dim as f32).sqrt());
     c.final_softcap = m.float("final_logit_softcapping")?.filter(|&f| f != 0.0).map(|f| f as f32);
     c.rope_factors = Some("rope_freqs.weight");
+    c.rope_factors_required = swa.contains(&false);
     c.per_layer_input = m.req_size("embedding_length_per_layer_input")?;
     Ok(c)
 }

@@ -276,6 +276,7 @@ pub fn step(
                 scale: 1.0,
                 scale_query: false,
                 softcap: None,
+                sinks: None,
             };
             att.clear();
             att.resize(n * qd, 0.0);

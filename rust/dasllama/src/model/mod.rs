@@ -8,6 +8,7 @@ mod gemma3;
 mod gemma4;
 pub mod gemma4_assistant;
 mod glm4moe;
+mod gptoss;
 mod llama;
 mod meta;
 mod mistral3;
@@ -96,7 +97,9 @@ pub enum MixerWeights {
 
 pub struct AttnWeights {
     /// Q, K and V: three tensors, or row ranges of a fused `attn_qkv` (the same dots either way).
-    /// A gated layer's Q has 2 * head_dim rows a head: its queries, then its gate.
+    /// A gated layer's Q has 2 * head_dim rows a head: its queries, then its gate. K and V have
+    /// no rows where the layer reads an earlier layer's K/V (`Attention::kv_from`), V none where
+    /// it takes K's projection as V (`Attention::v_optional` and no `attn_v` in the file).
     pub wq: Weight,
     pub wk: Weight,
     pub wv: Weight,
@@ -107,6 +110,10 @@ pub struct AttnWeights {
     pub wo: Weight,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// The output projection's bias (`attn_output.bias`, where `Config::extra_biases`).
+    pub bo: Option<Vec<f32>>,
+    /// One sink logit per query head (`attn_sinks`, where `Config::attn_sinks`).
+    pub sinks: Option<Vec<f32>>,
 }
 
 /// A gated DeltaNet layer's weights (see `config::DeltaNet`).
@@ -181,6 +188,16 @@ pub struct Experts {
     pub up: Vec<Weight>,
     pub down: Vec<Weight>,
     pub shared: Option<SharedExpert>,
+    /// Where `Config::extra_biases`: the router's bias (n_expert, added to its logits) and each
+    /// expert's gate, up (n_expert x hidden) and down (n_expert x dim) biases.
+    pub biases: Option<ExpertBiases>,
+}
+
+pub struct ExpertBiases {
+    pub router: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
 }
 
 pub struct SharedExpert {
@@ -362,7 +379,7 @@ impl<'a> TensorTable<'a> {
         };
         crate::backend::host().prepare(w, to, self.numerics).ok_or_else(|| {
             Error::UnsupportedModel(format!(
-                "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers F32 and F16 rows of a multiple of 32 values, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and Q4_K with a multiple of 8 rows); load with numerics='fast'",
+                "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers F32 and F16 rows of a multiple of 32 values, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and Q4_K and MXFP4 with a multiple of 8 rows); load with numerics='fast'",
                 self.file,
                 self.ty_name(name)
             ))
@@ -436,8 +453,10 @@ impl<'a> TensorTable<'a> {
         let n = |s: &str| format!("blk.{il}.{s}.weight");
         let norm = |on: bool, name: &str, len: usize| if on { table.vector(&n(name), len).map(Some) } else { Ok(None) };
         // Biases llama.cpp would add where a file has them, which no family here applies: refuse
-        // the file rather than ignore them.
-        for t in ["attn_output", "ffn_gate", "ffn_up", "ffn_down"] {
+        // the file rather than ignore them. (The output's and the experts' are read where the
+        // family's graph adds them.)
+        let extra: &[&str] = if config.extra_biases { &[] } else { &["attn_output", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] };
+        for t in ["ffn_gate", "ffn_up", "ffn_down"].iter().chain(extra) {
             let b = format!("blk.{il}.{t}.bias");
             if table.has(&b) {
                 return Err(Error::UnsupportedModel(format!("{file}: tensor '{b}' is not supported (no output or FFN biases)")));
@@ -489,6 +508,8 @@ impl<'a> TensorTable<'a> {
                     wo: table.matrix(&n("attn_output"), d, qd)?,
                     q_norm: qk_norm(a, "attn_q_norm", hd)?,
                     k_norm: if a.kv_from.is_some() { None } else { qk_norm(a, "attn_k_norm", hd)? },
+                    bo: if config.extra_biases { Some(table.vector(&format!("blk.{il}.attn_output.bias"), d)?) } else { None },
+                    sinks: if config.attn_sinks { Some(table.vector(&n("attn_sinks"), h.n_heads)?) } else { None },
                 })
             }
             Mixer::DeltaNet(dn) => {
@@ -532,6 +553,17 @@ impl<'a> TensorTable<'a> {
                     up: table.stack(&n("ffn_up_exps"), n_expert, hd, d)?,
                     down: table.stack(&n("ffn_down_exps"), n_expert, d, hd)?,
                     shared,
+                    biases: if config.extra_biases {
+                        let b = |t: &str, len: usize| table.vector(&format!("blk.{il}.{t}.bias"), len);
+                        Some(ExpertBiases {
+                            router: b("ffn_gate_inp", n_expert)?,
+                            gate: b("ffn_gate_exps", n_expert * hd)?,
+                            up: b("ffn_up_exps", n_expert * hd)?,
+                            down: b("ffn_down_exps", n_expert * d)?,
+                        })
+                    } else {
+                        None
+                    },
                 }))
             }
             Ffn::DenseMoe { hidden: hd, n_expert, expert_hidden: eh, .. } => {
@@ -562,6 +594,7 @@ impl<'a> TensorTable<'a> {
                         up,
                         down: table.stack(&n("ffn_down_exps"), n_expert, d, eh)?,
                         shared: None,
+                        biases: None,
                     },
                 }))
             }
@@ -777,7 +810,7 @@ impl Model {
             table.matrix("token_embd.weight", config.vocab_size, d)?
         };
         let rope_factors = match config.rope_factors {
-            Some(name) if table.has(name) => {
+            Some(name) if table.has(name) || config.rope_factors_required => {
                 let dim = config.ropes().iter().find(|r| r.factors).map_or(0, |r| r.dim);
                 Some(table.vector(name, dim / 2)?)
             }

@@ -336,7 +336,10 @@ pub fn skipped_variants(ty: GgmlType) -> Vec<(&'static str, String)> {
 }
 
 fn tile_variants_exist(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
+    matches!(
+        ty,
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::MXFP4 | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K
+    )
 }
 
 /// Why the variant `name` does not run on this machine.
@@ -375,7 +378,8 @@ fn unavailable(name: &str) -> String {
 //
 // vpdpbusd multiplies unsigned by signed bytes. 4- and 5-bit values are stored unsigned with an
 // implicit zero point z (8 or 16): the block's integer sum starts at -z * sum(activations), exact.
-// Q8_0 is signed: |w| against sign(w) * a.
+// Q8_0 is signed: |w| against sign(w) * a. MXFP4's codes are looked up (one `pshufb` per 32
+// nibbles) in its table of levels plus 16 (0..=28), and 16 * sum(activations) taken back.
 
 /// Which 32-value format. Block bytes, where each field of a tile lives (see `tile`) and the
 /// activation format all follow from these three.
@@ -386,15 +390,18 @@ pub(super) trait Fmt {
     const FIVE: bool;
     /// Q8_0: signed 8-bit weights.
     const SIGNED: bool;
+    /// MXFP4: nibbles are codes into `mxfp4::BIASED`, and the block scale an E8M0 byte.
+    const MX: bool = false;
     /// Bytes per block and row of the fields before the quants (d, m, qh), and of the quants.
-    const HEAD: usize = 2 + if Self::MIN { 2 } else { 0 } + if Self::FIVE { 4 } else { 0 };
+    const HEAD: usize = if Self::MX { 1 } else { 2 + if Self::MIN { 2 } else { 0 } + if Self::FIVE { 4 } else { 0 } };
     const QROW: usize = if Self::SIGNED { 32 } else { 16 };
     /// GGUF block bytes.
     const WBYTES: usize = Self::HEAD + Self::QROW;
-    /// log2 of the zero point of unsigned values without mins (Q4_0: 8, Q5_0: 16), 0 for none.
+    /// log2 of the zero point of unsigned values without mins (Q4_0: 8, Q5_0 and MXFP4's biased
+    /// levels: 16), 0 for none.
     const ZSHIFT: i32 = if Self::MIN || Self::SIGNED {
         0
-    } else if Self::FIVE {
+    } else if Self::FIVE || Self::MX {
         4
     } else {
         3
@@ -409,6 +416,7 @@ pub(super) struct Q4_1;
 pub(super) struct Q5_0;
 pub(super) struct Q5_1;
 pub(super) struct Q8_0;
+pub(super) struct Mxfp4;
 
 impl Fmt for Q4_0 {
     const MIN: bool = false;
@@ -435,6 +443,32 @@ impl Fmt for Q8_0 {
     const FIVE: bool = false;
     const SIGNED: bool = true;
 }
+impl Fmt for Mxfp4 {
+    const MIN: bool = false;
+    const FIVE: bool = false;
+    const SIGNED: bool = false;
+    const MX: bool = true;
+}
+
+/// Eight E8M0 bytes (one block's scales of a tile's rows) as f32, each `mxfp4::e8m0_half`:
+/// the bits (e - 1) << 23, or below e = 2 the subnormals 0x00200000 << e, as ggml builds them.
+#[inline(always)]
+pub(super) unsafe fn e8m0_half8(p: *const u8) -> __m256 {
+    let e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+    let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+    let sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+    _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)))
+}
+
+/// The eight rows' scales of block `i` of the tile at `t` (its first region, `tile`), as f32.
+#[inline(always)]
+unsafe fn scales8<F: Fmt>(t: *const u8, i: usize) -> __m256 {
+    if F::MX {
+        e8m0_half8(t.add(8 * i))
+    } else {
+        _mm256_cvtph_ps(_mm_loadu_si128(t.add(16 * i) as *const __m128i))
+    }
+}
 
 /// Low and high nibbles of 32 bytes.
 #[inline(always)]
@@ -453,6 +487,10 @@ unsafe fn pair<F: Fmt, const ISA: u8>(t: *const u8, nb: usize, i: usize, p: usiz
         return (_mm256_loadu_si256(qs as *const __m256i), _mm256_loadu_si256(qs.add(128) as *const __m256i));
     }
     let (lo, hi) = nibble_pair(qs);
+    if F::MX {
+        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(super::mxfp4::BIASED.as_ptr() as *const __m128i));
+        return (_mm256_shuffle_epi8(table, lo), _mm256_shuffle_epi8(table, hi));
+    }
     if !F::FIVE {
         return (lo, hi);
     }
@@ -533,9 +571,10 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(t: 
             let mut isum2 = [_mm256_setzero_si256(); R];
             if ISA == AVX2 && !F::SIGNED {
                 // maddubs pairs add as 16-bit numbers across the block before one madd widens
-                // them: a pair is at most 2 * 31 * 128 (5-bit weights) or 2 * 15 * 128 (4-bit),
-                // so four pairs per half (5-bit) or all eight (4-bit) stay below 2^15. The
-                // integers, and so the results, are the generic loop's.
+                // them: a pair is at most 2 * 31 * 128 (5-bit weights, MXFP4's biased levels up
+                // to 28) or 2 * 15 * 128 (4-bit), so four pairs per half (5-bit, MXFP4) or all
+                // eight (4-bit) stay below 2^15. The integers, and so the results, are the
+                // generic loop's.
                 let mut h0 = [_mm256_setzero_si256(); R];
                 let mut h1 = [_mm256_setzero_si256(); R];
                 for p in 0..4 {
@@ -548,7 +587,7 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(t: 
                 }
                 let ones = _mm256_set1_epi16(1);
                 for r in 0..R {
-                    isum[r] = if F::FIVE {
+                    isum[r] = if F::FIVE || F::MX {
                         _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(h0[r], ones), _mm256_madd_epi16(h1[r], ones)))
                     } else {
                         _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(h0[r], h1[r]), ones))
@@ -576,7 +615,7 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(t: 
                     isum2[r] = dp::<ISA>(isum2[r], u1, y1);
                 }
             }
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(t.add(16 * i) as *const __m128i));
+            let dw = scales8::<F>(t, i);
             for r in 0..R {
                 let d = _mm256_mul_ps(dw, _mm256_set1_ps(tails[r].add(i).read_unaligned()));
                 acc[k][r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(isum[r], isum2[r])), acc[k][r]);
@@ -913,6 +952,7 @@ tile_entries!(Q4_1, tile_q4_1, vnni_tile_q4_1, avx512_tile_q4_1);
 tile_entries!(Q5_0, tile_q5_0, vnni_tile_q5_0, avx512_tile_q5_0);
 tile_entries!(Q5_1, tile_q5_1, vnni_tile_q5_1, avx512_tile_q5_1);
 tile_entries!(Q8_0, tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0);
+tile_entries!(Mxfp4, tile_mxfp4, vnni_tile_mxfp4, avx512_tile_mxfp4);
 tile_entries!(Q4K, tile_q4_k, vnni_tile_q4_k, avx512_tile_q4_k);
 tile_entries!(Q5K, tile_q5_k, vnni_tile_q5_k, avx512_tile_q5_k);
 tile_entries!(Q6K, tile_q6_k, vnni_tile_q6_k, avx512_tile_q6_k);
@@ -925,6 +965,7 @@ pub fn tile_variants(ty: GgmlType) -> Vec<(&'static str, TileFn)> {
         GgmlType::Q5_0 => [tile_q5_0, vnni_tile_q5_0, avx512_tile_q5_0],
         GgmlType::Q5_1 => [tile_q5_1, vnni_tile_q5_1, avx512_tile_q5_1],
         GgmlType::Q8_0 => [tile_q8_0, vnni_tile_q8_0, avx512_tile_q8_0],
+        GgmlType::MXFP4 => [tile_mxfp4, vnni_tile_mxfp4, avx512_tile_mxfp4],
         GgmlType::Q4K => [tile_q4_k, vnni_tile_q4_k, avx512_tile_q4_k],
         GgmlType::Q5K => [tile_q5_k, vnni_tile_q5_k, avx512_tile_q5_k],
         GgmlType::Q6K => [tile_q6_k, vnni_tile_q6_k, avx512_tile_q6_k],

@@ -38,6 +38,16 @@ unsafe fn pair_bytes(p: *const u8, gap: usize) -> __m128i {
     _mm_unpacklo_epi64(_mm_loadl_epi64(p as *const __m128i), _mm_loadl_epi64(p.add(gap) as *const __m128i))
 }
 
+/// Eight E8M0 bytes per tile (one per row) as sixteen f32, each `mxfp4::e8m0_half` (see
+/// `avx2::e8m0_half8`).
+#[inline(always)]
+unsafe fn pair_e8m0_half(p: *const u8, gap: usize) -> __m512 {
+    let e = _mm512_cvtepu8_epi32(pair_bytes(p, gap));
+    let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+    let sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+    _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, sub))
+}
+
 /// Four activation bytes in every lane.
 #[inline(always)]
 unsafe fn bcast4(p: *const u8) -> __m512i {
@@ -60,6 +70,8 @@ unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], n
     // Signed weights are flipped to unsigned (w + 128) and 128 x the activation sum taken back.
     let zshift = if F::SIGNED { 7 } else { F::ZSHIFT };
     let (m4, top, b) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x80u8 as i8), _mm512_set1_epi8(0x10));
+    // MXFP4: the biased levels in every 128-bit lane, for one `vpshufb` per 64 nibbles.
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(super::mxfp4::BIASED.as_ptr() as *const __m128i));
     for i in 0..nb {
         let qs = t.add(8 * F::HEAD * nb + 8 * F::QROW * i);
         prefetch_ahead(qs, 8 * F::QROW);
@@ -84,6 +96,8 @@ unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], n
                     let bits =
                         |at: usize| (qh.add(at) as *const u32).read_unaligned() as u64 | ((qh.add(gap + at) as *const u32).read_unaligned() as u64) << 32;
                     (_mm512_mask_add_epi8(lo, bits(4 * p), lo, b), _mm512_mask_add_epi8(hi, bits(4 * p + 16), hi, b))
+                } else if F::MX {
+                    (_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi))
                 } else {
                     (lo, hi)
                 }
@@ -94,7 +108,7 @@ unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], n
                 isum2[r] = _mm512_dpbusd_epi32(isum2[r], u1, bcast4(q.add(16)));
             }
         }
-        let dw = pair_f16(t.add(16 * i), gap);
+        let dw = if F::MX { pair_e8m0_half(t.add(8 * i), gap) } else { pair_f16(t.add(16 * i), gap) };
         for r in 0..R {
             let d = _mm512_mul_ps(dw, _mm512_set1_ps(tails[r].add(i).read_unaligned()));
             acc[r] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_add_epi32(isum[r], isum2[r])), acc[r]);

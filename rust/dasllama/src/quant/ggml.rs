@@ -13,7 +13,8 @@
 //!   each block, accumulated as `fma(d_w * d_a, lane, acc)` block after block, then `hsum8`; the
 //!   Q4_1/Q5_1 minimum terms are a separate scalar `fma(m, s, summs)` added last. tinyBLAS (prefill)
 //!   uses the same arithmetic for the formats it covers.
-//! - Repacked Q4_0 and Q4_K (8-row blocks): exact integer block or superblock sums, one `fma` each.
+//! - Repacked Q4_0, MXFP4 and Q4_K (8-row blocks): exact integer block or superblock sums, one
+//!   `fma` each (MXFP4's scale `e8m0_half(e) * d_a`, as `gemv/gemm_mxfp4_8x8_q8_0` form it).
 //! - Q5_K/Q6_K: lanes as above per superblock below eight rows, ggml's tiled path from eight.
 //! - F32/F16 (weights, and f16 attention): tinyBLAS<8> for two rows or more (lane l sums elements
 //!   l, l+8, ... by fma), `ggml_vec_dot_*` for one (four 8-lane accumulators over steps of 32,
@@ -120,6 +121,7 @@ mod simd {
 
 twice! {
     fn dot_q4_0_repacked(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q4_0_repacked_body;
+    fn dot_mxfp4_repacked(w: &[u8], a: &[u8], n: usize) -> f32 = dot_mxfp4_repacked_body;
     fn dot_q4_k_gemv(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q4_k_body::<false>;
     fn dot_q4_k_gemm(w: &[u8], a: &[u8], n: usize) -> f32 = dot_q4_k_body::<true>;
     fn dot_f16_batch(w: &[u8], a: &[u8], n: usize) -> f32 = dot_f16_batch_body;
@@ -198,6 +200,21 @@ fn dot_q4_0_repacked_body(w: &[u8], a: &[u8], n: usize) -> f32 {
         let (wb, ab) = (&w[ib * 18..(ib + 1) * 18], &a[ib * 34..(ib + 1) * 34]);
         let isum: i32 = (0..32).map(|j| (nib(&wb[2..], j) - 8) * ab[2 + j] as i8 as i32).sum();
         acc = (isum as f32).mul_add(rd_f16(wb, 0) * rd_f16(ab, 0), acc);
+    }
+    acc
+}
+
+/// MXFP4 as llama.cpp's x86 build runs it: repacked into 8-row blocks (`gemv/gemm_mxfp4_8x8_q8_0`,
+/// the Q4_0 template with the levels looked up), each block's exact integer sum scaled by
+/// `e8m0_half(e) * d_a` and added by one `fma` per row.
+#[inline(always)]
+fn dot_mxfp4_repacked_body(w: &[u8], a: &[u8], n: usize) -> f32 {
+    use super::mxfp4::{e8m0_half, BLOCK_BYTES, KVALUES};
+    let mut acc = 0.0f32;
+    for ib in 0..n / 32 {
+        let (wb, ab) = (&w[ib * BLOCK_BYTES..(ib + 1) * BLOCK_BYTES], &a[ib * 34..(ib + 1) * 34]);
+        let isum: i32 = (0..32).map(|j| KVALUES[nib(&wb[1..], j) as usize] as i32 * ab[2 + j] as i8 as i32).sum();
+        acc = (isum as f32).mul_add(e8m0_half(wb[0]) * rd_f16(ab, 0), acc);
     }
     acc
 }
@@ -375,6 +392,9 @@ pub fn dots(ty: GgmlType, rows: usize, cols: usize) -> Option<Dots> {
         GgmlType::F32 if whole => Dots { single: dot_f32_single, grouped: dot_f32_batch, takes_grouped: two_or_more },
         GgmlType::Q4_0 if repacked => same(dot_q4_0_repacked),
         GgmlType::Q4_0 => same(dot_q4_0),
+        // Below eight rows ggml's own vec_dot (two accumulators over pairs of blocks) would be
+        // the order: not reproduced, so such a matrix is refused.
+        GgmlType::MXFP4 if repacked => same(dot_mxfp4_repacked),
         GgmlType::Q4K if repacked => Dots { single: dot_q4_k_gemv, grouped: dot_q4_k_gemm, takes_grouped: in_a_four },
         GgmlType::Q5K => Dots { single: dot_q5_k, grouped: dot_q5_k_tiled, takes_grouped: eight_or_more },
         GgmlType::Q6K => Dots { single: dot_q6_k, grouped: dot_q6_k_tiled, takes_grouped: eight_or_more },

@@ -1,7 +1,7 @@
 //! GGUF block formats: layouts, dequantization, activation quantization and dot products.
 //!
 //! Weights stay in their stored blocks. Activations are rounded to the block format llama.cpp pairs
-//! with each weight format (`q8_0` for Q4_0/Q5_0/Q8_0, `q8_1` for Q4_1/Q5_1, `q8_K` for the K-quants,
+//! with each weight format (`q8_0` for Q4_0/Q5_0/Q8_0/IQ4_NL/MXFP4, `q8_1` for Q4_1/Q5_1, `q8_K` for the K-quants,
 //! f16/bf16 for half-precision weights): that rounding is part of the numbers llama.cpp produces, so
 //! matching it is what lets us agree with llama.cpp to a few hundredths of a nat.
 
@@ -15,6 +15,7 @@ pub mod avx2_kquant;
 mod avx512;
 pub mod ggml;
 pub mod iq4;
+pub mod mxfp4;
 pub mod scalar;
 pub mod tile;
 mod weight;
@@ -42,13 +43,14 @@ pub enum GgmlType {
     BF16,
     IQ4NL,
     IQ4XS,
+    MXFP4,
 }
 
 impl GgmlType {
-    /// Floats, the 32-value formats and the K-quants: the weight formats whose matmul kernels the
-    /// tests and benches go through one by one.
-    pub const WEIGHT_FORMATS: [GgmlType; 11] =
-        [Self::F32, Self::F16, Self::BF16, Self::Q4_0, Self::Q4_1, Self::Q5_0, Self::Q5_1, Self::Q8_0, Self::Q4K, Self::Q5K, Self::Q6K];
+    /// Floats, the 32-value formats (MXFP4 among them) and the K-quants: the weight formats whose
+    /// matmul kernels the tests and benches go through one by one.
+    pub const WEIGHT_FORMATS: [GgmlType; 12] =
+        [Self::F32, Self::F16, Self::BF16, Self::Q4_0, Self::Q4_1, Self::Q5_0, Self::Q5_1, Self::Q8_0, Self::MXFP4, Self::Q4K, Self::Q5K, Self::Q6K];
 
     pub fn from_id(id: u32) -> Result<Self> {
         Ok(match id {
@@ -67,9 +69,10 @@ impl GgmlType {
             20 => Self::IQ4NL,
             23 => Self::IQ4XS,
             30 => Self::BF16,
+            39 => Self::MXFP4,
             _ => {
                 return Err(Error::UnsupportedModel(format!(
-                    "tensor type id {id} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)"
+                    "tensor type id {id} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)"
                 )))
             }
         })
@@ -92,6 +95,7 @@ impl GgmlType {
             Self::BF16 => "BF16",
             Self::IQ4NL => "IQ4_NL",
             Self::IQ4XS => "IQ4_XS",
+            Self::MXFP4 => "MXFP4",
         }
     }
 
@@ -99,7 +103,7 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Q8_1 | Self::IQ4NL => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Q8_1 | Self::IQ4NL | Self::MXFP4 => 32,
             Self::Q4K | Self::Q5K | Self::Q6K | Self::Q8K | Self::IQ4XS => 256,
         }
     }
@@ -121,6 +125,7 @@ impl GgmlType {
             Self::Q8K => 292,
             Self::IQ4NL => iq4::NL_BLOCK_BYTES,
             Self::IQ4XS => iq4::XS_BLOCK_BYTES,
+            Self::MXFP4 => mxfp4::BLOCK_BYTES,
         }
     }
 
@@ -129,7 +134,8 @@ impl GgmlType {
     }
 
     /// Byte offsets of a block's f16 scale fields (d, and dmin or m where the format has one):
-    /// what a test overwrites with small finite values to make random bytes a sane block.
+    /// what a test overwrites with small finite values to make random bytes a sane block. MXFP4
+    /// has none: its scale is the E8M0 byte at 0 (`mxfp4::e8m0_half`).
     pub fn f16_scale_offsets(self) -> &'static [usize] {
         match self {
             Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::IQ4NL | Self::IQ4XS => &[0],
@@ -145,7 +151,7 @@ impl GgmlType {
             Self::F32 => Self::F32,
             Self::F16 => Self::F16,
             Self::BF16 => Self::BF16,
-            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::IQ4NL => Self::Q8_0,
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::IQ4NL | Self::MXFP4 => Self::Q8_0,
             Self::Q4_1 | Self::Q5_1 => Self::Q8_1,
             Self::Q4K | Self::Q5K | Self::Q6K | Self::IQ4XS => Self::Q8K,
             Self::Q8_1 | Self::Q8K => self,
@@ -304,6 +310,7 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
         }
         GgmlType::IQ4NL => iq4::dequantize_nl(src, out),
         GgmlType::IQ4XS => iq4::dequantize_xs(src, out),
+        GgmlType::MXFP4 => mxfp4::dequantize(src, out),
         GgmlType::Q6K => {
             for ib in 0..n / 256 {
                 let b = &src[ib * bb..(ib + 1) * bb];

@@ -58,6 +58,7 @@ pub fn dot_fn(ty: GgmlType) -> super::DotFn {
         GgmlType::Q6K => dot_q6_k,
         GgmlType::IQ4NL => super::iq4::dot_nl_scalar,
         GgmlType::IQ4XS => super::iq4::dot_xs_scalar,
+        GgmlType::MXFP4 => super::mxfp4::dot_scalar,
         GgmlType::Q8_1 | GgmlType::Q8K => unreachable!("activation-only format"),
     }
 }

@@ -3,13 +3,15 @@
 //! eight rows and one `vpdpbusd` against four broadcast activation bytes yields eight outputs.
 //! Per block (32 values) a tile stores, region by region:
 //!
-//! - `d[nb][8]` f16 scales (one `vcvtph2ps` converts the eight rows' scales of a block),
+//! - `d[nb][8]` f16 scales (one `vcvtph2ps` converts the eight rows' scales of a block); for
+//!   MXFP4 `e[nb][8]`, the rows' E8M0 scale bytes,
 //! - `m[nb][8]` f16 mins (Q4_1, Q5_1),
 //! - `qh[nb][8]` u32 high bits (Q5_0, Q5_1): word `h` bit `4r+e` is row `r`'s bit for value
 //!   `4h+e` (h < 4) or `16+4(h-4)+e` (h >= 4), matching the quant chunks below,
 //! - quants `[nb][chunks][8 rows][4 bytes]`: for 4-bit formats chunk `c` (of 4) holds the GGUF
 //!   bytes `4c..4c+4` of each row, whose low nibbles are values `4c..` and high nibbles `16+4c..`;
-//!   for Q8_0 chunk `c` (of 8) holds values `4c..4c+4`.
+//!   for Q8_0 chunk `c` (of 8) holds values `4c..4c+4`. MXFP4's codes are nibbles in Q4_0's
+//!   order, so they take Q4_0's chunks.
 //!
 //! Such a tile is exactly eight GGUF rows long, so tiling costs no memory beyond padding.
 //!
@@ -36,6 +38,7 @@ fn parts(ty: GgmlType) -> Option<[usize; 4]> {
         GgmlType::Q5_0 => [2, 0, 4, 16],
         GgmlType::Q5_1 => [2, 2, 4, 16],
         GgmlType::Q8_0 => [2, 0, 0, 32],
+        GgmlType::MXFP4 => [1, 0, 0, 16],
         _ => return None,
     })
 }

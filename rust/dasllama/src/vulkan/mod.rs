@@ -205,6 +205,11 @@ fn place_rails(dev: &Arc<Device>, m: &Model, o: &Options, why: String) -> std::r
     let budget = dev.budget(o.vram_mb);
     match Rails::upload(&dev.gpu, m, budget) {
         Ok(r) if r.matrices() > 0 => {
+            // A format no shader reads (MXFP4 experts) keeps matmuls on the CPU: say which.
+            let why = match r.unread_words() {
+                Some(words) => format!("{why}; {words}"),
+                None => why,
+            };
             log(&format!(
                 "{} on '{}' on the per-op rails: {} matrices ({} MiB) on the device, {} on the CPU; {why}",
                 m.config.arch,
@@ -215,7 +220,12 @@ fn place_rails(dev: &Arc<Device>, m: &Model, o: &Options, why: String) -> std::r
             ));
             Ok(Arc::new(RailsPlacement::new(dev.clone(), r, why)))
         }
-        Ok(_) => Err(format!("{why}; and no matrix fits the device budget of {} MiB for the per-op rails", budget >> 20)),
+        Ok(r) => match r.unread_words() {
+            // Every matrix in a format no shader reads: the budget is not why.
+            Some(words) if r.unread.values().sum::<usize>() == r.left_on_cpu => Err(format!("{why}; and no matrix for the per-op rails: {words}")),
+            Some(words) => Err(format!("{why}; and no matrix fits the device budget of {} MiB for the per-op rails ({words})", budget >> 20)),
+            None => Err(format!("{why}; and no matrix fits the device budget of {} MiB for the per-op rails", budget >> 20)),
+        },
         Err(e) => Err(format!("{why}; and uploading its matrices for the per-op rails failed: {e}")),
     }
 }

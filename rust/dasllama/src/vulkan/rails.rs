@@ -17,7 +17,7 @@ use crate::model::Model;
 use crate::quant::Weight;
 use crate::{Error, Result};
 use gpu_allocator::MemoryLocation;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// Buffers for one matmul call, grown to the largest call seen.
@@ -42,6 +42,8 @@ pub struct Rails {
     pub weight_bytes: u64,
     /// Matrices left on the CPU: over the budget, or in a format the device kernels do not read.
     pub left_on_cpu: usize,
+    /// Of those, the ones in a format the device kernels do not read (MXFP4, IQ4): by format.
+    pub unread: BTreeMap<&'static str, usize>,
     /// Matmuls run on the device.
     pub matmuls: u64,
     /// Why the device stopped taking matmuls (the tier lets go of the rails after the pass).
@@ -67,8 +69,12 @@ impl Rails {
         let mut run = Runner::new(gpu)?;
         let mut weights = HashMap::new();
         let (mut bytes, mut left) = (0u64, 0usize);
+        let mut unread = BTreeMap::new();
         for (i, w) in m.matrices().into_iter().enumerate() {
             let need = (w.row_bytes() * w.rows) as u64 * 9 / 8;
+            if !super::shaders::reads_format(w.ty) {
+                *unread.entry(w.ty.name()).or_insert(0) += 1;
+            }
             if unsupported(w).is_some() || bytes + need > budget {
                 left += 1;
                 continue;
@@ -77,7 +83,29 @@ impl Rails {
             bytes += d.buf.size;
             weights.insert(w as *const Weight as usize, d);
         }
-        Ok(Rails { gpu: gpu.clone(), kernels: Kernels::new(gpu)?, run, weights, io: None, weight_bytes: bytes, left_on_cpu: left, matmuls: 0, failed: None })
+        Ok(Rails {
+            gpu: gpu.clone(),
+            kernels: Kernels::new(gpu)?,
+            run,
+            weights,
+            io: None,
+            weight_bytes: bytes,
+            left_on_cpu: left,
+            unread,
+            matmuls: 0,
+            failed: None,
+        })
+    }
+
+    /// The formats whose matrices stay on the CPU because no shader reads them, in words (None
+    /// when every matrix's format is read): what the placement's reason adds to the decline.
+    pub fn unread_words(&self) -> Option<String> {
+        if self.unread.is_empty() {
+            return None;
+        }
+        let each: Vec<String> = self.unread.iter().map(|(f, n)| format!("{n} {f}")).collect();
+        let formats: Vec<&str> = self.unread.keys().copied().collect();
+        Some(format!("the device kernels do not read {} matrices, so those stay on the CPU ({})", formats.join(" or "), each.join(", ")))
     }
 
     pub fn matrices(&self) -> usize {

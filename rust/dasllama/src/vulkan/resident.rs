@@ -113,11 +113,20 @@ pub fn decline(m: &Model) -> Option<String> {
             }
             Mixer::Attention(a) if a.v_norm => return Some(format!("layer {il} RMS-norms its values, which the device driver does not")),
             Mixer::Attention(a) if a.gated => return Some(format!("layer {il} is gated attention; the device driver runs plain attention only")),
+            Mixer::Attention(_) if c.attn_sinks => {
+                return Some(format!("layer {il} has attention sinks (a learned logit per head in the softmax), which the device attention does not take"))
+            }
             Mixer::Attention(a) if a.temp.is_some() => {
                 return Some(format!("layer {il} scales its queries by position (attention.temperature_scale), which the device driver does not"))
             }
             Mixer::Attention(_) => {}
             _ => return Some(format!("layer {il} is not an attention layer (a recurrent hybrid); the device driver runs attention models only")),
+        }
+        if c.extra_biases {
+            return Some(format!("layer {il} has a bias on its attention output, which the device driver does not add"));
+        }
+        if matches!(d.ffn, Ffn::Dense { act: Activation::SwigluOai, .. }) {
+            return Some(format!("layer {il}'s FFN is the clamped swiglu_oai, which the device kernels do not run"));
         }
         if !matches!(d.ffn, Ffn::Dense { .. }) {
             return Some(format!("layer {il} has routed experts; the device driver runs dense FFNs only (MoE models stay on the CPU)"));
@@ -168,7 +177,7 @@ impl Resident {
         let mut layers = Vec::with_capacity(m.layers.len());
         for (il, l) in m.layers.iter().enumerate() {
             let FfnWeights::Dense { gate, up, down } = &l.ffn else { unreachable!("declined above") };
-            let MixerWeights::Attention(AttnWeights { wq, wk, wv, bq, bk, bv, wo, q_norm, k_norm }) = &l.mixer else { unreachable!("declined above") };
+            let MixerWeights::Attention(AttnWeights { wq, wk, wv, bq, bk, bv, wo, q_norm, k_norm, .. }) = &l.mixer else { unreachable!("declined above") };
             let w = |run: &mut Runner, n: &str, x| upload_weight(gpu, run, &format!("blk.{il}.{n}"), x);
             layers.push(DevLayer {
                 attn_norm: upload_f32(gpu, &mut run, "attn_norm", &l.attn_norm)?,
@@ -499,6 +508,7 @@ impl Resident {
             let op = match act {
                 Activation::Silu => 1,
                 Activation::GeluTanh => 2,
+                Activation::SwigluOai => unreachable!("declined at upload"),
             };
             eltwise(r, k, &a.gate, &a.up, n * hidden, n * hidden, op, 0.0)?;
             r.barrier()?;
