@@ -22,6 +22,9 @@ log = logging.getLogger("dasllama")
 
 # Token texts llama.cpp treats as end-of-generation besides eos (llama-vocab.cpp).
 _EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>", "<|eom_id|>"}
+# Gemma 4 ends a turn with <turn|> and a tool call with <|tool_response>; llama.cpp lists these
+# with the rest, but only for a gemma4 vocabulary here, where their meaning is known.
+_EOG_TEXTS_GEMMA4 = {"<turn|>", "<|tool_response>", "<eos>"}
 # Harmony's (gpt-oss's) structural tokens, which llama.cpp shows as text (user-defined) whatever
 # the file says, so that a reply's channels can be read from its text.
 _HARMONY_SHOWN = {"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"}
@@ -140,7 +143,8 @@ def _tokenizer_args(meta: dict[str, Any], path: Path) -> dict[str, Any]:
 
     eos = tid("tokenizer.ggml.eos_token_id")
     eog = {t for t in (tid("tokenizer.ggml.eot_token_id"), tid("tokenizer.ggml.eom_token_id")) if t is not None}
-    eog |= {i for i, (t, ty) in enumerate(zip(tokens, types, strict=False)) if ty in (3, 4) and t in _EOG_TEXTS}
+    eog_texts = _EOG_TEXTS | _EOG_TEXTS_GEMMA4 if model == "gemma4" else _EOG_TEXTS
+    eog |= {i for i, (t, ty) in enumerate(zip(tokens, types, strict=False)) if ty in (3, 4) and t in eog_texts}
     special = {t: i for i, (t, ty) in enumerate(zip(tokens, types, strict=False)) if ty in (3, 4) and t in _EOG_TEXTS | _HARMONY_SHOWN}
     if "<|return|>" in special and "<|call|>" in special:
         # Harmony: <|end|> closes one message (the analysis) and the reply goes on; <|return|>
@@ -158,7 +162,8 @@ def _tokenizer_args(meta: dict[str, Any], path: Path) -> dict[str, Any]:
         bos=tid("tokenizer.ggml.bos_token_id"),
         eos=eos,
         eog=sorted(eog),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+        # llama.cpp adds BOS for gemma4 whatever the file says (its files that say false are wrong).
+        add_bos=model == "gemma4" or bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
         add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", model == "llama")),
     )
 

@@ -9,7 +9,7 @@ acceptance, and what an extra row costs at the current batch)::
 
 A model whose file carries an MTP head (Qwen3.5, Qwen3-Next: ``<arch>.nextn_predict_layers``)
 drafts with it when no other drafter is attached; ``attach_mtp_drafter(m, path)`` attaches the
-head in a sidecar file instead.
+head in a sidecar file instead, or Gemma 4's assistant drafter (``gemma4-assistant``).
 
 Output does not depend on speculation: the target verifies each draft by sampling from its own
 logits for that position with the stream's own sampler, so greedy and seeded streams produce
@@ -18,12 +18,15 @@ exactly the tokens they produce without a drafter.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 from . import _native
-from .gguf_file import read_header
+from .gguf_file import GgufHeader, read_header
 from .model import Model
 from .scheduler import Scheduler
 
@@ -69,14 +72,36 @@ def attach_draft_model(m: Model, draft: Model, max_draft: int = 8) -> bool:
     return True
 
 
+# A quantization tag ending a file's stem ("-Q4_K_M", "-Q8_0", "-BF16", "-IQ4_XS", "-MXFP4_MOE").
+_QUANT_TAG = re.compile(r"-((?:I?Q\d|F16|F32|BF16|MXFP4)[A-Z0-9_]*)$", re.IGNORECASE)
+
+
+def _quant_bits(tag: str) -> int:
+    digits = re.search(r"\d+", tag)
+    return int(digits.group()) if digits else 0
+
+
 def mtp_drafter_sidecar(path: str | os.PathLike[str]) -> str:
-    """The MTP sidecar that sits beside the model file ``path`` (``mtp-<stem>-Q8_0.gguf``, else
-    ``mtp-<stem>.gguf``, as llama.cpp's converter writes them with ``--mtp``), or "" if none."""
+    """The MTP sidecar that sits beside the model file ``path``, or "" if none: ``mtp-<stem>-Q8_0.gguf``
+    or ``mtp-<stem>.gguf`` (llama.cpp's converter with ``--mtp``), else, as llama.cpp finds the
+    sidecar of a Hugging Face repository's model (Gemma 4 ships its assistant drafter so:
+    ``model-Q4_K_M.gguf`` beside ``mtp-model-Q8_0.gguf``), an ``mtp-<name>-<quant>.gguf`` of the
+    model's name without its quantization tag: the same quantization first, else the closest in
+    bits."""
     p = Path(path)
     for name in (f"mtp-{p.stem}-Q8_0.gguf", f"mtp-{p.stem}.gguf"):
         if (p.parent / name).is_file():
             return str(p.parent / name)
-    return ""
+    tag = _QUANT_TAG.search(p.stem)
+    if tag is None:
+        return ""
+    base, bits = p.stem[: tag.start()], _quant_bits(tag.group(1))
+    found = []
+    for f in p.parent.glob(f"mtp-{glob.escape(base)}-*.gguf"):
+        t = _QUANT_TAG.search(f.stem)
+        if f.is_file() and t is not None and f.stem[: t.start()] == f"mtp-{base}":
+            found.append((t.group(1).upper() != tag.group(1).upper(), abs(_quant_bits(t.group(1)) - bits), f.name))
+    return str(p.parent / min(found)[2]) if found else ""
 
 
 def attach_mtp_drafter(m: Model, path: str | os.PathLike[str] | None = None, max_draft: int = 8) -> bool:
@@ -98,7 +123,17 @@ def attach_mtp_drafter(m: Model, path: str | os.PathLike[str] | None = None, max
     arch = str(meta.get("general.architecture", ""))
     tokens = meta.get("tokenizer.ggml.tokens")
     why = None
-    if not meta.get(f"{arch}.nextn_predict_layers") or not any(".nextn." in t.name for t in hdr.tensors):
+    if arch == ASSISTANT_ARCH:
+        why = assistant_mismatch(m, hdr)
+        if why is None:
+            from .model import _arch_meta
+
+            tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
+            drafter, why = _native.sidecar_mtp_drafter(m._native, str(path), arch, _arch_meta(meta, arch), tensors, max_draft)
+            if drafter is not None:
+                m._drafter = drafter
+                return True
+    elif not meta.get(f"{arch}.nextn_predict_layers") or not any(".nextn." in t.name for t in hdr.tensors):
         why = f"it holds no MTP layers ({arch}.nextn_predict_layers and blk.N.nextn.* tensors)"
     elif arch != m.arch:
         why = f"it was made for a {arch} model, and {m.path.name} is {m.arch}"
@@ -115,6 +150,118 @@ def attach_mtp_drafter(m: Model, path: str | os.PathLike[str] | None = None, max
         why = reason
     log.warning("not attaching %s to %s: %s", path, m.path.name, why)
     return False
+
+
+# Gemma 4's assistant drafter (llama.cpp's LLM_ARCH_GEMMA4_ASSISTANT): a small model of its own
+# width that reads the target's token embeddings (scaled by the square root of the target's width)
+# and the target's last hidden state, attends with queries only to the target's K/V (its
+# sliding-window layers to the target's last sliding-window layer, its global layers to the
+# target's last layer), and hands back logits and its next hidden state.
+ASSISTANT_ARCH = "gemma4-assistant"
+ASSISTANT_TARGETS = ("gemma4",)
+
+
+def assistant_mismatch(m: Model, hdr: GgufHeader) -> str | None:
+    """Why the gemma4-assistant file ``hdr`` cannot draft for ``m`` (naming the key or tensor
+    that differs), or None when its shape fits: the target's architecture, its width (the
+    assistant's ``embedding_length_out``), its vocabulary, and the head sizes of the target layers
+    the assistant attends to."""
+    meta, a = hdr.metadata, ASSISTANT_ARCH
+    t = m.arch
+    if t not in ASSISTANT_TARGETS:
+        return f"it is a {a} drafter, which drafts for {' or '.join(ASSISTANT_TARGETS)} models, and {m.path.name} is {t}"
+    tmeta = m.metadata
+    width, theirs = tmeta.get(f"{t}.embedding_length"), meta.get(f"{a}.embedding_length_out")
+    if theirs is None:
+        return f"{a}.embedding_length_out is missing: the drafter does not say which target width it reads"
+    if int(theirs) != int(width or 0):
+        return f"{a}.embedding_length_out is {theirs}: it was made for a target of width {theirs}, and {m.path.name}'s {t}.embedding_length is {width}"
+    if int(theirs) == int(meta.get(f"{a}.embedding_length", 0)):
+        return f"{a}.embedding_length_out equals its embedding_length ({theirs}): llama.cpp requires it to carry the target's width, unlike the drafter's own"
+    emb = next((x for x in hdr.tensors if x.name == "token_embd.weight"), None)
+    if emb is None:
+        return "its tensor 'token_embd.weight' (the drafter's output matrix) is missing"
+    rows = int(emb.shape[1]) if len(emb.shape) > 1 else 1
+    if rows != m.n_vocab:
+        return f"its 'token_embd.weight' has {rows} rows: a vocabulary of {rows}, and {m.path.name}'s has {m.n_vocab}"
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != m.n_vocab:
+        return f"its vocabulary (tokenizer.ggml.tokens) has {len(tokens)} tokens, and {m.path.name}'s has {m.n_vocab}"
+    # llama.cpp points the assistant's sliding layers at the target's second-to-last layer and its
+    # global layers at the last (llama_model::create_memory's share): a Gemma 4 ends sliding, full.
+    tpat: Any = tmeta.get(f"{t}.attention.sliding_window_pattern")
+    tpat = [bool(x) for x in tpat] if tpat is not None and hasattr(tpat, "__len__") else []
+    if len(tpat) >= 2 and (not tpat[-2] or tpat[-1]):
+        kinds = ", ".join("sliding" if x else "full" for x in tpat[-2:])
+        return f"{m.path.name}'s last two layers are {kinds} ({t}.attention.sliding_window_pattern): the assistant reads the K/V of a sliding then a full last layer"
+    for key in ("attention.key_length", "attention.key_length_swa"):
+        mine, target = meta.get(f"{a}.{key}"), tmeta.get(f"{t}.{key}")
+        if mine is not None and target is not None and int(mine) != int(target):
+            return f"{a}.{key} is {mine}, and {m.path.name}'s {t}.{key} is {target}: its queries do not fit the target's keys"
+    return _assistant_tensors_mismatch(hdr, int(theirs), m.n_vocab)
+
+
+def _per_layer(meta: dict[str, Any], key: str, n_layers: int) -> list[int] | str:
+    """A key that is one number or one per layer (llama.cpp's get_key_or_arr), per layer; a
+    message naming it where it is missing or of another length."""
+    v = meta.get(f"{ASSISTANT_ARCH}.{key}")
+    if v is None:
+        return f"{ASSISTANT_ARCH}.{key} is missing"
+    if not hasattr(v, "__len__"):
+        return [int(v)] * n_layers
+    xs = [int(x) for x in v]  # an array (read as a list or a NumPy array)
+    return xs if len(xs) == n_layers else f"{ASSISTANT_ARCH}.{key} has {len(xs)} entries for {n_layers} layers"
+
+
+def _assistant_tensors_mismatch(hdr: GgufHeader, target_width: int, n_vocab: int) -> str | None:
+    """The first tensor of the assistant file that is missing or has another shape than its
+    metadata implies (as llama.cpp's gemma4-assistant loader creates them), named; else None."""
+    meta, a = hdr.metadata, ASSISTANT_ARCH
+    n_layers = int(meta.get(f"{a}.nextn_predict_layers") or meta.get(f"{a}.block_count") or 0)
+    if n_layers <= 0:
+        return f"{a}.nextn_predict_layers (or block_count) is missing or 0: it has no layers"
+    width = int(meta.get(f"{a}.embedding_length", 0))
+    raw: Any = meta.get(f"{a}.attention.sliding_window_pattern")
+    pattern = [bool(x) for x in raw] if raw is not None and hasattr(raw, "__len__") and not isinstance(raw, str) else []
+    if len(pattern) < n_layers:
+        return f"{a}.attention.sliding_window_pattern is missing or shorter than its {n_layers} layers"
+    heads, ffs = _per_layer(meta, "attention.head_count", n_layers), _per_layer(meta, "feed_forward_length", n_layers)
+    for v in (heads, ffs):
+        if isinstance(v, str):
+            return v
+    assert isinstance(heads, list) and isinstance(ffs, list)
+    hd_full = int(meta.get(f"{a}.attention.key_length", 0))
+    hd_swa = int(meta.get(f"{a}.attention.key_length_swa", hd_full))
+    want: dict[str, list[int]] = {
+        "token_embd.weight": [width, n_vocab],
+        "output_norm.weight": [width],
+        "nextn.pre_projection.weight": [2 * target_width, width],
+        "nextn.post_projection.weight": [width, target_width],
+    }
+    for i in range(n_layers):
+        hd, p = hd_swa if pattern[i] else hd_full, f"blk.{i}."
+        want |= {
+            p + "attn_norm.weight": [width],
+            p + "attn_q.weight": [width, hd * heads[i]],
+            p + "attn_q_norm.weight": [hd],
+            p + "attn_output.weight": [hd * heads[i], width],
+            p + "post_attention_norm.weight": [width],
+            p + "layer_output_scale.weight": [1],
+            p + "ffn_norm.weight": [width],
+            p + "ffn_gate.weight": [width, ffs[i]],
+            p + "ffn_up.weight": [width, ffs[i]],
+            p + "ffn_down.weight": [ffs[i], width],
+            p + "post_ffw_norm.weight": [width],
+        }
+        if not pattern[i]:
+            want["rope_freqs.weight"] = [hd // 2]
+    have = {t.name: [int(x) for x in t.shape] for t in hdr.tensors}
+    for name, shape in want.items():
+        if name not in have:
+            return f"its tensor '{name}' is missing"
+        if have[name] != shape:
+            return f"its tensor '{name}' is {'x'.join(map(str, have[name]))}; its metadata implies {'x'.join(map(str, shape))}"
+    return None
 
 
 def fix_draft_len(sch: Scheduler, k: int | None) -> None:
@@ -185,7 +332,9 @@ def _check_max_draft(max_draft: int) -> int:
 
 
 __all__ = [
+    "ASSISTANT_ARCH",
     "SPEC_MODES",
+    "assistant_mismatch",
     "attach_draft_model",
     "attach_mtp_drafter",
     "attach_ngram_drafter",

@@ -90,9 +90,19 @@ def add_assistant(chat: ChatRenderer, text: str) -> None:
     chat.messages.append({"role": "assistant", "content": text})
 
 
+def encode_prompt(m: Model, text: str) -> list[int]:
+    """A rendered prompt as tokens, special tokens parsed and BOS added where the model adds it.
+    A template that writes the BOS text itself (Gemma's ``{{ bos_token }}``) does not get a
+    second one: llama.cpp cuts the text's leading BOS when its tokenizer adds one, and so do we."""
+    bos = m.bos_id
+    if bos is not None and encode(m, "") == [bos]:
+        text = text.removeprefix(m._native.token_text(bos))
+    return encode(m, text, special=True)
+
+
 def render_turn(m: Model, chat: ChatRenderer) -> list[int]:
     """The whole conversation so far plus the assistant's opening, as tokens."""
-    return encode(m, render_chat(m, chat.messages, add_generation_prompt=True, **_thinking(chat)), special=True)
+    return encode_prompt(m, render_chat(m, chat.messages, add_generation_prompt=True, **_thinking(chat)))
 
 
 def _close_text(m: Model, chat: ChatRenderer) -> str:
@@ -119,7 +129,9 @@ def turn_stop_ids(chat: ChatRenderer) -> list[int]:
 
 def set_thinking(chat: ChatRenderer, on: bool) -> None:
     """Ask a thinking template to think or not: rendered as the template's ``enable_thinking``
-    (Qwen3's closes an empty ``<think>`` block after the assistant's opening when it is false).
+    (Qwen3's closes an empty ``<think>`` block after the assistant's opening when it is false;
+    Gemma 4's opens the system turn with the ``<|think|>`` gate when it is true, and otherwise,
+    its default, prefills the closed empty thought channel ``<|channel>thought\n<channel|>``).
     Templates that do not read it are unaffected."""
     chat.thinking = bool(on)
 
@@ -147,6 +159,18 @@ HARMONY_MARKERS = ("<|channel|>analysis<|message|>", "<|channel|>final<|message|
 HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 # The levels gpt-oss's template takes as `reasoning_effort` ("medium" where none is given).
 HARMONY_EFFORTS = ("low", "medium", "high")
+# Gemma 4 writes a thought as `<|channel>thought\n...<channel|>`: the reply's markers are these,
+# the guard's are the two channel tokens (GEMMA4_CHANNEL), and the newline after the channel's
+# name belongs to neither (llama.cpp's parser drops it too).
+GEMMA4_THOUGHT = ("<|channel>thought", "<channel|>")
+GEMMA4_CHANNEL = ("<|channel>", "<channel|>")
+
+
+def _is_gemma4_thinker(m: Model) -> bool:
+    """Gemma 4's template (it writes `<|turn>` and the thought channel) over a vocabulary that
+    holds both channel markers as special tokens."""
+    tmpl = m.chat_template or ""
+    return "<|turn>" in tmpl and all(t in tmpl for t in GEMMA4_CHANNEL) and all(_marker_id(m, t) is not None for t in GEMMA4_CHANNEL)
 
 
 def _marker_id(m: Model, text: str) -> int | None:
@@ -165,7 +189,10 @@ def is_harmony(m: Model) -> bool:
 def thought_markers(m: Model) -> tuple[str, str] | None:
     """The template's thought markers (``<think>``, ``</think>``) where ``m`` thinks: its template
     writes them and its vocabulary holds both as special tokens (Qwen3 does; Qwen2.5 shares the
-    template family but has no such tokens, so nothing is armed for it)."""
+    template family but has no such tokens, so nothing is armed for it); Gemma 4's
+    ``<|channel>thought`` and ``<channel|>``."""
+    if _is_gemma4_thinker(m):
+        return GEMMA4_THOUGHT
     tmpl = m.chat_template or ""
     if is_harmony(m):
         return HARMONY_MARKERS
@@ -178,8 +205,16 @@ def thought_markers(m: Model) -> tuple[str, str] | None:
 
 def make_nothink_guard(chat: ChatRenderer) -> NothinkGuard | None:
     """The guard of a turn rendered with thinking off (``set_thinking(chat, False)``) on a model
-    whose template thinks; None where the turn may think or the model cannot."""
+    whose template thinks; None where the turn may think or the model cannot. Gemma 4's turn
+    thinks only when asked (``set_thinking(chat, True)`` renders its ``<|think|>`` gate); by
+    default it is rendered closed, and its guard holds the two channel markers."""
     m = chat.model
+    if _is_gemma4_thinker(m):
+        if chat.thinking is True:
+            return None
+        o, c = (_marker_id(m, t) for t in GEMMA4_CHANNEL)
+        assert o is not None and c is not None
+        return NothinkGuard((o,), (c,))
     # Harmony has no thinking-off form (gpt-oss always reasons; `reasoning_effort` sets how much).
     if chat.thinking is not False or thought_markers(m) in (None, HARMONY_MARKERS):
         return None
@@ -199,6 +234,8 @@ class ThoughtSplitter:
         self.open, self.close = markers
         self.state = "thought" if in_thought else "start"
         self.buf = ""
+        # Gemma 4: the newline that ends the channel's name `<|channel>thought` is not thought.
+        self.skip_newline = markers == GEMMA4_THOUGHT and not in_thought
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buf += text
@@ -215,6 +252,14 @@ class ThoughtSplitter:
                 self.state = "content"
                 continue
             if self.state == "thought":
+                if self.skip_newline:
+                    if self.buf.startswith(self.close):
+                        self.skip_newline = False  # an empty thought, `<|channel>thought<channel|>`
+                    elif not self.close.startswith(self.buf):
+                        self.buf = self.buf.removeprefix("\n")
+                        self.skip_newline = False
+                    else:
+                        break  # maybe the close marker: wait
                 at = self.buf.find(self.close)
                 if at >= 0:
                     reasoning += self.buf[:at]

@@ -20,7 +20,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .. import scheduler as sched
-from ..chat import HARMONY_EFFORTS, ChatRenderer, NothinkGuard, is_harmony, make_nothink_guard, render_chat, render_close, thought_markers
+from ..chat import HARMONY_EFFORTS, ChatRenderer, NothinkGuard, encode_prompt, is_harmony, make_nothink_guard, render_chat, render_close, thought_markers
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..grammar import check_grammar
 from ..model import encode
@@ -334,7 +334,7 @@ class Server:
                 close = render_close(m, ChatRenderer(m, rendered, thinking=thinking))
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            prompt = encode(m, text, special=True)
+            prompt = encode_prompt(m, text)
             markers = thought_markers(m)
             in_thought = markers is not None and text.rstrip().endswith(markers[0])
             nothink = make_nothink_guard(ChatRenderer(m, rendered, thinking=thinking))

@@ -8,7 +8,7 @@
 use dasllama::embed::Pooling;
 use dasllama::kv::{KvCodec, KvPool, PoolStats};
 use dasllama::model::forward::LogitRows;
-use dasllama::model::{Attention, MetaValue, Metadata, Mixer, Model, MtpHead, Numerics, QuantMode, TensorInfo};
+use dasllama::model::{Assistant, Attention, MetaValue, Metadata, Mixer, Model, MtpHead, Numerics, QuantMode, TensorInfo};
 use dasllama::sampling::SamplingParams;
 use dasllama::sched::{EventKind, Finish, Nothink, PendingReq, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
@@ -693,6 +693,13 @@ fn sidecar_mtp_drafter(
     let meta = Metadata::new(&arch, meta.into_iter().map(|(k, v)| (k, v.into())).collect());
     let tensors: Vec<TensorInfo> = tensors.into_iter().map(|(name, ty, shape, offset)| TensorInfo { name, ty, shape, offset }).collect();
     let target = m.inner.clone();
+    if arch == "gemma4-assistant" {
+        let asst = native(py, "loading a Gemma 4 assistant", || Assistant::sidecar(&target, std::path::Path::new(&path), &meta, &tensors))?;
+        return Ok(match asst {
+            Ok(a) => (Some(PyDrafter { inner: Drafter::assistant(a, max_draft).map_err(map_err)? }), String::new()),
+            Err(why) => (None, why),
+        });
+    }
     let head = native(py, "loading an MTP sidecar", || MtpHead::sidecar(&target, std::path::Path::new(&path), &arch, &meta, &tensors))?;
     Ok(match head {
         Ok(head) => (Some(PyDrafter { inner: Drafter::mtp(head, max_draft).map_err(map_err)? }), String::new()),
@@ -729,6 +736,43 @@ fn mtp_head_logits<'py>(py: Python<'py>, m: &PyModel, drafter: &PyDrafter, ids: 
     })?;
     let rows = logits.len() / v;
     PyArray1::from_vec_bound(py, logits).reshape([rows, v])
+}
+
+/// Gemma 4's assistant over `ids`: the target runs the ids, then the assistant drafts `k` rows
+/// from there as the scheduler does (the first pairs ids' greedy next token, `first`, with the
+/// target's hidden state at the last id; each next, the previous row's greedy token with the
+/// assistant's own hidden state; all at position len(ids)). Rows x (vocab logits, then the
+/// hidden state handed on). For comparisons with the float64 reference.
+#[pyfunction]
+fn assistant_rows<'py>(py: Python<'py>, m: &PyModel, drafter: &PyDrafter, ids: Vec<u32>, first: u32, k: usize) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let Drafter::Assistant { asst, .. } = &drafter.inner else {
+        return Err(PyValueError::new_err(format!("this drafter is {}, not a Gemma 4 assistant", drafter.inner.kind())));
+    };
+    if ids.is_empty() || k == 0 {
+        return Err(PyValueError::new_err("the assistant needs at least one id and one row"));
+    }
+    let (model, asst) = (m.inner.clone(), asst.clone());
+    let (v, d) = (model.config.vocab_size, model.config.dim);
+    let rows = native(py, "running the Gemma 4 assistant", || {
+        let mut ws = BatchWorkspace::default();
+        ws.keep_hidden(true);
+        let mut s = Session::new(&model);
+        dasllama::session::eval_multi(&model, &mut ws, &mut [&mut s], &[ids.len()], &ids)?;
+        let hidden = ws.take_hidden();
+        let mut state = hidden[hidden.len() - d..].to_vec();
+        let mut tok = first;
+        let mut scratch = dasllama::model::gemma4_assistant::AssistantScratch::default();
+        let (mut logits, mut out, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..k {
+            dasllama::model::gemma4_assistant::step(&model, &asst, &mut [&mut s.kv], &[tok], &state, &mut scratch, &mut logits, &mut out)?;
+            rows.extend_from_slice(&logits);
+            rows.extend_from_slice(&out);
+            tok = dasllama::sampling::argmax(&logits);
+            state.clone_from(&out);
+        }
+        Ok(rows)
+    })?;
+    PyArray1::from_vec_bound(py, rows).reshape([k, v + d])
 }
 
 /// Per live stream: (request id, context tokens, positions its session holds, positions the MTP
@@ -950,6 +994,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(own_mtp_drafter, m)?)?;
     m.add_function(wrap_pyfunction!(sidecar_mtp_drafter, m)?)?;
     m.add_function(wrap_pyfunction!(mtp_head_logits, m)?)?;
+    m.add_function(wrap_pyfunction!(assistant_rows, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler_streams, m)?)?;
     m.add_class::<PyDrafter>()?;
     m.add_function(wrap_pyfunction!(submit, m)?)?;

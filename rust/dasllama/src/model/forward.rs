@@ -413,12 +413,17 @@ fn per_layer_mix(m: &Model, b: &mut dyn Ops, p: &super::PleLayer, il: usize, cou
 
 /// RoPE sines and cosines per row, once for every layer (one table per distinct RoPE).
 pub(super) fn rope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)]) -> Vec<Vec<(f32, f32)>> {
+    rope_tables_with(ropes, rows, m.rope_factors.as_deref())
+}
+
+/// `rope_tables` with the frequency divisors given (a Gemma 4 assistant carries its own).
+pub(super) fn rope_tables_with(ropes: &[Rope], rows: &[(usize, usize)], factors: Option<&[f32]>) -> Vec<Vec<(f32, f32)>> {
     let mut tables = Vec::with_capacity(ropes.len());
     let mut one = Vec::new();
     for r in ropes {
         let mut tab = Vec::with_capacity(rows.len() * r.dim / 2);
         for &(_, pos) in rows {
-            rope_cache(r, pos, m.rope_factors.as_deref(), &mut one);
+            rope_cache(r, pos, factors, &mut one);
             tab.extend_from_slice(&one);
         }
         tables.push(tab);

@@ -6,6 +6,7 @@ pub mod forward;
 mod gemma2;
 mod gemma3;
 mod gemma4;
+pub mod gemma4_assistant;
 mod glm4moe;
 mod gptoss;
 mod llama;
@@ -28,6 +29,7 @@ use crate::backend::Placement;
 pub use crate::backend::{Activation, Numerics};
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
 pub use config::{Attention, AttnTemp, Config, DeltaNet, Ffn, HeadMap, Heads, LayerDesc, Mixer, Mrope, Rope};
+pub use gemma4_assistant::Assistant;
 pub use meta::{MetaValue, Metadata};
 pub use mtp::MtpHead;
 

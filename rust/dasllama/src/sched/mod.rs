@@ -22,7 +22,7 @@ use crate::model::{Ffn, Model};
 use crate::sampling::{self, SamplingParams};
 use crate::session::{eval_rows, BatchWorkspace, Session};
 use crate::spec::policy::{self, Candidate, CostModel, Guard};
-use crate::spec::{draft, mtp, ngram, Drafter, StreamSpec};
+use crate::spec::{assistant, draft, mtp, ngram, Drafter, StreamSpec};
 use crate::{error, Error, Result};
 use budget::StepCost;
 use std::collections::VecDeque;
@@ -162,6 +162,7 @@ struct Speculation {
     guard: Guard,
     draft_ws: BatchWorkspace,
     mtp_ws: crate::model::mtp::MtpScratch,
+    assistant_ws: crate::model::gemma4_assistant::AssistantScratch,
 }
 
 pub struct Scheduler {
@@ -296,8 +297,8 @@ impl Scheduler {
         for s in self.slots.iter_mut().flatten() {
             s.spec = drafter.as_ref().map_or_else(StreamSpec::default, |d| StreamSpec::new(d.bursty(), None));
         }
-        // An MTP head reads the trunk's hidden state of every row.
-        self.ws.keep_hidden(matches!(drafter, Some(Drafter::Mtp { .. })));
+        // An MTP head reads the trunk's hidden state of every row (Gemma 4's assistant, the last).
+        self.ws.keep_hidden(matches!(drafter, Some(Drafter::Mtp { .. } | Drafter::Assistant { .. })));
         let logit_weight = self.logit_weight;
         self.spec = drafter.map(|drafter| Speculation {
             drafter,
@@ -308,6 +309,7 @@ impl Scheduler {
             guard: Guard::default(),
             draft_ws: BatchWorkspace::default(),
             mtp_ws: Default::default(),
+            assistant_ws: Default::default(),
         });
         Ok(())
     }
@@ -603,6 +605,7 @@ impl Scheduler {
         let hidden = self.ws.take_hidden();
         let d = m.config.dim;
         let hidden_ok = hidden.len() == plan.iter().map(|p| p.1).sum::<usize>() * d;
+        let assist = matches!(self.spec.as_ref().map(|sp| &sp.drafter), Some(Drafter::Assistant { .. }));
         let mut hr = 0;
         for &(i, k) in plan.iter() {
             let hid = if hidden_ok { &hidden[hr * d..(hr + k) * d] } else { &[][..] };
@@ -619,11 +622,24 @@ impl Scheduler {
                     if let Some(st) = &mut s.spec.mtp {
                         st.pending.extend_from_slice(&hid[..(kept * d).min(hid.len())]);
                     }
+                    if assist {
+                        // The last kept row's: the hidden state at the stream's last position.
+                        s.spec.last_h.clear();
+                        if kept > 0 && hid.len() >= kept * d {
+                            s.spec.last_h.extend_from_slice(&hid[(kept - 1) * d..kept * d]);
+                        }
+                    }
                 }
                 continue;
             }
             if let Some(st) = &mut s.spec.mtp {
                 st.pending.extend_from_slice(hid);
+            }
+            if assist {
+                s.spec.last_h.clear();
+                if k > 0 && hid.len() == k * d {
+                    s.spec.last_h.extend_from_slice(&hid[(k - 1) * d..]);
+                }
             }
             let row = &logits[r * v..(r + 1) * v];
             r += 1;
@@ -905,6 +921,12 @@ impl Scheduler {
                         cap = 0;
                     }
                 }
+                // The assistant reads the stream's K/V on the host, after its prompt.
+                Drafter::Assistant { .. } => {
+                    if self.device_kv || s.spec.last_h.len() != self.model.config.dim || s.in_kv.is_empty() {
+                        cap = 0;
+                    }
+                }
             }
             if cap > 0 {
                 let (first, alpha) = s.spec.acceptance();
@@ -922,7 +944,7 @@ impl Scheduler {
         let guess = match &sp.drafter {
             Drafter::Ngram { .. } => None,
             Drafter::Model { .. } => Some(4.0),
-            Drafter::Mtp { .. } => Some(20.0),
+            Drafter::Mtp { .. } | Drafter::Assistant { .. } => Some(20.0),
         };
         let drafting = guess.map(|g| move |r: f64| draft_cost.cost(r).unwrap_or_else(|| target(r) / g));
         let ks = match sp.fixed_k {
@@ -963,6 +985,34 @@ impl Scheduler {
             for (s, _) in streams.iter_mut() {
                 s.spec.drafts.clear();
                 s.spec.mtp = None;
+            }
+            return false;
+        }
+        if let Drafter::Assistant { asst, .. } = &sp.drafter {
+            let mut by_slot: Vec<Option<&mut Stream>> = self.slots.iter_mut().map(|s| s.as_mut()).collect();
+            let mut streams: Vec<(&mut Stream, usize)> =
+                who.iter().zip(&ks).filter(|p| *p.1 > 0).map(|(&i, &k)| (by_slot[i].take().expect("each stream once"), k)).collect();
+            let t_draft = Instant::now();
+            let draft_rows: usize = streams.iter().map(|(_, k)| *k).sum();
+            let mut jobs: Vec<assistant::Job<'_>> = streams
+                .iter_mut()
+                .map(|(s, k)| {
+                    let Stream { spec, session, next, .. } = &mut **s;
+                    let StreamSpec { last_h, drafts, .. } = spec;
+                    assistant::Job { kv: &mut session.kv, hidden: last_h, next: next.expect("decoding stream"), k: *k, out: drafts }
+                })
+                .collect();
+            let depth = jobs.iter().map(|j| j.k).max().unwrap_or(0);
+            let (model, asst, ws) = (&*self.model, &**asst, &mut sp.assistant_ws);
+            if error::catch("drafting with the Gemma 4 assistant", || assistant::propose(model, asst, ws, &mut jobs)).is_ok() {
+                sp.draft_cost.observe(draft_rows as f64 / depth.max(1) as f64, t_draft.elapsed().as_secs_f64() / depth.max(1) as f64);
+                return drafting;
+            }
+            // An assistant that fails costs the streams their speculation, never their output.
+            drop(jobs);
+            for (s, _) in streams.iter_mut() {
+                s.spec.drafts.clear();
+                s.spec.last_h.clear();
             }
             return false;
         }

@@ -8,12 +8,13 @@
 //! output does not depend on whether it speculated, sampled or greedy. Rejected rows are taken
 //! back: the KV is truncated to the accepted length, the token record never saw them.
 
+pub mod assistant;
 pub mod draft;
 pub mod mtp;
 pub mod ngram;
 pub mod policy;
 
-use crate::model::{Model, MtpHead};
+use crate::model::{Assistant, Model, MtpHead};
 use crate::session::Session;
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -30,6 +31,8 @@ pub enum Drafter {
     Model { draft: Arc<Model>, max_draft: usize },
     /// The target's own MTP head (in its file or a sidecar), chained greedily (`mtp`).
     Mtp { head: Arc<MtpHead>, max_draft: usize },
+    /// Gemma 4's assistant drafter (a sidecar), chained greedily over the target's K/V (`mtp`).
+    Assistant { asst: Arc<Assistant>, max_draft: usize },
 }
 
 fn check_max_draft(max_draft: usize) -> Result<()> {
@@ -64,9 +67,17 @@ impl Drafter {
         Ok(Drafter::Mtp { head, max_draft })
     }
 
+    /// Gemma 4's assistant `asst` (made for `target`: `Assistant::sidecar` checked it).
+    pub fn assistant(asst: Arc<Assistant>, max_draft: usize) -> Result<Drafter> {
+        check_max_draft(max_draft)?;
+        Ok(Drafter::Assistant { asst, max_draft })
+    }
+
     pub fn max_draft(&self) -> usize {
         match self {
-            Drafter::Ngram { max_draft } | Drafter::Model { max_draft, .. } | Drafter::Mtp { max_draft, .. } => *max_draft,
+            Drafter::Ngram { max_draft } | Drafter::Model { max_draft, .. } | Drafter::Mtp { max_draft, .. } | Drafter::Assistant { max_draft, .. } => {
+                *max_draft
+            }
         }
     }
 
@@ -81,7 +92,7 @@ impl Drafter {
         match self {
             Drafter::Ngram { .. } => "ngram",
             Drafter::Model { .. } => "draft",
-            Drafter::Mtp { .. } => "mtp",
+            Drafter::Mtp { .. } | Drafter::Assistant { .. } => "mtp",
         }
     }
 }
@@ -98,6 +109,9 @@ pub struct StreamSpec {
     pub draft: Option<Session>,
     /// The MTP head's state for this stream, made at admission (it follows the whole context).
     pub mtp: Option<mtp::MtpStream>,
+    /// For Gemma 4's assistant: the target's hidden state (after its final norm) at the last
+    /// position its K/V holds, or empty where it is not known.
+    pub last_h: Vec<f32>,
     /// This step's drafts.
     pub drafts: Vec<u32>,
     /// How much of its estimates the stream keeps at each judged step (`BURSTY_FORGET` or
@@ -146,7 +160,7 @@ impl Rate {
 impl Default for StreamSpec {
     /// No drafter: the estimates are never read.
     fn default() -> Self {
-        StreamSpec { first: Rate::PRIOR, then: Rate::PRIOR, draft: None, mtp: None, drafts: Vec::new(), forget: BURSTY_FORGET }
+        StreamSpec { first: Rate::PRIOR, then: Rate::PRIOR, draft: None, mtp: None, last_h: Vec::new(), drafts: Vec::new(), forget: BURSTY_FORGET }
     }
 }
 

@@ -1,5 +1,10 @@
 //! Byte-level BPE (GPT-2 family): split with the pre-tokenizer's regexes, map bytes to the
 //! GPT-2 printable alphabet, then apply merges lowest rank first, leftmost on ties.
+//!
+//! Gemma 4's SPM-style BPE (`tokenizer.ggml.model = gemma4`) shares the merge loop: spaces
+//! become `▁`, the text splits only into runs of newlines and runs of anything else, symbols
+//! start as UTF-8 chars (no byte alphabet), and a char outside the vocabulary falls back to its
+//! `<0xXX>` byte tokens, as llama.cpp's `LLAMA_VOCAB_PRE_TYPE_GEMMA4` does.
 
 use super::{Tokenizer, Vocab};
 use crate::{Error, Result};
@@ -46,6 +51,19 @@ fn window_end(p: &str, pos: usize) -> usize {
     end
 }
 
+/// llama.cpp's gemma 4 split `[^\n]+|[\n]+`: runs of newlines and runs of everything else.
+fn split_newline_runs(text: &str) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        let first = rest.chars().next()?;
+        let nl = first == '\n';
+        let end = rest.find(|c| (c == '\n') != nl).unwrap_or(rest.len());
+        let (word, tail) = rest.split_at(end);
+        rest = tail;
+        Some(word)
+    })
+}
+
 fn bytes_to_unicode() -> [char; 256] {
     let mut map = ['\0'; 256];
     let mut n = 0u32;
@@ -76,6 +94,8 @@ struct Scratch {
 }
 
 pub(super) struct Bpe {
+    /// Gemma 4's SPM-style mode (see the module comment); the regexes are unused then.
+    spm_style: bool,
     regexes: Vec<Regex>,
     ignore_merges: bool,
     byte_char: [char; 256],
@@ -97,14 +117,38 @@ impl Bpe {
         let byte_char = bytes_to_unicode();
         let char_byte = byte_char.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
         let byte_id = byte_char.map(|c| by_text.get(c.encode_utf8(&mut [0; 4]) as &str).copied());
+        Ok(Bpe { spm_style: false, regexes, ignore_merges, byte_char, byte_id, char_byte, merges: Self::merge_table(vocab, by_text) })
+    }
+
+    /// Gemma 4's SPM-style BPE; llama.cpp names its pre-tokenizer "gemma4" whatever the file says.
+    pub(super) fn new_spm_style(vocab: &Vocab, by_text: &HashMap<String, u32>) -> Self {
+        let byte_char = bytes_to_unicode();
+        Bpe {
+            spm_style: true,
+            regexes: Vec::new(),
+            ignore_merges: false,
+            byte_char,
+            byte_id: [None; 256],
+            char_byte: HashMap::new(),
+            merges: Self::merge_table(vocab, by_text),
+        }
+    }
+
+    /// (left id, right id) -> (rank, merged id). llama.cpp ranks text pairs and looks the merged
+    /// text up afterwards; a pair whose parts or result are not tokens is dropped here, which is
+    /// the same wherever the merges were learned over the vocabulary (Hugging Face's BPE files).
+    fn merge_table(vocab: &Vocab, by_text: &HashMap<String, u32>) -> HashMap<(u32, u32), (u32, u32)> {
         let mut merges = HashMap::with_capacity(vocab.merges.len());
         for (rank, m) in vocab.merges.iter().enumerate() {
-            let Some((a, b)) = m.split_once(' ') else { continue };
+            // llama.cpp splits at the first space after the first byte, so a merge of "▁" works
+            // and so does one whose left side is a space in a byte-level vocabulary.
+            let Some(at) = m.bytes().skip(1).position(|b| b == b' ').map(|i| i + 1) else { continue };
+            let (a, b) = (&m[..at], &m[at + 1..]);
             if let (Some(&ia), Some(&ib), Some(&im)) = (by_text.get(a), by_text.get(b), by_text.get(&format!("{a}{b}"))) {
                 merges.entry((ia, ib)).or_insert((rank as u32, im));
             }
         }
-        Ok(Bpe { regexes, ignore_merges, byte_char, byte_id, char_byte, merges })
+        merges
     }
 
     fn split<'a>(&self, text: &'a str) -> Vec<&'a str> {
@@ -157,6 +201,9 @@ impl Bpe {
     }
 
     pub(super) fn encode(&self, text: &str, tok: &Tokenizer, out: &mut Vec<u32>) {
+        if self.spm_style {
+            return self.encode_spm_style(text, tok, out);
+        }
         let mut scratch = Scratch::default();
         for word in self.split(text) {
             if self.ignore_merges {
@@ -167,7 +214,9 @@ impl Bpe {
                 }
             }
             let bytes = word.as_bytes();
-            self.merge(bytes, &mut scratch);
+            scratch.ids.clear();
+            scratch.ids.extend(bytes.iter().map(|&b| self.byte_id[b as usize]));
+            self.merge(&mut scratch);
             let s = &scratch;
             // The first symbol is never the right side of a merge, so the list starts at 0.
             let mut i = 0;
@@ -182,16 +231,46 @@ impl Bpe {
         }
     }
 
-    /// Merges the symbols of one pre-token (one per byte) in place in `s`, lowest rank first and
+    /// Gemma 4: escape spaces, split into newline runs and the rest, merge over chars.
+    fn encode_spm_style(&self, text: &str, tok: &Tokenizer, out: &mut Vec<u32>) {
+        let text = text.replace(' ', "\u{2581}");
+        let mut scratch = Scratch::default();
+        let mut chars: Vec<&str> = Vec::new();
+        for word in split_newline_runs(&text) {
+            // llama.cpp's gemma 4 fix: a run of newlines that is one token stays one token
+            // (merging "\n" pairs by rank could cut it differently).
+            if !word.contains(|c| c != '\n') {
+                if let Some(id) = tok.lookup(word) {
+                    out.push(id);
+                    continue;
+                }
+            }
+            chars.clear();
+            chars.extend(word.char_indices().map(|(i, c)| &word[i..i + c.len_utf8()]));
+            scratch.ids.clear();
+            scratch.ids.extend(chars.iter().map(|c| tok.lookup(c)));
+            self.merge(&mut scratch);
+            let mut i = 0;
+            while i < chars.len() {
+                match scratch.ids[i] {
+                    Some(id) => out.push(id),
+                    // A char outside the vocabulary: its bytes as <0xXX> tokens, those that exist.
+                    None => out.extend(chars[i].bytes().filter_map(|b| tok.lookup(&format!("<0x{b:02X}>")))),
+                }
+                i = scratch.next[i];
+            }
+        }
+    }
+
+    /// Merges the symbols of one pre-token (their ids already in `s.ids`: one per byte, or one
+    /// per char in the SPM-style mode) in place in `s`, lowest rank first and
     /// leftmost on ties, as the plain loop "find the best adjacent pair, merge it, repeat" would,
     /// but in O(n log n): that loop is quadratic, and a single 1 MB word would stall the server.
     /// A merged pair keeps its left symbol's index, so index order is sequence order, and taking
     /// candidates in (rank, left index) order picks exactly the pair the plain loop picks.
     /// Candidates go stale when a neighbour merges; they are skipped when taken, not removed.
-    fn merge(&self, bytes: &[u8], s: &mut Scratch) {
-        let n = bytes.len();
-        s.ids.clear();
-        s.ids.extend(bytes.iter().map(|&b| self.byte_id[b as usize]));
+    fn merge(&self, s: &mut Scratch) {
+        let n = s.ids.len();
         s.next.clear();
         s.next.extend(1..=n);
         s.prev.clear();
@@ -245,6 +324,9 @@ impl Bpe {
     }
 
     pub(super) fn decode_piece(&self, text: &str) -> Vec<u8> {
+        if self.spm_style {
+            return text.replace('\u{2581}', " ").into_bytes();
+        }
         let mut out = Vec::with_capacity(text.len());
         for c in text.chars() {
             match self.char_byte.get(&c) {
@@ -581,5 +663,29 @@ mod tests {
             let total = t.elapsed();
             println!("{what}: {} bytes, {words} pre-tokens, split {split:?}, encode {total:?}, {} tokens", text.len(), ids.len());
         }
+    }
+
+    /// Gemma 4's SPM-style mode: spaces are `▁`, newline runs that are tokens stay whole, other
+    /// runs merge by rank, and a char outside the vocabulary becomes its `<0xXX>` bytes.
+    #[test]
+    fn spm_style_escapes_spaces_keeps_newline_runs_and_falls_back_to_bytes() {
+        let mut tokens: Vec<String> = (0..=255u8).map(|b| format!("<0x{b:02X}>")).collect();
+        let mut types = vec![super::super::TYPE_BYTE; 256];
+        for t in ["\u{2581}", "a", "b", "\n", "\n\n", "\u{2581}a", "ab", "\u{2581}ab"] {
+            tokens.push(t.to_string());
+            types.push(TYPE_NORMAL);
+        }
+        let merges = ["\u{2581} a", "a b", "\u{2581}a b", "\n \n"].map(String::from).to_vec();
+        let n = tokens.len();
+        let vocab = Vocab { tokens, types, scores: Vec::new(), merges, bos: None, eos: None, eog: Vec::new(), add_bos: false, add_space_prefix: false };
+        assert_eq!(vocab.types.len(), n);
+        let tok = Tokenizer::new("gemma4", "gemma4", vocab).unwrap();
+        let id = |t: &str| tok.lookup(t).unwrap();
+        let ids = tok.encode(" ab\n\nab\n\n\né", Some(false), false);
+        // "▁a" (rank 0) before "ab" (rank 1), then "▁a"+"b"; "\n\n" is one token; three newlines
+        // are not, so they merge by rank; é is two bytes.
+        let want = [id("\u{2581}ab"), id("\n\n"), id("ab"), id("\n\n"), id("\n"), id("<0xC3>"), id("<0xA9>")];
+        assert_eq!(ids, want);
+        assert_eq!(tok.decode(&ids, false), " ab\n\nab\n\n\né".as_bytes());
     }
 }

@@ -1,5 +1,6 @@
 //! Tokenizers read from the GGUF vocabulary: byte-level BPE (`tokenizer.ggml.model = gpt2`) with
-//! the pre-tokenizer `tokenizer.ggml.pre` names, and SentencePiece (`llama`). Special tokens are
+//! the pre-tokenizer `tokenizer.ggml.pre` names, Gemma 4's SPM-style BPE (`gemma4`), and
+//! SentencePiece (`llama`). Special tokens are
 //! split out first, as llama.cpp does; control tokens only when asked to parse them.
 
 mod bpe;
@@ -38,7 +39,14 @@ pub struct Tokenizer {
     by_text: HashMap<String, u32>,
     /// Control, user-defined and unknown tokens, longest text first.
     specials: Vec<u32>,
+    /// Control tokens whose text a reply shows even without `special`: Gemma 4's thought channel
+    /// markers, so the reply's reader can split the thought off (see `VISIBLE_GEMMA4`).
+    visible: Vec<u32>,
 }
+
+/// Gemma 4 writes its thought as `<|channel>thought\n...<channel|>`; files mark the two markers
+/// control or user-defined, and llama.cpp's server keeps them in the text it parses.
+const VISIBLE_GEMMA4: [&str; 2] = ["<|channel>", "<channel|>"];
 
 enum Frag<'a> {
     Text(&'a str),
@@ -57,18 +65,20 @@ impl Tokenizer {
         }
         let kind = match model {
             "gpt2" => Kind::Bpe(Box::new(bpe::Bpe::new(pre, &vocab, &by_text)?)),
+            "gemma4" => Kind::Bpe(Box::new(bpe::Bpe::new_spm_style(&vocab, &by_text))),
             "llama" => Kind::Spm,
             other => {
                 return Err(Error::UnsupportedModel(format!(
-                    "tokenizer model '{other}' is not supported (supported: gpt2 byte-level BPE, llama SentencePiece)"
+                    "tokenizer model '{other}' is not supported (supported: gpt2 byte-level BPE, gemma4 SPM-style BPE, llama SentencePiece)"
                 )))
             }
         };
+        let visible = if model == "gemma4" { VISIBLE_GEMMA4.iter().filter_map(|t| by_text.get(*t).copied()).collect() } else { Vec::new() };
         let mut specials: Vec<u32> = (0..n as u32)
             .filter(|&i| matches!(vocab.types[i as usize], TYPE_CONTROL | TYPE_USER_DEFINED | TYPE_UNKNOWN) && !vocab.tokens[i as usize].is_empty())
             .collect();
         specials.sort_by_key(|&i| std::cmp::Reverse(vocab.tokens[i as usize].len()));
-        Ok(Tokenizer { kind, vocab, by_text, specials })
+        Ok(Tokenizer { kind, vocab, by_text, specials, visible })
     }
 
     pub fn n_vocab(&self) -> usize {
@@ -189,7 +199,7 @@ impl Tokenizer {
         let Some(text) = self.vocab.tokens.get(id as usize) else { return Vec::new() };
         match self.vocab.types[id as usize] {
             TYPE_CONTROL => {
-                if special {
+                if special || self.visible.contains(&id) {
                     text.as_bytes().to_vec()
                 } else {
                     Vec::new()
