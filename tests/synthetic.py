@@ -725,8 +725,9 @@ def write_family(
     values in place of a tensor and ``extra`` adds tensors (bad-input tests). ``legacy_qkvz``
     writes a hybrid's Q/K/V and gate as older qwen3next files did: one F32 ``ssm_in`` of the
     same values, grouped per key head (query, key, its value heads' values, their gates).
-    ``fuse_gate_up`` (gemma4-moe) writes each layer's expert gates and ups as one F32
-    ``ffn_gate_up_exps`` of the same values (each expert's gate rows, then its up rows).
+    ``fuse_gate_up`` (gemma4-moe and the hybrids with experts) writes each trunk layer's expert
+    gates and ups as one F32 ``ffn_gate_up_exps`` of the same values (each expert's gate rows,
+    then its up rows).
 
     ``mtp`` (hybrid families): True adds an MTP head after the trunk (block ``layers``: gated
     attention and the family's FFN, ``nextn.eh_proj``, ``enorm``, ``hnorm`` and
@@ -810,8 +811,15 @@ def write_family(
 
     embd_std, embd_type = f.get("embd", (0.5, QT.Q8_0))
     mat("token_embd.weight", len(VOCAB), DIM, embd_std, embd_type)
+    def fuse(p: str) -> None:
+        # The layer's expert gates and ups once more, as one F32 stack of the same values.
+        if fuse_gate_up and p + "ffn_gate_exps.weight" in weights:
+            put(p + "ffn_gate_up_exps.weight", np.concatenate([weights[p + "ffn_gate_exps.weight"], weights[p + "ffn_up_exps.weight"]], axis=1).astype(np.float32))
+
     for i in range(layers):
         p = f"blk.{i}."
+        if fuse_gate_up:
+            held.update({p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"})
         vec(p + "attn_norm.weight", DIM)
         if _recurrent(f, keys, i):
             hy = f["hybrid"]
@@ -839,16 +847,14 @@ def write_family(
             mat(p + "ssm_out.weight", DIM, vd)
             vec(p + "post_attention_norm.weight", DIM)
             _ffn(f, p, mat, stack, vec)
+            fuse(p)
             continue
         if "glm" in f:
             _glm_block(f, p, i >= f["glm"]["lead"], mat, stack, vec, qd, kvd, hd)
             continue
         if "gemma4" in f:
-            if fuse_gate_up:
-                held.update({p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"})
             _gemma4_block(f, i, mat, stack, vec, put, weights)
-            if fuse_gate_up:
-                put(p + "ffn_gate_up_exps.weight", np.concatenate([weights[p + "ffn_gate_exps.weight"], weights[p + "ffn_up_exps.weight"]], axis=1).astype(np.float32))
+            fuse(p)
             continue
         if "oai" in f:
             _oai_block(f, p, mat, stack, vec, heads, qd, kvd, rng, weights, put)
@@ -863,6 +869,7 @@ def write_family(
             mat(p + "attn_output.weight", DIM, qd)
             vec(p + "post_attention_norm.weight", DIM)
             _ffn(f, p, mat, stack, vec)
+            fuse(p)
             continue
         if f.get("fused"):
             mat(p + "attn_qkv.weight", qd + 2 * kvd, DIM)

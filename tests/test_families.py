@@ -85,16 +85,21 @@ def test_against_numpy(name: str, tmp_path: Path) -> None:
     assert np.abs(got - ref).max() <= 0.005 * scale, (np.abs(got - ref).max(), scale)
 
 
-def test_gemma4_fused_expert_gate_and_up(tmp_path: Path) -> None:
-    # Gemma 4's converter writes each layer's expert gates and ups as one `ffn_gate_up_exps`
-    # (gates first): read as two, it lands on the float64 reference as the split file does.
-    path = tmp_path / "fused.gguf"
-    weights = write_family(path, "gemma4-moe", fuse_gate_up=True)
-    ids = family_cases("gemma4-moe")[0]
-    ref = family_reference_logits(weights, "gemma4-moe", ids)
-    m = dl.load_model(path, dl.QuantMode.fp32)
-    got = dl.eval_all(m, dl.create_session(m), ids)
+@pytest.mark.parametrize("name", ["gemma4-moe", "qwen35moe", "qwen3next"])
+def test_fused_expert_gate_and_up(tmp_path: Path, name: str) -> None:
+    # Newer converters write each layer's expert gates and ups as one `ffn_gate_up_exps` (gates
+    # first), which llama.cpp takes for these families: read as two, the fused file lands on the
+    # float64 reference, and (its F32 values the split file's, dequantized) on the split file's
+    # fp32 logits bit for bit.
+    fused, split = tmp_path / "fused.gguf", tmp_path / "split.gguf"
+    weights = write_family(fused, name, fuse_gate_up=True)
+    write_family(split, name)
+    ids = family_cases(name)[0]
+    ref = family_reference_logits(weights, name, ids)
+    got = dl.eval_all(m := dl.load_model(fused, dl.QuantMode.fp32), dl.create_session(m), ids)
     assert np.abs(got - ref).max() <= 0.005 * np.abs(ref).max()
+    want = dl.eval_all(m := dl.load_model(split, dl.QuantMode.fp32), dl.create_session(m), ids)
+    assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -428,6 +428,17 @@ impl<'a> TensorTable<'a> {
         Ok((gate, up))
     }
 
+    /// Layer `il`'s expert gates and ups: two stacks, or the one `ffn_gate_up_exps` that newer
+    /// converters write (Gemma 4, Qwen3.5-MoE, Qwen3-Next; llama.cpp takes either).
+    fn expert_gate_up(&self, il: usize, n: usize, rows: usize, cols: usize) -> Result<(Vec<Weight>, Vec<Weight>)> {
+        let name = |t: &str| format!("blk.{il}.{t}.weight");
+        if self.has(&name("ffn_gate_up_exps")) {
+            self.stack_halves(&name("ffn_gate_up_exps"), n, rows, cols)
+        } else {
+            Ok((self.stack(&name("ffn_gate_exps"), n, rows, cols)?, self.stack(&name("ffn_up_exps"), n, rows, cols)?))
+        }
+    }
+
     /// Layer `il`'s Q, K and V with their biases: separate `attn_q`/`attn_k`/`attn_v` or one fused
     /// `attn_qkv` (whichever the file has, as llama.cpp takes either for every family), each bias
     /// optional, a fused one (`attn_qkv.bias`) split like its matrix.
@@ -556,11 +567,12 @@ impl<'a> TensorTable<'a> {
                     }),
                     None => None,
                 };
+                let (gate, up) = table.expert_gate_up(il, n_expert, hd, d)?;
                 FfnWeights::Moe(Box::new(Experts {
                     router: table.matrix(&n("ffn_gate_inp"), n_expert, d)?,
                     sel_bias: if sel_bias { Some(table.vector(&format!("blk.{il}.exp_probs_b.bias"), n_expert)?) } else { None },
-                    gate: table.stack(&n("ffn_gate_exps"), n_expert, hd, d)?,
-                    up: table.stack(&n("ffn_up_exps"), n_expert, hd, d)?,
+                    gate,
+                    up,
                     down: table.stack(&n("ffn_down_exps"), n_expert, d, hd)?,
                     shared,
                     biases: if config.extra_biases {
@@ -582,12 +594,7 @@ impl<'a> TensorTable<'a> {
                         "{file}: numerics='ggml' does not reproduce ggml's order for routed experts; load with numerics='fast'"
                     )));
                 }
-                // Gate and up as two stacks, or one (`ffn_gate_up_exps`: each expert's gate rows, then its up rows).
-                let (gate, up) = if table.has(&n("ffn_gate_up_exps")) {
-                    table.stack_halves(&n("ffn_gate_up_exps"), n_expert, eh, d)?
-                } else {
-                    (table.stack(&n("ffn_gate_exps"), n_expert, eh, d)?, table.stack(&n("ffn_up_exps"), n_expert, eh, d)?)
-                };
+                let (gate, up) = table.expert_gate_up(il, n_expert, eh, d)?;
                 FfnWeights::DenseMoe(Box::new(DenseAndExperts {
                     gate: table.matrix(&n("ffn_gate"), hd, d)?,
                     up: table.matrix(&n("ffn_up"), hd, d)?,
