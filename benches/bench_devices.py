@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import itertools
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,21 +23,11 @@ import time
 
 import httpx
 from bench_server import free_port, wait_healthy
+from machine import cpu_name
 
 import dasllama as dl
 
 PROMPTS = [f"Write a short paragraph about {t}." for t in ["the sea", "robots", "autumn", "lighthouses", "coffee", "mountains", "rain", "libraries"]]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 async def stream(c: httpx.AsyncClient, base: str, model: str, prompt: str, tokens: int) -> list[float]:

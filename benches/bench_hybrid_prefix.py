@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from machine import cpu_name
 
 import dasllama as dl
 
@@ -77,7 +78,7 @@ def main() -> None:
         cold_rows.append((t_cold, dl.scheduler_stats(cold_sch)["prefill_tokens"], 0))
         same = same and cold == warm
         print(f"run {r}: turn 2 of {len(prompt2)} tokens: cold {t_cold * 1e3:.1f} ms ({cold_rows[-1][1]} prefilled), warm {t_warm * 1e3:.1f} ms ({warm_rows[-1][1]} prefilled, {cached} cached)")
-    print(f"\nmodel {m.path.name} ({m.arch}), page_rows {args.page_rows}; turn 2 of {len(prompt2)} tokens, median of {args.repeat}:")
+    print(f"\nmodel {m.path.name} ({m.arch}), {cpu_name()}, page_rows {args.page_rows}; turn 2 of {len(prompt2)} tokens, median of {args.repeat}:")
     print("| turn 2 | prefilled | cached | TTFT ms |")
     print("| --- | --- | --- | --- |")
     for name, rows in (("cold", cold_rows), ("cached", warm_rows)):

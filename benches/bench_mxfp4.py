@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,23 +23,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from machine import cpu_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 # gpt-oss-20b's widths; `--layers` of its 24.
 GPTOSS = {"dim": 2880, "heads": 64, "kv_heads": 8, "head_dim": 64, "experts": 32, "used": 4, "expert_ffn": 2880}
 PROMPT = [1, 260, 261, 262, 263, 264, 265, 266]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def write_model(path: Path, layers: int, seed: int = 39) -> None:

@@ -567,9 +567,11 @@ impl<'a> TensorTable<'a> {
                     }),
                     None => None,
                 };
+                // The router first: a wrong expert count is named at its smallest tensor.
+                let router = table.matrix(&n("ffn_gate_inp"), n_expert, d)?;
                 let (gate, up) = table.expert_gate_up(il, n_expert, hd, d)?;
                 FfnWeights::Moe(Box::new(Experts {
-                    router: table.matrix(&n("ffn_gate_inp"), n_expert, d)?,
+                    router,
                     sel_bias: if sel_bias { Some(table.vector(&format!("blk.{il}.exp_probs_b.bias"), n_expert)?) } else { None },
                     gate,
                     up,

@@ -5,26 +5,10 @@
 //! weight scale for this family) plus a shared expert under a sigmoid gate (`ffn_gate_inp_shexp`,
 //! required). MTP (NextN) blocks after the trunk carry the same MoE FFN (`model::mtp`).
 
-use super::config::{Config, Ffn, Gating, HeadMap};
+use super::config::{Config, HeadMap};
 use super::meta::Metadata;
 use crate::Result;
 
 pub fn configure(m: &Metadata) -> Result<Config> {
-    let n_expert = m.req_positive("expert_count")?;
-    let n_used = m.req_positive("expert_used_count")?;
-    let ff = m.req_positive("feed_forward_length")?;
-    // llama.cpp's defaults: the routed width splits the dense one, the shared one is the dense one.
-    let hidden = m.size("expert_feed_forward_length")?.filter(|&h| h > 0).unwrap_or(ff / n_used);
-    let shared = m.size("expert_shared_feed_forward_length")?.filter(|&h| h > 0).unwrap_or(ff);
-    super::qwen35::hybrid(m, "qwen35moe", HeadMap::Tiled, false, |_| Ffn::Moe {
-        n_expert,
-        n_used,
-        hidden,
-        norm_weights: true,
-        shared: Some(shared),
-        gating: Gating::Softmax,
-        sel_bias: false,
-        scale: 1.0,
-        shared_gated: true,
-    })
+    super::qwen3next::with_experts(m, "qwen35moe", HeadMap::Tiled, false)
 }

@@ -8,12 +8,19 @@ use super::meta::Metadata;
 use crate::Result;
 
 pub fn configure(m: &Metadata) -> Result<Config> {
+    with_experts(m, "qwen3next", HeadMap::Grouped, true)
+}
+
+/// The hybrid layers under routed experts plus a sigmoid-gated shared expert (qwen3next, and
+/// qwen35moe with its own head map and separate beta/alpha).
+pub(super) fn with_experts(m: &Metadata, arch: &str, heads: HeadMap, fused_ba: bool) -> Result<Config> {
     let n_expert = m.req_positive("expert_count")?;
     let n_used = m.req_positive("expert_used_count")?;
     let ff = m.req_positive("feed_forward_length")?;
+    // llama.cpp's defaults: the routed width splits the dense one, the shared one is the dense one.
     let hidden = m.size("expert_feed_forward_length")?.filter(|&h| h > 0).unwrap_or(ff / n_used);
     let shared = m.size("expert_shared_feed_forward_length")?.filter(|&h| h > 0).unwrap_or(ff);
-    super::qwen35::hybrid(m, "qwen3next", HeadMap::Grouped, true, |_| Ffn::Moe {
+    super::qwen35::hybrid(m, arch, heads, fused_ba, |_| Ffn::Moe {
         n_expert,
         n_used,
         hidden,
