@@ -53,17 +53,7 @@ pub fn configure(m: &Metadata) -> Result<Config> {
     }
     let hidden = per_layer("feed_forward_length")?;
     let seq_len = m.req_positive("context_length")?;
-    // The full layers' RoPE as the file's keys give it; the sliding layers' base and size are
-    // their own, unscaled (llama.cpp's `_swa` defaults: base 10000, the full layers' size).
-    let n_rot = m.size("rope.dimension_count")?.unwrap_or(hd_full);
-    let full_rope = Rope { neox: true, ..read_rope(m, n_rot, seq_len, false)? };
-    let swa_rope = Rope {
-        dim: m.size("rope.dimension_count_swa")?.unwrap_or(n_rot),
-        base: m.positive_or("rope.freq_base_swa", 10_000.0)? as f32,
-        freq_scale: 1.0,
-        factors: false,
-        ..full_rope
-    };
+    let (full_rope, swa_rope) = ropes(m, hd_full, seq_len)?;
     let shared = m.size("attention.shared_kv_layers")?.unwrap_or(0);
     // The first `first_shared` layers keep K/V; each later one reads the last of those of its
     // kind (llama.cpp's reuse: the one before last for a sliding layer, the last for a full one).
@@ -143,4 +133,20 @@ fn kind(swa: bool) -> &'static str {
     } else {
         "full"
     }
+}
+
+/// The full and the sliding layers' RoPE (Gemma 4 and its assistant read the same keys): the
+/// full layers' as the file's keys give it; the sliding layers' base and size their own, unscaled
+/// (llama.cpp's `_swa` defaults: base 10000, the full layers' size).
+pub(super) fn ropes(m: &Metadata, hd_full: usize, seq_len: usize) -> Result<(Rope, Rope)> {
+    let n_rot = m.size("rope.dimension_count")?.unwrap_or(hd_full);
+    let full = Rope { neox: true, ..read_rope(m, n_rot, seq_len, false)? };
+    let swa = Rope {
+        dim: m.size("rope.dimension_count_swa")?.unwrap_or(n_rot),
+        base: m.positive_or("rope.freq_base_swa", 10_000.0)? as f32,
+        freq_scale: 1.0,
+        factors: false,
+        ..full
+    };
+    Ok((full, swa))
 }

@@ -103,15 +103,7 @@ impl Assistant {
             )));
         }
         let seq_len = meta.size("context_length")?.unwrap_or(tc.seq_len);
-        let n_rot = meta.size("rope.dimension_count")?.unwrap_or(hd_full);
-        let rope_full = Rope { neox: true, ..super::config::read_rope(meta, n_rot, seq_len, false)? };
-        let rope_swa = Rope {
-            dim: meta.size("rope.dimension_count_swa")?.unwrap_or(n_rot),
-            base: meta.positive_or("rope.freq_base_swa", 10_000.0)? as f32,
-            freq_scale: 1.0,
-            factors: false,
-            ..rope_full
-        };
+        let (rope_full, rope_swa) = super::gemma4::ropes(meta, hd_full, seq_len)?;
         // The target's layers the assistant reads: its last two, a sliding then a full one.
         let nl = tc.n_layers;
         let target_layer = |il: usize| -> std::result::Result<(bool, usize, usize, usize), String> {
