@@ -20,6 +20,7 @@ at the position of the last accepted token and sees the target's K/V before it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,21 +72,44 @@ def write_assistant(path: Path, *, target_width: int, n_vocab: int, width: int =
         write_vocab(w, None)
     weights: dict[str, np.ndarray] = {}
 
+    t = _tensor_writer(w, rng, weights)
+    t("token_embd.weight", n_vocab, width, scale=0.5)
+    t("output_norm.weight", width, one=True)
+    t("nextn.pre_projection.weight", width, 2 * target_width)
+    t("nextn.post_projection.weight", target_width, width)
+    _write_layers(t, w, weights, pattern, width, heads, head_dim, head_dim_swa, ff, own_kv=False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return weights
+
+
+def _tensor_writer(w: GGUFWriter, rng: np.random.Generator, weights: dict[str, np.ndarray]) -> Callable[..., None]:
+    """`t(name, *shape)`: a random F32 tensor (near 1 for a norm), written and kept in `weights`."""
+
     def t(name: str, *shape: int, scale: float = 0.2, one: bool = False) -> None:
         a = (1.0 + rng.normal(0, 0.1, size=shape) if one else rng.normal(0, scale, size=shape)).astype(np.float32)
         weights[name] = a
         w.add_tensor(name, a)
 
-    t("token_embd.weight", n_vocab, width, scale=0.5)
-    t("output_norm.weight", width, one=True)
-    t("nextn.pre_projection.weight", width, 2 * target_width)
-    t("nextn.post_projection.weight", target_width, width)
+    return t
+
+
+def _write_layers(t: Callable[..., None], w: GGUFWriter, weights: dict[str, np.ndarray], pattern: tuple[bool, ...], width: int, heads: int, head_dim: int, head_dim_swa: int, ff: int, own_kv: bool) -> None:
+    """Gemma 4 layers of `pattern` (True: sliding): the target's with K/V of their own (one K/V
+    head), the assistant's with queries only."""
     for i, swa in enumerate(pattern):
         hd = head_dim_swa if swa else head_dim
         p = f"blk.{i}."
         t(p + "attn_norm.weight", width, one=True)
         t(p + "attn_q.weight", heads * hd, width)
+        if own_kv:
+            t(p + "attn_k.weight", hd, width)
+            t(p + "attn_v.weight", hd, width)
         t(p + "attn_q_norm.weight", hd, one=True)
+        if own_kv:
+            t(p + "attn_k_norm.weight", hd, one=True)
         t(p + "attn_output.weight", width, heads * hd)
         t(p + "post_attention_norm.weight", width, one=True)
         t(p + "layer_output_scale.weight", 1, one=True)
@@ -99,11 +123,6 @@ def write_assistant(path: Path, *, target_width: int, n_vocab: int, width: int =
             f = np.where(np.arange(head_dim // 2) < head_dim // 4, 1.0, 1e30).astype(np.float32)
             weights["rope_freqs.weight"] = f
             w.add_tensor("rope_freqs.weight", f)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return weights
 
 
 def _rms(x: np.ndarray, g: np.ndarray, eps: float = 1e-6) -> np.ndarray:
@@ -190,34 +209,10 @@ def write_target(path: Path, *, n_vocab: int, width: int = 32, heads: int = 2, h
     write_vocab(w, None)
     weights: dict[str, np.ndarray] = {}
 
-    def t(name: str, *shape: int, scale: float = 0.2, one: bool = False) -> None:
-        a = (1.0 + rng.normal(0, 0.1, size=shape) if one else rng.normal(0, scale, size=shape)).astype(np.float32)
-        weights[name] = a
-        w.add_tensor(name, a)
-
+    t = _tensor_writer(w, rng, weights)
     t("token_embd.weight", n_vocab, width, scale=0.5)
     t("output_norm.weight", width, one=True)
-    for i, swa in enumerate(pattern):
-        hd = head_dim_swa if swa else head_dim
-        p = f"blk.{i}."
-        t(p + "attn_norm.weight", width, one=True)
-        t(p + "attn_q.weight", heads * hd, width)
-        t(p + "attn_k.weight", hd, width)
-        t(p + "attn_v.weight", hd, width)
-        t(p + "attn_q_norm.weight", hd, one=True)
-        t(p + "attn_k_norm.weight", hd, one=True)
-        t(p + "attn_output.weight", width, heads * hd)
-        t(p + "post_attention_norm.weight", width, one=True)
-        t(p + "layer_output_scale.weight", 1, one=True)
-        t(p + "ffn_norm.weight", width, one=True)
-        t(p + "ffn_gate.weight", ff, width)
-        t(p + "ffn_up.weight", ff, width)
-        t(p + "ffn_down.weight", width, ff)
-        t(p + "post_ffw_norm.weight", width, one=True)
-        if not swa and "rope_freqs.weight" not in weights:
-            f = np.where(np.arange(head_dim // 2) < head_dim // 4, 1.0, 1e30).astype(np.float32)
-            weights["rope_freqs.weight"] = f
-            w.add_tensor("rope_freqs.weight", f)
+    _write_layers(t, w, weights, pattern, width, heads, head_dim, head_dim_swa, ff, own_kv=True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
