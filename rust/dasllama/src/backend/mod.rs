@@ -8,8 +8,11 @@
 //! Every op computes each row with the same arithmetic whatever else is in the batch, which is
 //! what makes batched, chunked and speculative results equal to one token at a time.
 
+mod pass;
 mod placement;
 mod recurrent;
+
+pub use pass::{Act, Buf, ExpertSet, HostActs, Ops, PassIn};
 
 pub use placement::{DevKv, KvHome, Placement, PlacementStatus};
 pub use recurrent::{DeltaNet, DnParams, HeadMap};
@@ -243,7 +246,9 @@ pub fn rope_cache(r: &Rope, pos: usize, factors: Option<&[f32]>, out: &mut Vec<(
     }
 }
 
-pub trait Ops {
+/// The CPU's kernels over host rows: what `cpu::pass` runs the pass's ops on, and what the
+/// host-only passes (drafters, a hybrid's replay) call directly.
+pub trait HostOps {
     /// out_j[t] = W_j x[t] for several weights of the same input (Q/K/V, gate/up) in one pass.
     fn matmul(&mut self, segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usize]);
 
@@ -312,9 +317,21 @@ pub trait Host: Sync {
     /// None where ggml's summation order (`Numerics::Ggml`) is not reproduced for its format.
     fn prepare(&self, w: Weight, to: Option<GgmlType>, numerics: Numerics) -> Option<Weight>;
 
-    /// Run `f` with the host's ops over activation rows (`act` is their scratch); matmuls over
-    /// weights `offload` holds go there.
-    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, offload: Option<&mut dyn MatmulOffload>, f: &mut dyn FnMut(&mut dyn Ops));
+    /// Run `f` with the host's kernels over activation rows (`act` is their scratch).
+    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, f: &mut dyn FnMut(&mut dyn HostOps));
+
+    /// Run `f`, a forward pass, with the host executing its ops over `acts` and the sessions'
+    /// K/V `kvs`; matmuls over weights `offload` holds go there.
+    #[allow(clippy::too_many_arguments)]
+    fn pass(
+        &self,
+        numerics: Numerics,
+        acts: &mut HostActs,
+        kvs: &mut [&mut KvCache],
+        inp: &PassIn<'_>,
+        offload: Option<&mut dyn MatmulOffload>,
+        f: &mut dyn FnMut(&mut dyn Ops),
+    );
 
     /// Test hook: a task on the host's worker threads panics, as a bug in a kernel would.
     #[cfg(feature = "fault-injection")]

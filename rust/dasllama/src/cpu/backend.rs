@@ -3,7 +3,7 @@
 
 use super::deltanet;
 use super::{convert_weight, matmul_many, ops, team, Team, Weight};
-use crate::backend::{Activation, AttnShape, DeltaNet, DnParams, Gating, Host, MatmulOffload, Numerics, Ops, RopeTable, Route};
+use crate::backend::{Activation, AttnShape, DeltaNet, DnParams, Gating, Host, HostActs, HostOps, MatmulOffload, Numerics, Ops, PassIn, RopeTable, Route};
 use crate::kv::{KvCache, RecIo};
 use crate::quant::GgmlType;
 
@@ -22,14 +22,28 @@ impl Host for Cpu {
         }
     }
 
-    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, mut offload: Option<&mut dyn MatmulOffload>, f: &mut dyn FnMut(&mut dyn Ops)) {
+    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, f: &mut dyn FnMut(&mut dyn HostOps)) {
+        team().session(|t| f(&mut CpuOps { team: t, act, numerics, offload: None }))
+    }
+
+    fn pass(
+        &self,
+        numerics: Numerics,
+        acts: &mut HostActs,
+        kvs: &mut [&mut KvCache],
+        inp: &PassIn<'_>,
+        mut offload: Option<&mut dyn MatmulOffload>,
+        f: &mut dyn FnMut(&mut dyn Ops),
+    ) {
         team().session(|t| {
             // A reborrow, so the offload's trait object may live as briefly as the team's session.
             let offload: Option<&mut dyn MatmulOffload> = match offload.as_mut() {
                 Some(o) => Some(&mut **o),
                 None => None,
             };
-            f(&mut CpuOps { team: t, act, numerics, offload })
+            let mut act = std::mem::take(&mut acts.act);
+            f(&mut super::pass::HostPass { ops: CpuOps { team: t, act: &mut act, numerics, offload }, acts, kvs, inp });
+            acts.act = act;
         })
     }
 
@@ -48,7 +62,7 @@ pub struct CpuOps<'a> {
     pub offload: Option<&'a mut dyn MatmulOffload>,
 }
 
-impl Ops for CpuOps<'_> {
+impl HostOps for CpuOps<'_> {
     fn matmul(&mut self, segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usize]) {
         if let Some(o) = self.offload.as_deref_mut() {
             if o.matmul(segs, x, counts.iter().sum()) {
@@ -424,7 +438,7 @@ mod tests {
     fn route(logits: &[f32], r: &Route<'_>) -> Vec<(usize, f32)> {
         let mut out = Vec::new();
         let mut act = Vec::new();
-        Cpu.run(Numerics::Fast, &mut act, None, &mut |ops| ops.route(logits, r, &mut out));
+        Cpu.run(Numerics::Fast, &mut act, &mut |ops| ops.route(logits, r, &mut out));
         out
     }
 
@@ -480,7 +494,7 @@ mod tests {
             let shape =
                 AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, window, scale: 1.0 / (hd as f32).sqrt(), scale_query: false, softcap: None, sinks };
             let mut out = vec![0.0f32; n * nh * hd];
-            Cpu.run(numerics, &mut Vec::new(), None, &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[n], &q, &mut out));
+            Cpu.run(numerics, &mut Vec::new(), &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[n], &q, &mut out));
             out
         };
         let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;

@@ -6,6 +6,7 @@ pub mod backend;
 pub mod deltanet;
 mod kv_dot;
 pub mod ops;
+pub mod pass;
 pub mod spin;
 
 pub use spin::{team, Session as Team};

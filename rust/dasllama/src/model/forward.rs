@@ -3,40 +3,16 @@
 //! activation rows and no kernel: every op goes through the backend boundary (`backend::Ops`).
 //! Multi-token calls (prefill, verify chunks, batches) run every matmul as one GEMM over all rows.
 
-use super::{BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model, Rope};
+use super::{AttnTemp, BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model, Rope};
 use crate::backend::Gating;
 pub use crate::backend::LogitRows;
-use crate::backend::{host, rope_cache, Activation, DnParams, MatmulOffload, Ops, RopeTable, Route};
+use crate::backend::{host, rope_cache, Act, Activation, Buf, DnParams, ExpertSet, HostActs, MatmulOffload, Ops, PassIn, Route};
 use crate::kv::KvCache;
-use crate::kv::RecIo;
 use crate::{Error, Result};
 
-/// Activation rows reused across calls so decode does not allocate per token.
-#[derive(Default)]
+/// The host's buffers of a pass, reused across calls so decode does not allocate per token.
 pub struct Scratch {
-    x: Vec<f32>,
-    h: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    att: Vec<f32>,
-    o: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    /// A gated attention layer's Q projection (queries and gates interleaved per head), then
-    /// its gates.
-    qg: Vec<f32>,
-    attn_gate: Vec<f32>,
-    dn: DnScratch,
-    moe: MoeScratch,
-    /// gemma4: the routed half of a `DenseMoe` FFN and its router's input; every row's
-    /// per-layer inputs (n_layers * per_layer_input each) and one layer's share of them.
-    o2: Vec<f32>,
-    rin: Vec<f32>,
-    ple: Vec<f32>,
-    ple_one: Vec<f32>,
-    /// The backend's own buffer (the CPU's quantized activations).
-    act: Vec<u8>,
+    pub acts: HostActs,
     /// Keep every row's hidden state after the final norm in `hidden` (rows of `dim`, in batch
     /// order): what an MTP head reads beside the next token.
     pub keep_hidden: bool,
@@ -45,196 +21,99 @@ pub struct Scratch {
 
 impl Scratch {
     pub const fn new() -> Scratch {
-        Scratch {
-            x: Vec::new(),
-            h: Vec::new(),
-            q: Vec::new(),
-            k: Vec::new(),
-            v: Vec::new(),
-            att: Vec::new(),
-            o: Vec::new(),
-            gate: Vec::new(),
-            up: Vec::new(),
-            qg: Vec::new(),
-            attn_gate: Vec::new(),
-            dn: DnScratch { qkv: Vec::new(), z: Vec::new(), beta: Vec::new(), alpha: Vec::new(), ba: Vec::new(), out: Vec::new() },
-            moe: MoeScratch { route: Vec::new(), rows: Vec::new(), x: Vec::new(), gate: Vec::new(), up: Vec::new(), out: Vec::new() },
-            o2: Vec::new(),
-            rin: Vec::new(),
-            ple: Vec::new(),
-            ple_one: Vec::new(),
-            act: Vec::new(),
-            keep_hidden: false,
-            hidden: Vec::new(),
-        }
+        Scratch { acts: HostActs::new(), keep_hidden: false, hidden: Vec::new() }
     }
 }
 
-/// A DeltaNet layer's rows: its projections and its output before the gated norm.
-#[derive(Default)]
-struct DnScratch {
-    qkv: Vec<f32>,
-    z: Vec<f32>,
-    beta: Vec<f32>,
-    alpha: Vec<f32>,
-    ba: Vec<f32>,
-    out: Vec<f32>,
+impl Default for Scratch {
+    fn default() -> Scratch {
+        Scratch::new()
+    }
 }
 
-/// A gated DeltaNet layer over the batch's rows `h` into `o` (`config::DeltaNet`).
+/// What the skeleton leaves in the pass's buffers: the rows asked for (logits, or hidden states
+/// for `LogitRows::Hidden`), and every row's hidden state after the final norm where kept.
+#[derive(Clone, Copy, Debug)]
+pub struct PassOut {
+    pub out: Act,
+    pub hidden: Option<Act>,
+}
+
+/// A gated DeltaNet layer over the batch's rows `h` into `Buf::O` (`config::DeltaNet`).
 #[allow(clippy::too_many_arguments)]
-fn delta_net(
-    b: &mut dyn Ops,
-    dn: &super::DeltaNet,
-    w: &super::DeltaNetWeights,
-    slot: usize,
-    kvs: &mut [&mut KvCache],
-    counts: &[usize],
-    journal: &[bool],
-    h: &[f32],
-    d: usize,
-    eps: f32,
-    s: &mut DnScratch,
-    o: &mut Vec<f32>,
-) {
-    let n = h.len() / d;
+fn delta_net(b: &mut dyn Ops, dn: &super::DeltaNet, w: &super::DeltaNetWeights, slot: usize, h: Act, n: usize, d: usize, eps: f32) -> Act {
     let (cd, vd, nv) = (dn.conv_dim(), dn.value_dim(), dn.n_v_heads);
-    grow(&mut s.qkv, n * cd);
-    grow(&mut s.z, n * vd);
-    grow(&mut s.beta, n * nv);
-    grow(&mut s.alpha, n * nv);
+    let qkv = b.alloc(Buf::DnQkv, n * cd);
+    let z = b.alloc(Buf::DnZ, n * vd);
+    let beta = b.alloc(Buf::DnBeta, n * nv);
+    let alpha = b.alloc(Buf::DnAlpha, n * nv);
     match &w.ba {
-        BetaAlpha::Split { beta, alpha } => b.matmul(
-            &mut [(&w.qkv, &mut s.qkv[..n * cd]), (&w.gate, &mut s.z[..n * vd]), (beta, &mut s.beta[..n * nv]), (alpha, &mut s.alpha[..n * nv])],
-            h,
-            counts,
-        ),
+        BetaAlpha::Split { beta: wb, alpha: wa } => b.matmul(&[(&w.qkv, qkv), (&w.gate, z), (wb, beta), (wa, alpha)], h, false),
         BetaAlpha::Fused(ba) => {
-            grow(&mut s.ba, n * 2 * nv);
-            b.matmul(&mut [(&w.qkv, &mut s.qkv[..n * cd]), (&w.gate, &mut s.z[..n * vd]), (ba, &mut s.ba[..n * 2 * nv])], h, counts);
+            let pairs = b.alloc(Buf::DnBa, n * 2 * nv);
+            b.matmul(&[(&w.qkv, qkv), (&w.gate, z), (ba, pairs)], h, false);
             // Per key head: its value heads' betas, then their alphas.
             let r = nv / dn.n_k_heads;
-            for t in 0..n {
-                let row = &s.ba[t * 2 * nv..(t + 1) * 2 * nv];
-                for (g, pair) in row.chunks_exact(2 * r).enumerate() {
-                    s.beta[t * nv + g * r..t * nv + (g + 1) * r].copy_from_slice(&pair[..r]);
-                    s.alpha[t * nv + g * r..t * nv + (g + 1) * r].copy_from_slice(&pair[r..]);
-                }
-            }
+            b.copy_cols(pairs, 2 * r, 0, beta, r, 0, r);
+            b.copy_cols(pairs, 2 * r, r, alpha, r, 0, r);
         }
     }
-    let mut first = 0;
-    for ((kv, &cnt), &rec) in kvs.iter_mut().zip(counts).zip(journal) {
-        if rec {
-            let r = first..first + cnt;
-            kv.journal(slot, &s.qkv[r.start * cd..r.end * cd], &s.beta[r.start * nv..r.end * nv], &s.alpha[r.start * nv..r.end * nv], cnt);
-        }
-        first += cnt;
-    }
-    let mut states: Vec<RecIo> = kvs.iter_mut().map(|kv| kv.rec_io(slot)).collect();
     let p = DnParams { conv: &w.conv, dt_bias: &w.dt_bias, a: &w.a };
-    let out = grow(&mut s.out, n * vd);
-    b.delta_net(dn, &p, &mut states, counts, &mut s.qkv[..n * cd], &mut s.beta[..n * nv], &mut s.alpha[..n * nv], out);
+    let out = b.alloc(Buf::DnOut, n * vd);
+    b.delta_net(dn, &p, slot, qkv, beta, alpha, out);
     // Each head RMS-normed, then gated by SiLU of z (the product lands in z).
-    b.rms_norm(&mut s.out[..n * vd], &w.norm, eps);
-    b.glu(&mut s.z[..n * vd], &s.out[..n * vd], vd, Activation::Silu);
-    let o = grow(o, n * d);
-    b.matmul(&mut [(&w.out, o)], &s.z[..n * vd], counts);
-}
-
-/// Rows of a batch gathered per expert.
-#[derive(Default)]
-struct MoeScratch {
-    route: Vec<(usize, f32)>,
-    rows: Vec<(usize, f32)>,
-    x: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    out: Vec<f32>,
+    b.rms_norm(out, out, Some(&w.norm), w.norm.len(), eps);
+    b.glu(z, out, vd, Activation::Silu);
+    let o = b.alloc(Buf::O, n * d);
+    b.matmul(&[(&w.out, o)], z, false);
+    o
 }
 
 /// How a layer's experts run beyond their routing: the router's input where it is not the
 /// experts' (gemma4), the GLU's activation, and each expert's output scale, if any.
 struct ExpertRun<'a> {
-    router_in: Option<&'a [f32]>,
+    router_in: Option<Act>,
     act: Activation,
     expert_scale: Option<&'a [f32]>,
 }
 
-/// The routed experts of one layer over `n` rows of `h` into `o`: route every row, then run each
-/// chosen expert once over the rows that chose it (gathered into one matrix), adding its output
-/// to theirs with their weights; the shared expert, if any, over every row under its gate.
+/// The routed experts of one layer over the `n` rows of `h` into `o`, then the shared expert,
+/// if any, over every row under its gate.
 #[allow(clippy::too_many_arguments)]
-fn moe(b: &mut dyn Ops, e: &Experts, h: &[f32], d: usize, r: &Route<'_>, hd: usize, run: &ExpertRun<'_>, s: &mut MoeScratch, o: &mut Vec<f32>) {
-    let (n, n_expert, n_used) = (h.len() / d, r.n_expert, r.n_used);
-    let logits = grow(&mut s.out, n * n_expert);
-    b.matmul(&mut [(&e.router, logits)], run.router_in.unwrap_or(h), &vec![1; n]);
+fn moe(b: &mut dyn Ops, e: &Experts, h: Act, n: usize, d: usize, r: &Route<'_>, hd: usize, run: &ExpertRun<'_>, o: Act) {
+    let logits = b.alloc(Buf::Router, n * r.n_expert);
+    b.matmul(&[(&e.router, logits)], run.router_in.unwrap_or(h), true);
     if let Some(eb) = &e.biases {
-        b.add_bias(&mut s.out[..n * n_expert], &eb.router);
+        b.add_bias(logits, &eb.router);
     }
-    b.route(&s.out[..n * n_expert], r, &mut s.route);
-    let o = grow(o, n * d);
-    o.fill(0.0);
-    for ex in 0..n_expert {
-        s.rows.clear();
-        s.rows.extend(s.route.iter().enumerate().filter(|(_, &(x, _))| x == ex).map(|(i, &(_, w))| (i / n_used, w)));
-        let m = s.rows.len();
-        if m == 0 {
-            continue;
-        }
-        let x = grow(&mut s.x, m * d);
-        for (j, &(t, _)) in s.rows.iter().enumerate() {
-            x[j * d..(j + 1) * d].copy_from_slice(&h[t * d..(t + 1) * d]);
-        }
-        grow(&mut s.gate, m * hd);
-        grow(&mut s.up, m * hd);
-        // Each gathered row on its own: a row's arithmetic never depends on what runs beside it.
-        let ones = vec![1; m];
-        b.matmul(&mut [(&e.gate[ex], &mut s.gate[..m * hd]), (&e.up[ex], &mut s.up[..m * hd])], &s.x[..m * d], &ones);
-        if let Some(eb) = &e.biases {
-            b.add_bias(&mut s.gate[..m * hd], &eb.gate[ex * hd..(ex + 1) * hd]);
-            b.add_bias(&mut s.up[..m * hd], &eb.up[ex * hd..(ex + 1) * hd]);
-        }
-        b.glu(&mut s.gate[..m * hd], &s.up[..m * hd], hd, run.act);
-        let out = grow(&mut s.out, m * d);
-        b.matmul(&mut [(&e.down[ex], out)], &s.gate[..m * hd], &ones);
-        if let Some(eb) = &e.biases {
-            b.add_bias(&mut s.out[..m * d], &eb.down[ex * d..(ex + 1) * d]);
-        }
-        let es = run.expert_scale.map_or(1.0, |sc| sc[ex]);
-        for (j, &(t, w)) in s.rows.iter().enumerate() {
-            b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[j * d..(j + 1) * d], w * es);
-        }
-    }
+    let set = ExpertSet {
+        gate: &e.gate,
+        up: &e.up,
+        down: &e.down,
+        biases: e.biases.as_ref().map(|eb| [&eb.gate[..], &eb.up[..], &eb.down[..]]),
+        act: run.act,
+        expert_scale: run.expert_scale,
+        hidden: hd,
+    };
+    b.experts(&set, r, logits, h, o);
     if let Some(sh) = &e.shared {
         let hs = sh.gate.rows;
-        let ones = vec![1; n];
-        grow(&mut s.gate, n * hs);
-        grow(&mut s.up, n * hs);
-        b.matmul(&mut [(&sh.gate, &mut s.gate[..n * hs]), (&sh.up, &mut s.up[..n * hs])], h, &ones);
-        b.glu(&mut s.gate[..n * hs], &s.up[..n * hs], hs, Activation::Silu);
-        let out = grow(&mut s.out, n * d);
-        b.matmul(&mut [(&sh.down, out)], &s.gate[..n * hs], &ones);
+        let (gate, up) = (b.alloc(Buf::Gate, n * hs), b.alloc(Buf::Up, n * hs));
+        b.matmul(&[(&sh.gate, gate), (&sh.up, up)], h, true);
+        b.glu(gate, up, hs, Activation::Silu);
+        let out = b.alloc(Buf::Shared, n * d);
+        b.matmul(&[(&sh.down, out)], gate, true);
         match &sh.gate_inp {
             Some(gi) => {
-                let g = grow(&mut s.x, n);
-                b.matmul(&mut [(gi, g)], h, &ones);
-                b.sigmoid(&mut s.x[..n]);
-                for t in 0..n {
-                    b.add_scaled(&mut o[t * d..(t + 1) * d], &s.out[t * d..(t + 1) * d], s.x[t]);
-                }
+                let g = b.alloc(Buf::Router, n);
+                b.matmul(&[(gi, g)], h, true);
+                b.sigmoid(g);
+                b.add_scaled_rows(o, out, g, d);
             }
             // Ungated (glm4moe): the routed output plus the shared one.
-            None => b.add(&mut o[..n * d], &s.out[..n * d]),
+            None => b.add(o, out),
         }
     }
-}
-
-fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if v.len() < n {
-        v.resize(n, 0.0);
-    }
-    &mut v[..n]
 }
 
 /// Advance several sessions in one pass over the weights: session i takes `counts[i]` tokens from
@@ -257,14 +136,67 @@ pub fn forward_batch(
         let want = kv.len() + cnt;
         kv.reserve(want)?;
     }
-    let mut act = std::mem::take(&mut s.act);
-    host().run(m.numerics, &mut act, offload, &mut |ops| forward_rows(m, ops, kvs, counts, tokens, want, s, logits));
-    s.act = act;
+    let lens: Vec<usize> = kvs.iter().map(|kv| kv.len()).collect();
+    let inp = pass_inputs(m, &m.config.layers, &lens, counts, tokens, want);
+    let keep = s.keep_hidden;
+    let mut out = None;
+    host().pass(m.numerics, &mut s.acts, kvs, &inp, offload, &mut |b| out = Some(forward_rows(m, b, &inp, want, keep)));
+    let out = out.ok_or_else(|| Error::Internal("the host ran no pass".into()))?;
+    take_rows(&mut s.acts, out.out, logits);
+    if let Some(h) = out.hidden {
+        s.hidden.clear();
+        s.hidden.extend_from_slice(s.acts.get(h));
+    }
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
         let len = kv.len() + cnt;
         kv.commit(len);
     }
     Ok(())
+}
+
+/// A pass's result rows out of the host's buffers into `out`: the logits buffer changes places
+/// with `out` (a vocabulary's rows are not copied), anything else is copied.
+pub(super) fn take_rows(acts: &mut HostActs, a: Act, out: &mut Vec<f32>) {
+    if a.buf == Buf::Logits && a.off == 0 {
+        std::mem::swap(out, &mut acts.bufs[Buf::Logits as usize]);
+        out.truncate(a.len);
+    } else {
+        out.clear();
+        out.extend_from_slice(acts.get(a));
+    }
+}
+
+/// What a pass over `descs` (the model's layers, or a head's) reads besides the weights, for
+/// sessions at positions `lens` taking `counts` of `tokens`.
+pub fn pass_inputs<'a>(m: &Model, descs: &[LayerDesc], lens: &[usize], counts: &'a [usize], tokens: &'a [u32], want: LogitRows<'_>) -> PassIn<'a> {
+    let mut rows = Vec::with_capacity(tokens.len());
+    for (si, (&len, &cnt)) in lens.iter().zip(counts).enumerate() {
+        rows.extend((0..cnt).map(|j| (si, len + j)));
+    }
+    let mut ropes: Vec<Rope> = Vec::new();
+    let mut temps: Vec<AttnTemp> = Vec::new();
+    for d in descs {
+        if let Mixer::Attention(a) = &d.mixer {
+            if !ropes.contains(&a.rope) {
+                ropes.push(a.rope);
+            }
+            if let Some(t) = a.temp.filter(|t| !temps.contains(t)) {
+                temps.push(t);
+            }
+        }
+    }
+    let tables = rope_tables(m, &ropes, &rows);
+    PassIn {
+        tokens,
+        counts,
+        picked: want.picked(counts),
+        ropes,
+        tables,
+        row_scales: temps.iter().map(|t| rows.iter().map(|&(_, pos)| t.factor(pos)).collect()).collect(),
+        row_scale_keys: temps.iter().map(|t| (t.scale, t.floor)).collect(),
+        journal: counts.iter().enumerate().map(|(i, &cnt)| want != LogitRows::Hidden && want.tail(i, cnt) > 1).collect(),
+        rows,
+    }
 }
 
 /// What every forward pass refuses, before anything runs: session `i` is at position `lens[i]`.
@@ -292,123 +224,84 @@ pub fn check(m: &Model, lens: impl ExactSizeIterator<Item = usize>, counts: &[us
     Ok(())
 }
 
-/// The skeleton. K/V rows are written at each session's positions len.. (reserved by the
-/// caller), and committed by the caller once the pass has returned: a pass that fails midway
-/// leaves every session as it was.
-#[allow(clippy::too_many_arguments)]
-fn forward_rows(
-    m: &Model,
-    b: &mut dyn Ops,
-    kvs: &mut [&mut KvCache],
-    counts: &[usize],
-    tokens: &[u32],
-    want: LogitRows<'_>,
-    s: &mut Scratch,
-    logits: &mut Vec<f32>,
-) {
+/// The skeleton, on whatever device runs `b`. K/V rows are written at each session's positions
+/// (reserved by the caller), and committed by the caller once the pass has returned: a pass that
+/// fails midway leaves every session as it was.
+pub fn forward_rows(m: &Model, b: &mut dyn Ops, inp: &PassIn<'_>, want: LogitRows<'_>, keep_hidden: bool) -> PassOut {
     let c = &m.config;
-    let n = tokens.len();
-    // Row t of the batch: (its session, its position).
-    let mut rows = Vec::with_capacity(n);
-    for (si, (kv, &cnt)) in kvs.iter().zip(counts).enumerate() {
-        rows.extend((0..cnt).map(|j| (si, kv.len() + j)));
-    }
-    let d = c.dim;
-    let mut xbuf = std::mem::take(&mut s.x);
-    let x = grow(&mut xbuf, n * d);
-    for (t, &tok) in tokens.iter().enumerate() {
-        let row = &mut x[t * d..(t + 1) * d];
-        m.tok_embd.dequantize_row(tok as usize, row);
-        if let Some(sc) = c.embed_scale {
-            row.iter_mut().for_each(|v| *v *= sc);
-        }
-    }
-    let ropes = c.ropes();
-    let tables = rope_tables(m, &ropes, &rows);
-    let journal: Vec<bool> = counts.iter().enumerate().map(|(i, &cnt)| want != LogitRows::Hidden && want.tail(i, cnt) > 1).collect();
+    let (n, d) = (inp.tokens.len(), c.dim);
+    let x = b.alloc(Buf::X, n * d);
+    b.embed(&m.tok_embd, c.embed_scale.unwrap_or(1.0), x);
     if let Some(p) = &m.ple {
-        per_layer_inputs(m, b, p, tokens, counts, x, s);
+        per_layer_inputs(m, b, p, x, n);
     }
     for (il, (l, desc)) in m.layers.iter().zip(&c.layers).enumerate() {
         let slot = c.kv_slot(il).or(c.rec_slot(il)).expect("every layer keeps K/V or a recurrent state");
-        block(m, b, desc, l, slot, kvs, counts, &rows, &ropes, &tables, x, &journal, s);
+        block(m, b, inp, desc, l, slot, x);
         if let Some(p) = &l.ple {
-            per_layer_mix(m, b, p, il, counts, x, s);
+            per_layer_mix(m, b, p, il, x, n);
         }
         if let Some(sc) = l.out_scale {
-            x.iter_mut().for_each(|v| *v *= sc);
+            b.scale(x, sc);
         }
     }
-    if s.keep_hidden {
+    let hidden = keep_hidden.then(|| {
         // Every row's hidden state after the final norm, for a drafter that reads it (MTP).
-        s.hidden.resize(n * d, 0.0);
-        let hid = &mut s.hidden[..];
-        hid.copy_from_slice(x);
-        b.rms_norm(hid, &m.output_norm, c.norm_eps);
-    }
-    let picked = want.picked(counts);
-    let out_rows = picked.len();
-    let last = grow(&mut s.h, out_rows * d);
-    for (i, &t) in picked.iter().enumerate() {
-        last[i * d..(i + 1) * d].copy_from_slice(&x[t * d..(t + 1) * d]);
-    }
-    b.rms_norm(last, &m.output_norm, c.norm_eps);
-    s.x = xbuf;
+        let hid = b.alloc(Buf::Hidden, n * d);
+        b.rms_norm(x, hid, Some(&m.output_norm), d, c.norm_eps);
+        hid
+    });
+    let out_rows = inp.picked.len();
+    let last = b.alloc(Buf::H, out_rows * d);
+    b.gather_rows(x, last, d);
+    b.rms_norm(last, last, Some(&m.output_norm), d, c.norm_eps);
     if want == LogitRows::Hidden {
-        logits.clear();
-        logits.extend_from_slice(last);
-        return;
+        return PassOut { out: last, hidden };
     }
-    logits.resize(out_rows * c.vocab_size, 0.0);
+    let logits = b.alloc(Buf::Logits, out_rows * c.vocab_size);
     // One row per output: each is a row on its own to ggml's order.
-    b.matmul(&mut [(&m.output, &mut logits[..])], &s.h[..out_rows * d], &vec![1; out_rows]);
+    b.matmul(&[(&m.output, logits)], last, true);
     if let Some(cap) = c.final_softcap {
         b.softcap(logits, cap);
     }
+    PassOut { out: logits, hidden }
 }
 
-/// gemma4's per-layer inputs of the batch's rows into `s.ple` (each row n_layers * per_layer_input
-/// values, layer by layer), as llama.cpp's `project_per_layer_inputs`: the token's row of
-/// `per_layer_token_embd` scaled by sqrt(per_layer_input), plus the scaled embedding `x`
+/// gemma4's per-layer inputs of the batch's rows into `Buf::Ple` (each row n_layers *
+/// per_layer_input values, layer by layer), as llama.cpp's `project_per_layer_inputs`: the token's
+/// row of `per_layer_token_embd` scaled by sqrt(per_layer_input), plus the scaled embedding `x`
 /// projected, scaled by 1/sqrt(dim) and RMS-normed per layer, the sum scaled by 1/sqrt(2).
-fn per_layer_inputs(m: &Model, b: &mut dyn Ops, p: &super::Ple, tokens: &[u32], counts: &[usize], x: &[f32], s: &mut Scratch) {
+fn per_layer_inputs(m: &Model, b: &mut dyn Ops, p: &super::Ple, x: Act, n: usize) {
     let c = &m.config;
-    let (n, np) = (tokens.len(), c.per_layer_input);
+    let np = c.per_layer_input;
     let width = np * c.n_layers;
-    let proj = grow(&mut s.ple, n * width);
-    b.matmul(&mut [(&p.proj, proj)], x, counts);
-    let inv_dim = 1.0 / (c.dim as f32).sqrt();
-    s.ple[..n * width].iter_mut().for_each(|v| *v *= inv_dim);
-    b.rms_norm(&mut s.ple[..n * width], &p.proj_norm, c.norm_eps);
-    let (tok_scale, half) = ((np as f32).sqrt(), 1.0 / 2f32.sqrt());
-    let row = grow(&mut s.ple_one, width);
-    for (t, &tok) in tokens.iter().enumerate() {
-        p.tok_embd.dequantize_row(tok as usize, row);
-        for (v, e) in s.ple[t * width..(t + 1) * width].iter_mut().zip(row.iter()) {
-            *v = (*v + e * tok_scale) * half;
-        }
-    }
+    let proj = b.alloc(Buf::Ple, n * width);
+    b.matmul(&[(&p.proj, proj)], x, false);
+    b.scale(proj, 1.0 / (c.dim as f32).sqrt());
+    b.rms_norm(proj, proj, Some(&p.proj_norm), np, c.norm_eps);
+    let tok = b.alloc(Buf::PleOne, n * width);
+    b.embed(&p.tok_embd, (np as f32).sqrt(), tok);
+    b.add(proj, tok);
+    b.scale(proj, 1.0 / 2f32.sqrt());
 }
 
 /// Layer `il`'s use of its per-layer input (`PleLayer`), added to the rows `x`.
-fn per_layer_mix(m: &Model, b: &mut dyn Ops, p: &super::PleLayer, il: usize, counts: &[usize], x: &mut [f32], s: &mut Scratch) {
+fn per_layer_mix(m: &Model, b: &mut dyn Ops, p: &super::PleLayer, il: usize, x: Act, n: usize) {
     let c = &m.config;
     let (d, np) = (c.dim, c.per_layer_input);
-    let n = x.len() / d;
     let width = np * c.n_layers;
     // This layer's share of every row's inputs, as one matrix.
-    let inp = grow(&mut s.ple_one, n * np);
-    for t in 0..n {
-        inp[t * np..(t + 1) * np].copy_from_slice(&s.ple[t * width + il * np..t * width + (il + 1) * np]);
-    }
-    let g = grow(&mut s.gate, n * np);
-    b.matmul(&mut [(&p.gate, g)], x, counts);
+    let ple = b.alloc(Buf::Ple, n * width);
+    let inp = b.alloc(Buf::PleOne, n * np);
+    b.copy_cols(ple, width, il * np, inp, np, 0, np);
+    let g = b.alloc(Buf::Gate, n * np);
+    b.matmul(&[(&p.gate, g)], x, false);
     // gelu(gate) times the input: a GLU with the input as its up half.
-    b.glu(&mut s.gate[..n * np], &s.ple_one[..n * np], np, Activation::GeluTanh);
-    let o = grow(&mut s.o, n * d);
-    b.matmul(&mut [(&p.proj, o)], &s.gate[..n * np], counts);
-    b.rms_norm(&mut s.o[..n * d], &p.post_norm, c.norm_eps);
-    b.add(x, &s.o[..n * d]);
+    b.glu(g, inp, np, Activation::GeluTanh);
+    let o = b.alloc(Buf::O, n * d);
+    b.matmul(&[(&p.proj, o)], g, false);
+    b.rms_norm(o, o, Some(&p.post_norm), d, c.norm_eps);
+    b.add(x, o);
 }
 
 /// RoPE sines and cosines per row, once for every layer (one table per distinct RoPE).
@@ -432,160 +325,120 @@ pub(super) fn rope_tables_with(ropes: &[Rope], rows: &[(usize, usize)], factors:
 }
 
 /// One layer over the batch's rows `x` (updated in place): its mixer (attention in K/V slot
-/// `slot`, or a DeltaNet in recurrent slot `slot`, recording the raw inputs of the sessions
-/// `journal` marks), then its FFN, each with its residual. `rows[t]` = (session, position).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn block(
-    m: &Model,
-    b: &mut dyn Ops,
-    desc: &LayerDesc,
-    l: &super::Layer,
-    slot: usize,
-    kvs: &mut [&mut KvCache],
-    counts: &[usize],
-    rows: &[(usize, usize)],
-    ropes: &[Rope],
-    tables: &[Vec<(f32, f32)>],
-    x: &mut [f32],
-    journal: &[bool],
-    s: &mut Scratch,
-) {
+/// `slot`, or a DeltaNet in recurrent slot `slot`), then its FFN, each with its residual.
+pub(super) fn block(m: &Model, b: &mut dyn Ops, inp: &PassIn<'_>, desc: &LayerDesc, l: &super::Layer, slot: usize, x: Act) {
     let c = &m.config;
-    let n = rows.len();
-    let d = c.dim;
+    let (n, d, eps) = (inp.tokens.len(), c.dim, c.norm_eps);
     let LayerDesc { mixer, ffn, .. } = desc;
-    let h = grow(&mut s.h, n * d);
-    h.copy_from_slice(x);
-    b.rms_norm(h, &l.attn_norm, c.norm_eps);
-    match mixer {
+    let h = b.alloc(Buf::H, n * d);
+    b.rms_norm(x, h, Some(&l.attn_norm), d, eps);
+    let o = match mixer {
         Mixer::Attention(a) => {
             let MixerWeights::Attention(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
             let heads = a.heads(c);
             let (qd, kvd, hd) = (heads.q_dim(), heads.kv_dim(), heads.head_dim);
             // A layer that reads an earlier layer's K/V projects queries only.
             let own_kv = a.kv_from.is_none();
-            grow(&mut s.q, n * qd);
-            grow(&mut s.k, n * kvd);
-            grow(&mut s.v, n * kvd);
-            if a.gated {
+            let (q, k, v) = (b.alloc(Buf::Q, n * qd), b.alloc(Buf::K, n * kvd), b.alloc(Buf::V, n * kvd));
+            let gate = a.gated.then(|| b.alloc(Buf::AttnGate, n * qd));
+            if let Some(g) = gate {
                 // Q and its gate come interleaved per head: split them.
-                grow(&mut s.qg, n * 2 * qd);
-                grow(&mut s.attn_gate, n * qd);
-                b.matmul(&mut [(&w.wq, &mut s.qg[..n * 2 * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
-                for (i, pair) in s.qg[..n * 2 * qd].chunks_exact(2 * hd).enumerate() {
-                    s.q[i * hd..(i + 1) * hd].copy_from_slice(&pair[..hd]);
-                    s.attn_gate[i * hd..(i + 1) * hd].copy_from_slice(&pair[hd..]);
-                }
+                let qg = b.alloc(Buf::Qg, n * 2 * qd);
+                b.matmul(&[(&w.wq, qg), (&w.wk, k), (&w.wv, v)], h, false);
+                b.copy_cols(qg, 2 * hd, 0, q, hd, 0, hd);
+                b.copy_cols(qg, 2 * hd, hd, g, hd, 0, hd);
             } else if !own_kv {
-                b.matmul(&mut [(&w.wq, &mut s.q[..n * qd])], &s.h[..n * d], counts);
+                b.matmul(&[(&w.wq, q)], h, false);
             } else if w.wv.rows == 0 {
                 // No V projection (gemma4's attention_k_eq_v): V is K's, before K's norm and RoPE.
-                b.matmul(&mut [(&w.wq, &mut s.q[..n * qd]), (&w.wk, &mut s.k[..n * kvd])], &s.h[..n * d], counts);
-                s.v[..n * kvd].copy_from_slice(&s.k[..n * kvd]);
+                b.matmul(&[(&w.wq, q), (&w.wk, k)], h, false);
+                b.copy_cols(k, kvd, 0, v, kvd, 0, kvd);
             } else {
-                b.matmul(&mut [(&w.wq, &mut s.q[..n * qd]), (&w.wk, &mut s.k[..n * kvd]), (&w.wv, &mut s.v[..n * kvd])], &s.h[..n * d], counts);
+                b.matmul(&[(&w.wq, q), (&w.wk, k), (&w.wv, v)], h, false);
             }
-            for (bias, out) in [(&w.bq, &mut s.q[..n * qd]), (&w.bk, &mut s.k[..n * kvd]), (&w.bv, &mut s.v[..n * kvd])] {
+            for (bias, out) in [(&w.bq, q), (&w.bk, k), (&w.bv, v)] {
                 if let Some(bias) = bias {
                     b.add_bias(out, bias);
                 }
             }
-            let ri = ropes.iter().position(|r| *r == a.rope).expect("every layer's RoPE is tabulated");
-            let rope = RopeTable { pairs: &tables[ri], half: a.rope.dim / 2, neox: a.rope.neox };
-            b.norm_rope(&mut s.q[..n * qd], qd, hd, w.q_norm.as_deref(), c.norm_eps, &rope);
+            let ri = inp.ropes.iter().position(|r| *r == a.rope).expect("every layer's RoPE is tabulated");
+            b.norm_rope(q, qd, hd, w.q_norm.as_deref(), eps, ri);
             if own_kv {
-                b.norm_rope(&mut s.k[..n * kvd], kvd, hd, w.k_norm.as_deref(), c.norm_eps, &rope);
+                b.norm_rope(k, kvd, hd, w.k_norm.as_deref(), eps, ri);
                 if a.v_norm {
-                    // Each value head RMS-normed with no weight (a weight of ones multiplies exactly).
-                    b.rms_norm(&mut s.v[..n * kvd], &vec![1.0; hd], c.norm_eps);
+                    // Each value head RMS-normed with no weight.
+                    b.rms_norm(v, v, None, hd, eps);
                 }
             }
-            if let Some(temp) = a.temp {
-                for (q, &(_, pos)) in s.q[..n * qd].chunks_exact_mut(qd).zip(rows) {
-                    let f = temp.factor(pos);
-                    q.iter_mut().for_each(|v| *v *= f);
-                }
+            if let Some(t) = a.temp {
+                let ti = inp.row_scale_keys.iter().position(|&k| k == (t.scale, t.floor)).expect("every layer's temperature is tabulated");
+                b.scale_rows(q, qd, ti);
             }
             if own_kv {
-                let mut off = 0;
-                for (kv, &cnt) in kvs.iter_mut().zip(counts) {
-                    kv.append(slot, &s.k[off * kvd..(off + cnt) * kvd], &s.v[off * kvd..(off + cnt) * kvd]);
-                    off += cnt;
-                }
+                b.kv_store(slot, k, v, kvd);
             }
-            let att = grow(&mut s.att, n * qd);
+            let att = b.alloc(Buf::Att, n * qd);
             let shape = crate::backend::AttnShape { sinks: w.sinks.as_deref(), ..a.shape(c) };
-            b.attention(&shape, slot, kvs, rows, counts, &s.q[..n * qd], att);
-            if a.gated {
-                b.sigmoid(&mut s.attn_gate[..n * qd]);
-                b.mul(&mut s.att[..n * qd], &s.attn_gate[..n * qd]);
+            b.attention(&shape, slot, q, att);
+            if let Some(g) = gate {
+                b.sigmoid(g);
+                b.mul(att, g);
             }
-            let o = grow(&mut s.o, n * d);
-            b.matmul(&mut [(&w.wo, o)], &s.att[..n * qd], counts);
+            let o = b.alloc(Buf::O, n * d);
+            b.matmul(&[(&w.wo, o)], att, false);
             if let Some(bo) = &w.bo {
-                b.add_bias(&mut s.o[..n * d], bo);
+                b.add_bias(o, bo);
             }
+            o
         }
         Mixer::DeltaNet(dn) => {
             let MixerWeights::DeltaNet(w) = &l.mixer else { unreachable!("the loader builds each layer's mixer weights from its description") };
-            delta_net(b, dn, w, slot, kvs, counts, journal, &s.h[..n * d], d, c.norm_eps, &mut s.dn, &mut s.o);
+            delta_net(b, dn, w, slot, h, n, d, eps)
         }
-    }
-    let o = &mut s.o[..n * d];
+    };
     if let Some(w) = &l.post_attn_norm {
-        b.rms_norm(o, w, c.norm_eps);
+        b.rms_norm(o, o, Some(w), d, eps);
     }
     b.add(x, o);
 
-    let h = grow(&mut s.h, n * d);
-    h.copy_from_slice(x);
-    b.rms_norm(h, &l.ffn_norm, c.norm_eps);
+    b.rms_norm(x, h, Some(&l.ffn_norm), d, eps);
+    let o = b.alloc(Buf::O, n * d);
     match (*ffn, &l.ffn) {
         (Ffn::Dense { hidden: hd, act, .. }, FfnWeights::Dense { gate, up, down }) => {
-            grow(&mut s.gate, n * hd);
-            grow(&mut s.up, n * hd);
-            b.matmul(&mut [(gate, &mut s.gate[..n * hd]), (up, &mut s.up[..n * hd])], &s.h[..n * d], counts);
-            b.glu(&mut s.gate[..n * hd], &s.up[..n * hd], hd, act);
-            let o = grow(&mut s.o, n * d);
-            b.matmul(&mut [(down, o)], &s.gate[..n * hd], counts);
+            let (g, u) = (b.alloc(Buf::Gate, n * hd), b.alloc(Buf::Up, n * hd));
+            b.matmul(&[(gate, g), (up, u)], h, false);
+            b.glu(g, u, hd, act);
+            b.matmul(&[(down, o)], g, false);
         }
         (Ffn::Moe { n_expert, n_used, hidden, norm_weights, gating, scale, .. }, FfnWeights::Moe(e)) => {
             let r = Route { n_expert, n_used, gating, bias: e.sel_bias.as_deref(), norm: norm_weights, scale };
             let run = ExpertRun { router_in: None, act: c.expert_act, expert_scale: None };
-            moe(b, e, &s.h[..n * d], d, &r, hidden, &run, &mut s.moe, &mut s.o);
+            moe(b, e, h, n, d, &r, hidden, &run, o);
         }
         (Ffn::DenseMoe { hidden: hd, n_expert, n_used, expert_hidden, act }, FfnWeights::DenseMoe(p)) => {
             // The dense GLU on the FFN-normed rows.
-            grow(&mut s.gate, n * hd);
-            grow(&mut s.up, n * hd);
-            b.matmul(&mut [(&p.gate, &mut s.gate[..n * hd]), (&p.up, &mut s.up[..n * hd])], &s.h[..n * d], counts);
-            b.glu(&mut s.gate[..n * hd], &s.up[..n * hd], hd, act);
-            let o = grow(&mut s.o, n * d);
-            b.matmul(&mut [(&p.down, o)], &s.gate[..n * hd], counts);
-            b.rms_norm(&mut s.o[..n * d], &p.post_norm_1, c.norm_eps);
+            let (g, u) = (b.alloc(Buf::Gate, n * hd), b.alloc(Buf::Up, n * hd));
+            b.matmul(&[(&p.gate, g), (&p.up, u)], h, false);
+            b.glu(g, u, hd, act);
+            b.matmul(&[(&p.down, o)], g, false);
+            b.rms_norm(o, o, Some(&p.post_norm_1), d, eps);
             // The router reads the residual normed without a weight, scaled by 1/sqrt(dim) and
             // per value; the experts read it normed by pre_ffw_norm_2.
-            let rin = grow(&mut s.rin, n * d);
-            rin.copy_from_slice(x);
-            b.rms_norm(rin, &vec![1.0; d], c.norm_eps);
-            let inv = 1.0 / (d as f32).sqrt();
-            for row in rin.chunks_exact_mut(d) {
-                row.iter_mut().zip(&p.router_scale).for_each(|(v, sc)| *v = *v * inv * sc);
-            }
-            let h = grow(&mut s.h, n * d);
-            h.copy_from_slice(x);
-            b.rms_norm(h, &p.pre_norm_2, c.norm_eps);
+            let rin = b.alloc(Buf::Rin, n * d);
+            b.rms_norm(x, rin, None, d, eps);
+            b.scale_cols(rin, 1.0 / (d as f32).sqrt(), &p.router_scale);
+            b.rms_norm(x, h, Some(&p.pre_norm_2), d, eps);
             let r = Route { n_expert, n_used, gating: Gating::Softmax, bias: None, norm: true, scale: 1.0 };
-            let run = ExpertRun { router_in: Some(&s.rin[..n * d]), act, expert_scale: p.expert_scale.as_deref() };
-            moe(b, &p.experts, &s.h[..n * d], d, &r, expert_hidden, &run, &mut s.moe, &mut s.o2);
-            b.rms_norm(&mut s.o2[..n * d], &p.post_norm_2, c.norm_eps);
-            b.add(&mut s.o[..n * d], &s.o2[..n * d]);
+            let run = ExpertRun { router_in: Some(rin), act, expert_scale: p.expert_scale.as_deref() };
+            let o2 = b.alloc(Buf::O2, n * d);
+            moe(b, &p.experts, h, n, d, &r, expert_hidden, &run, o2);
+            b.rms_norm(o2, o2, Some(&p.post_norm_2), d, eps);
+            b.add(o, o2);
         }
         _ => unreachable!("the loader builds each layer's FFN weights from its description"),
     }
-    let o = &mut s.o[..n * d];
     if let Some(w) = &l.post_ffn_norm {
-        b.rms_norm(o, w, c.norm_eps);
+        b.rms_norm(o, o, Some(w), d, eps);
     }
     b.add(x, o);
 }
@@ -608,7 +461,7 @@ pub fn rewind(m: &Model, kv: &mut KvCache, pos: usize) {
         })
         .collect();
     let (mut q, mut bt, mut al, mut out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    host().run(m.numerics, &mut Vec::new(), None, &mut |ops| {
+    host().run(m.numerics, &mut Vec::new(), &mut |ops| {
         kv.rewind(pos, |slot, io, qkv, beta, alpha, rows| {
             let (dn, w) = (&dns[slot], weights[slot]);
             // delta_net works in place: replay on copies, the journal keeps the raw rows.

@@ -11,9 +11,9 @@
 //! trunk (`<arch>.nextn_predict_layers` counts it in `block_count`), or a sidecar holds it alone
 //! (`mtp-<stem>.gguf`, as llama.cpp's converter writes with `--mtp`).
 
-use super::forward::{block, rope_tables, LogitRows, Scratch};
+use super::forward::{block, pass_inputs, take_rows, LogitRows};
 use super::{lookup_arch, Config, Layer, LayerDesc, Metadata, Mixer, Model, QuantMode, TensorInfo, TensorTable};
-use crate::backend::host;
+use crate::backend::{host, Buf, HostActs};
 use crate::kv::{Geometry, KvCache, KvCodec, PRIVATE_PAGE_ROWS};
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -134,12 +134,7 @@ impl MtpHead {
 /// Reused buffers of the head's passes.
 #[derive(Default)]
 pub struct MtpScratch {
-    s: Scratch,
-    e: Vec<f32>,
-    h: Vec<f32>,
-    cat: Vec<f32>,
-    x: Vec<f32>,
-    act: Vec<u8>,
+    acts: HostActs,
 }
 
 /// Run `head` (of target `m`) over a batch: session i (`kvs[i]`, the head's K/V) takes the next
@@ -170,41 +165,33 @@ pub fn forward(
         let want = kv.len() + cnt;
         kv.reserve(want)?;
     }
-    let Mixer::Attention(a) = &head.desc.mixer else { unreachable!("checked at load") };
-    let ropes = [a.rope];
-    let mut rows = Vec::with_capacity(n);
-    for (si, (kv, &cnt)) in kvs.iter().zip(counts).enumerate() {
-        rows.extend((0..cnt).map(|j| (si, kv.len() + j)));
-    }
-    let tables = rope_tables(m, &ropes, &rows);
-    let MtpScratch { s, e, h, cat, x, act } = ws;
-    host().run(m.numerics, act, None, &mut |b| {
-        e.resize(n * d, 0.0);
-        let emb = head.embed.as_ref().unwrap_or(&m.tok_embd);
-        for (row, &tok) in e.chunks_exact_mut(d).zip(tokens) {
-            emb.dequantize_row(tok as usize, row);
-        }
-        b.rms_norm(e, &head.enorm, c.norm_eps);
-        h.clear();
-        h.extend_from_slice(hidden);
-        b.rms_norm(h, &head.hnorm, c.norm_eps);
-        cat.clear();
-        for (er, hr) in e.chunks_exact(d).zip(h.chunks_exact(d)) {
-            cat.extend_from_slice(er);
-            cat.extend_from_slice(hr);
-        }
-        x.resize(n * d, 0.0);
-        b.matmul(&mut [(&head.eh_proj, &mut x[..])], cat, counts);
-        block(m, b, &head.desc, &head.layer, 0, kvs, counts, &rows, &ropes, &tables, x, &vec![false; counts.len()], s);
-        let picked = want.picked(counts);
-        hidden_out.clear();
-        for &r in &picked {
-            hidden_out.extend_from_slice(&x[r * d..(r + 1) * d]);
-        }
-        b.rms_norm(hidden_out, head.head_norm.as_deref().unwrap_or(&m.output_norm), c.norm_eps);
-        logits.resize(picked.len() * c.vocab_size, 0.0);
-        b.matmul(&mut [(head.head.as_ref().unwrap_or(&m.output), &mut logits[..])], hidden_out, &vec![1; picked.len()]);
+    let lens: Vec<usize> = kvs.iter().map(|kv| kv.len()).collect();
+    let inp = pass_inputs(m, std::slice::from_ref(&head.desc), &lens, counts, tokens, want);
+    let acts = &mut ws.acts;
+    let mut out = None;
+    host().pass(m.numerics, acts, kvs, &inp, None, &mut |b| {
+        // The embedding and the hidden state, each normed, side by side: [e, h] per row.
+        let (e, h) = (b.alloc(Buf::Q, n * d), b.alloc(Buf::K, n * d));
+        b.embed(head.embed.as_ref().unwrap_or(&m.tok_embd), 1.0, e);
+        b.rms_norm(e, e, Some(&head.enorm), d, c.norm_eps);
+        b.load(hidden, h);
+        b.rms_norm(h, h, Some(&head.hnorm), d, c.norm_eps);
+        let cat = b.alloc(Buf::Gate, n * 2 * d);
+        b.copy_cols(e, d, 0, cat, 2 * d, 0, d);
+        b.copy_cols(h, d, 0, cat, 2 * d, d, d);
+        let x = b.alloc(Buf::X, n * d);
+        b.matmul(&[(&head.eh_proj, x)], cat, false);
+        block(m, b, &inp, &head.desc, &head.layer, 0, x);
+        let last = b.alloc(Buf::Hidden, inp.picked.len() * d);
+        b.gather_rows(x, last, d);
+        b.rms_norm(last, last, Some(head.head_norm.as_deref().unwrap_or(&m.output_norm)), d, c.norm_eps);
+        let lg = b.alloc(Buf::Logits, inp.picked.len() * c.vocab_size);
+        b.matmul(&[(head.head.as_ref().unwrap_or(&m.output), lg)], last, true);
+        out = Some((last, lg));
     });
+    let (last, lg) = out.ok_or_else(|| Error::Internal("the host ran no pass".into()))?;
+    take_rows(acts, last, hidden_out);
+    take_rows(acts, lg, logits);
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
         let len = kv.len() + cnt;
         kv.commit(len);
