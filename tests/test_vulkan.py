@@ -197,7 +197,7 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
 @needs_device
 def test_qwen35moe_runs_on_the_per_op_rails(tmp_path: Path) -> None:
     """qwen35moe (a DeltaNet hybrid with routed experts) goes on the per-op rails, the decline
-    naming its recurrent layers; scheduler streams there equal its single streams there. (Its
+    naming its DeltaNet layers; scheduler streams there equal its single streams there. (Its
     logits are not held to the CPU's here: on this tiny random file a router near-tie at the
     first position moves even the CPU 0.36 nats from float64, and the device's sums pick the
     other expert.)"""
@@ -209,7 +209,7 @@ def test_qwen35moe_runs_on_the_per_op_rails(tmp_path: Path) -> None:
     m = dl.load_model(path)
     slot = gpu.gpu_model_marks_init()
     assert gpu.gpu_slot_capture(slot) == "gpu:rails", slot.reason
-    assert "recurrent" in gpu.gpu_resident_decline() and "recurrent" in slot.reason, (gpu.gpu_resident_decline(), slot.reason)
+    assert "DeltaNet" in gpu.gpu_resident_decline() and "DeltaNet" in slot.reason, (gpu.gpu_resident_decline(), slot.reason)
     prompts = [[1, 259 + i % 8, 40 + i] for i in range(4)]
     solo = [dl.generate(m, dl.create_session(m), p, dl.SamplingParams(temp=0.0), 6) for p in prompts]
     sch = dl.create_scheduler(m, max_streams=4, chunk_tokens=2)
@@ -227,25 +227,86 @@ def test_qwen35moe_runs_on_the_per_op_rails(tmp_path: Path) -> None:
     assert gpu.gpu_tier_status().backend == "cpu"
 
 
+# Every synthetic family the device runs whole today, and the ones it does not yet, with the
+# op its pass is missing (the decline names an op the device lacks or a format it does not read,
+# never a model feature: the pass is the CPU's, recorded).
+RESIDENT_FAMILIES = ["qwen2", "qwen3", "phi3", "phi3-short", "gemma2", "qwen2vl", "qwen3vl", "mistral3", "gemma4", "gemma4-e"]
+
+
+@needs_device
+@pytest.mark.parametrize("name", RESIDENT_FAMILIES)
+def test_every_family_runs_resident(tmp_path: Path, name: str) -> None:
+    """The one forward pass, recorded on the device: resident with no CPU pass counted; logits as
+    close to float64 as the CPU's; eval_batch rows bit-identical to each session alone on the
+    device; greedy scheduler streams (chunked prefill beside decoders) equal the single streams;
+    dropping it returns every byte of the device's memory."""
+    from synthetic import family_reference_logits
+
+    path = tmp_path / f"{name}.gguf"
+    ref = family_reference_logits(write_family(path, name), name, IDS)
+    cpu_m = dl.load_model(path)
+    want = dl.eval_all(cpu_m, dl.create_session(cpu_m), IDS)
+    del cpu_m
+    before = gpu.gpu_tier_status().vram_bytes
+    arm(regions=8, ctx=128)
+    m = load_on_device(path)
+    got = dl.eval_all(m, gpu.create_device_session(m), IDS)
+    # The device sums in its own order, which these tiny random models amplify.
+    for i in range(len(IDS)):
+        dev_err, cpu_err = (np.abs(lsm(x[i]) - lsm(ref[i])).max() for x in (got, want))
+        assert dev_err <= 1.5 * cpu_err + 0.05, (i, dev_err, cpu_err)
+    prompts = [[1, 259 + i % 8, 40 + i, 262] for i in range(3)]
+    alone = [gpu.create_device_session(m) for _ in prompts]
+    batched = [gpu.create_device_session(m) for _ in prompts]
+    nxt = []
+    for a, b, p in zip(alone, batched, prompts, strict=True):
+        la = dl.eval(m, a, p)
+        np.testing.assert_array_equal(la, dl.eval(m, b, p))
+        nxt.append(int(np.argmax(la)))
+    ws = dl.create_batch_workspace(m)
+    for _ in range(3):
+        out = dl.eval_batch(m, ws, batched, nxt)
+        for k, (a, t) in enumerate(zip(alone, nxt, strict=True)):
+            np.testing.assert_array_equal(out[k], dl.eval(m, a, [t]))
+        nxt = [int(np.argmax(r)) for r in out]
+    del alone, batched
+    solo = []
+    for p in prompts:
+        s = gpu.create_device_session(m)
+        solo.append(dl.generate(m, s, p, dl.SamplingParams(temp=0.0), 6))
+        del s
+    sch = dl.create_scheduler(m, max_streams=3, chunk_tokens=2)
+    gpu.set_device_kv(sch, True)
+    for i, p in enumerate(prompts):
+        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=6))
+    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for ev in drain(m, sch):
+        assert ev.finish != "error", ev.error
+        if ev.kind == "piece" or (ev.finish == "stop" and ev.token >= 0):
+            toks[ev.id].append(ev.token)
+    for i in range(len(prompts)):
+        assert toks[i] == solo[i][: len(toks[i])] and toks[i], (i, toks[i], solo[i])
+    assert gpu.gpu_cpu_passes() == []
+    del sch
+    gpu.moe_gpu_drop_model()
+    assert gpu.gpu_tier_status().vram_bytes == before
+
+
 @needs_device
 @pytest.mark.parametrize(
     "name, why",
     [
-        ("qwen3moe", "experts"),
-        ("qwen35", "recurrent"),
-        ("mistral3", "temperature_scale"),
+        ("qwen3moe", "routed experts"),
+        ("qwen35", "DeltaNet"),
         ("gpt-oss", "attention sinks"),
         ("gpt-oss-mxfp4", "do not read MXFP4"),
-        # Gemma 4: sliding and full layers of different heads; the E-series' per-layer embeddings.
-        ("gemma4", "layer 0 has heads of its own (4 of 64 values, the model's 4 of 128)"),
-        ("gemma4-moe", "heads of its own"),
-        ("gemma4-e", "per-layer embeddings"),
+        ("gemma4-moe", "routed experts"),
     ],
 )
 def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why: str) -> None:
-    """A MoE, a DeltaNet hybrid or attention with sinks (gpt-oss), which the resident driver
-    declines, goes on the per-op rails:
-    capture says "gpu:rails", the decline says why not resident, there are no device regions,
+    """A model whose pass needs an op the device has no kernel for yet (routed experts, a
+    DeltaNet, attention sinks) goes on the per-op rails:
+    capture says "gpu:rails", the decline names the op, there are no device regions,
     and its matrices multiply on the device (activations rounded as the CPU rounds them) while
     attention, routing and the recurrence stay on the CPU over host K/V. Logits track the CPU's;
     scheduler streams equal the single-stream output; dropping it frees what it held."""
@@ -298,28 +359,6 @@ def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why:
 
 
 @needs_device
-@pytest.mark.parametrize("name", ["qwen2", "qwen2vl", "qwen3vl"])
-def test_vl_text_towers_are_resident(tmp_path: Path, name: str) -> None:
-    """The VL text towers are plain attention and a dense FFN: resident, their multi-axis RoPE
-    (pairs on the fourth axis not turning) reaching the device through the RoPE tables."""
-    from synthetic import family_reference_logits
-
-    path = tmp_path / f"{name}.gguf"
-    ref = family_reference_logits(write_family(path, name), name, IDS)
-    cpu_m = dl.load_model(path)
-    want = dl.eval_all(cpu_m, dl.create_session(cpu_m), IDS)
-    del cpu_m
-    arm()
-    m = load_on_device(path)
-    got = dl.eval_all(m, gpu.create_device_session(m), IDS)
-    # As close to float64 as the CPU lands (the device sums in its own order, which these tiny
-    # random models amplify: qwen2's own shape parts from the CPU by as much).
-    for i in range(len(IDS)):
-        dev_err, cpu_err = (np.abs(lsm(x[i]) - lsm(ref[i])).max() for x in (got, want))
-        assert dev_err <= 1.5 * cpu_err + 0.05, (i, dev_err, cpu_err)
-
-
-@needs_device
 def test_gemma3_shape_on_the_device(tmp_path: Path) -> None:
     """QK-norm, post-norms, sliding-window layers, GELU, embedding scale, query scaling."""
     path = tmp_path / "g.gguf"
@@ -336,7 +375,8 @@ def test_gemma3_shape_on_the_device(tmp_path: Path) -> None:
 def test_recorded_chains_are_replayed_for_steps_of_the_same_shape(tmp_path: Path) -> None:
     """A step records its dispatch chain once per shape (rows, output rows) and replays it after
     with only the metadata rewritten: decoding two sessions token by token records one chain for
-    the one-row steps and replays it for the rest. Replayed steps read their own tokens and
+    the one-row steps (the placement's own one-row pass recorded it) and replays it for the rest.
+    Replayed steps read their own tokens and
     positions (they track the CPU on the same history as closely as recorded ones do), and a
     second load, whose chains are recorded anew, gives the same logits bit for bit."""
     path = tmp_path / "m.gguf"
@@ -351,7 +391,7 @@ def test_recorded_chains_are_replayed_for_steps_of_the_same_shape(tmp_path: Path
         return [dl.eval(m, ss[i], toks) for i, toks in steps], gpu.gpu_tier_status(), m
 
     first, st, m = decode()
-    assert (st.chains_recorded, st.chains_replayed) == (3, len(steps) - 3), st
+    assert (st.chains_recorded, st.chains_replayed) == (3, len(steps) - 2), st
     host = [dl.create_session(m), dl.create_session(m)]
     for (i, toks), got in zip(steps, first, strict=False):
         assert np.abs(lsm(got) - lsm(dl.eval(m, host[i], toks))).max() < 0.05, (i, toks)
@@ -530,14 +570,14 @@ def test_cpu_passes_name_host_sessions_only(tmp_path: Path) -> None:
 
 @needs_device
 def test_iq4_weights_stay_on_the_cpu_and_say_why(tmp_path: Path) -> None:
-    # No shader reads IQ4_NL / IQ4_XS: the driver declines the model, naming the tensor and format.
+    # No shader reads IQ4_NL / IQ4_XS: the device declines the model, naming the format.
     path = tmp_path / "iq4.gguf"
     write_family(path, "qwen3-iq4")
     arm()
     m = dl.load_model(path)
     slot = gpu.gpu_model_marks_init()
     assert gpu.gpu_slot_capture(slot) == "cpu"
-    assert "the device kernels do not read IQ4_" in slot.reason and "token_embd" in slot.reason, slot.reason
+    assert "the device kernels do not read IQ4_" in slot.reason and "(8 IQ4_NL, 7 IQ4_XS)" in slot.reason, slot.reason
     assert int(dl.eval(m, dl.create_session(m), [1, 5, 9]).argmax()) >= 0
 
 
@@ -555,7 +595,7 @@ def test_mxfp4_matrices_stay_on_the_cpu_and_say_why(tmp_path: Path) -> None:
     m = dl.load_model(path)
     slot = gpu.gpu_model_marks_init()
     assert gpu.gpu_slot_capture(slot) == "gpu:rails", slot.reason
-    assert "routed experts" in slot.reason and "the device kernels do not read MXFP4 matrices, so those stay on the CPU (" in slot.reason, slot.reason
+    assert "do not read MXFP4 matrices yet" in slot.reason and "the device kernels do not read MXFP4 matrices, so those stay on the CPU (" in slot.reason, slot.reason
     got = dl.eval_all(m, dl.create_session(m), IDS)
     for i in range(len(IDS)):
         assert np.abs(lsm(got[i]) - lsm(want[i])).max() <= 0.05, i

@@ -109,7 +109,7 @@ fn place_model(
     py.allow_threads(|| {
         // What the model held counts as free for its new place.
         drop(model.set_placement(None));
-        match vulkan::place(&device, &model, &opts) {
+        match vulkan::place(&device, &*model, &opts) {
             Ok(p) => {
                 let st = p.status();
                 model.set_placement(Some(p));

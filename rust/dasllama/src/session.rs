@@ -208,7 +208,7 @@ fn run(
         .placement()
         .ok_or_else(|| Error::Device("this device session's model is no longer on the device (it was dropped or switched out); create a new session".into()))?;
     let mut kvs: Vec<&mut DevKv> = sessions.iter_mut().map(|s| s.dev.as_mut().expect("counted above")).collect();
-    p.forward(&mut kvs, counts, tokens, want, logits)
+    crate::model::forward::forward_device(m, &*p, &mut kvs, counts, tokens, want, logits)
 }
 
 /// Advance `sessions[i]` by `counts[i]` tokens taken in order from `tokens` (decode steps and

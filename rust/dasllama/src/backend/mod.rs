@@ -14,7 +14,7 @@ mod recurrent;
 
 pub use pass::{Act, Buf, ExpertSet, HostActs, Ops, PassIn};
 
-pub use placement::{DevKv, KvHome, Placement, PlacementStatus};
+pub use placement::{DevKv, KvHome, Placeable, Placement, PlacementStatus};
 pub use recurrent::{DeltaNet, DnParams, HeadMap};
 
 use crate::kv::{KvCache, RecIo};

@@ -7,8 +7,9 @@
 //! passes, and a status snapshot it publishes after each step, so a status read or another
 //! model's pass never waits behind a device step.
 
-use super::{LogitRows, MatmulOffload};
+use super::{Act, MatmulOffload, Ops, PassIn};
 use crate::kv::{KvCache, KvCodec};
+use crate::quant::Weight;
 use crate::{Error, Result};
 use std::sync::{Arc, Weak};
 
@@ -52,16 +53,47 @@ pub trait Placement: Send + Sync {
     /// A device region for a new device-home session.
     fn create_kv(&self) -> Result<DevKv>;
 
-    /// Advance device-home sessions `kvs[i]` by `counts[i]` tokens each, taken in order from
-    /// `tokens`; `logits` gets the rows `want` names. A pass that fails leaves every session's
-    /// length as it was.
-    fn forward(&self, kvs: &mut [&mut DevKv], counts: &[usize], tokens: &[u32], want: LogitRows<'_>, logits: &mut Vec<f32>) -> Result<()>;
+    /// Rows, and rows with logits, one device pass takes at most: a longer call runs in windows.
+    fn window(&self) -> (usize, usize);
+
+    /// Whether `kv` is a session of this placement (and the placement still serves).
+    fn owns(&self, kv: &DevKv) -> bool;
+
+    /// Positions one device-home session holds.
+    fn session_ctx(&self) -> usize;
+
+    /// One window of `m`'s forward pass over device-home sessions: session i of `inp` is the
+    /// one in region `regions[i]`. The device runs `m.pass` on its ops (recording it the first
+    /// time it sees this shape of window) and appends the rows the pass leaves to `out`.
+    fn forward(&self, m: &dyn Placeable, regions: &[usize], inp: &PassIn<'_>, hidden: bool, out: &mut Vec<f32>) -> Result<()>;
 
     /// Copy a device-home session's rows into `host` (an empty host cache in the session's codec).
     fn hydrate(&self, kv: &DevKv, host: &mut KvCache) -> Result<()>;
 
     /// Every kind of pass that ran on the host while the device held the model, with its count.
     fn cpu_passes(&self) -> Vec<(u64, String)>;
+}
+
+/// What a device needs of a model to place it: the model implements it, so a device knows the
+/// pass's ops and the weights, never the model's types.
+pub trait Placeable: Sync {
+    /// The architecture's name, for messages.
+    fn arch(&self) -> &str;
+    /// Why the host alone runs this model (a summation order only the CPU reproduces), if so.
+    fn host_only(&self) -> Option<String>;
+    /// Every matrix, dense ones first (the per-op rails take them in this order while they fit).
+    fn matrices(&self) -> Vec<&Weight>;
+    /// Bytes the weights take as stored.
+    fn weight_bytes(&self) -> u64;
+    /// Each K/V slot's heads: (head_dim, n_kv_heads).
+    fn kv_heads(&self) -> Vec<(usize, usize)>;
+    fn seq_len(&self) -> usize;
+    /// A pass's inputs for sessions at positions `lens` taking `counts` of `tokens`, the rows
+    /// `picked` getting logits.
+    fn pass_in<'a>(&self, lens: &[usize], counts: &'a [usize], tokens: &'a [u32], picked: Vec<usize>) -> PassIn<'a>;
+    /// The forward pass on `b`; it returns what it leaves: logits, or the final hidden states
+    /// where `hidden`.
+    fn pass(&self, b: &mut dyn Ops, inp: &PassIn<'_>, hidden: bool) -> Act;
 }
 
 /// Where a device-home session's region is booked: the placement's region table. A session

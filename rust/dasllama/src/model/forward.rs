@@ -6,8 +6,11 @@
 use super::{AttnTemp, BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model, Rope};
 use crate::backend::Gating;
 pub use crate::backend::LogitRows;
-use crate::backend::{host, rope_cache, Act, Activation, Buf, DnParams, ExpertSet, HostActs, MatmulOffload, Ops, PassIn, Route};
+use crate::backend::{
+    host, rope_cache, Act, Activation, Buf, DevKv, DnParams, ExpertSet, HostActs, MatmulOffload, Numerics, Ops, PassIn, Placeable, Placement, Route,
+};
 use crate::kv::KvCache;
+use crate::quant::Weight;
 use crate::{Error, Result};
 
 /// The host's buffers of a pass, reused across calls so decode does not allocate per token.
@@ -196,6 +199,126 @@ pub fn pass_inputs<'a>(m: &Model, descs: &[LayerDesc], lens: &[usize], counts: &
         row_scale_keys: temps.iter().map(|t| (t.scale, t.floor)).collect(),
         journal: counts.iter().enumerate().map(|(i, &cnt)| want != LogitRows::Hidden && want.tail(i, cnt) > 1).collect(),
         rows,
+    }
+}
+
+/// `forward_batch` for sessions whose K/V lives on `p`'s device: the call runs in windows of
+/// the device's size (a session's rows in order, so a later window reads the K/V an earlier one
+/// wrote), each one device pass of the same skeleton. A pass that fails leaves every session's
+/// length as it was.
+pub fn forward_device(
+    m: &Model,
+    p: &dyn Placement,
+    kvs: &mut [&mut DevKv],
+    counts: &[usize],
+    tokens: &[u32],
+    want: LogitRows<'_>,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    check(m, kvs.iter().map(|kv| kv.len()), counts, tokens, want)?;
+    if kvs.iter().any(|kv| !p.owns(kv)) {
+        return Err(Error::Device(
+            "this device session's model is no longer on the device (it was dropped, switched out, or the device was lost); create a new session".into(),
+        ));
+    }
+    let ctx = p.session_ctx();
+    for (kv, &c) in kvs.iter().zip(counts) {
+        if kv.len() + c > ctx {
+            return Err(Error::ContextOverflow(format!(
+                "{c} tokens at position {} would run past the {ctx} positions a device region holds; start a new session or raise set_gpu_ctx_max",
+                kv.len()
+            )));
+        }
+    }
+    let hidden = want == LogitRows::Hidden;
+    let (max_rows, max_out) = p.window();
+    out.clear();
+    // Pieces of the window being gathered: (session, first row, rows, rows before its first logit row).
+    let mut win: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let (mut rows, mut outs, mut tok_at) = (0, 0, Vec::with_capacity(counts.len()));
+    let mut t = 0;
+    for &cnt in counts {
+        tok_at.push(t);
+        t += cnt;
+    }
+    let run = |win: &mut Vec<(usize, usize, usize, usize)>, out: &mut Vec<f32>| -> Result<()> {
+        let regions: Vec<usize> = win.iter().map(|&(i, ..)| kvs[i].region()).collect();
+        let lens: Vec<usize> = win.iter().map(|&(i, done, ..)| kvs[i].len() + done).collect();
+        let wc: Vec<usize> = win.iter().map(|w| w.2).collect();
+        let toks: Vec<u32> = win.iter().flat_map(|&(i, done, len, _)| tokens[tok_at[i] + done..tok_at[i] + done + len].iter().copied()).collect();
+        let mut picked = Vec::new();
+        let mut r0 = 0;
+        for &(_, _, len, from) in win.iter() {
+            picked.extend(r0 + from..r0 + len);
+            r0 += len;
+        }
+        let inp = m.pass_in(&lens, &wc, &toks, picked);
+        win.clear();
+        p.forward(m, &regions, &inp, hidden, out)
+    };
+    for (i, &cnt) in counts.iter().enumerate() {
+        let out_from = cnt - want.tail(i, cnt);
+        let mut done = 0;
+        while done < cnt {
+            let first_out = out_from.max(done);
+            let take = (cnt - done).min(max_rows - rows).min(max_out - outs + first_out - done);
+            if take == 0 {
+                run(&mut win, out)?;
+                (rows, outs) = (0, 0);
+                continue;
+            }
+            win.push((i, done, take, first_out - done));
+            rows += take;
+            outs += (done + take).saturating_sub(first_out);
+            done += take;
+        }
+    }
+    if !win.is_empty() {
+        run(&mut win, out)?;
+    }
+    for (kv, &c) in kvs.iter_mut().zip(counts) {
+        kv.advance(c);
+    }
+    Ok(())
+}
+
+impl Placeable for Model {
+    fn arch(&self) -> &str {
+        &self.config.arch
+    }
+
+    fn host_only(&self) -> Option<String> {
+        (self.numerics == Numerics::Ggml).then(|| "numerics='ggml' reproduces llama.cpp's CPU order and runs on the CPU only".to_string())
+    }
+
+    fn matrices(&self) -> Vec<&Weight> {
+        Model::matrices(self)
+    }
+
+    fn weight_bytes(&self) -> u64 {
+        let gathered = std::iter::once(&self.tok_embd).chain(self.ple.as_ref().map(|p| &p.tok_embd));
+        let n: usize = Model::matrices(self).into_iter().chain(gathered).map(|w| w.row_bytes() * w.rows).sum();
+        // Padding of the 18/22/34/210-byte blocks to words.
+        n as u64 * 9 / 8
+    }
+
+    fn kv_heads(&self) -> Vec<(usize, usize)> {
+        let g = self.kv_geometry(crate::kv::PRIVATE_PAGE_ROWS, crate::kv::KvCodec::F16);
+        (0..g.n_layers).map(|il| g.heads(il)).collect()
+    }
+
+    fn seq_len(&self) -> usize {
+        self.config.seq_len
+    }
+
+    fn pass_in<'a>(&self, lens: &[usize], counts: &'a [usize], tokens: &'a [u32], picked: Vec<usize>) -> PassIn<'a> {
+        let mut inp = pass_inputs(self, &self.config.layers, lens, counts, tokens, LogitRows::Hidden);
+        inp.picked = picked;
+        inp
+    }
+
+    fn pass(&self, b: &mut dyn Ops, inp: &PassIn<'_>, hidden: bool) -> Act {
+        forward_rows(self, b, inp, if hidden { LogitRows::Hidden } else { LogitRows::All }, false).out
     }
 }
 

@@ -72,10 +72,7 @@ impl Drop for Buffer {
         // submit waits on its fence before returning), so the device no longer reads it.
         unsafe { self.gpu.device.destroy_buffer(self.raw, None) };
         if let Some(a) = self.alloc.take() {
-            let mut al = self.gpu.allocator.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(al) = al.as_mut() {
-                let _ = al.free(a);
-            }
+            self.gpu.release(a);
         }
     }
 }

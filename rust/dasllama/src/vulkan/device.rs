@@ -281,6 +281,29 @@ impl Gpu {
     }
 
     /// Bytes our allocator holds in device memory blocks.
+    /// Free `a`. The allocator keeps its last empty block of each memory type for the next
+    /// allocation; once nothing is allocated at all, it starts afresh, so dropping the last model
+    /// on a device gives back every byte it took.
+    pub fn release(&self, a: gpu_allocator::vulkan::Allocation) {
+        let mut al = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(inner) = al.as_mut() else { return };
+        let _ = inner.free(a);
+        if inner.generate_report().total_allocated_bytes == 0 {
+            let desc = AllocatorCreateDesc {
+                instance: self.instance.clone(),
+                device: self.device.clone(),
+                physical_device: self.physical,
+                debug_settings: Default::default(),
+                buffer_device_address: true,
+                allocation_sizes: Default::default(),
+            };
+            // A fresh allocator holds no block; should making one fail, the old one stays.
+            if let Ok(fresh) = Allocator::new(&desc) {
+                *al = Some(fresh);
+            }
+        }
+    }
+
     pub fn allocated(&self) -> u64 {
         let a = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
         a.as_ref().map_or(0, |a| a.generate_report().total_reserved_bytes)

@@ -9,31 +9,33 @@
 //!
 //! Modules: `device` (loader, instance, device choice, allocator), `buffer`, `kernels`
 //! (pipelines and the step's command buffer), `weights` (repack and upload), `regions` (device
-//! K/V), `resident` (the model and its forward pass), `rails`, `placement` (both as the model
-//! sees them).
+//! K/V), `ops` (the forward pass's ops, recorded), `engine` (a resident model: its uploads,
+//! buffers and kept chains), `rails`, `placement` (both as the model sees them). Nothing here
+//! knows a model: the forward pass comes through `backend::Placeable`.
 
 mod buffer;
 mod device;
+mod engine;
 mod kernels;
+mod ops;
 mod placement;
 mod rails;
 mod regions;
-mod resident;
 mod shaders;
 mod weights;
 
 pub use device::DeviceInfo;
-pub use resident::{decline, weight_bytes, PREFILL_WINDOW};
+pub use engine::PREFILL_WINDOW;
 
-use crate::backend::Placement;
+use crate::backend::{Placeable, Placement};
 use crate::kv::KvCodec;
-use crate::model::{Model, Numerics};
+use crate::Error;
 use crate::Result;
 use device::Gpu;
+use engine::Engine;
 use placement::{RailsPlacement, ResidentPlacement};
 use rails::Rails;
 use regions::Regions;
-use resident::Resident;
 use std::sync::{Arc, OnceLock};
 
 /// The backend's witness: whether a usable Vulkan device answers on this machine (enumerated
@@ -144,66 +146,76 @@ fn log(msg: &str) {
     }
 }
 
-/// Put `m` on `dev`: the whole model with its K/V regions when the resident driver takes it
-/// and it fits, else its matrices on the per-op rails; Err with the reason, in words a person
-/// can act on, when neither. The caller owns the placement (a model keeps it with
+/// Put `m` on `dev`: the whole model with its K/V regions when the device runs every op of its
+/// pass and it fits, else its matrices on the per-op rails; Err with the reason, in words a
+/// person can act on, when neither. The caller owns the placement (a model keeps it with
 /// `Model::set_placement`); `m` must not be placed elsewhere meanwhile.
-pub fn place(dev: &Arc<Device>, m: &Model, o: &Options) -> std::result::Result<Arc<dyn Placement>, String> {
+pub fn place(dev: &Arc<Device>, m: &dyn Placeable, o: &Options) -> std::result::Result<Arc<dyn Placement>, String> {
     if dev.lost() {
         return Err(format!("the device '{}' was lost; open it again", dev.info().name));
     }
-    if let Some(why) = decline(m) {
-        if m.numerics == Numerics::Ggml {
-            return Err(why);
-        }
-        return place_rails(dev, m, o, why);
+    if let Some(why) = m.host_only() {
+        return Err(why);
     }
-    let ctx = if o.ctx_max == 0 { m.config.seq_len } else { o.ctx_max.min(m.config.seq_len) };
-    if o.ctx_strict && o.ctx_max > m.config.seq_len {
-        return Err(format!("a strict context of {} positions was asked, past the model's {}", o.ctx_max, m.config.seq_len));
+    let seq_len = m.seq_len();
+    let ctx = if o.ctx_max == 0 { seq_len } else { o.ctx_max.min(seq_len) };
+    if o.ctx_strict && o.ctx_max > seq_len {
+        return Err(format!("a strict context of {} positions was asked, past the model's {seq_len}", o.ctx_max));
     }
     let codec = o.codec()?;
-    if !codec.supports(m.config.head_dim) {
+    let heads = m.kv_heads();
+    if let Some(&(hd, _)) = heads.iter().find(|&&(hd, _)| !codec.supports(hd)) {
         return Err(format!(
-            "device K/V in {} needs {}; this model's heads have {} values (pin f16 with set_gpu_kv_dtype)",
+            "device K/V in {} needs {}; this model's heads have {hd} values (pin f16 with set_gpu_kv_dtype)",
             codec.name(),
-            codec.requirement(),
-            m.config.head_dim
+            codec.requirement()
         ));
     }
     if o.regions == 0 {
         return Err("the device needs at least one K/V region".into());
     }
-    let kv_bytes = Regions::bytes_for(o.regions, ctx, m.config.kv_layers(), m.config.kv_dim(), codec);
-    let weight_bytes = weight_bytes(m);
+    let kv_bytes = Regions::bytes_for(o.regions, ctx, &heads, codec);
+    let weight_bytes = m.weight_bytes();
     let need = weight_bytes + kv_bytes;
     let have = dev.budget(o.vram_mb);
     if need > have {
-        return Err(format!(
+        let why = format!(
             "the model needs {} MiB on the device ({} MiB of weights, {} MiB of K/V for {} regions of {ctx} positions) but the budget is {} MiB; lower --gpu-regions or the context, or serve on the CPU",
             need >> 20,
             weight_bytes >> 20,
             kv_bytes >> 20,
             o.regions,
             have >> 20
-        ));
+        );
+        return Err(why);
     }
-    let r = Resident::upload(&dev.gpu, m, o.regions, ctx, codec).map_err(|e| format!("uploading the model failed: {e}"))?;
+    let mut e = Engine::new(&dev.gpu, m, o.regions, ctx, codec).map_err(|e| format!("placing the model failed: {e}"))?;
+    // One row through the whole pass: every weight goes up, every pipeline compiles, and an op
+    // the device cannot run says so now rather than in the first request.
+    let inp = m.pass_in(&[0], &[1], &[0], vec![0]);
+    match e.forward(m, &[0], &inp, false, &mut Vec::new()) {
+        Ok(()) => {}
+        Err(Error::UnsupportedModel(why)) => {
+            drop(e);
+            return place_rails(dev, m, o, why);
+        }
+        Err(err) => return Err(format!("uploading the model failed: {err}")),
+    }
     log(&format!(
         "{} on '{}': {} MiB of weights, {} regions of {ctx} positions, K/V in {}",
-        m.config.arch,
+        m.arch(),
         dev.info().name,
-        r.weight_bytes >> 20,
+        e.weight_bytes >> 20,
         o.regions,
         codec.name()
     ));
-    Ok(Arc::new(ResidentPlacement::new(dev.clone(), r, m.rope_factors.clone())))
+    Ok(Arc::new(ResidentPlacement::new(dev.clone(), e)))
 }
 
-/// The per-op rails for a model the resident driver declined (`why`, which its status keeps).
-fn place_rails(dev: &Arc<Device>, m: &Model, o: &Options, why: String) -> std::result::Result<Arc<dyn Placement>, String> {
+/// The per-op rails for a model the device does not hold whole (`why`, which its status keeps).
+fn place_rails(dev: &Arc<Device>, m: &dyn Placeable, o: &Options, why: String) -> std::result::Result<Arc<dyn Placement>, String> {
     let budget = dev.budget(o.vram_mb);
-    match Rails::upload(&dev.gpu, m, budget) {
+    match Rails::upload(&dev.gpu, &m.matrices(), budget) {
         Ok(r) if r.matrices() > 0 => {
             // A format no shader reads (MXFP4 experts) keeps matmuls on the CPU: say which.
             let why = match r.unread_words() {
@@ -212,7 +224,7 @@ fn place_rails(dev: &Arc<Device>, m: &Model, o: &Options, why: String) -> std::r
             };
             log(&format!(
                 "{} on '{}' on the per-op rails: {} matrices ({} MiB) on the device, {} on the CPU; {why}",
-                m.config.arch,
+                m.arch(),
                 dev.info().name,
                 r.matrices(),
                 r.weight_bytes >> 20,

@@ -4,11 +4,11 @@
 //! after every step. A device that fails under a placement is let go of there: the placement
 //! frees what it held and stops serving, and every later pass of its model runs on the host.
 
+use super::engine::{Engine, MAX_OUT, PREFILL_WINDOW};
 use super::rails::Rails;
 use super::regions::Book;
-use super::resident::Resident;
 use super::Device;
-use crate::backend::{DevKv, KvHome, LogitRows, MatmulOffload, Placement, PlacementStatus};
+use crate::backend::{DevKv, KvHome, MatmulOffload, PassIn, Placeable, Placement, PlacementStatus};
 use crate::kv::KvCache;
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -31,23 +31,21 @@ fn ended(e: &Error, lost: bool) -> String {
 pub struct ResidentPlacement {
     dev: Arc<Device>,
     /// None once the device failed under it (what it held is freed then).
-    engine: Mutex<Option<Resident>>,
+    engine: Mutex<Option<Engine>>,
     book: Arc<Book>,
-    /// The model's RoPE frequency divisors, where it has them.
-    factors: Option<Vec<f32>>,
     serving: AtomicBool,
     status: Mutex<PlacementStatus>,
     passes: Mutex<BTreeMap<String, u64>>,
 }
 
 impl ResidentPlacement {
-    pub fn new(dev: Arc<Device>, r: Resident, factors: Option<Vec<f32>>) -> ResidentPlacement {
+    pub fn new(dev: Arc<Device>, r: Engine) -> ResidentPlacement {
         let status = PlacementStatus {
             tier: "gpu:resident",
             device: dev.info().name.clone(),
             reason: String::new(),
             serving: true,
-            resident_layers: r.layers(),
+            resident_layers: r.regions.slots(),
             weight_bytes: r.weight_bytes,
             kv_bytes: r.regions.bytes(),
             regions: r.regions.count(),
@@ -60,7 +58,6 @@ impl ResidentPlacement {
             dev,
             book: Arc::new(Book::new(r.regions.count())),
             engine: Mutex::new(Some(r)),
-            factors,
             serving: AtomicBool::new(true),
             status: Mutex::new(status),
             passes: Mutex::new(BTreeMap::new()),
@@ -106,24 +103,22 @@ impl Placement for ResidentPlacement {
         Ok(DevKv::new(region, home))
     }
 
-    fn forward(&self, kvs: &mut [&mut DevKv], counts: &[usize], tokens: &[u32], want: LogitRows<'_>, logits: &mut Vec<f32>) -> Result<()> {
-        if kvs.iter().any(|k| !k.is_in(&self.book)) {
-            return Err(self.stale());
-        }
+    fn window(&self) -> (usize, usize) {
+        (PREFILL_WINDOW, MAX_OUT)
+    }
+
+    fn owns(&self, kv: &DevKv) -> bool {
+        kv.is_in(&self.book)
+    }
+
+    fn session_ctx(&self) -> usize {
+        lock(&self.status).session_ctx
+    }
+
+    fn forward(&self, m: &dyn Placeable, regions: &[usize], inp: &PassIn<'_>, hidden: bool, out: &mut Vec<f32>) -> Result<()> {
         let mut engine = lock(&self.engine);
         let Some(r) = engine.as_mut() else { return Err(self.stale()) };
-        for (k, &c) in kvs.iter().zip(counts) {
-            if k.len() + c > r.regions.ctx {
-                return Err(Error::ContextOverflow(format!(
-                    "{c} tokens at position {} would run past the {} positions a device region holds; start a new session or raise set_gpu_ctx_max",
-                    k.len(),
-                    r.regions.ctx
-                )));
-            }
-        }
-        let regions: Vec<usize> = kvs.iter().map(|k| k.region()).collect();
-        let lens: Vec<usize> = kvs.iter().map(|k| k.len()).collect();
-        if let Err(e) = r.forward(&regions, &lens, counts, tokens, want, logits, self.factors.as_deref()) {
+        if let Err(e) = r.forward(m, regions, inp, hidden, out) {
             self.dev.gpu.note(&e);
             if self.dev.lost() {
                 // Nothing on a lost device answers again: free what it held, serve on the host.
@@ -135,13 +130,10 @@ impl Placement for ResidentPlacement {
             }
             return Err(e);
         }
-        let (recorded, replayed) = (r.recorded, r.replayed);
+        let (recorded, replayed, weight_bytes) = (r.recorded, r.replayed, r.weight_bytes);
         drop(engine);
-        for (k, &c) in kvs.iter_mut().zip(counts) {
-            k.advance(c);
-        }
         let mut st = lock(&self.status);
-        (st.chains_recorded, st.chains_replayed) = (recorded, replayed);
+        (st.chains_recorded, st.chains_replayed, st.weight_bytes) = (recorded, replayed, weight_bytes);
         Ok(())
     }
 
@@ -187,7 +179,7 @@ impl RailsPlacement {
 
     fn declined(&self) -> Error {
         Error::InvalidArgument(format!(
-            "this model runs on the per-op rails (its matrices on the device, K/V in host memory); device-home sessions need the resident driver, which declined it: {}",
+            "this model runs on the per-op rails (its matrices on the device, K/V in host memory); device-home sessions need the whole model on the device, which it does not hold: {}",
             lock(&self.status).reason
         ))
     }
@@ -224,7 +216,19 @@ impl Placement for RailsPlacement {
         Err(self.declined())
     }
 
-    fn forward(&self, _: &mut [&mut DevKv], _: &[usize], _: &[u32], _: LogitRows<'_>, _: &mut Vec<f32>) -> Result<()> {
+    fn window(&self) -> (usize, usize) {
+        (PREFILL_WINDOW, MAX_OUT)
+    }
+
+    fn owns(&self, _: &DevKv) -> bool {
+        false
+    }
+
+    fn session_ctx(&self) -> usize {
+        0
+    }
+
+    fn forward(&self, _: &dyn Placeable, _: &[usize], _: &PassIn<'_>, _: bool, _: &mut Vec<f32>) -> Result<()> {
         Err(self.declined())
     }
 

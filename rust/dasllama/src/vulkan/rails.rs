@@ -10,10 +10,9 @@
 use super::buffer::Buffer;
 use super::device::Gpu;
 use super::kernels::{Kernels, Runner};
-use super::resident::mm;
+use super::ops::{mm, W};
 use super::weights::{unsupported, upload_weight, DevWeight};
 use crate::backend::MatmulOffload;
-use crate::model::Model;
 use crate::quant::Weight;
 use crate::{Error, Result};
 use gpu_allocator::MemoryLocation;
@@ -64,13 +63,13 @@ impl MatmulOffload for Rails {
 }
 
 impl Rails {
-    /// Upload `m`'s matrices in `Model::matrices` order while they fit in `budget` bytes.
-    pub fn upload(gpu: &Arc<Gpu>, m: &Model, budget: u64) -> Result<Rails> {
+    /// Upload `matrices`, in order, while they fit in `budget` bytes.
+    pub fn upload(gpu: &Arc<Gpu>, matrices: &[&Weight], budget: u64) -> Result<Rails> {
         let mut run = Runner::new(gpu)?;
         let mut weights = HashMap::new();
         let (mut bytes, mut left) = (0u64, 0usize);
         let mut unread = BTreeMap::new();
-        for (i, w) in m.matrices().into_iter().enumerate() {
+        for (i, &w) in matrices.iter().enumerate() {
             let need = (w.row_bytes() * w.rows) as u64 * 9 / 8;
             if !super::shaders::reads_format(w.ty) {
                 *unread.entry(w.ty.name()).or_insert(0) += 1;
@@ -128,8 +127,8 @@ impl Rails {
         let (r, k) = (&mut self.run, &mut self.kernels);
         r.copy(&io.up, 0, &io.x, 0, (in_floats * 4) as u64)?;
         r.barrier()?;
-        let pairs: Vec<(&DevWeight, &Buffer)> = segs.iter().zip(&io.ys).map(|((w, _), y)| (&self.weights[&(*w as *const Weight as usize)], y)).collect();
-        mm(r, k, &pairs, &io.x, &io.xq, n)?;
+        let pairs: Vec<(W, u64)> = segs.iter().zip(&io.ys).map(|((w, _), y)| (W::of(&self.weights[&(*w as *const Weight as usize)]), y.addr)).collect();
+        mm(r, k, &pairs, io.x.addr, io.xq.addr, n)?;
         r.barrier()?;
         for ((w, out), y) in segs.iter_mut().zip(&io.ys) {
             let floats = n * w.rows;

@@ -34,13 +34,16 @@ pub fn row_words(codec: KvCodec, kvd: usize) -> usize {
     }
 }
 
-/// The regions' memory and layout (what a step reads and writes).
+/// The regions' memory and layout (what a step reads and writes). Each K/V slot (an attention
+/// layer that keeps its own) has its own row width, its heads' (Gemma 4's sliding and full
+/// layers differ).
 pub struct Regions {
     pub buf: Buffer,
     pub ctx: usize,
     pub codec: KvCodec,
     n: usize,
-    row_words: usize,
+    /// Per slot: its heads (head_dim, n_kv_heads), row words, and word offset in a region.
+    slots: Vec<((usize, usize), usize, usize)>,
     region_words: usize,
 }
 
@@ -51,19 +54,37 @@ pub struct Book {
 }
 
 impl Regions {
-    pub fn new(gpu: &Arc<Gpu>, n: usize, ctx: usize, layers: usize, kvd: usize, codec: KvCodec) -> Result<Regions> {
-        let buf = Buffer::new(gpu, "K/V regions", Regions::bytes_for(n, ctx, layers, kvd, codec), MemoryLocation::GpuOnly)?;
-        let row_words = row_words(codec, kvd);
-        Ok(Regions { buf, ctx, codec, n, row_words, region_words: layers * ctx * 2 * row_words })
+    /// `n` regions of `ctx` positions for K/V slots of `heads` (head_dim, n_kv_heads) each.
+    pub fn new(gpu: &Arc<Gpu>, n: usize, ctx: usize, heads: &[(usize, usize)], codec: KvCodec) -> Result<Regions> {
+        let buf = Buffer::new(gpu, "K/V regions", Regions::bytes_for(n, ctx, heads, codec), MemoryLocation::GpuOnly)?;
+        let mut slots = Vec::with_capacity(heads.len());
+        let mut at = 0;
+        for &(hd, nkv) in heads {
+            let rw = row_words(codec, hd * nkv);
+            slots.push(((hd, nkv), rw, at));
+            at += 2 * ctx * rw;
+        }
+        Ok(Regions { buf, ctx, codec, n, slots, region_words: at })
     }
 
     /// Device bytes of `n` regions (what the install checks against the budget).
-    pub fn bytes_for(n: usize, ctx: usize, layers: usize, kvd: usize, codec: KvCodec) -> u64 {
-        (n * layers * ctx * 2 * row_words(codec, kvd) * 4) as u64
+    pub fn bytes_for(n: usize, ctx: usize, heads: &[(usize, usize)], codec: KvCodec) -> u64 {
+        let per_pos: usize = heads.iter().map(|&(hd, nkv)| 2 * row_words(codec, hd * nkv)).sum();
+        (n * ctx * per_pos * 4) as u64
     }
 
-    pub fn row_words(&self) -> usize {
-        self.row_words
+    /// Words one position of slot `slot` takes (K or V).
+    pub fn row_words(&self, slot: usize) -> usize {
+        self.slots[slot].1
+    }
+
+    /// Slot `slot`'s heads: (head_dim, n_kv_heads).
+    pub fn heads(&self, slot: usize) -> (usize, usize) {
+        self.slots[slot].0
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots.len()
     }
 
     pub fn count(&self) -> usize {
@@ -80,14 +101,15 @@ impl Regions {
 
     /// Word offsets of layer slot `slot`'s K from a region's start, and of its V from its K.
     pub fn slot_offsets(&self, slot: usize) -> (usize, usize) {
-        (2 * slot * self.ctx * self.row_words, self.ctx * self.row_words)
+        let (_, rw, at) = self.slots[slot];
+        (at, self.ctx * rw)
     }
 
     /// Byte range of layer slot `slot`'s K (v = false) or V rows 0..rows in `region`.
     pub fn rows_bytes(&self, region: usize, slot: usize, v: bool, rows: usize) -> (u64, u64) {
         let (so, vo) = self.slot_offsets(slot);
         let w = self.base_word(region) + so + if v { vo } else { 0 };
-        (4 * w as u64, (rows * self.row_words * 4) as u64)
+        (4 * w as u64, (rows * self.row_words(slot) * 4) as u64)
     }
 }
 

@@ -127,6 +127,16 @@ push_blocks! {
         qmul: f32, smul: f32, softcap: f32,
         slot_off: u32, v_off: u32, row_words: u32, rscale: f32, _pad: u32,
     }
+    /// `copy_cols.comp`: columns of each row into another matrix's columns.
+    CopyColsPush for ["copy_cols"] {
+        src: u64, dst: u64,
+        src_width: u32, src_col: u32, dst_width: u32, dst_col: u32, cols: u32, rows: u32,
+    }
+    /// `row_ops.comp`: the scaling ops (by row, by column, by a scalar), sigmoid and product.
+    RowOpsPush for ["row_ops"] {
+        x: u64, y: u64, s: u64,
+        count: u32, width: u32, op: u32, a: f32,
+    }
 }
 
 #[cfg(test)]

@@ -315,7 +315,7 @@ fn attention_case(codec: KvCodec, nh: usize, nkv: usize) {
     let Some((g, mut k, mut run)) = gpu() else { return };
     let (hd, ctx) = (64usize, 40usize);
     let kvd = nkv * hd;
-    let regions = super::regions::Regions::new(&g, 2, ctx, 1, kvd, codec).unwrap();
+    let regions = super::regions::Regions::new(&g, 2, ctx, &[(hd, nkv)], codec).unwrap();
     // Session 0 writes positions 0..23 in one pass, session 1 positions 0..9; then query rows.
     let plan: Vec<(usize, usize)> = (0..23).map(|p| (0, p)).chain((0..9).map(|p| (1, p))).collect();
     let n = plan.len();
@@ -372,7 +372,7 @@ fn attention_case(codec: KvCodec, nh: usize, nkv: usize) {
     };
     let ((kbytes, kref), (vbytes, vref)) = (host(&kx), host(&vx));
     if codec != KvCodec::F16 {
-        let words = regions.row_words();
+        let words = regions.row_words(0);
         let all = read(&g, &mut run, &regions.buf, regions.bytes() as usize / 4);
         for (t, &(r, pos)) in plan.iter().enumerate() {
             for (v, want) in [(0, &kbytes), (vo, &vbytes)] {
@@ -408,7 +408,7 @@ fn attention_case(codec: KvCodec, nh: usize, nkv: usize) {
                 softcap,
                 slot_off: u(so),
                 v_off: u(vo),
-                row_words: u(regions.row_words()),
+                row_words: u(regions.row_words(0)),
                 rscale,
                 _pad: 0,
             },

@@ -1,0 +1,347 @@
+//! A model resident on the device: what the one forward pass records into (`ops::Recorder`)
+//! and replays. Weights and norm vectors go to the device the first time a pass reads them (so
+//! the placement's first, one-row pass uploads the model whole), the pass's buffers grow to
+//! the largest window seen, and each shape of window keeps its recorded dispatch chain: a
+//! later step of that shape only rewrites the metadata buffer (tokens, each row's region and
+//! position, the rows that get logits, RoPE tables, per-row factors) and replays it.
+
+use super::buffer::Buffer;
+use super::device::Gpu;
+use super::kernels::{Chain, Kernels, Runner};
+use super::ops::Recorder;
+use super::regions::Regions;
+use super::weights::{upload_f32, upload_weight, DevWeight};
+use crate::backend::{Act, Buf, PassIn, Placeable};
+use crate::kv::{KvCache, KvCodec};
+use crate::quant::Weight;
+use crate::{Error, Result};
+use gpu_allocator::MemoryLocation;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Rows one window (one dispatch chain) takes at most: a host that feeds a prompt in chunks
+/// makes them at least this long.
+pub const PREFILL_WINDOW: usize = 256;
+/// Logit rows one chain produces at most (a verify chunk or `eval_all` over a long prompt runs
+/// in several windows).
+pub const MAX_OUT: usize = 64;
+/// Recorded chains kept for replay, one per shape of window (rows, output rows, hidden or
+/// logits): decode steps at each batch size and the common prefill windows.
+const MAX_CHAINS: usize = 64;
+
+/// A kept chain: the window shape it serves, and the rows it leaves (read back after each run).
+struct Kept {
+    key: (usize, usize, bool),
+    chain: Chain,
+    out: Act,
+}
+
+pub struct Engine {
+    pub gpu: Arc<Gpu>,
+    pub(super) kernels: Kernels,
+    /// Steps record and run here; uploads take their own runner, so a weight read for the first
+    /// time while a chain is being recorded goes up at once.
+    pub(super) run: Runner,
+    up: Runner,
+    /// Weights by the address of their bytes, vectors by (address, length): both live as long
+    /// as the model, which owns this engine through its placement.
+    weights: HashMap<usize, DevWeight>,
+    vecs: HashMap<(usize, usize), Buffer>,
+    /// Weightless norms' weights of ones, by width.
+    ones: HashMap<usize, Buffer>,
+    /// The pass's buffers (`Buf`), the matmuls' rounded input, the step metadata and readback.
+    bufs: Vec<Option<Buffer>>,
+    pub(super) xq: Option<Buffer>,
+    pub(super) meta: Option<Buffer>,
+    readback: Option<Buffer>,
+    /// Buffers outgrown while a chain was being recorded, which it may still name.
+    retired: Vec<Buffer>,
+    grew: bool,
+    /// The tq4 rotation's signs, by head size.
+    signs: HashMap<usize, Buffer>,
+    pub regions: Regions,
+    chains: Vec<Kept>,
+    pub weight_bytes: u64,
+    pub recorded: u64,
+    pub replayed: u64,
+}
+
+/// Where the pass's inputs lie in the metadata buffer (device addresses).
+pub(super) struct MetaAt {
+    pub tokens: u64,
+    pub rows: u64,
+    pub picked: u64,
+    pub ropes: Vec<u64>,
+    pub scales: Vec<u64>,
+}
+
+impl Engine {
+    pub fn new(gpu: &Arc<Gpu>, m: &dyn Placeable, n_regions: usize, ctx: usize, codec: KvCodec) -> Result<Engine> {
+        let regions = Regions::new(gpu, n_regions, ctx, &m.kv_heads(), codec)?;
+        Ok(Engine {
+            gpu: gpu.clone(),
+            kernels: Kernels::new(gpu)?,
+            run: Runner::new(gpu)?,
+            up: Runner::new(gpu)?,
+            weights: HashMap::new(),
+            vecs: HashMap::new(),
+            ones: HashMap::new(),
+            bufs: (0..Buf::COUNT).map(|_| None).collect(),
+            xq: None,
+            meta: None,
+            readback: None,
+            retired: Vec::new(),
+            grew: false,
+            signs: HashMap::new(),
+            regions,
+            chains: Vec::new(),
+            weight_bytes: 0,
+            recorded: 0,
+            replayed: 0,
+        })
+    }
+
+    /// `w` on the device, uploaded the first time it is asked for.
+    pub(super) fn weight(&mut self, w: &Weight) -> Result<&DevWeight> {
+        let key = w.data.as_slice().as_ptr() as usize;
+        if !self.weights.contains_key(&key) {
+            if let Some(why) = super::weights::unsupported(w) {
+                return Err(Error::UnsupportedModel(format!("the Vulkan kernels do not read {why} yet")));
+            }
+            let d = upload_weight(&self.gpu, &mut self.up, "weight", w)?;
+            self.weight_bytes += d.buf.size;
+            self.weights.insert(key, d);
+        }
+        Ok(&self.weights[&key])
+    }
+
+    /// `v` on the device (a norm's weight, a bias), uploaded the first time; None: ones of `width`.
+    pub(super) fn vector(&mut self, v: Option<&[f32]>, width: usize) -> Result<u64> {
+        let Some(v) = v else {
+            if !self.ones.contains_key(&width) {
+                let b = upload_f32(&self.gpu, &mut self.up, "ones", &vec![1.0; width])?;
+                self.ones.insert(width, b);
+            }
+            return Ok(self.ones[&width].addr);
+        };
+        let key = (v.as_ptr() as usize, v.len());
+        if !self.vecs.contains_key(&key) {
+            let b = upload_f32(&self.gpu, &mut self.up, "vector", v)?;
+            self.weight_bytes += b.size;
+            self.vecs.insert(key, b);
+        }
+        Ok(self.vecs[&key].addr)
+    }
+
+    pub(super) fn signs(&mut self, head_dim: usize) -> Result<u64> {
+        if !self.signs.contains_key(&head_dim) {
+            let b = upload_f32(&self.gpu, &mut self.up, "tq4 signs", &crate::kv::codec::tq4_sign_vector(head_dim))?;
+            self.signs.insert(head_dim, b);
+        }
+        Ok(self.signs[&head_dim].addr)
+    }
+
+    /// A buffer of at least `bytes`, replaced by a larger one when it is short (the old one is
+    /// retired: a chain being recorded may name it, so that chain is recorded again).
+    fn ensure(
+        gpu: &Arc<Gpu>,
+        slot: &mut Option<Buffer>,
+        bytes: u64,
+        loc: MemoryLocation,
+        what: &str,
+        retired: &mut Vec<Buffer>,
+        grew: &mut bool,
+    ) -> Result<u64> {
+        if slot.as_ref().is_none_or(|b| b.size < bytes) {
+            // Round up so a window a few rows longer does not outgrow it again.
+            let size = bytes.max(1024).next_multiple_of(1 << 16);
+            if let Some(old) = slot.replace(Buffer::new(gpu, what, size, loc)?) {
+                retired.push(old);
+                *grew = true;
+            }
+        }
+        Ok(slot.as_ref().map_or(0, |b| b.addr))
+    }
+
+    /// The address of `len` values of `buf` from the start, growing it where short.
+    pub(super) fn buf(&mut self, buf: Buf, len: usize) -> Result<u64> {
+        Engine::ensure(&self.gpu, &mut self.bufs[buf as usize], 4 * len as u64, MemoryLocation::GpuOnly, "pass buffer", &mut self.retired, &mut self.grew)
+    }
+
+    /// The device address of a view.
+    pub(super) fn addr(&self, a: Act) -> u64 {
+        self.bufs[a.buf as usize].as_ref().map_or(0, |b| b.addr) + 4 * a.off as u64
+    }
+
+    pub(super) fn xq(&mut self, len: usize) -> Result<u64> {
+        Engine::ensure(&self.gpu, &mut self.xq, 4 * len as u64, MemoryLocation::GpuOnly, "rounded activations", &mut self.retired, &mut self.grew)
+    }
+
+    /// Write the pass's inputs into the metadata buffer: where each part lies.
+    fn write_meta(&mut self, regions: &[usize], inp: &PassIn<'_>) -> Result<MetaAt> {
+        let mut words: Vec<u32> = Vec::with_capacity(inp.tokens.len() * 4);
+        words.extend_from_slice(inp.tokens);
+        let rows_at = words.len();
+        for &(s, pos) in &inp.rows {
+            words.extend_from_slice(&[self.regions.base_word(regions[s]) as u32, pos as u32]);
+        }
+        let picked_at = words.len();
+        words.extend(inp.picked.iter().map(|&t| t as u32));
+        let mut ropes = Vec::with_capacity(inp.tables.len());
+        for t in &inp.tables {
+            ropes.push(words.len());
+            words.extend(t.iter().flat_map(|&(s, c)| [s.to_bits(), c.to_bits()]));
+        }
+        let mut scales = Vec::with_capacity(inp.row_scales.len());
+        for t in &inp.row_scales {
+            scales.push(words.len());
+            words.extend(t.iter().map(|v| v.to_bits()));
+        }
+        let bytes = 4 * words.len() as u64;
+        Engine::ensure(&self.gpu, &mut self.meta, bytes, MemoryLocation::CpuToGpu, "step metadata", &mut self.retired, &mut self.grew)?;
+        let meta = self.meta.as_mut().expect("ensured above");
+        for (dst, w) in meta.mapped().chunks_exact_mut(4).zip(&words) {
+            dst.copy_from_slice(&w.to_le_bytes());
+        }
+        let at = |i: usize| meta.at(4 * i as u64);
+        Ok(MetaAt {
+            tokens: at(0),
+            rows: at(rows_at),
+            picked: at(picked_at),
+            ropes: ropes.into_iter().map(at).collect(),
+            scales: scales.into_iter().map(at).collect(),
+        })
+    }
+
+    /// Forget every kept chain (a buffer they name was replaced).
+    fn drop_chains(&mut self) {
+        for k in self.chains.drain(..) {
+            self.run.free(k.chain);
+        }
+        self.retired.clear();
+    }
+
+    /// One window of `m`'s pass: session i of `inp` in region `regions[i]`. The rows the pass
+    /// leaves are appended to `out`.
+    pub fn forward(&mut self, m: &dyn Placeable, regions: &[usize], inp: &PassIn<'_>, hidden: bool, out: &mut Vec<f32>) -> Result<()> {
+        let key = (inp.tokens.len(), inp.picked.len(), hidden);
+        let at = self.write_meta(regions, inp)?;
+        if self.grew {
+            // The metadata buffer itself moved: every kept chain names the old one.
+            self.grew = false;
+            self.drop_chains();
+        }
+        let i = match self.chains.iter().position(|k| k.key == key) {
+            Some(i) => {
+                self.replayed += 1;
+                i
+            }
+            None => {
+                self.record(m, inp, hidden, key, &at)?;
+                self.recorded += 1;
+                self.chains.len() - 1
+            }
+        };
+        // Most recently used last: the front is what goes when the cache is full.
+        let k = self.chains.remove(i);
+        let ran = self.run.replay(&k.chain);
+        let res = k.out;
+        self.chains.push(k);
+        ran?;
+        let back = self.readback.as_mut().expect("a recorded chain reads back");
+        out.extend(back.mapped()[..4 * res.len].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        Ok(())
+    }
+
+    /// Record the chain of a window of this shape, keeping it. A recording that outgrew a
+    /// buffer is thrown away and done again over the grown buffers.
+    fn record(&mut self, m: &dyn Placeable, inp: &PassIn<'_>, hidden: bool, key: (usize, usize, bool), at: &MetaAt) -> Result<()> {
+        for _ in 0..3 {
+            self.run.record_chain()?;
+            let mut rec = Recorder::new(self, at, inp);
+            let res = m.pass(&mut rec, inp, hidden);
+            let failed = rec.finish();
+            let bytes = 4 * res.len as u64;
+            let copied = failed.and_then(|()| {
+                Engine::ensure(&self.gpu, &mut self.readback, bytes, MemoryLocation::GpuToCpu, "readback", &mut self.retired, &mut self.grew)?;
+                let src = self.bufs[res.buf as usize].as_ref().ok_or_else(|| Error::Internal("a pass left a buffer it never allocated".into()))?;
+                self.run.copy(src, 4 * res.off as u64, self.readback.as_ref().expect("ensured above"), 0, bytes)
+            });
+            if let Err(e) = copied {
+                self.run.abandon();
+                return Err(e);
+            }
+            if std::mem::take(&mut self.grew) {
+                self.run.abandon();
+                self.drop_chains();
+                continue;
+            }
+            let chain = self.run.keep()?;
+            if self.chains.len() == MAX_CHAINS {
+                let old = self.chains.remove(0);
+                self.run.free(old.chain);
+            }
+            self.chains.push(Kept { key, chain, out: res });
+            return Ok(());
+        }
+        Err(Error::Internal("a pass kept outgrowing its device buffers".into()))
+    }
+
+    /// Copy rows 0..len of `region` into the empty host cache `kv` (decoded from the device's
+    /// codec and re-encoded in the cache's).
+    pub fn read_rows(&mut self, region: usize, len: usize, kv: &mut KvCache) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let codec = self.regions.codec;
+        kv.reserve(len)?;
+        for slot in 0..self.regions.slots() {
+            let (hd, nkv) = self.regions.heads(slot);
+            let kvd = hd * nkv;
+            let (ko, bytes) = self.regions.rows_bytes(region, slot, false, len);
+            let (vo, _) = self.regions.rows_bytes(region, slot, true, len);
+            let mut back = Buffer::new(&self.gpu, "hydrate", 2 * bytes, MemoryLocation::GpuToCpu)?;
+            self.up.copy(&self.regions.buf, ko, &back, 0, bytes)?;
+            self.up.copy(&self.regions.buf, vo, &back, bytes, bytes)?;
+            self.up.submit()?;
+            let row_bytes = bytes as usize / len;
+            let mut k = vec![0f32; len * kvd];
+            let mut v = vec![0f32; len * kvd];
+            let mapped = back.mapped();
+            for (x, src) in [(&mut k, &mapped[..bytes as usize]), (&mut v, &mapped[bytes as usize..2 * bytes as usize])] {
+                for (row, out) in src.chunks_exact(row_bytes).zip(x.chunks_exact_mut(kvd)) {
+                    decode_row(codec, row, hd, out);
+                }
+            }
+            kv.append(slot, &k, &v);
+        }
+        kv.commit(len);
+        Ok(())
+    }
+}
+
+/// One position's K or V as the device stores it (`regions::row_words`) back to the model's
+/// basis, f32.
+pub(crate) fn decode_row(codec: KvCodec, row: &[u8], hd: usize, out: &mut [f32]) {
+    match codec {
+        KvCodec::F16 => {
+            for (i, x) in out.iter_mut().enumerate() {
+                *x = half::f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32();
+            }
+        }
+        // Device blocks are the host's with the scale padded to a word: drop the padding and
+        // decode as the host codec does.
+        KvCodec::Q8_0 | KvCodec::Tq4 => {
+            let (dev, host) = if codec == KvCodec::Q8_0 { (36, 34) } else { (20, 18) };
+            let mut blocks = Vec::with_capacity(out.len() / 32 * host);
+            for b in row.chunks_exact(dev) {
+                blocks.extend_from_slice(&b[..2]);
+                blocks.extend_from_slice(&b[4..]);
+            }
+            codec.decode(&blocks, out);
+            if codec == KvCodec::Tq4 {
+                out.chunks_exact_mut(hd).for_each(crate::kv::codec::unrotate);
+            }
+        }
+    }
+}
