@@ -10,6 +10,21 @@ so they run from wherever they are copied.
 
 Needs a C++ compiler and `cmake` (`pip install cmake ninja` provides both build tools). Takes
 about five minutes on two cores.
+
+`--vulkan` builds the Vulkan backend instead, for the GPU check (`scripts/gpu_check.sh`) to run
+llama.cpp beside dasllama on a lent GPU machine: `llama-bench`, `llama-batched-bench` and
+`llama-quantize`, for a generic x86-64 with AVX2 rather than this machine's CPU (they run there),
+with libstdc++ and libgcc linked in and no OpenMP, and stripped, so that they need only glibc and
+`libvulkan.so.1` where they land. Needs the Vulkan headers, loader and shader compiler
+(`apt-get install -y libvulkan-dev glslc spirv-headers` on Debian 12). Debian 12's glslc knows
+no cooperative matrices nor integer dot products, without which llama.cpp's Vulkan backend falls
+back to its slowest matrix kernels on NVIDIA (no fair figure beside dasllama), so where the
+installed glslc lacks GL_NV_cooperative_matrix2 this fetches Debian 13's glslc and Vulkan headers
+with apt-get (Debian's own archive, into a cache folder, installing nothing) and builds with them,
+the glslc run through its own glibc's loader. Takes far longer than the CPU build (over a
+thousand shaders):
+
+    nice -n 19 python scripts/build_llama_cpp.py --vulkan --jobs 2 --dest .llama-vk
 """
 
 from __future__ import annotations
@@ -17,6 +32,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -27,6 +43,18 @@ from pathlib import Path
 log = logging.getLogger("build_llama_cpp")
 
 TOOLS = ("llama-server", "llama-batched-bench", "llama-bench", "llama-quantize")
+# The server is left out of the Vulkan build: the GPU check runs no server, and every tool links
+# the whole Vulkan backend, so each one costs megabytes of what may travel to the device machine.
+VULKAN_TOOLS = ("llama-batched-bench", "llama-bench", "llama-quantize")
+COMMON_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
+CPU_FLAGS = ["-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON"]
+# Built here, run on another machine: no -march=native (AVX2, FMA and F16C every x86-64 server
+# of the last decade has), no OpenMP (libgomp may be missing there; ggml's own thread pool does),
+# libstdc++ and libgcc static, so the binaries need only glibc and the Vulkan loader there.
+VULKAN_FLAGS = [
+    "-DGGML_VULKAN=ON", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_OPENMP=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_EXE_LINKER_FLAGS=-static-libstdc++ -static-libgcc",
+]  # fmt: skip
 
 
 def run(cmd: list[str], cwd: Path, log_file: Path) -> None:
@@ -59,25 +87,83 @@ def vendored_sources(version: str, work: Path, build_log: Path) -> tuple[Path, l
     return src, ["-G", "Ninja"] if shutil.which("ninja") else []
 
 
+def glslc_knows(glslc: str, extension: str, work: Path) -> bool:
+    """Whether `glslc` compiles a compute shader that requires `extension` (as llama.cpp's
+    CMakeLists asks it)."""
+    src = work / f"probe-{extension}.comp"
+    src.write_text(f"#version 460\n#extension {extension} : require\nlayout(local_size_x = 1) in;\nvoid main() {{}}\n")
+    cmd = [glslc, "-o", "-", "-fshader-stage=compute", "--target-env=vulkan1.3", str(src)]
+    return subprocess.run(cmd, check=False, capture_output=True).returncode == 0
+
+
+def debian13_shader_tools(cache: Path, build_log: Path) -> tuple[Path, Path]:
+    """Debian 13's glslc (shaderc 2025) and Vulkan headers, unpacked under `cache` from Debian's
+    archive with apt-get's own download (no install): a wrapper that runs that glslc through the
+    glibc and libstdc++ it was built for, and the include folder."""
+    root, wrapper = cache / "root", cache / "glslc"
+    if wrapper.exists() and (root / "usr/include/vulkan/vulkan_core.h").exists():
+        return wrapper, root / "usr/include"
+    lists, debs = cache / "lists", cache / "debs"
+    for d in (lists / "partial", debs, cache / "archives/partial"):
+        d.mkdir(parents=True, exist_ok=True)
+    (cache / "sources.list").write_text("deb http://deb.debian.org/debian trixie main\n")
+    # A private list and cache, so the host's own apt state (Debian 12) is left as it was.
+    opts = [
+        f"-oDir::Etc::SourceList={cache / 'sources.list'}", "-oDir::Etc::SourceParts=/dev/null", f"-oDir::State::Lists={lists}",
+        f"-oDir::Cache={cache}", "-oAPT::Architecture=amd64", "-oAPT::Architectures=amd64",
+    ]  # fmt: skip
+    log.info("fetching Debian 13's glslc and Vulkan headers into %s", cache)
+    run(["apt-get", *opts, "update"], cache, build_log)
+    run(["apt-get", *opts, "download", "glslc", "libshaderc1", "libc6", "libgcc-s1", "libstdc++6", "libvulkan-dev", "spirv-headers"], debs, build_log)
+    for deb in sorted(debs.glob("*.deb")):
+        run(["dpkg-deb", "-x", str(deb), str(root)], cache, build_log)
+    lib = root / "usr/lib/x86_64-linux-gnu"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(str(lib / "ld-linux-x86-64.so.2"))} --library-path {shlex.quote(str(lib))} {shlex.quote(str(root / "usr/bin/glslc"))} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper, root / "usr/include"
+
+
+def vulkan_shader_flags(work: Path, build_log: Path) -> list[str]:
+    """CMake flags that point llama.cpp at a glslc which knows NVIDIA's cooperative matrices (and
+    headers that declare them): the installed one where it does, else Debian 13's."""
+    glslc = shutil.which("glslc")
+    if glslc is None and shutil.which("apt-get") is None:
+        raise SystemExit("glslc not found on the PATH: `apt-get install -y libvulkan-dev glslc spirv-headers`")
+    if glslc is not None and glslc_knows(glslc, "GL_NV_cooperative_matrix2", work):
+        return []
+    if shutil.which("apt-get") is None:
+        log.warning("%s knows no cooperative matrices: llama.cpp's Vulkan build will run its slowest matrix kernels", glslc)
+        return []
+    wrapper, include = debian13_shader_tools(Path.home() / ".cache/dasllama/debian13-glslc", build_log)
+    if not glslc_knows(str(wrapper), "GL_NV_cooperative_matrix2", work):
+        raise SystemExit(f"Debian 13's glslc ({wrapper}) does not compile GL_NV_cooperative_matrix2 either; see {build_log}")
+    return [f"-DVulkan_GLSLC_EXECUTABLE={wrapper}", f"-DVulkan_INCLUDE_DIR={include}"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", default="0.3.36", help="the llama-cpp-python release whose vendored llama.cpp to build")
     ap.add_argument("--dest", type=Path, default=Path.home() / ".cache/dasllama/llama.cpp/bin")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--vulkan", action="store_true", help="the Vulkan build of llama-bench, llama-batched-bench and llama-quantize, portable and stripped")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with tempfile.TemporaryDirectory(prefix="llama-cpp-") as tmp:
         work = Path(tmp)
         build_log = work / "build.log"
         src, generator = vendored_sources(args.version, work, build_log)
-        log.info("configuring llama.cpp (native CPU build, static)")
-        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"]
+        tools = VULKAN_TOOLS if args.vulkan else TOOLS
+        log.info("configuring llama.cpp (%s, static)", "Vulkan build for x86-64 with AVX2" if args.vulkan else "native CPU build")
+        flags = COMMON_FLAGS + (VULKAN_FLAGS + vulkan_shader_flags(work, build_log) if args.vulkan else CPU_FLAGS)
         run(["cmake", "-S", str(src), "-B", str(src / "build"), *generator, *flags], src, build_log)
-        log.info("building %s with %d jobs (minutes)", ", ".join(TOOLS), args.jobs)
-        run(["cmake", "--build", str(src / "build"), "-j", str(args.jobs), "--target", *TOOLS], src, build_log)
+        log.info("building %s with %d jobs (minutes; log in %s)", ", ".join(tools), args.jobs, build_log)
+        run(["cmake", "--build", str(src / "build"), "-j", str(args.jobs), "--target", *tools], src, build_log)
         args.dest.mkdir(parents=True, exist_ok=True)
-        for tool in TOOLS:
+        for tool in tools:
             shutil.copy2(src / "build" / "bin" / tool, args.dest / tool)
+            # Symbols are most of a static binary's size, and the Vulkan build's must travel.
+            if args.vulkan and shutil.which("strip"):
+                run(["strip", str(args.dest / tool)], src, build_log)
     log.info("built into %s; put it on the PATH for the benches:\n  export PATH=%s:$PATH", args.dest, args.dest)
 
 
