@@ -487,6 +487,7 @@ impl Resident {
                     row_words: u(self.regions.row_words()),
                     rscale,
                     _pad: 0,
+                    ..Default::default()
                 },
                 // One workgroup per KV head (per eight of the query heads sharing it) and row.
                 [(sh.n_kv_heads * (sh.n_heads / sh.n_kv_heads).div_ceil(8)) as u32, n as u32, 1],
@@ -695,5 +696,5 @@ fn rms_norm(r: &mut Runner, k: &mut Kernels, x: &Buffer, out: &Buffer, w: &Buffe
 
 #[allow(clippy::too_many_arguments)]
 fn eltwise(r: &mut Runner, k: &mut Kernels, x: &Buffer, y: &Buffer, count: usize, width: usize, op: usize, a: f32) -> Result<()> {
-    r.dispatch_flat(k, Shader::Eltwise, sh::EltwisePush { x: x.addr, y: y.addr, count: u(count), width: u(width), op: u(op), a }, count)
+    r.dispatch_flat(k, Shader::Eltwise, sh::EltwisePush { x: x.addr, y: y.addr, count: u(count), width: u(width), op: u(op), a, z: 0 }, count)
 }

@@ -1,0 +1,332 @@
+//! The device ops the one forward pass needs beyond the dense path's (attention sinks, the
+//! element-wise ops, routed experts, MXFP4 and IQ4 weights, gated DeltaNet), each against the CPU
+//! code it mirrors, with its tolerance stated. As `tests.rs`: without a Vulkan device each test
+//! prints `skipped: ..` and returns.
+
+use super::buffer::Buffer;
+use super::moe::{self, elt, DevExperts, MoeScratch, RouteSpec};
+use super::shaders::{self as sh, u, Shader};
+use super::tests::{close, gpu, rand, read, run_op, weight};
+use super::weights::{upload_f32, upload_stacked};
+use crate::backend::{Activation, Gating, Host, Numerics, Route};
+use crate::cpu::backend::Cpu;
+use crate::kv::KvCodec;
+use crate::quant::{GgmlType, Weight};
+use gpu_allocator::MemoryLocation;
+
+/// Attention with sinks (gpt-oss): each query head's sink logit joins its softmax's max and
+/// normalizer with no value, unscaled, as `cpu/backend.rs` attention takes `AttnShape::sinks`;
+/// against an f64 reference over the f16 K/V the device stores, the query rounded to f16 as the
+/// CPU rounds it: 1e-4 relative (as `kv_store_and_attention_match_a_reference`). GQA 4 on 2 and
+/// 18 on 1, with and without a window; and has_sinks = 0 is the plain softmax.
+#[test]
+fn attention_with_sinks_matches_a_reference() {
+    for (nh, nkv) in [(4usize, 2usize), (18, 1)] {
+        let Some((g, mut k, mut run)) = gpu() else { return };
+        let codec = KvCodec::F16;
+        let (hd, ctx) = (64usize, 40usize);
+        let kvd = nkv * hd;
+        let regions = super::regions::Regions::new(&g, 2, ctx, 1, kvd, codec).unwrap();
+        let plan: Vec<(usize, usize)> = (0..23).map(|p| (0, p)).chain((0..9).map(|p| (1, p))).collect();
+        let n = plan.len();
+        let kx = rand(n * kvd, 20);
+        let vx = rand(n * kvd, 21);
+        let q: Vec<f32> = rand(n * nh * hd, 22).iter().map(|v| v * 3.0).collect();
+        // Sinks around the scores' size, some above them all.
+        let sinks: Vec<f32> = rand(nh, 23).iter().map(|v| v * 4.0).collect();
+        let meta: Vec<f32> = plan.iter().flat_map(|&(r, p)| [f32::from_bits(regions.base_word(r) as u32), f32::from_bits(p as u32)]).collect();
+        let up = |run: &mut super::kernels::Runner, v: &[f32]| upload_f32(&g, run, "t", v).unwrap();
+        let (kb, vb, qb, mb, snb) = (up(&mut run, &kx), up(&mut run, &vx), up(&mut run, &q), up(&mut run, &meta), up(&mut run, &sinks));
+        let signs = up(&mut run, &vec![1.0; hd]);
+        let ob = Buffer::new(&g, "o", (n * nh * hd * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+        let (so, vo) = regions.slot_offsets(0);
+        let rscale = 1.0 / (hd as f32).sqrt();
+        let store = sh::KvStorePush {
+            k: kb.addr,
+            v: vb.addr,
+            kv: regions.buf.addr,
+            meta: mb.addr,
+            signs: signs.addr,
+            kvd: u(kvd),
+            n: u(n),
+            slot_off: u(so),
+            v_off: u(vo),
+            head_dim: u(hd),
+            rscale,
+        };
+        run.dispatch_flat(&mut k, Shader::KvStore(codec), store, n * kvd / 2).unwrap();
+        run.barrier().unwrap();
+        let f16 = |v: f32| half::f16::from_f32(v).to_f32() as f64;
+        for (window, with_sinks) in [(0usize, true), (8, true), (0, false)] {
+            let scale = 1.0 / (hd as f32).sqrt();
+            let push = sh::AttentionPush {
+                q: qb.addr,
+                out_: ob.addr,
+                kv: regions.buf.addr,
+                meta: mb.addr,
+                signs: signs.addr,
+                n_heads: u(nh),
+                n_kv_heads: u(nkv),
+                head_dim: u(hd),
+                window: u(window),
+                qmul: 1.0,
+                smul: scale,
+                softcap: 0.0,
+                slot_off: u(so),
+                v_off: u(vo),
+                row_words: u(regions.row_words()),
+                rscale,
+                _pad: 0,
+                sinks: if with_sinks { snb.addr } else { 0 },
+                has_sinks: with_sinks as u32,
+                _pad2: 0,
+            };
+            run.dispatch(&mut k, Shader::Attention(codec), push, [(nkv * (nh / nkv).div_ceil(8)) as u32, n as u32, 1]).unwrap();
+            let got = read(&g, &mut run, &ob, n * nh * hd);
+            for (t, &(r, pos)) in plan.iter().enumerate() {
+                let rows: Vec<usize> = plan.iter().enumerate().filter(|(_, &(r2, p2))| r2 == r && p2 <= pos).map(|(i, _)| i).collect();
+                let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+                for h in 0..nh {
+                    let kvh = h / (nh / nkv);
+                    let qh: Vec<f64> = (0..hd).map(|d| f16(q[(t * nh + h) * hd + d])).collect();
+                    let sc: Vec<(f64, usize)> = rows
+                        .iter()
+                        .filter(|&&i| plan[i].1 >= start)
+                        .map(|&i| ((0..hd).map(|d| qh[d] * f16(kx[i * kvd + kvh * hd + d])).sum::<f64>() * scale as f64, i))
+                        .collect();
+                    let sink = with_sinks.then(|| sinks[h] as f64);
+                    let mx = sc.iter().map(|s| s.0).fold(sink.unwrap_or(f64::MIN), f64::max);
+                    let z: f64 = sc.iter().map(|s| (s.0 - mx).exp()).sum::<f64>() + sink.map_or(0.0, |s| (s - mx).exp());
+                    for d in 0..hd {
+                        let want: f64 = sc.iter().map(|&(s, i)| (s - mx).exp() / z * f16(vx[i * kvd + kvh * hd + d])).sum();
+                        let got = got[(t * nh + h) * hd + d] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                            "{nh}/{nkv} heads, row {t} head {h} dim {d} (window {window}, sinks {with_sinks}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The element-wise ops the one pass adds, against their CPU forms (`cpu/ops.rs`, `Ops`):
+/// swiglu_oai 1e-5 (the device's exp against libm's); sigmoid 1e-6 (the same); mul, scale,
+/// add_scaled, col scale and row axpy exact (one rounding each, no fma: `precise`).
+#[test]
+fn eltwise_new_ops_match_cpu() {
+    let (n, width) = (1000usize, 40usize);
+    let x: Vec<f32> = rand(n, 30).iter().map(|v| v * 9.0).collect();
+    let y: Vec<f32> = rand(n, 31).iter().map(|v| v * 9.0).collect();
+    let z = rand(n / width, 32);
+    let col = rand(width, 33);
+    let op = |o: u32, yv: &[f32], w: usize, a: f32| {
+        run_op(Shader::Eltwise, &[&x, yv, &z], 0, |ad| sh::EltwisePush { x: ad[0], y: ad[1], count: u(n), width: u(w), op: o, a, z: ad[2] }, n)
+    };
+    let Some(got) = op(elt::SWIGLU_OAI, &y, n, 0.0) else { return };
+    let mut want = x.clone();
+    crate::cpu::ops::swiglu_oai(&mut want, &y);
+    close(&got, &want, 1e-5, "swiglu_oai");
+    // Both sides of the clamps are exercised.
+    assert!(x.iter().any(|&v| v > 7.0) && y.iter().any(|&v| v < -7.0) && y.iter().any(|&v| v > 7.0));
+    let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a * b).collect();
+    close(&op(elt::MUL, &y, n, 0.0).unwrap(), &want, 0.0, "mul");
+    let want: Vec<f32> = x.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect();
+    close(&op(elt::SIGMOID, &y, n, 0.0).unwrap(), &want, 1e-6, "sigmoid");
+    let want: Vec<f32> = x.iter().map(|v| v * 0.37).collect();
+    close(&op(elt::SCALE, &y, n, 0.37).unwrap(), &want, 0.0, "scale");
+    let mut want = x.clone();
+    want.iter_mut().zip(&y).for_each(|(a, b)| *a += 0.37 * b);
+    close(&op(elt::ADD_SCALED, &y, n, 0.37).unwrap(), &want, 0.0, "add_scaled");
+    let want: Vec<f32> = x.iter().enumerate().map(|(i, v)| v * col[i % width]).collect();
+    close(&op(elt::COL_SCALE, &col, width, 0.0).unwrap(), &want, 0.0, "col scale");
+    let mut want = x.clone();
+    for (t, row) in want.chunks_exact_mut(width).enumerate() {
+        row.iter_mut().zip(&y[t * width..]).for_each(|(a, b)| *a += z[t] * b);
+    }
+    close(&op(elt::ROW_AXPY, &y, width, 0.0).unwrap(), &want, 0.0, "row axpy");
+}
+
+/// The CPU's route of `logits` (`Ops::route` through the CPU backend).
+fn cpu_route(logits: &[f32], r: &Route<'_>) -> Vec<(usize, f32)> {
+    let mut out = Vec::new();
+    Cpu.run(Numerics::Fast, &mut Vec::new(), None, &mut |ops| ops.route(logits, r, &mut out));
+    out
+}
+
+fn pairs_of(words: &[f32]) -> Vec<(usize, f32)> {
+    words.chunks_exact(2).map(|p| (p[0].to_bits() as usize, p[1])).collect()
+}
+
+/// moe_route against `Ops::route` on random logits, for every gating, with and without the
+/// selection bias, renormalisation and a scale; 64 and 300 experts: the same experts in the same
+/// order, weights within 2e-6 relative (the device's exp against the CPU's).
+#[test]
+fn moe_route_matches_cpu() {
+    let Some((g, mut k, mut run)) = gpu() else { return };
+    let n = 13;
+    for (n_expert, n_used) in [(64usize, 4usize), (300, 8)] {
+        let logits: Vec<f32> = rand(n * n_expert, n_expert as u64).iter().map(|v| v * 4.0).collect();
+        let bias: Vec<f32> = rand(n_expert, 7).iter().map(|v| v * 0.5).collect();
+        let lb = upload_f32(&g, &mut run, "logits", &logits).unwrap();
+        let bb = upload_f32(&g, &mut run, "bias", &bias).unwrap();
+        let pb = Buffer::new(&g, "pairs", (n * n_used * 8) as u64, MemoryLocation::GpuOnly).unwrap();
+        for gating in [Gating::Softmax, Gating::Sigmoid, Gating::SoftmaxWeight] {
+            for (with_bias, norm, scale) in [(false, false, 1.0f32), (true, true, 2.5), (false, true, 1.0), (true, false, 0.5)] {
+                let spec = RouteSpec { n_expert, n_used, gating, bias: with_bias.then_some(&bb), norm, scale };
+                moe::route(&mut run, &mut k, &spec, &lb, &pb, n).unwrap();
+                let got = pairs_of(&read(&g, &mut run, &pb, n * n_used * 2));
+                let want = cpu_route(&logits, &Route { n_expert, n_used, gating, bias: with_bias.then_some(&bias[..]), norm, scale });
+                let what = format!("{n_expert} experts, {gating:?}, bias {with_bias}, norm {norm}, scale {scale}");
+                assert_eq!(got.iter().map(|p| p.0).collect::<Vec<_>>(), want.iter().map(|p| p.0).collect::<Vec<_>>(), "{what}: experts");
+                let (gw, ww): (Vec<f32>, Vec<f32>) = (got.iter().map(|p| p.1).collect(), want.iter().map(|p| p.1).collect());
+                close(&gw, &ww, 2e-6, &format!("{what}: weights"));
+            }
+        }
+    }
+}
+
+/// A layer's experts as the CPU holds them (a Weight each) and their biases and scales.
+struct HostExperts {
+    gate: Vec<Weight>,
+    up: Vec<Weight>,
+    down: Vec<Weight>,
+    biases: Option<[Vec<f32>; 3]>,
+    scale: Option<Vec<f32>>,
+}
+
+/// `model::forward`'s `moe` (its routed half) on the CPU backend's ops: route, then each expert
+/// over the rows that chose it, each gathered row on its own, biases, GLU, down, bias, and the
+/// weighted `add_scaled` into the rows in expert order.
+#[allow(clippy::too_many_arguments)]
+fn cpu_moe(e: &HostExperts, logits: &[f32], r: &Route<'_>, act: Activation, h: &[f32], d: usize, hd: usize) -> (Vec<(usize, f32)>, Vec<f32>) {
+    let n = h.len() / d;
+    let (mut route, mut o) = (Vec::new(), vec![0.0f32; n * d]);
+    Cpu.run(Numerics::Fast, &mut Vec::new(), None, &mut |b| {
+        b.route(logits, r, &mut route);
+        for ex in 0..r.n_expert {
+            let rows: Vec<(usize, f32)> = route.iter().enumerate().filter(|(_, &(x, _))| x == ex).map(|(i, &(_, w))| (i / r.n_used, w)).collect();
+            let m = rows.len();
+            if m == 0 {
+                continue;
+            }
+            let x: Vec<f32> = rows.iter().flat_map(|&(t, _)| h[t * d..(t + 1) * d].to_vec()).collect();
+            let (mut gate, mut up, mut out) = (vec![0.0f32; m * hd], vec![0.0f32; m * hd], vec![0.0f32; m * d]);
+            let ones = vec![1; m];
+            b.matmul(&mut [(&e.gate[ex], &mut gate[..]), (&e.up[ex], &mut up[..])], &x, &ones);
+            if let Some([bg, bu, _]) = &e.biases {
+                b.add_bias(&mut gate, &bg[ex * hd..(ex + 1) * hd]);
+                b.add_bias(&mut up, &bu[ex * hd..(ex + 1) * hd]);
+            }
+            b.glu(&mut gate, &up, hd, act);
+            b.matmul(&mut [(&e.down[ex], &mut out[..])], &gate, &ones);
+            if let Some([_, _, bd]) = &e.biases {
+                b.add_bias(&mut out, &bd[ex * d..(ex + 1) * d]);
+            }
+            let es = e.scale.as_ref().map_or(1.0, |s| s[ex]);
+            for (j, &(t, w)) in rows.iter().enumerate() {
+                b.add_scaled(&mut o[t * d..(t + 1) * d], &out[j * d..(j + 1) * d], w * es);
+            }
+        }
+    });
+    (route, o)
+}
+
+/// One MoE configuration of `moe_ffn_matches_cpu`.
+struct MoeCase {
+    ty: [GgmlType; 3],
+    n_expert: usize,
+    n_used: usize,
+    gating: Gating,
+    norm: bool,
+    act: Activation,
+    biases: bool,
+    scale: bool,
+}
+
+fn moe_case(c: &MoeCase) {
+    let Some((g, mut k, mut run)) = gpu() else { return };
+    let (d, hd, n) = (256usize, 256usize, 7usize);
+    let mk = |ty: GgmlType, rows: usize, cols: usize, seed: u64| {
+        (0..c.n_expert).map(|e| weight(ty, rows, cols, seed * 100 + e as u64).for_kernels()).collect::<Vec<_>>()
+    };
+    let host = HostExperts {
+        gate: mk(c.ty[0], hd, d, 1),
+        up: mk(c.ty[1], hd, d, 2),
+        down: mk(c.ty[2], d, hd, 3),
+        biases: c.biases.then(|| [rand(c.n_expert * hd, 4), rand(c.n_expert * hd, 5), rand(c.n_expert * d, 6)]),
+        scale: c.scale.then(|| rand(c.n_expert, 8).iter().map(|v| 1.0 + v * 0.5).collect()),
+    };
+    let h: Vec<f32> = rand(n * d, 9).iter().map(|v| v * 2.0).collect();
+    let logits: Vec<f32> = rand(n * c.n_expert, 10).iter().map(|v| v * 3.0).collect();
+    let r = Route { n_expert: c.n_expert, n_used: c.n_used, gating: c.gating, bias: None, norm: c.norm, scale: 1.0 };
+    let (want_route, want) = cpu_moe(&host, &logits, &r, c.act, &h, d, hd);
+    let stack = |run: &mut super::kernels::Runner, name: &str, ws: &[Weight]| upload_stacked(&g, run, name, &ws.iter().collect::<Vec<_>>()).unwrap();
+    let opt = |run: &mut super::kernels::Runner, v: Option<&Vec<f32>>| v.map(|v| upload_f32(&g, run, "b", v).unwrap());
+    let dev = DevExperts {
+        n_expert: c.n_expert,
+        hidden: hd,
+        gate: stack(&mut run, "gate", &host.gate),
+        up: stack(&mut run, "up", &host.up),
+        down: stack(&mut run, "down", &host.down),
+        gate_bias: opt(&mut run, host.biases.as_ref().map(|b| &b[0])),
+        up_bias: opt(&mut run, host.biases.as_ref().map(|b| &b[1])),
+        down_bias: opt(&mut run, host.biases.as_ref().map(|b| &b[2])),
+        scale: opt(&mut run, host.scale.as_ref()),
+    };
+    let floats = |name: &str, f: usize| Buffer::new(&g, name, (f * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+    let slots = n * c.n_used;
+    let (pairs, xq, gate, up, down, out) = (
+        floats("pairs", 2 * slots),
+        floats("xq", slots * d.max(hd)),
+        floats("gate", slots * hd),
+        floats("up", slots * hd),
+        floats("down", slots * d),
+        floats("out", n * d),
+    );
+    let (hb, lb) = (upload_f32(&g, &mut run, "h", &h).unwrap(), upload_f32(&g, &mut run, "logits", &logits).unwrap());
+    let spec = RouteSpec { n_expert: c.n_expert, n_used: c.n_used, gating: c.gating, bias: None, norm: c.norm, scale: 1.0 };
+    let s = MoeScratch { pairs: &pairs, xq: &xq, gate: &gate, up: &up, down: &down };
+    moe::moe_ffn(&mut run, &mut k, &dev, &spec, c.act, &lb, &hb, &out, &s, d, n).unwrap();
+    let what = format!("{:?} {:?} {:?}", c.ty, c.gating, c.act);
+    let got_route = pairs_of(&read(&g, &mut run, &pairs, 2 * slots));
+    assert_eq!(got_route.iter().map(|p| p.0).collect::<Vec<_>>(), want_route.iter().map(|p| p.0).collect::<Vec<_>>(), "{what}: experts");
+    let got = read(&g, &mut run, &out, n * d);
+    assert!(want.iter().filter(|v| v.abs() > 1e-3).count() > n * d / 2, "{what}: a degenerate case");
+    // Every expert output is a sum of products of up to 256 terms twice over: relative to the
+    // output's own magnitude plus its row's scale.
+    let row_max: Vec<f32> = want.chunks_exact(d).map(|r| r.iter().fold(0.0f32, |a, v| a.max(v.abs()))).collect();
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * (b.abs() + row_max[i / d]), "{what} [{i}]: {a} vs {b}");
+    }
+}
+
+/// A whole routed FFN (`moe::moe_ffn`) against `model::forward`'s `moe` arithmetic on the CPU
+/// backend's ops: the same experts chosen per row, each output within 1e-4 of its row's largest
+/// value (the matmuls' 1e-5 relative error, through the GLU and the down projection).
+/// qwen-style (softmax, renormalised, SiLU; q8_0 gate/up, q4_K down) and gpt-oss-style
+/// (SOFTMAX_WEIGHT, swiglu_oai, per-expert biases; f16) with gemma4's per-expert output scale.
+#[test]
+fn moe_ffn_matches_cpu() {
+    moe_case(&MoeCase {
+        ty: [GgmlType::Q8_0, GgmlType::Q8_0, GgmlType::Q4K],
+        n_expert: 8,
+        n_used: 3,
+        gating: Gating::Softmax,
+        norm: true,
+        act: Activation::Silu,
+        biases: false,
+        scale: false,
+    });
+    moe_case(&MoeCase {
+        ty: [GgmlType::F16, GgmlType::F16, GgmlType::F16],
+        n_expert: 6,
+        n_used: 2,
+        gating: Gating::SoftmaxWeight,
+        norm: false,
+        act: Activation::SwigluOai,
+        biases: true,
+        scale: true,
+    });
+}
