@@ -6,8 +6,8 @@
 use super::buffer::Buffer;
 use super::moe::{self, elt, DevExperts, MoeScratch, RouteSpec};
 use super::shaders::{self as sh, u, Shader};
-use super::tests::{close, gpu, rand, read, run_op, weight};
-use super::weights::{upload_f32, upload_stacked};
+use super::tests::{check_matmul, close, gpu, rand, read, run_op, weight};
+use super::weights::{upload_f32, upload_stacked, upload_weight};
 use crate::backend::{Activation, Gating, Host, Numerics, Route};
 use crate::cpu::backend::Cpu;
 use crate::kv::KvCodec;
@@ -306,7 +306,8 @@ fn moe_case(c: &MoeCase) {
 /// backend's ops: the same experts chosen per row, each output within 1e-4 of its row's largest
 /// value (the matmuls' 1e-5 relative error, through the GLU and the down projection).
 /// qwen-style (softmax, renormalised, SiLU; q8_0 gate/up, q4_K down) and gpt-oss-style
-/// (SOFTMAX_WEIGHT, swiglu_oai, per-expert biases; f16) with gemma4's per-expert output scale.
+/// (SOFTMAX_WEIGHT, swiglu_oai, per-expert biases; MXFP4, and f16 with gemma4's per-expert
+/// output scale).
 #[test]
 fn moe_ffn_matches_cpu() {
     moe_case(&MoeCase {
@@ -320,6 +321,16 @@ fn moe_ffn_matches_cpu() {
         scale: false,
     });
     moe_case(&MoeCase {
+        ty: [GgmlType::MXFP4, GgmlType::MXFP4, GgmlType::MXFP4],
+        n_expert: 8,
+        n_used: 4,
+        gating: Gating::SoftmaxWeight,
+        norm: false,
+        act: Activation::SwigluOai,
+        biases: true,
+        scale: false,
+    });
+    moe_case(&MoeCase {
         ty: [GgmlType::F16, GgmlType::F16, GgmlType::F16],
         n_expert: 6,
         n_used: 2,
@@ -329,4 +340,78 @@ fn moe_ffn_matches_cpu() {
         biases: true,
         scale: true,
     });
+}
+
+/// MXFP4, IQ4_NL and IQ4_XS weights: both matmul forms against the CPU's dequantization (an f64
+/// dot of the dequantized row, relative error 1e-5 of the row's absolute sum, as
+/// `matmul_and_gather_match_dequantized_rows`), the expert matmul (each slot's expert row, the
+/// same bound, and equal to the dense matmul's bits for that row), and get_rows exact.
+#[test]
+fn mxfp4_and_iq4_weights_match_dequantized_rows() {
+    let Some((g, mut k, mut run)) = gpu() else { return };
+    let (rows, cols) = (70, 512);
+    for ty in [GgmlType::MXFP4, GgmlType::IQ4NL, GgmlType::IQ4XS] {
+        assert!(sh::reads_format(ty), "{}", ty.name());
+        let w = weight(ty, rows, cols, ty as u64 + 40);
+        let dw = upload_weight(&g, &mut run, "w", &w).unwrap();
+        for n in [1usize, 3, 11] {
+            let x = rand(n * cols, 50 + n as u64);
+            let xb = upload_f32(&g, &mut run, "x", &x).unwrap();
+            let yb = Buffer::new(&g, "y", (n * rows * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+            for shader in [Shader::MulMat(ty), Shader::MulMatRows(ty)] {
+                let groups = if shader == Shader::MulMat(ty) { rows } else { rows.div_ceil(64) };
+                let push = sh::MulMatPush {
+                    w: dw.buf.addr,
+                    x: xb.addr,
+                    y: yb.addr,
+                    rows: u(rows),
+                    cols: u(cols),
+                    n: u(n),
+                    row_words: u(dw.row_words),
+                    x_stride: u(cols),
+                    y_stride: u(rows),
+                    rows_per_z: 32768,
+                    _pad: 0,
+                };
+                run.dispatch(&mut k, shader, push, [groups as u32, n.div_ceil(8) as u32, 1]).unwrap();
+                let y = read(&g, &mut run, &yb, n * rows);
+                check_matmul(ty, &w, &x, &y, rows, cols, n, &format!("{shader:?}"));
+            }
+        }
+        // The expert matmul over the same rows as 5 experts of 14 rows: slot (t, j) picks expert
+        // (t + 2j) % 5 and reads row t.
+        let (n, n_used, er) = (3usize, 2usize, 14usize);
+        let x = rand(n * cols, 60);
+        let xb = upload_f32(&g, &mut run, "x", &x).unwrap();
+        let pairs: Vec<f32> = (0..n * n_used).flat_map(|s| [f32::from_bits(((s / n_used + 2 * (s % n_used)) % 5) as u32), 1.0]).collect();
+        let pb = upload_f32(&g, &mut run, "pairs", &pairs).unwrap();
+        let yb = Buffer::new(&g, "y", (n * n_used * er * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+        let db = Buffer::new(&g, "dense", (n * rows * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+        super::resident::matmul(&mut run, &mut k, &dw, &xb, &db, n).unwrap();
+        let dense = read(&g, &mut run, &db, n * rows);
+        moe::matmul_id(&mut run, &mut k, &dw, er, &xb, moe::SlotInput { stride_t: cols, stride_j: 0 }, &pb, n_used, None, &yb, n).unwrap();
+        let got = read(&g, &mut run, &yb, n * n_used * er);
+        for s in 0..n * n_used {
+            let (t, e) = (s / n_used, pairs[2 * s].to_bits() as usize);
+            for r in 0..er {
+                let want = dense[t * rows + e * er + r];
+                assert_eq!(got[s * er + r].to_bits(), want.to_bits(), "{} matmul_id slot {s} row {r}: {} vs the dense {want}", ty.name(), got[s * er + r]);
+            }
+        }
+        let ids = [5u32, 0, 69];
+        let mut idb = Buffer::new(&g, "ids", 12, MemoryLocation::CpuToGpu).unwrap();
+        idb.mapped()[..12].copy_from_slice(&ids.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<_>>());
+        let out = Buffer::new(&g, "out", (3 * cols * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+        let push = sh::GetRowsPush { w: dw.buf.addr, out_: out.addr, ids: idb.addr, cols: u(cols), row_words: u(dw.row_words), scale: 0.5, _pad: 0 };
+        run.dispatch(&mut k, Shader::GetRows(ty), push, [(cols / 16).div_ceil(64) as u32, 3, 1]).unwrap();
+        let got = read(&g, &mut run, &out, 3 * cols);
+        let mut row = vec![0f32; cols];
+        for (j, &id) in ids.iter().enumerate() {
+            let rb = ty.row_bytes(cols);
+            crate::quant::dequantize_row(ty, &w.data.as_slice()[id as usize * rb..(id as usize + 1) * rb], &mut row);
+            for i in 0..cols {
+                assert_eq!(got[j * cols + i], row[i] * 0.5, "{} get_rows id {id} value {i}", ty.name());
+            }
+        }
+    }
 }
