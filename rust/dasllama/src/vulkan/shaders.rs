@@ -147,6 +147,16 @@ push_blocks! {
         y: u64, ids: u64, out_: u64, scale: u64,
         width: u32, n_used: u32, count: u32, has_scale: u32,
     }
+    /// `dn_conv.comp`: a DeltaNet layer's causal convolution over each session's rows.
+    DnConvPush for ["dn_conv"] {
+        qkv: u64, conv_w: u64, meta: u64, state: u64,
+        cd: u32, kernel: u32,
+    }
+    /// `dn_recur.comp`: a DeltaNet layer's recurrence per value head and session.
+    DnRecurPush for ["dn_recur"] {
+        qkv: u64, beta: u64, alpha: u64, out_: u64, meta: u64, state: u64, dt_bias: u64, a: u64,
+        hd: u32, n_k_heads: u32, n_v_heads: u32, tiled: u32, eps_n: f32, sqrt_n: f32, scale: f32, _pad: u32,
+    }
 }
 
 #[cfg(test)]
