@@ -59,6 +59,7 @@ fn check(dn: &DeltaNet, sessions: usize) {
 /// The causal convolution and SiLU of `sessions` sessions' rows of `qkv` (in place), each over
 /// its conv state (`meta` at its address, `state` the states' buffer address), writing each
 /// session's updated conv state.
+#[allow(clippy::too_many_arguments)]
 pub fn conv(r: &mut Runner, k: &mut Kernels, dn: &DeltaNet, conv_w: &Buffer, qkv: &Buffer, meta: u64, state: u64, sessions: usize) -> Result<()> {
     check(dn, sessions);
     let cd = dn.conv_dim();

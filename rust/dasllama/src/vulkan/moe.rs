@@ -123,11 +123,32 @@ pub fn matmul_id(
     y: &Buffer,
     n: usize,
 ) -> Result<()> {
+    let per_thread = r.cpu_device();
+    matmul_id_form(r, k, per_thread, w, rows, x, input, pairs, n_used, bias, y, n)
+}
+
+/// `matmul_id` in the form asked for: one invocation per weight row (`per_thread`, the form for
+/// CPU-type devices) or one workgroup per weight row; both give the same bits as the dense
+/// matmul of that form (tests run both on any device).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn matmul_id_form(
+    r: &mut Runner,
+    k: &mut Kernels,
+    per_thread: bool,
+    w: &DevWeight,
+    rows: usize,
+    x: &Buffer,
+    input: SlotInput,
+    pairs: &Buffer,
+    n_used: usize,
+    bias: Option<&Buffer>,
+    y: &Buffer,
+    n: usize,
+) -> Result<()> {
     const ROWS_PER_Z: usize = 32768;
     assert!(rows > 0 && w.rows.is_multiple_of(rows), "{} stacked rows are not whole experts of {rows}", w.rows);
     let slots = n * n_used;
     assert!(slots <= 65535, "{slots} expert slots in one dispatch");
-    let per_thread = r.cpu_device();
     let groups = if per_thread { rows.div_ceil(64) } else { rows };
     let (gx, gz) = if groups > ROWS_PER_Z { (ROWS_PER_Z, groups.div_ceil(ROWS_PER_Z)) } else { (groups, 1) };
     let rows_per_z = if per_thread { ROWS_PER_Z * 64 } else { ROWS_PER_Z };

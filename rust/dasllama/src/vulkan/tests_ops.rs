@@ -293,6 +293,12 @@ fn moe_case(c: &MoeCase) {
     let got_route = pairs_of(&read(&g, &mut run, &pairs, 2 * slots));
     assert_eq!(got_route.iter().map(|p| p.0).collect::<Vec<_>>(), want_route.iter().map(|p| p.0).collect::<Vec<_>>(), "{what}: experts");
     let got = read(&g, &mut run, &out, n * d);
+    // Batch invariance: row 2 alone gives the bits it got beside the others.
+    let (h1, l1) =
+        (upload_f32(&g, &mut run, "h1", &h[2 * d..3 * d]).unwrap(), upload_f32(&g, &mut run, "l1", &logits[2 * c.n_expert..3 * c.n_expert]).unwrap());
+    moe::moe_ffn(&mut run, &mut k, &dev, &spec, c.act, &l1, &h1, &out, &s, d, 1).unwrap();
+    let alone = read(&g, &mut run, &out, d);
+    assert!(alone.iter().zip(&got[2 * d..3 * d]).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?}: row 2 alone differs from row 2 in the batch", c.ty);
     assert!(want.iter().filter(|v| v.abs() > 1e-3).count() > n * d / 2, "{what}: a degenerate case");
     // Every expert output is a sum of products of up to 256 terms twice over: relative to the
     // output's own magnitude plus its row's scale.
@@ -307,7 +313,7 @@ fn moe_case(c: &MoeCase) {
 /// value (the matmuls' 1e-5 relative error, through the GLU and the down projection).
 /// qwen-style (softmax, renormalised, SiLU; q8_0 gate/up, q4_K down) and gpt-oss-style
 /// (SOFTMAX_WEIGHT, swiglu_oai, per-expert biases; MXFP4, and f16 with gemma4's per-expert
-/// output scale).
+/// output scale). A row run alone gives the bits it gets in the batch.
 #[test]
 fn moe_ffn_matches_cpu() {
     moe_case(&MoeCase {
@@ -345,7 +351,8 @@ fn moe_ffn_matches_cpu() {
 /// MXFP4, IQ4_NL and IQ4_XS weights: both matmul forms against the CPU's dequantization (an f64
 /// dot of the dequantized row, relative error 1e-5 of the row's absolute sum, as
 /// `matmul_and_gather_match_dequantized_rows`), the expert matmul (each slot's expert row, the
-/// same bound, and equal to the dense matmul's bits for that row), and get_rows exact.
+/// same bound, and equal to the dense matmul's bits for that row, both forms on any device), and
+/// get_rows exact.
 #[test]
 fn mxfp4_and_iq4_weights_match_dequantized_rows() {
     let Some((g, mut k, mut run)) = gpu() else { return };
@@ -386,16 +393,36 @@ fn mxfp4_and_iq4_weights_match_dequantized_rows() {
         let pairs: Vec<f32> = (0..n * n_used).flat_map(|s| [f32::from_bits(((s / n_used + 2 * (s % n_used)) % 5) as u32), 1.0]).collect();
         let pb = upload_f32(&g, &mut run, "pairs", &pairs).unwrap();
         let yb = Buffer::new(&g, "y", (n * n_used * er * 4) as u64, MemoryLocation::GpuOnly).unwrap();
-        let db = Buffer::new(&g, "dense", (n * rows * 4) as u64, MemoryLocation::GpuOnly).unwrap();
-        super::resident::matmul(&mut run, &mut k, &dw, &xb, &db, n).unwrap();
-        let dense = read(&g, &mut run, &db, n * rows);
-        moe::matmul_id(&mut run, &mut k, &dw, er, &xb, moe::SlotInput { stride_t: cols, stride_j: 0 }, &pb, n_used, None, &yb, n).unwrap();
-        let got = read(&g, &mut run, &yb, n * n_used * er);
-        for s in 0..n * n_used {
-            let (t, e) = (s / n_used, pairs[2 * s].to_bits() as usize);
-            for r in 0..er {
-                let want = dense[t * rows + e * er + r];
-                assert_eq!(got[s * er + r].to_bits(), want.to_bits(), "{} matmul_id slot {s} row {r}: {} vs the dense {want}", ty.name(), got[s * er + r]);
+        // Both forms on any device, each against the dense matmul of its own form.
+        for per_thread in [false, true] {
+            let dense_shader = if per_thread { Shader::MulMatRows(ty) } else { Shader::MulMat(ty) };
+            let db = Buffer::new(&g, "dense", (n * rows * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+            let push = sh::MulMatPush {
+                w: dw.buf.addr,
+                x: xb.addr,
+                y: db.addr,
+                rows: u(rows),
+                cols: u(cols),
+                n: u(n),
+                row_words: u(dw.row_words),
+                x_stride: u(cols),
+                y_stride: u(rows),
+                rows_per_z: if per_thread { 32768 * 64 } else { 32768 },
+                _pad: 0,
+            };
+            let groups = if per_thread { rows.div_ceil(64) } else { rows };
+            run.dispatch(&mut k, dense_shader, push, [groups as u32, n.div_ceil(8) as u32, 1]).unwrap();
+            let dense = read(&g, &mut run, &db, n * rows);
+            let input = moe::SlotInput { stride_t: cols, stride_j: 0 };
+            moe::matmul_id_form(&mut run, &mut k, per_thread, &dw, er, &xb, input, &pb, n_used, None, &yb, n).unwrap();
+            let got = read(&g, &mut run, &yb, n * n_used * er);
+            for s in 0..n * n_used {
+                let (t, e) = (s / n_used, pairs[2 * s].to_bits() as usize);
+                for r in 0..er {
+                    let want = dense[t * rows + e * er + r];
+                    let got = got[s * er + r];
+                    assert_eq!(got.to_bits(), want.to_bits(), "{} matmul_id (per thread {per_thread}) slot {s} row {r}: {got} vs the dense {want}", ty.name());
+                }
             }
         }
         let ids = [5u32, 0, 69];
@@ -469,6 +496,25 @@ fn delta_net_case(hd: usize, k_of_v: crate::backend::HeadMap) {
         let got_out = read(&g, &mut run, &ob, n * vd);
         let got_qkv = read(&g, &mut run, &qb, n * cd);
         let got_state = read(&g, &mut run, &state, base(2));
+        if pass == 0 {
+            // Batch invariance: session 1 alone, from the same states, gives the same bits.
+            let alone_state = upload_f32(&g, &mut run, "alone", &all).unwrap();
+            let b1 = base(1);
+            let m1: Vec<f32> = dnk::meta_words(0, counts[1], b1, b1 + cs, b1 + 2 * cs, b1 + 2 * cs + ss).map(f32::from_bits).to_vec();
+            let r1 = counts[0]..n;
+            let (q1, be1, al1, mb1) = (
+                up(&mut run, &qkv[r1.start * cd..r1.end * cd]),
+                up(&mut run, &beta[r1.start * nv..r1.end * nv]),
+                up(&mut run, &alpha[r1.start * nv..r1.end * nv]),
+                up(&mut run, &m1),
+            );
+            let o1 = Buffer::new(&g, "out1", (counts[1] * vd * 4) as u64, MemoryLocation::GpuOnly).unwrap();
+            dnk::delta_net(&mut run, &mut k, &dn, &p, &q1, &be1, &al1, &o1, mb1.addr, alone_state.addr, 1).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&read(&g, &mut run, &o1, counts[1] * vd)), bits(&got_out[r1.start * vd..]), "hd {hd}: session 1 alone, out");
+            let st1 = read(&g, &mut run, &alone_state, base(2));
+            assert_eq!(bits(&st1[b1..b1 + base(1)]), bits(&got_state[b1..b1 + base(1)]), "hd {hd}: session 1 alone, states");
+        }
         // The CPU: the same rows, each session's states as RecIo.
         let (mut cq, mut cb, mut ca, mut cout) = (qkv.clone(), beta.clone(), alpha.clone(), vec![0.0f32; n * vd]);
         {
@@ -501,7 +547,8 @@ fn delta_net_case(hd: usize, k_of_v: crate::backend::HeadMap) {
 /// the states the first left, the copies flipped): outputs and SSM states within 1e-5 relative
 /// (the device's exp and f32 L2 sums against libm's and the CPU's f64 sums; the dots add in the
 /// CPU's order), the convolved V channels 1e-6 (SiLU's exp), the conv states exact. Key heads
-/// grouped and tiled; a head of 20 values takes the dots' tail path.
+/// grouped and tiled; a head of 20 values takes the dots' tail path. Session 1 run alone gives the
+/// bits it gets beside session 0 (batch invariance).
 #[test]
 fn delta_net_matches_cpu() {
     use crate::backend::HeadMap;
