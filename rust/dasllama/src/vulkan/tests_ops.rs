@@ -556,3 +556,26 @@ fn delta_net_matches_cpu() {
     delta_net_case(32, HeadMap::Tiled);
     delta_net_case(20, HeadMap::Grouped);
 }
+
+/// `round_f16` (common.glsl, through round_act's f16 mode) against `half`'s rounding, bit for
+/// bit, where it is hardest: ties both ways, f16 subnormals and their ties, the edge of the range
+/// and past it, signed zeros. (NVIDIA's compiler folded the old pack/unpack form into nothing.)
+#[test]
+fn round_f16_matches_half_at_the_edges() {
+    let mut x: Vec<f32> = vec![0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, -65520.0, 1e6, 6.1035156e-5, 6.0e-5, -3.0e-6, 1.0e-8, 3.0e-8, 2.9802322e-8];
+    // Exact ties: halfway between neighbouring f16 values, at even and odd mantissas.
+    for m in [0x3C00u32, 0x3C01, 0x0001, 0x0002, 0x03FF, 0x7BFE] {
+        let (a, b) = (half::f16::from_bits(m as u16).to_f32() as f64, half::f16::from_bits(m as u16 + 1).to_f32() as f64);
+        x.push(((a + b) / 2.0) as f32);
+        x.push(-((a + b) / 2.0) as f32);
+    }
+    x.extend(rand(256, 90).iter().enumerate().map(|(i, v)| v * 2f32.powi(i as i32 % 40 - 26)));
+    x.resize(x.len().next_multiple_of(64), 0.5);
+    let n = x.len();
+    let out = vec![0f32; n];
+    let Some(got) = run_op(Shader::RoundAct, &[&x, &out], 1, |a| sh::RoundActPush { x: a[0], out_: a[1], blocks: u(n), mode: 3 }, n) else { return };
+    for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
+        let want = half::f16::from_f32(v).to_f32();
+        assert_eq!(g.to_bits(), want.to_bits(), "[{i}] {v:e}: {g:e} vs {want:e}");
+    }
+}
