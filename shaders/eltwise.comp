@@ -14,6 +14,7 @@
 //   9 add_scaled: x[i] += a * y[i]
 //  10 col scale:  x[i] *= y[i % width]
 //  11 row axpy:   x[i] += z[i / width] * y[i]   (a per-row weight: a gated shared expert)
+//  12 row scale:  x[i] *= z[i / width]          (a per-row factor: mistral3's query temperature)
 // Products and sums are `precise` where the CPU rounds them one at a time, so no compiler fuses
 // them into one fma: x += a * y then gives the CPU's bits (the MoE's weighted sums rely on it).
 #include "common.glsl"
@@ -66,10 +67,12 @@ void main() {
         v = r;
     } else if (p.op == 10u) {
         v *= p.y.v[i % p.width];
-    } else {
+    } else if (p.op == 11u) {
         precise float t = p.z.v[i / p.width] * p.y.v[i];
         precise float r = v + t;
         v = r;
+    } else {
+        v *= p.z.v[i / p.width];
     }
     p.x.v[i] = v;
 }

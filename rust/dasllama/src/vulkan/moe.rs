@@ -39,6 +39,7 @@ pub mod elt {
     pub const ADD_SCALED: u32 = 9;
     pub const COL_SCALE: u32 = 10;
     pub const ROW_AXPY: u32 = 11;
+    pub const ROW_SCALE: u32 = 12;
 
     /// The GLU op of an activation.
     pub fn glu(act: crate::backend::Activation) -> u32 {
@@ -51,8 +52,8 @@ pub mod elt {
 }
 
 /// `eltwise.comp` op `op` over `count` values at address `x` (in place), with `y`, the scalar
-/// `a`, the per-row values `z` (op ROW_AXPY) and `width` (ADD: y's length; COL_SCALE: the row
-/// width y covers; ROW_AXPY: the row width z[i / width] covers). Addresses, so a caller may
+/// `a`, the per-row values `z` (ROW_AXPY, ROW_SCALE) and `width` (ADD: y's length; COL_SCALE:
+/// the row width y covers; ROW_AXPY, ROW_SCALE: the row width z[i / width] covers). Addresses, so a caller may
 /// point into a buffer; unused ones 0.
 #[allow(clippy::too_many_arguments)]
 pub fn eltwise(r: &mut Runner, k: &mut Kernels, op: u32, x: u64, y: u64, z: u64, count: usize, width: usize, a: f32) -> Result<()> {

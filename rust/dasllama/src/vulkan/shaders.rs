@@ -101,7 +101,7 @@ push_blocks! {
         width: u32, head_dim: u32, half_: u32, neox: u32, total: u32, _pad: u32,
     }
     /// `eltwise.comp`: `op` on `x` in place, with `y`, the scalar `a` and the per-row values `z`
-    /// (op 11 only; 0 otherwise).
+    /// (ops 11 and 12 only; 0 otherwise).
     EltwisePush for ["eltwise"] {
         x: u64, y: u64,
         count: u32, width: u32, op: u32, a: f32,

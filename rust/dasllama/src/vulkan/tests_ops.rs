@@ -113,7 +113,7 @@ fn attention_with_sinks_matches_a_reference() {
 
 /// The element-wise ops the one pass adds, against their CPU forms (`cpu/ops.rs`, `Ops`):
 /// swiglu_oai 1e-5 (the device's exp against libm's); sigmoid 1e-6 (the same); mul, scale,
-/// add_scaled, col scale and row axpy exact (one rounding each, no fma: `precise`).
+/// add_scaled, col scale, row axpy and row scale exact (one rounding each, no fma: `precise`).
 #[test]
 fn eltwise_new_ops_match_cpu() {
     let (n, width) = (1000usize, 40usize);
@@ -146,6 +146,8 @@ fn eltwise_new_ops_match_cpu() {
         row.iter_mut().zip(&y[t * width..]).for_each(|(a, b)| *a += z[t] * b);
     }
     close(&op(elt::ROW_AXPY, &y, width, 0.0).unwrap(), &want, 0.0, "row axpy");
+    let want: Vec<f32> = x.iter().enumerate().map(|(i, v)| v * z[i / width]).collect();
+    close(&op(elt::ROW_SCALE, &y, width, 0.0).unwrap(), &want, 0.0, "row scale");
 }
 
 /// The CPU's route of `logits` (`Ops::route` through the CPU backend).
