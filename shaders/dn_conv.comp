@@ -57,7 +57,8 @@ void main() {
         [[unroll]] for (uint j = 0u; j < MAX_K; j++) {
             if (j + 1u == hist) win[j] = xin;
         }
-        p.qkv.v[at] = o / (1.0 + exp(-o));
+        precise float e = 1.0 + exp(-o);
+        p.qkv.v[at] = div_rn(o, e);
     }
     [[unroll]] for (uint j = 0u; j < MAX_K; j++) {
         if (j < hist) p.state.v[cout + j * p.cd + c] = win[j];

@@ -1,17 +1,12 @@
 #version 450
 #extension GL_GOOGLE_include_directive : require
-// A gated DeltaNet layer's recurrence (cpu/deltanet.rs `delta_net` after the convolution), one
-// workgroup per value head h and session, over the session's rows in order: the head's Q and K
-// (key head kh: h / (n_v / n_k), or h % n_k where tiled) to unit length as the CPU makes them
-// (x / sqrt(sum x^2 / n + eps / n) / sqrt(n); the sum in a fixed tree of f32 where the CPU sums in
-// f64), beta = sigmoid(beta), decay = e^(softplus(alpha + dt_bias[h]) * a[h]); then the delta rule
-// on the head's state S (row j holds S[.][j], hd rows of hd): row = S_in row * decay, d = (v[j] -
-// row . k) * beta, row += d * k, o[j] = (row . q) * scale. Each thread owns state rows
-// tid, tid + 64, ..., and adds its dots as the CPU does: eight lanes over steps of eight, the lanes
-// paired ((0+4)+(1+5))+((2+6)+(3+7)), then the tail; products and sums `precise` (no fma).
-// The first row reads the state at ssm_in, every row writes ssm_out (the same buffer or not).
-// qkv: rows of 2 * key_dim + value_dim (Q heads, K heads, V heads), as dn_conv.comp left them;
-// beta, alpha: rows of n_v; out_: rows of value_dim; meta as dn_conv.comp's.
+// dn_recur_rows.comp's recurrence (its header says what it computes) in the form for GPUs: the
+// state's rows go eight at a time, each row to eight threads, thread l of a row taking the CPU's
+// lane l (values l, l + 8, ...: the sum the CPU keeps in its lane l, in the same order), so a
+// warp reads runs of eight consecutive values of four rows instead of one value of 32 rows. The
+// lanes meet in shared memory and are paired as the CPU pairs them, then the tail (thread 0 of the
+// row): dn_recur_rows.comp's operations in its order (equal bits on lavapipe; NVIDIA's compiler
+// puts the two an ulp or a few apart, each within the CPU's tolerance).
 #include "common.glsl"
 
 #define WG 64u
@@ -40,6 +35,9 @@ shared float qn[MAX_HD];
 shared float kn[MAX_HD];
 shared float rq[WG];
 shared float rk[WG];
+// Each of the eight rows' lane sums, and its tail.
+shared float la[8][8];
+shared float tl[8];
 
 float lanes(float a[8]) {
     precise float x = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
@@ -65,78 +63,112 @@ void main() {
             kn[i] = kv;
             precise float q2 = qv * qv;
             precise float k2 = kv * kv;
-            sq += q2;
-            sk += k2;
+            precise float sq2 = sq + q2;
+            precise float sk2 = sk + k2;
+            sq = sq2;
+            sk = sk2;
         }
         rq[tid] = sq;
         rk[tid] = sk;
         barrier();
         for (uint s = WG / 2u; s > 0u; s >>= 1) {
             if (tid < s) {
-                rq[tid] += rq[tid + s];
-                rk[tid] += rk[tid + s];
+                precise float a = rq[tid] + rq[tid + s];
+                precise float b = rk[tid] + rk[tid + s];
+                rq[tid] = a;
+                rk[tid] = b;
             }
             barrier();
         }
+        // Every step of the CPU's formula rounded as the CPU rounds it (div_rn: a GPU's `/` need
+        // not), so the two forms, and the CPU, agree as far as sqrt and exp let them.
         float n = float(hd);
-        float qs = 1.0 / sqrt(rq[0] / n + p.eps_n) / p.sqrt_n;
-        float ks = 1.0 / sqrt(rk[0] / n + p.eps_n) / p.sqrt_n;
+        precise float qm = div_rn(rq[0], n) + p.eps_n;
+        precise float km = div_rn(rk[0], n) + p.eps_n;
+        float qs = div_rn(div_rn(1.0, sqrt(qm)), p.sqrt_n);
+        float ks = div_rn(div_rn(1.0, sqrt(km)), p.sqrt_n);
         barrier();
         for (uint i = tid; i < hd; i += WG) {
-            qn[i] *= qs;
-            kn[i] *= ks;
+            precise float a = qn[i] * qs;
+            precise float b = kn[i] * ks;
+            qn[i] = a;
+            kn[i] = b;
         }
         barrier();
-        float beta = 1.0 / (1.0 + exp(-p.beta.v[(first + t) * nv + h]));
-        float x = p.alpha.v[(first + t) * nv + h] + p.dt_bias.v[h];
-        float sp = x > 20.0 ? x : log(1.0 + exp(x));
+        precise float e1 = 1.0 + exp(-p.beta.v[(first + t) * nv + h]);
+        float beta = div_rn(1.0, e1);
+        precise float x = p.alpha.v[(first + t) * nv + h] + p.dt_bias.v[h];
+        precise float e2 = 1.0 + exp(x);
+        float sp = x > 20.0 ? x : log(e2);
         precise float g = sp * p.a.v[h];
         float decay = exp(g);
-        for (uint j = tid; j < hd; j += WG) {
+        uint l = tid & 7u, rs = tid >> 3;
+        for (uint j0 = 0u; j0 < hd; j0 += 8u) {
+            uint j = j0 + rs;
+            bool live = j < hd;
             uint src = (t == 0u ? sin_ : sout) + hbase + j * hd;
             uint dst = sout + hbase + j * hd;
-            float acc[8];
-            [[unroll]] for (uint l = 0u; l < 8u; l++) acc[l] = 0.0;
-            precise float tail = 0.0;
-            for (uint i = 0u; i < n8; i += 8u) {
-                [[unroll]] for (uint l = 0u; l < 8u; l++) {
-                    precise float xs = p.state.v[src + i + l] * decay;
-                    p.state.v[dst + i + l] = xs;
-                    precise float pk = xs * kn[i + l];
-                    precise float ac = acc[l] + pk;
-                    acc[l] = ac;
+            precise float acc = 0.0;
+            if (live) {
+                for (uint i = l; i < n8; i += 8u) {
+                    precise float xs = p.state.v[src + i] * decay;
+                    p.state.v[dst + i] = xs;
+                    precise float pk = xs * kn[i];
+                    acc = acc + pk;
                 }
-            }
-            for (uint i = n8; i < hd; i++) {
-                precise float xs = p.state.v[src + i] * decay;
-                p.state.v[dst + i] = xs;
-                precise float pk = xs * kn[i];
-                tail = tail + pk;
-            }
-            precise float skj = lanes(acc) + tail;
-            precise float dv = p.qkv.v[row + 2u * kd + h * hd + j] - skj;
-            precise float d = dv * beta;
-            [[unroll]] for (uint l = 0u; l < 8u; l++) acc[l] = 0.0;
-            tail = 0.0;
-            for (uint i = 0u; i < n8; i += 8u) {
-                [[unroll]] for (uint l = 0u; l < 8u; l++) {
-                    precise float dk = d * kn[i + l];
-                    precise float xs = p.state.v[dst + i + l] + dk;
-                    p.state.v[dst + i + l] = xs;
-                    precise float pq = xs * qn[i + l];
-                    precise float ac = acc[l] + pq;
-                    acc[l] = ac;
+                if (l == 0u) {
+                    precise float tail = 0.0;
+                    for (uint i = n8; i < hd; i++) {
+                        precise float xs = p.state.v[src + i] * decay;
+                        p.state.v[dst + i] = xs;
+                        precise float pk = xs * kn[i];
+                        tail = tail + pk;
+                    }
+                    tl[rs] = tail;
                 }
+                la[rs][l] = acc;
             }
-            for (uint i = n8; i < hd; i++) {
-                precise float dk = d * kn[i];
-                precise float xs = p.state.v[dst + i] + dk;
-                p.state.v[dst + i] = xs;
-                precise float pq = xs * qn[i];
-                tail = tail + pq;
+            barrier();
+            float d = 0.0;
+            if (live) {
+                float a8[8];
+                [[unroll]] for (uint m = 0u; m < 8u; m++) a8[m] = la[rs][m];
+                precise float skj = lanes(a8) + tl[rs];
+                precise float dv = p.qkv.v[row + 2u * kd + h * hd + j] - skj;
+                precise float dd = dv * beta;
+                d = dd;
             }
-            precise float o = (lanes(acc) + tail) * p.scale;
-            p.out_.v[(first + t) * nv * hd + h * hd + j] = o;
+            barrier();
+            acc = 0.0;
+            if (live) {
+                for (uint i = l; i < n8; i += 8u) {
+                    precise float dk = d * kn[i];
+                    precise float xs = p.state.v[dst + i] + dk;
+                    p.state.v[dst + i] = xs;
+                    precise float pq = xs * qn[i];
+                    acc = acc + pq;
+                }
+                if (l == 0u) {
+                    precise float tail = 0.0;
+                    for (uint i = n8; i < hd; i++) {
+                        precise float dk = d * kn[i];
+                        precise float xs = p.state.v[dst + i] + dk;
+                        p.state.v[dst + i] = xs;
+                        precise float pq = xs * qn[i];
+                        tail = tail + pq;
+                    }
+                    tl[rs] = tail;
+                }
+                la[rs][l] = acc;
+            }
+            barrier();
+            if (live && l == 0u) {
+                float a8[8];
+                [[unroll]] for (uint m = 0u; m < 8u; m++) a8[m] = la[rs][m];
+                precise float o = (lanes(a8) + tl[rs]) * p.scale;
+                p.out_.v[(first + t) * nv * hd + h * hd + j] = o;
+            }
+            barrier();
         }
         barrier();
     }

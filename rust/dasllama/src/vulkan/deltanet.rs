@@ -1,6 +1,7 @@
 //! A gated DeltaNet layer's recurrent core on the device (qwen3next, qwen35): the short causal
 //! convolution with its rolling state (`conv`, `dn_conv.comp`) and the delta-rule recurrence
-//! with its state (`recurrence`, `dn_recur.comp`), as `cpu/deltanet.rs` `delta_net` computes them;
+//! with its state (`recurrence`: `dn_recur.comp` on GPUs, `dn_recur_rows.comp` on CPU-type
+//! devices), as `cpu/deltanet.rs` `delta_net` computes them;
 //! `delta_net` runs both. The projections before, and the gated norm and output projection
 //! after, are the recorder's ordinary ops (matmul, rms_norm, the SiLU GLU), as in
 //! `model::forward`'s `delta_net`.
@@ -84,6 +85,29 @@ pub fn recurrence(
     state: u64,
     sessions: usize,
 ) -> Result<()> {
+    let per_thread = r.cpu_device();
+    recurrence_form(r, k, per_thread, dn, p, qkv, beta, alpha, out, meta, state, sessions)
+}
+
+/// `recurrence` in the form asked for: a thread per state row (`per_thread`, `dn_recur_rows.comp`,
+/// the form for CPU-type devices, no barriers inside a token) or a thread per lane of each row
+/// (`dn_recur.comp`, for GPUs), the same operations in the same order: equal bits on lavapipe,
+/// an ulp or a few apart on NVIDIA (tests run both on any device).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn recurrence_form(
+    r: &mut Runner,
+    k: &mut Kernels,
+    per_thread: bool,
+    dn: &DeltaNet,
+    p: &DevDnParams,
+    qkv: &Buffer,
+    beta: &Buffer,
+    alpha: &Buffer,
+    out: &Buffer,
+    meta: u64,
+    state: u64,
+    sessions: usize,
+) -> Result<()> {
     check(dn, sessions);
     // The CPU's own f32 constants (cpu/deltanet.rs): eps / n, sqrt(n), 1 / sqrt(n).
     let n = dn.head_dim as f32;
@@ -105,7 +129,8 @@ pub fn recurrence(
         scale: 1.0 / n.sqrt(),
         _pad: 0,
     };
-    r.dispatch(k, Shader::DnRecur, push, [dn.n_v_heads as u32, sessions as u32, 1])
+    let shader = if per_thread { Shader::DnRecurRows } else { Shader::DnRecur };
+    r.dispatch(k, shader, push, [dn.n_v_heads as u32, sessions as u32, 1])
 }
 
 /// The whole recurrent core of one DeltaNet layer (`Ops::delta_net`): `conv`, a barrier,

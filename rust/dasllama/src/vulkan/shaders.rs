@@ -152,8 +152,9 @@ push_blocks! {
         qkv: u64, conv_w: u64, meta: u64, state: u64,
         cd: u32, kernel: u32,
     }
-    /// `dn_recur.comp`: a DeltaNet layer's recurrence per value head and session.
-    DnRecurPush for ["dn_recur"] {
+    /// `dn_recur.comp`, `dn_recur_rows.comp`: a DeltaNet layer's recurrence per value head and
+    /// session.
+    DnRecurPush for ["dn_recur", "dn_recur_rows"] {
         qkv: u64, beta: u64, alpha: u64, out_: u64, meta: u64, state: u64, dt_bias: u64, a: u64,
         hd: u32, n_k_heads: u32, n_v_heads: u32, tiled: u32, eps_n: f32, sqrt_n: f32, scale: f32, _pad: u32,
     }
