@@ -9,6 +9,10 @@
 // One variant per K/V codec (kv.glsl): q8_0 rows are read block by block, scale times the block's
 // sum as the CPU's kv_dot does; tq4 rows are in a rotated basis, so the queries are rotated into
 // it first and the outputs rotated back at the end (kv::codec::rotate / unrotate).
+// Attention sinks (gpt-oss): where has_sinks is set, query head h's logit sinks[h] joins the
+// softmax's max and normalizer with no value behind it (unscaled, as cpu/backend.rs and ggml's
+// soft_max_ext take it): the running softmax starts from it (m = sink, l = e^0 = 1) instead of
+// from nothing (m = -inf, l = 0), so every later tile rescales it as it rescales the scores.
 // Workgroups: x = KV head * ceil(group / MAX_G) + chunk of query heads, y = batch row.
 #include "common.glsl"
 #include "kv.glsl"
@@ -34,6 +38,8 @@ layout(push_constant) uniform P {
     uint v_off;
     uint row_words;
     float rscale;
+    F32s sinks;
+    uint has_sinks;
 } p;
 
 shared float qs[MAX_G][MAX_HD];
@@ -83,8 +89,9 @@ void main() {
     uint vbase = kbase + p.v_off;
     float m[MAX_G], l[MAX_G], acc[MAX_G][MAX_HD / WG];
     [[unroll]] for (uint g = 0u; g < MAX_G; g++) {
-        m[g] = -1.0 / 0.0;
-        l[g] = 0.0;
+        bool sink = p.has_sinks != 0u && g < ng;
+        m[g] = sink ? p.sinks.v[h0 + g] : -1.0 / 0.0;
+        l[g] = sink ? 1.0 : 0.0;
         [[unroll]] for (uint k = 0u; k < MAX_HD / WG; k++) acc[g][k] = 0.0;
     }
     barrier();

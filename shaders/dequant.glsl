@@ -151,6 +151,53 @@ void dequant16(U32s w, uint row, uint u, out float o[16]) {
         }
     }
 }
+#elif defined(FMT_MXFP4) || defined(FMT_IQ4_NL)
+// [qs: 16 bytes][e: u8 (MXFP4) or d: f16 (IQ4_NL)][padding]; value j of a block is the low
+// nibble of qs[j], value 16 + j its high nibble (Q4_0's order), read through the format's levels.
+#define BW 5u
+#define UPB 2u
+#if defined(FMT_MXFP4)
+// ggml's kvalues_mxfp4: twice the E2M1 values, with the scale halved to match (quant/mxfp4.rs).
+const float LEVELS[16] = float[16](0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0);
+#else
+// ggml's kvalues_iq4nl.
+const float LEVELS[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0, 1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+#endif
+void dequant16(U32s w, uint row, uint u, out float o[16]) {
+    uint b = row + (u >> 1) * BW;
+    uint sh = (u & 1u) * 4u;
+#if defined(FMT_MXFP4)
+    // e8m0_half: 2^(e - 128) from its bits, the two smallest codes subnormal, as the CPU's.
+    uint e = w.v[b + 4u] & 0xFFu;
+    float d = uintBitsToFloat(e < 2u ? (0x00200000u << e) : ((e - 1u) << 23));
+#else
+    float d = unpackHalf2x16(w.v[b + 4u]).x;
+#endif
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        uint q = w.v[b + i] >> sh;
+        [[unroll]] for (uint k = 0u; k < 4u; k++) o[4u * i + k] = LEVELS[(q >> (8u * k)) & 0xFu] * d;
+    }
+}
+#elif defined(FMT_IQ4_XS)
+// As stored (34 words): [d: f16][scales_h: u16][scales_l: 4 bytes][qs: 128 bytes]; eight
+// sub-blocks of 32 values laid out as IQ4_NL's quants, each scaled by d * (ls - 32) with the
+// six-bit ls from scales_l (low four bits) and scales_h (high two).
+#define BW 34u
+#define UPB 16u
+const float LEVELS[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0, 1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+void dequant16(U32s w, uint row, uint u, out float o[16]) {
+    uint b = row + (u >> 4) * BW;
+    uint v = u & 15u;
+    uint ib = v >> 1, sh = (v & 1u) * 4u;
+    uint w0 = w.v[b];
+    float d = unpackHalf2x16(w0).x;
+    uint ls = ((byte_at(w, b, 4u + ib / 2u) >> (4u * (ib & 1u))) & 0xFu) | (((w0 >> (16u + 2u * ib)) & 3u) << 4);
+    float dl = d * float(int(ls) - 32);
+    [[unroll]] for (uint i = 0u; i < 4u; i++) {
+        uint q = w.v[b + 2u + 4u * ib + i] >> sh;
+        [[unroll]] for (uint k = 0u; k < 4u; k++) o[4u * i + k] = dl * LEVELS[(q >> (8u * k)) & 0xFu];
+    }
+}
 #else
 #error "compile with one -DFMT_..."
 #endif

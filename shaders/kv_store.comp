@@ -45,8 +45,8 @@ void main() {
 void store_q8(F32s x, uint src, uint dst) {
     float amax = 0.0;
     for (uint j = 0u; j < 32u; j++) amax = max(amax, abs(x.v[src + j]));
-    float d = amax / 127.0;
-    float id = d != 0.0 ? 1.0 / d : 0.0;
+    float d = div_rn(amax, 127.0);
+    float id = d != 0.0 ? div_rn(1.0, d) : 0.0;
     p.kv.v[dst] = packHalf2x16(vec2(d, 0.0));
     for (uint w = 0u; w < 8u; w++) {
         uint word = 0u;
@@ -99,7 +99,7 @@ void main() {
             }
         }
         float d = mx / -8.0;
-        float id = d != 0.0 ? 1.0 / d : 0.0;
+        float id = d != 0.0 ? div_rn(1.0, d) : 0.0;
         uint dst = row + (h * nb + b) * Q4_WORDS + which * p.v_off;
         p.kv.v[dst] = packHalf2x16(vec2(d, 0.0));
         for (uint w = 0u; w < 4u; w++) {

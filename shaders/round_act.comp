@@ -5,7 +5,9 @@
 //   1: q8_0 / q8_1 blocks of 32: scale amax/127 (stored as f16), values rounded half to even
 //   2: q8_K blocks of 256: scale from the signed value of largest magnitude, -127/max
 //   3: f16    4: bf16
-// One invocation per block; out[i] = the value the rounded block stands for.
+// One invocation per block; out[i] = the value the rounded block stands for. Divisions are
+// div_rn's (common.glsl): a GPU's `/` may miss the CPU's quotient by an ulp, and a scale an ulp
+// off rounds some values to the other integer.
 #include "common.glsl"
 
 layout(local_size_x = 64) in;
@@ -26,8 +28,8 @@ void main() {
         uint o = b * 32u;
         float amax = 0.0;
         for (uint j = 0u; j < 32u; j++) amax = max(amax, abs(p.x.v[o + j]));
-        float id = amax != 0.0 ? 127.0 / amax : 0.0;
-        float d = round_f16(amax / 127.0);
+        float id = amax != 0.0 ? div_rn(127.0, amax) : 0.0;
+        float d = round_f16(div_rn(amax, 127.0));
         for (uint j = 0u; j < 32u; j++) p.out_.v[o + j] = roundEven(p.x.v[o + j] * id) * d;
     } else if (p.mode == 2u) {
         uint o = b * 256u;
@@ -39,8 +41,8 @@ void main() {
                 mx = v;
             }
         }
-        float iscale = amax != 0.0 ? -127.0 / mx : 0.0;
-        float d = amax != 0.0 ? 1.0 / iscale : 0.0;
+        float iscale = amax != 0.0 ? div_rn(-127.0, mx) : 0.0;
+        float d = amax != 0.0 ? div_rn(1.0, iscale) : 0.0;
         for (uint j = 0u; j < 256u; j++) p.out_.v[o + j] = min(roundEven(iscale * p.x.v[o + j]), 127.0) * d;
     } else if (p.mode == 3u) {
         p.out_.v[b] = round_f16(p.x.v[b]);

@@ -1086,6 +1086,7 @@ def _gemma4_logits(W: dict[str, np.ndarray], f: dict[str, Any], meta: dict[str, 
             routed = np.zeros_like(x)
             for t in range(T):
                 top = np.argsort(-probs[t], kind="stable")[: e["used"]]
+                _note_gap(t, probs[t], e["used"])
                 for xx, wx in zip(top, probs[t, top] / probs[t, top].sum(), strict=True):
                     gx = _gelu(hm[t] @ W[p + "ffn_gate_exps.weight"][xx].T) * (hm[t] @ W[p + "ffn_up_exps.weight"][xx].T)
                     routed[t] += wx * W[p + "ffn_down_exps.scale"][xx] * (gx @ W[p + "ffn_down_exps.weight"][xx].T)
@@ -1198,6 +1199,7 @@ def _moe(W: dict[str, np.ndarray], p: str, e: dict[str, int], h: np.ndarray) -> 
     out = np.zeros_like(h)
     for t in range(len(h)):
         top = np.argsort(-sel[t], kind="stable")[: e["used"]]
+        _note_gap(t, sel[t], e["used"])
         w = probs[t, top]
         if "shared" not in e or e.get("norm"):  # qwen3moe, qwen3next renormalise; qwen2moe takes them as they come
             w = w / w.sum()
@@ -1211,9 +1213,23 @@ def _moe(W: dict[str, np.ndarray], p: str, e: dict[str, int], h: np.ndarray) -> 
     return out
 
 
+# Each row's smallest gap, over the routed layers of the last reference pass, between the
+# selection score of the last expert chosen and of the best one left out (empty after a model
+# with no router): where it is small, a near-tie that another summation order may break.
+ROUTING_GAPS: list[float] = []
+
+
+def _note_gap(t: int, sel: np.ndarray, used: int) -> None:
+    s = np.sort(sel)[::-1]
+    ROUTING_GAPS.extend([np.inf] * (t + 1 - len(ROUTING_GAPS)))
+    ROUTING_GAPS[t] = min(ROUTING_GAPS[t], float(s[used - 1] - s[used]))
+
+
 def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int], meta_over: dict[str, Any] | None = None) -> np.ndarray:
     """Float64 forward pass of ``write_family(name)``'s weights; logits after each position.
-    ``meta_over``: the keys ``write_family`` was given as ``meta``."""
+    ``meta_over``: the keys ``write_family`` was given as ``meta``. Leaves each row's router
+    margin in ``ROUTING_GAPS``."""
+    ROUTING_GAPS.clear()
     f = FAMILIES[name]
     meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {}), **(meta_over or {})}
     if "gemma4" in f:
@@ -1375,6 +1391,7 @@ def _oai_moe(W: dict[str, np.ndarray], p: str, e: dict[str, Any], h: np.ndarray)
     out = np.zeros_like(h)
     for t in range(len(h)):
         top = np.argsort(-logits[t], kind="stable")[: e["used"]]
+        _note_gap(t, logits[t], e["used"])
         w = np.exp(logits[t, top] - logits[t, top].max())
         w /= w.sum()
         for x, wx in zip(top, w, strict=True):

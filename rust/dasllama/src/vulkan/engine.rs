@@ -8,10 +8,11 @@
 use super::buffer::Buffer;
 use super::device::Gpu;
 use super::kernels::{Chain, Kernels, Runner};
+use super::moe::{moe_ffn, DevExperts, MoeScratch, RouteSpec};
 use super::ops::Recorder;
 use super::regions::Regions;
-use super::weights::{upload_f32, upload_weight, DevWeight};
-use crate::backend::{Act, Buf, PassIn, Placeable};
+use super::weights::{upload_f32, upload_stacked, upload_weight, DevWeight};
+use crate::backend::{Act, Buf, ExpertSet, PassIn, Placeable, Route};
 use crate::kv::{KvCache, KvCodec};
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -49,6 +50,10 @@ pub struct Engine {
     vecs: HashMap<(usize, usize), Buffer>,
     /// Weightless norms' weights of ones, by width.
     ones: HashMap<usize, Buffer>,
+    /// Each layer's routed experts, stacked per projection, by the address of its gate matrices.
+    experts: HashMap<usize, DevExperts>,
+    /// The routed experts' scratch: route pairs, rounded input, gate, up, down.
+    moe: [Option<Buffer>; 5],
     /// The pass's buffers (`Buf`), the matmuls' rounded input, the step metadata and readback.
     bufs: Vec<Option<Buffer>>,
     pub(super) xq: Option<Buffer>,
@@ -86,6 +91,8 @@ impl Engine {
             weights: HashMap::new(),
             vecs: HashMap::new(),
             ones: HashMap::new(),
+            experts: HashMap::new(),
+            moe: [None, None, None, None, None],
             bufs: (0..Buf::COUNT).map(|_| None).collect(),
             xq: None,
             meta: None,
@@ -131,6 +138,50 @@ impl Engine {
             self.vecs.insert(key, b);
         }
         Ok(self.vecs[&key].addr)
+    }
+
+    /// Route each row of `logits` and run its chosen experts over its row of `x` into `out`
+    /// (`Ops::experts`): the layer's experts go up stacked the first time.
+    pub(super) fn experts(&mut self, e: &ExpertSet<'_>, r: &Route<'_>, logits: Act, x: Act, out: Act) -> Result<()> {
+        let (d, hd, nu) = (e.gate[0].cols, e.hidden, r.n_used);
+        let n = x.len / d;
+        if logits.off != 0 || x.off != 0 || out.off != 0 {
+            return Err(Error::Internal("routed experts take whole pass buffers".into()));
+        }
+        let key = e.gate.as_ptr() as usize;
+        if !self.experts.contains_key(&key) {
+            let (g, u, dn): (Vec<&Weight>, Vec<&Weight>, Vec<&Weight>) = (e.gate.iter().collect(), e.up.iter().collect(), e.down.iter().collect());
+            let mut vec = |v: Option<&[f32]>| v.map(|v| upload_f32(&self.gpu, &mut self.up, "expert vector", v)).transpose();
+            let dev = DevExperts {
+                n_expert: e.gate.len(),
+                hidden: hd,
+                gate_bias: vec(e.biases.map(|b| b[0]))?,
+                up_bias: vec(e.biases.map(|b| b[1]))?,
+                down_bias: vec(e.biases.map(|b| b[2]))?,
+                scale: vec(e.expert_scale)?,
+                gate: upload_stacked(&self.gpu, &mut self.up, "expert gates", &g)?,
+                up: upload_stacked(&self.gpu, &mut self.up, "expert ups", &u)?,
+                down: upload_stacked(&self.gpu, &mut self.up, "expert downs", &dn)?,
+            };
+            self.weight_bytes += [&dev.gate, &dev.up, &dev.down].iter().map(|w| w.buf.size).sum::<u64>();
+            self.experts.insert(key, dev);
+        }
+        // The selection bias goes up as any vector; the route kernel reads it as a buffer.
+        if let Some(b) = r.bias {
+            self.vector(Some(b), b.len())?;
+        }
+        let slots = n * nu;
+        let sizes = [2 * slots, slots * d.max(hd), slots * hd, slots * hd, slots * d];
+        for (slot, floats) in self.moe.iter_mut().zip(sizes) {
+            Engine::ensure(&self.gpu, slot, 4 * floats as u64, MemoryLocation::GpuOnly, "expert scratch", &mut self.retired, &mut self.grew)?;
+        }
+        let [Some(pairs), Some(xq), Some(gate), Some(up), Some(down)] = &self.moe else { unreachable!("ensured above") };
+        let buf = |a: Act| self.bufs[a.buf as usize].as_ref().ok_or_else(|| Error::Internal("a pass buffer used before it was allocated".into()));
+        let (lg, h, o) = (buf(logits)?, buf(x)?, buf(out)?);
+        let bias_buf = r.bias.map(|b| &self.vecs[&(b.as_ptr() as usize, b.len())]);
+        let spec = RouteSpec { n_expert: r.n_expert, n_used: nu, gating: r.gating, bias: bias_buf, norm: r.norm, scale: r.scale };
+        let scratch = MoeScratch { pairs, xq, gate, up, down };
+        moe_ffn(&mut self.run, &mut self.kernels, &self.experts[&key], &spec, e.act, lg, h, o, &scratch, d, n)
     }
 
     pub(super) fn signs(&mut self, head_dim: usize) -> Result<u64> {

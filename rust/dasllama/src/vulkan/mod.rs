@@ -14,9 +14,12 @@
 //! knows a model: the forward pass comes through `backend::Placeable`.
 
 mod buffer;
+#[cfg_attr(not(test), allow(dead_code))]
+mod deltanet;
 mod device;
 mod engine;
 mod kernels;
+mod moe;
 mod ops;
 mod placement;
 mod rails;
@@ -244,3 +247,5 @@ fn place_rails(dev: &Arc<Device>, m: &dyn Placeable, o: &Options, why: String) -
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ops;

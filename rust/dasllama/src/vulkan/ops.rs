@@ -9,6 +9,7 @@
 
 use super::engine::{Engine, MetaAt};
 use super::kernels::{Kernels, Runner};
+use super::moe::{elt, eltwise, round, round_mode};
 use super::shaders::{self as sh, u, Shader};
 use crate::backend::{Act, Activation, AttnShape, Buf, DeltaNet, DnParams, ExpertSet, Ops, PassIn, Route};
 use crate::kv::KvCodec;
@@ -45,17 +46,6 @@ pub struct Recorder<'e, 'i> {
 
 fn missing(what: &str) -> Error {
     Error::UnsupportedModel(format!("the Vulkan device has no kernel for {what} yet"))
-}
-
-/// How `round_act` rounds activations for weights of `ty` (0: not at all).
-fn round_mode(ty: GgmlType) -> usize {
-    match ty.vec_dot_type() {
-        GgmlType::Q8_0 | GgmlType::Q8_1 => 1,
-        GgmlType::Q8K => 2,
-        GgmlType::F16 => 3,
-        GgmlType::BF16 => 4,
-        _ => 0,
-    }
 }
 
 /// The matrix product over `n` activation rows: one workgroup per weight row on GPUs
@@ -95,7 +85,7 @@ impl W {
 /// one matmul each.
 pub(super) fn mm(r: &mut Runner, k: &mut Kernels, ws: &[(W, u64)], x: u64, xq: u64, n: usize) -> Result<()> {
     let cols = ws[0].0.cols;
-    let mut modes: Vec<usize> = ws.iter().map(|(w, _)| round_mode(w.ty)).collect();
+    let mut modes: Vec<u32> = ws.iter().map(|(w, _)| round_mode(w.ty)).collect();
     modes.sort_unstable();
     modes.dedup();
     for (i, &mode) in modes.iter().enumerate() {
@@ -106,12 +96,7 @@ pub(super) fn mm(r: &mut Runner, k: &mut Kernels, ws: &[(W, u64)], x: u64, xq: u
                 // The previous mode's matmuls still read xq.
                 r.barrier()?;
             }
-            let blocks = match mode {
-                1 => n * cols / 32,
-                2 => n * cols / 256,
-                _ => n * cols,
-            };
-            r.dispatch_flat(k, Shader::RoundAct, sh::RoundActPush { x, out_: xq, blocks: u(blocks), mode: u(mode) }, blocks)?;
+            round(r, k, mode, x, xq, n * cols)?;
             r.barrier()?;
             xq
         };
@@ -168,18 +153,13 @@ impl<'e, 'i> Recorder<'e, 'i> {
         self.e.addr(x)
     }
 
+    /// `eltwise.comp` op `op` on `x` in place (`moe::elt`), with `y`, the per-row values `z`
+    /// and the scalar `a` (addresses; 0 where unused); `reads`: the other buffers it reads.
     #[allow(clippy::too_many_arguments)]
-    fn rowop(&mut self, x: Act, y: Option<Act>, s: Option<u64>, width: usize, op: u32, a: f32, reads: u64) {
+    fn elt(&mut self, op: u32, x: Act, y: u64, z: u64, width: usize, a: f32, reads: u64) {
         self.op(reads | bit(x), bit(x), |r| {
-            let push = sh::RowOpsPush { x: r.a(x), y: y.map_or(0, |y| r.a(y)), s: s.unwrap_or(0), count: u(x.len), width: u(width), op, a };
-            r.e.run.dispatch_flat(&mut r.e.kernels, Shader::RowOps, push, x.len)
-        });
-    }
-
-    fn eltwise(&mut self, x: Act, y: u64, width: usize, op: u32, a: f32, reads: u64) {
-        self.op(reads | bit(x), bit(x), |r| {
-            let push = sh::EltwisePush { x: r.a(x), y, count: u(x.len), width: u(width), op, a };
-            r.e.run.dispatch_flat(&mut r.e.kernels, Shader::Eltwise, push, x.len)
+            let xa = r.a(x);
+            eltwise(&mut r.e.run, &mut r.e.kernels, op, xa, y, z, x.len, width, a)
         });
     }
 }
@@ -249,61 +229,59 @@ impl Ops for Recorder<'_, '_> {
     }
 
     fn glu(&mut self, gate: Act, up: Act, _width: usize, act: Activation) {
-        let op = match act {
-            Activation::Silu => 1,
-            Activation::GeluTanh => 2,
-            Activation::SwigluOai => return self.fail(missing("gpt-oss's clamped GLU (swiglu_oai)")),
-        };
+        let op = elt::glu(act);
         let y = self.a(up);
-        self.eltwise(gate, y, gate.len, op, 0.0, bit(up));
+        self.elt(op, gate, y, 0, gate.len, 0.0, bit(up));
     }
 
     fn add(&mut self, x: Act, y: Act) {
         let ya = self.a(y);
-        self.eltwise(x, ya, x.len, 0, 0.0, bit(y));
+        self.elt(elt::ADD, x, ya, 0, x.len, 0.0, bit(y));
     }
 
     fn add_bias(&mut self, x: Act, bias: &[f32]) {
         match self.e.vector(Some(bias), bias.len()) {
-            Ok(b) => self.eltwise(x, b, bias.len(), 0, 0.0, 0),
+            Ok(b) => self.elt(elt::ADD, x, b, 0, bias.len(), 0.0, 0),
             Err(e) => self.fail(e),
         }
     }
 
     fn scale(&mut self, x: Act, a: f32) {
-        self.rowop(x, None, None, 1, 2, a, 0);
+        self.elt(elt::SCALE, x, 0, 0, 1, a, 0);
     }
 
     fn scale_cols(&mut self, x: Act, a: f32, v: &[f32]) {
+        // (x * a) * v[j], in the CPU's order: two rounding steps, two ops.
         match self.e.vector(Some(v), v.len()) {
-            Ok(va) => self.op(bit(x), bit(x), |r| {
-                let push = sh::RowOpsPush { x: r.a(x), y: va, s: 0, count: u(x.len), width: u(v.len()), op: 3, a };
-                r.e.run.dispatch_flat(&mut r.e.kernels, Shader::RowOps, push, x.len)
-            }),
+            Ok(va) => {
+                self.elt(elt::SCALE, x, 0, 0, 1, a, 0);
+                self.elt(elt::COL_SCALE, x, va, 0, v.len(), 0.0, 0);
+            }
             Err(e) => self.fail(e),
         }
     }
 
     fn scale_rows(&mut self, x: Act, width: usize, table: usize) {
         let s = self.at.scales[table];
-        self.rowop(x, None, Some(s), width, 0, 0.0, 0);
+        self.elt(elt::ROW_SCALE, x, 0, s, width, 0.0, 0);
     }
 
     fn softcap(&mut self, x: Act, cap: f32) {
-        self.eltwise(x, 0, x.len, 3, cap, 0);
+        self.elt(elt::SOFTCAP, x, 0, 0, x.len, cap, 0);
     }
 
     fn sigmoid(&mut self, x: Act) {
-        self.rowop(x, None, None, 1, 4, 0.0, 0);
+        self.elt(elt::SIGMOID, x, 0, 0, 1, 0.0, 0);
     }
 
     fn mul(&mut self, x: Act, y: Act) {
-        self.rowop(x, Some(y), None, 1, 5, 0.0, bit(y));
+        let ya = self.a(y);
+        self.elt(elt::MUL, x, ya, 0, x.len, 0.0, bit(y));
     }
 
     fn add_scaled_rows(&mut self, x: Act, y: Act, s: Act, width: usize) {
-        let sa = self.a(s);
-        self.rowop(x, Some(y), Some(sa), width, 1, 0.0, bit(y) | bit(s));
+        let (ya, sa) = (self.a(y), self.a(s));
+        self.elt(elt::ROW_AXPY, x, ya, sa, width, 0.0, bit(y) | bit(s));
     }
 
     fn copy_cols(&mut self, src: Act, src_width: usize, src_col: usize, dst: Act, dst_width: usize, dst_col: usize, cols: usize) {
@@ -364,9 +342,10 @@ impl Ops for Recorder<'_, '_> {
     }
 
     fn attention(&mut self, a: &AttnShape, slot: usize, q: Act, out: Act) {
-        if a.sinks.is_some() {
-            return self.fail(missing("attention sinks (a learned logit per head in the softmax)"));
-        }
+        let sinks = match a.sinks.map(|s| self.e.vector(Some(s), s.len())).transpose() {
+            Ok(s) => s,
+            Err(e) => return self.fail(e),
+        };
         if a.head_dim > 256 || !a.head_dim.is_multiple_of(2) {
             return self.fail(Error::UnsupportedModel(format!("heads of {} values; the device attention takes even sizes up to 256", a.head_dim)));
         }
@@ -391,6 +370,9 @@ impl Ops for Recorder<'_, '_> {
                 row_words: u(r.e.regions.row_words(slot)),
                 rscale: 1.0 / (a.head_dim as f32).sqrt(),
                 _pad: 0,
+                sinks: sinks.unwrap_or(0),
+                has_sinks: sinks.is_some() as u32,
+                _pad2: 0,
             };
             // One workgroup per KV head (per eight of the query heads sharing it) and row.
             let groups = (a.n_kv_heads * (a.n_heads / a.n_kv_heads).div_ceil(8)) as u32;
@@ -398,8 +380,9 @@ impl Ops for Recorder<'_, '_> {
         });
     }
 
-    fn experts(&mut self, _e: &ExpertSet<'_>, _r: &Route<'_>, _logits: Act, _x: Act, _out: Act) {
-        self.fail(missing("routed experts (top-k routing and the experts' matmuls)"));
+    fn experts(&mut self, e: &ExpertSet<'_>, r: &Route<'_>, logits: Act, x: Act, out: Act) {
+        // moe_ffn records barriers between its own steps; its scratch is its own.
+        self.op(bit(logits) | bit(x) | XQ, bit(out) | XQ, |rec| rec.e.experts(e, r, logits, x, out));
     }
 
     fn delta_net(&mut self, _dn: &DeltaNet, _p: &DnParams, _slot: usize, _qkv: Act, _beta: Act, _alpha: Act, _out: Act) {

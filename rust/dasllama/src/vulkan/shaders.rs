@@ -100,10 +100,12 @@ push_blocks! {
         x: u64, tab: u64,
         width: u32, head_dim: u32, half_: u32, neox: u32, total: u32, _pad: u32,
     }
-    /// `eltwise.comp`: `op` on `x` in place, with `y` and the scalar `a`.
+    /// `eltwise.comp`: `op` on `x` in place, with `y`, the scalar `a` and the per-row values `z`
+    /// (ops 11 and 12 only; 0 otherwise).
     EltwisePush for ["eltwise"] {
         x: u64, y: u64,
         count: u32, width: u32, op: u32, a: f32,
+        z: u64,
     }
     /// `gather_rows.comp`: `dst[j] = src[idx[j]]`.
     GatherRowsPush for ["gather_rows"] {
@@ -120,22 +122,46 @@ push_blocks! {
         k: u64, v: u64, kv: u64, meta: u64, signs: u64,
         kvd: u32, n: u32, slot_off: u32, v_off: u32, head_dim: u32, rscale: f32,
     }
-    /// `attention.comp`: each query row over its region's stored K/V.
+    /// `attention.comp`: each query row over its region's stored K/V; `sinks` (one logit per
+    /// query head) joins each softmax where `has_sinks` is 1.
     AttentionPush for ["attention"] {
         q: u64, out_: u64, kv: u64, meta: u64, signs: u64,
         n_heads: u32, n_kv_heads: u32, head_dim: u32, window: u32,
         qmul: f32, smul: f32, softcap: f32,
         slot_off: u32, v_off: u32, row_words: u32, rscale: f32, _pad: u32,
+        sinks: u64, has_sinks: u32, _pad2: u32,
+    }
+    /// `moe_route.comp`: rows of router logits to n_used (expert, weight) pairs each.
+    MoeRoutePush for ["moe_route"] {
+        logits: u64, out_: u64, bias: u64,
+        n_expert: u32, n_used: u32, gating: u32, has_bias: u32, norm: u32, scale: f32,
+    }
+    /// `mul_mat_id.comp`, `mul_mat_id_rows.comp`: each slot's chosen expert's matmul row.
+    MulMatIdPush for ["mul_mat_id", "mul_mat_id_rows"] {
+        w: u64, x: u64, y: u64, ids: u64, bias: u64,
+        rows: u32, cols: u32, n_used: u32, row_words: u32, x_stride_t: u32, x_stride_j: u32, y_stride: u32, has_bias: u32,
+        rows_per_z: u32, _pad: u32,
+    }
+    /// `moe_combine.comp`: each row's experts' outputs, weighted, in expert order.
+    MoeCombinePush for ["moe_combine"] {
+        y: u64, ids: u64, out_: u64, scale: u64,
+        width: u32, n_used: u32, count: u32, has_scale: u32,
+    }
+    /// `dn_conv.comp`: a DeltaNet layer's causal convolution over each session's rows.
+    DnConvPush for ["dn_conv"] {
+        qkv: u64, conv_w: u64, meta: u64, state: u64,
+        cd: u32, kernel: u32,
+    }
+    /// `dn_recur.comp`, `dn_recur_rows.comp`: a DeltaNet layer's recurrence per value head and
+    /// session.
+    DnRecurPush for ["dn_recur", "dn_recur_rows"] {
+        qkv: u64, beta: u64, alpha: u64, out_: u64, meta: u64, state: u64, dt_bias: u64, a: u64,
+        hd: u32, n_k_heads: u32, n_v_heads: u32, tiled: u32, eps_n: f32, sqrt_n: f32, scale: f32, _pad: u32,
     }
     /// `copy_cols.comp`: columns of each row into another matrix's columns.
     CopyColsPush for ["copy_cols"] {
         src: u64, dst: u64,
         src_width: u32, src_col: u32, dst_width: u32, dst_col: u32, cols: u32, rows: u32,
-    }
-    /// `row_ops.comp`: the scaling ops (by row, by column, by a scalar), sigmoid and product.
-    RowOpsPush for ["row_ops"] {
-        x: u64, y: u64, s: u64,
-        count: u32, width: u32, op: u32, a: f32,
     }
 }
 

@@ -18,7 +18,7 @@ use std::sync::{Arc, OnceLock};
 /// answers and none is expected, having printed `skipped: <test>: <reason>`. Where one is
 /// expected (Mesa's lavapipe installed, or DASLLAMA_VK_REQUIRE=1) a missing device fails the test:
 /// a broken loader or driver must not pass as "no device".
-fn gpu() -> Option<(Arc<Gpu>, Kernels, Runner)> {
+pub(super) fn gpu() -> Option<(Arc<Gpu>, Kernels, Runner)> {
     static G: OnceLock<Result<Arc<Gpu>, String>> = OnceLock::new();
     let g = G.get_or_init(|| Gpu::open(None).map(Arc::new).map_err(|e| e.to_string()));
     let test = std::thread::current().name().unwrap_or("?").to_string();
@@ -45,7 +45,7 @@ fn device_expected() -> Option<String> {
     (!lvp.is_empty()).then(|| format!("lavapipe is installed (/usr/share/vulkan/icd.d/{})", lvp.join(", ")))
 }
 
-fn rand(n: usize, seed: u64) -> Vec<f32> {
+pub(super) fn rand(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
@@ -55,7 +55,7 @@ fn rand(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn read(g: &Arc<Gpu>, run: &mut Runner, b: &Buffer, floats: usize) -> Vec<f32> {
+pub(super) fn read(g: &Arc<Gpu>, run: &mut Runner, b: &Buffer, floats: usize) -> Vec<f32> {
     let mut back = Buffer::new(g, "back", (floats * 4) as u64, MemoryLocation::GpuToCpu).unwrap();
     run.barrier().unwrap();
     run.copy(b, 0, &back, 0, (floats * 4) as u64).unwrap();
@@ -65,7 +65,7 @@ fn read(g: &Arc<Gpu>, run: &mut Runner, b: &Buffer, floats: usize) -> Vec<f32> {
 
 /// A weight of random blocks: every bit pattern of the quants is a valid block, so random bytes
 /// with sane f16 scales exercise every path of a format's decoding.
-fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
+pub(super) fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
     let x = rand(rows * cols, seed);
     let rb = ty.row_bytes(cols);
     let mut data = vec![0u8; rb * rows];
@@ -76,6 +76,10 @@ fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
     } else {
         data.iter_mut().zip(&x).for_each(|(b, v)| *b = ((v + 1.0) * 127.9) as u8);
         let bb = ty.block_bytes();
+        if ty == GgmlType::MXFP4 {
+            // Its scale is the E8M0 byte at 0: random bytes reach 2^127, whose products overflow.
+            data.chunks_exact_mut(bb).enumerate().for_each(|(i, b)| b[0] = 118 + (i % 16) as u8);
+        }
         for (i, b) in data.chunks_exact_mut(bb).enumerate() {
             for (j, &at) in ty.f16_scale_offsets().iter().enumerate() {
                 let v = half::f16::from_f32(0.01 + 0.05 * x[(i * 7 + j) % x.len()].abs()).to_le_bytes();
@@ -87,7 +91,7 @@ fn weight(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Weight {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn check_matmul(ty: GgmlType, w: &Weight, x: &[f32], y: &[f32], rows: usize, cols: usize, n: usize, variant: &str) {
+pub(super) fn check_matmul(ty: GgmlType, w: &Weight, x: &[f32], y: &[f32], rows: usize, cols: usize, n: usize, variant: &str) {
     let mut row = vec![0f32; cols];
     for r in 0..rows {
         dequantize_row(ty, &w.data.as_slice()[r * ty.row_bytes(cols)..(r + 1) * ty.row_bytes(cols)], &mut row);
@@ -162,7 +166,7 @@ fn matmul_and_gather_match_dequantized_rows() {
 
 /// Run one kernel over host vectors: the buffers are uploaded, the kernel dispatched with
 /// `push(addresses)`, and buffer `out` read back.
-fn run_op<P: PushBlock>(shader: Shader, bufs: &[&[f32]], out: usize, push: impl Fn(&[u64]) -> P, count: usize) -> Option<Vec<f32>> {
+pub(super) fn run_op<P: PushBlock>(shader: Shader, bufs: &[&[f32]], out: usize, push: impl Fn(&[u64]) -> P, count: usize) -> Option<Vec<f32>> {
     let (g, mut k, mut run) = gpu()?;
     let bs: Vec<Buffer> = bufs.iter().map(|b| upload_f32(&g, &mut run, "op", b).unwrap()).collect();
     let addrs: Vec<u64> = bs.iter().map(|b| b.addr).collect();
@@ -170,7 +174,7 @@ fn run_op<P: PushBlock>(shader: Shader, bufs: &[&[f32]], out: usize, push: impl 
     Some(read(&g, &mut run, &bs[out], bufs[out].len()))
 }
 
-fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+pub(super) fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
         assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what} [{i}]: {a} vs {b}");
     }
@@ -237,7 +241,7 @@ fn eltwise_ops_match_cpu() {
     let y = rand(n, 7);
     let bias = rand(10, 8);
     let op = |o: u32, yv: &[f32], width: usize, a: f32| {
-        run_op(Shader::Eltwise, &[&x, yv], 0, |ad| sh::EltwisePush { x: ad[0], y: ad[1], count: u(n), width: u(width), op: o, a }, n)
+        run_op(Shader::Eltwise, &[&x, yv], 0, |ad| sh::EltwisePush { x: ad[0], y: ad[1], count: u(n), width: u(width), op: o, a, z: 0 }, n)
     };
     let Some(got) = op(0, &bias, 10, 0.0) else { return };
     close(&got, &x.iter().enumerate().map(|(i, v)| v + bias[i % 10]).collect::<Vec<_>>(), 0.0, "add");
@@ -411,6 +415,7 @@ fn attention_case(codec: KvCodec, nh: usize, nkv: usize) {
                 row_words: u(regions.row_words(0)),
                 rscale,
                 _pad: 0,
+                ..Default::default()
             },
             [(nkv * (nh / nkv).div_ceil(8)) as u32, n as u32, 1],
         )

@@ -26,6 +26,8 @@ fn packed_block_bytes(ty: GgmlType) -> usize {
         GgmlType::Q5_0 | GgmlType::Q5_1 => 24,
         GgmlType::Q8_0 => 36,
         GgmlType::Q6K => 212,
+        // [e][qs16] and [d][qs16] -> [qs16][e or d][pad]; IQ4_XS's 136 bytes are 34 words as stored.
+        GgmlType::MXFP4 | GgmlType::IQ4NL => 20,
         t => t.block_bytes(),
     }
 }
@@ -55,6 +57,10 @@ fn repack_row(ty: GgmlType, src: &[u8], out: &mut Vec<u8>) {
             // [d][qs32] -> [qs32][d][pad]
             GgmlType::Q8_0 => out.extend_from_slice(&[&b[2..34], &b[0..2], &[0, 0]].concat()),
             GgmlType::Q6K => out.extend_from_slice(&[b, &[0, 0]].concat()),
+            // [e][qs16] -> [qs16][e][pad3]
+            GgmlType::MXFP4 => out.extend_from_slice(&[&b[1..17], &b[0..1], &[0, 0, 0]].concat()),
+            // [d][qs16] -> [qs16][d][pad]
+            GgmlType::IQ4NL => out.extend_from_slice(&[&b[2..18], &b[0..2], &[0, 0]].concat()),
             _ => out.extend_from_slice(b),
         }
     }
@@ -84,17 +90,33 @@ pub fn upload_f32(gpu: &Arc<Gpu>, run: &mut Runner, name: &str, v: &[f32]) -> Re
 }
 
 pub fn upload_weight(gpu: &Arc<Gpu>, run: &mut Runner, name: &str, w: &Weight) -> Result<DevWeight> {
-    if let Some(why) = unsupported(w) {
-        return Err(Error::UnsupportedModel(format!("{name}: the Vulkan kernels do not read {why}")));
+    upload_stacked(gpu, run, name, &[w])
+}
+
+/// Several matrices of one format and shape (a layer's experts) as one device weight, one after
+/// the other: matrix e's row r is row `e * ws[0].rows + r` of the result, whose `rows` counts
+/// them all (`mul_mat_id.comp` reads it so).
+pub fn upload_stacked(gpu: &Arc<Gpu>, run: &mut Runner, name: &str, ws: &[&Weight]) -> Result<DevWeight> {
+    let w0 = ws.first().ok_or_else(|| Error::Internal(format!("{name}: no matrices to upload")))?;
+    for w in ws {
+        if let Some(why) = unsupported(w) {
+            return Err(Error::UnsupportedModel(format!("{name}: the Vulkan kernels do not read {why}")));
+        }
+        if (w.ty, w.rows, w.cols) != (w0.ty, w0.rows, w0.cols) {
+            return Err(Error::Internal(format!("{name}: stacked matrices differ in format or shape")));
+        }
     }
-    let blocks = w.cols / w.ty.block_len();
-    let row_bytes = blocks * packed_block_bytes(w.ty);
-    let mut packed = Vec::with_capacity(row_bytes * w.rows);
-    let mut raw = vec![0u8; w.row_bytes()];
-    for r in 0..w.rows {
-        w.gguf_row(r, &mut raw);
-        repack_row(w.ty, &raw, &mut packed);
+    let blocks = w0.cols / w0.ty.block_len();
+    let row_bytes = blocks * packed_block_bytes(w0.ty);
+    let rows = w0.rows * ws.len();
+    let mut packed = Vec::with_capacity(row_bytes * rows);
+    let mut raw = vec![0u8; w0.row_bytes()];
+    for w in ws {
+        for r in 0..w.rows {
+            w.gguf_row(r, &mut raw);
+            repack_row(w.ty, &raw, &mut packed);
+        }
     }
     let buf = upload(gpu, run, name, &packed)?;
-    Ok(DevWeight { buf, ty: w.ty, rows: w.rows, cols: w.cols, row_words: row_bytes / 4 })
+    Ok(DevWeight { buf, ty: w0.ty, rows, cols: w0.cols, row_words: row_bytes / 4 })
 }
