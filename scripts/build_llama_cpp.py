@@ -49,11 +49,14 @@ VULKAN_TOOLS = ("llama-batched-bench", "llama-bench", "llama-quantize")
 COMMON_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
 CPU_FLAGS = ["-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON"]
 # Built here, run on another machine: no -march=native (AVX2, FMA and F16C every x86-64 server
-# of the last decade has), no OpenMP (libgomp may be missing there; ggml's own thread pool does),
-# libstdc++ and libgcc static, so the binaries need only glibc and the Vulkan loader there.
+# of the last decade has), no OpenMP (libgomp may be missing there; ggml's own thread pool does).
+# The backend embeds every shader's SPIR-V (some 50 MB with the cooperative-matrix variants), so
+# the Vulkan tools link it as one shared library beside them (found through $ORIGIN) rather than
+# each carrying a copy; no OpenSSL (nothing is downloaded), so only glibc, libstdc++ and the Vulkan
+# loader are needed where they land.
 VULKAN_FLAGS = [
     "-DGGML_VULKAN=ON", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_OPENMP=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_EXE_LINKER_FLAGS=-static-libstdc++ -static-libgcc",
+    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_BUILD_RPATH=$ORIGIN",
 ]  # fmt: skip
 
 
@@ -146,25 +149,45 @@ def main() -> None:
     ap.add_argument("--dest", type=Path, default=Path.home() / ".cache/dasllama/llama.cpp/bin")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--vulkan", action="store_true", help="the Vulkan build of llama-bench, llama-batched-bench and llama-quantize, portable and stripped")
+    ap.add_argument("--pack", action="store_true", help="with --vulkan: the tools and libraries as one llama-vk.tar.xz in --dest (what travels to the device)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    dest = args.dest.resolve()
     with tempfile.TemporaryDirectory(prefix="llama-cpp-") as tmp:
-        work = Path(tmp)
+        # The Vulkan build takes most of an hour on two cores: its tree is kept, so that a rerun
+        # (after a failure, or for another --dest) only finishes what is left.
+        work = Path.home() / f".cache/dasllama/llama.cpp/vulkan-{args.version}" if args.vulkan else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         build_log = work / "build.log"
-        src, generator = vendored_sources(args.version, work, build_log)
+        src = work / f"llama_cpp_python-{args.version}" / "vendor" / "llama.cpp"
+        if args.vulkan and (src / "CMakeLists.txt").exists():
+            generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        else:
+            src, generator = vendored_sources(args.version, work, build_log)
         tools = VULKAN_TOOLS if args.vulkan else TOOLS
-        log.info("configuring llama.cpp (%s, static)", "Vulkan build for x86-64 with AVX2" if args.vulkan else "native CPU build")
+        log.info("configuring llama.cpp (%s)", "Vulkan build for x86-64 with AVX2, shared" if args.vulkan else "native CPU build, static")
         flags = COMMON_FLAGS + (VULKAN_FLAGS + vulkan_shader_flags(work, build_log) if args.vulkan else CPU_FLAGS)
         run(["cmake", "-S", str(src), "-B", str(src / "build"), *generator, *flags], src, build_log)
         log.info("building %s with %d jobs (minutes; log in %s)", ", ".join(tools), args.jobs, build_log)
         run(["cmake", "--build", str(src / "build"), "-j", str(args.jobs), "--target", *tools], src, build_log)
-        args.dest.mkdir(parents=True, exist_ok=True)
-        for tool in tools:
-            shutil.copy2(src / "build" / "bin" / tool, args.dest / tool)
-            # Symbols are most of a static binary's size, and the Vulkan build's must travel.
-            if args.vulkan and shutil.which("strip"):
-                run(["strip", str(args.dest / tool)], src, build_log)
-    log.info("built into %s; put it on the PATH for the benches:\n  export PATH=%s:$PATH", args.dest, args.dest)
+        bin_dir = src / "build" / "bin"
+        stage = Path(tmp) / "stage" if args.pack else dest
+        stage.mkdir(parents=True, exist_ok=True)
+        # The shared libraries with their version links, as links (one copy of each library).
+        libs = sorted(bin_dir.glob("lib*.so*")) if args.vulkan else []
+        for f in [bin_dir / t for t in tools] + libs:
+            target = stage / f.name
+            target.unlink(missing_ok=True)
+            shutil.copy2(f, target, follow_symlinks=False)
+            # Symbols are most of a binary's size, and the Vulkan build's must travel.
+            if args.vulkan and not f.is_symlink() and shutil.which("strip"):
+                run(["strip", "--strip-unneeded", str(target)], src, build_log)
+        if args.pack:
+            dest.mkdir(parents=True, exist_ok=True)
+            tar = dest / "llama-vk.tar.xz"
+            run(["tar", "-C", str(stage), "-cJf", str(tar), *sorted(p.name for p in stage.iterdir())], src, build_log)
+            log.info("packed %s (%.1f MiB)", tar, tar.stat().st_size / 2**20)
+    log.info("built into %s; put it on the PATH for the benches:\n  export PATH=%s:$PATH", dest, dest)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@
 #   rm -rf .whl; maturin build --release --out .whl
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
-#   # llama.cpp's Vulkan tools (llama-bench, llama-batched-bench, llama-quantize), about 40 minutes
+#   # llama.cpp's Vulkan tools (llama-bench, llama-batched-bench, llama-quantize and the shared
+#   # libraries they use) packed as .llama-vk/llama-vk.tar.xz; about 35 minutes on two busy cores
 #   apt-get install -y libvulkan-dev glslc spirv-headers; python3 -m pip install cmake ninja
-#   nice -n 19 python3 scripts/build_llama_cpp.py --vulkan --jobs 2 --dest .llama-vk
+#   nice -n 19 python3 scripts/build_llama_cpp.py --vulkan --pack --jobs 2 --dest .llama-vk
 # Then: run(command="bash scripts/gpu_check.sh", carry=[".gl", ".whl", ".llama-vk"], timeout_s=540)
 #
 # Here, on lavapipe (Mesa's CPU Vulkan: apt-get install -y mesa-vulkan-drivers libvulkan1), with
@@ -86,10 +87,16 @@ setup() {
         compgen -G ".whl/*.whl" >/dev/null || { echo "dasllama does not import and no .whl was carried"; return 1; }
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
     fi
+    # llama.cpp's Vulkan tools travel packed (the backend's shaders are some 50 MB unpacked).
+    if [[ -f $LLAMA/llama-vk.tar.xz ]]; then
+        rm -rf "$W/llama-vk" && mkdir -p "$W/llama-vk" && tar -C "$W/llama-vk" -xJf "$LLAMA/llama-vk.tar.xz" || return 1
+    fi
     ldconfig -p | grep libvulkan || echo "no libvulkan on the loader path"
 }
 export -f setup
+export LLAMA
 step setup 90 setup
+[[ -f $LLAMA/llama-vk.tar.xz ]] && LLAMA=$W/llama-vk
 [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site:$PWD/tests || export PYTHONPATH=$PWD/tests
 if [[ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]]; then
     # The NVIDIA driver's ICD lies outside the loader's search path there; with it named, a
