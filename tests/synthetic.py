@@ -211,6 +211,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": dict(arch="qwen2", heads=4, kv_heads=2, head_dim=64, bias=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
     # QK-norm; heads wider than dim / n_heads.
     "qwen3": dict(arch="qwen3", heads=4, kv_heads=2, head_dim=128, qk_norm=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
+    # Heads of 384 values: past what the device's attention kernel takes (256), so a placed
+    # model goes on the per-op rails.
+    "qwen3-wide-heads": dict(arch="qwen3", heads=2, kv_heads=1, head_dim=384, qk_norm=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
     # Fused QKV and gate/up, partial RoPE (48 of 64), longrope: the context (64) outgrows the
     # original one (32), so the long factors apply, and the attention factor scales both.
     "phi3": dict(

@@ -194,42 +194,8 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
         assert words in slot.reason, slot.reason
 
 
-@needs_device
-def test_qwen35moe_runs_on_the_per_op_rails(tmp_path: Path) -> None:
-    """qwen35moe (a DeltaNet hybrid with routed experts) goes on the per-op rails, the decline
-    naming its DeltaNet layers; scheduler streams there equal its single streams there. (Its
-    logits are not held to the CPU's here: on this tiny random file a router near-tie at the
-    first position moves even the CPU 0.36 nats from float64, and the device's sums pick the
-    other expert.)"""
-    from synthetic import write_family
-
-    path = tmp_path / "qwen35moe.gguf"
-    write_family(path, "qwen35moe")
-    arm()
-    m = dl.load_model(path)
-    slot = gpu.gpu_model_marks_init()
-    assert gpu.gpu_slot_capture(slot) == "gpu:rails", slot.reason
-    assert "DeltaNet" in gpu.gpu_resident_decline() and "DeltaNet" in slot.reason, (gpu.gpu_resident_decline(), slot.reason)
-    prompts = [[1, 259 + i % 8, 40 + i] for i in range(4)]
-    solo = [dl.generate(m, dl.create_session(m), p, dl.SamplingParams(temp=0.0), 6) for p in prompts]
-    sch = dl.create_scheduler(m, max_streams=4, chunk_tokens=2)
-    for i, p in enumerate(prompts):
-        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=6))
-    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    for ev in drain(m, sch):
-        assert ev.finish != "error", ev.error
-        if ev.kind == "piece" or (ev.finish == "stop" and ev.token >= 0):
-            toks[ev.id].append(ev.token)
-    for i in range(len(prompts)):
-        assert toks[i] == solo[i][: len(toks[i])] and toks[i], (i, toks[i], solo[i])
-    del sch
-    gpu.moe_gpu_drop_model()
-    assert gpu.gpu_tier_status().backend == "cpu"
-
-
-# Every synthetic family the device runs whole today, and the ones it does not yet, with the
-# op its pass is missing (the decline names an op the device lacks or a format it does not read,
-# never a model feature: the pass is the CPU's, recorded).
+# Every synthetic family the device runs whole (a model the device cannot run whole goes on the
+# per-op rails, the decline naming the limit; see the rails test below).
 # A prompt on whose rows no routed family's float64 router nearly ties before its last layers (a
 # tie broken the other way in an early layer changes every later row through the K/V).
 FAMILY_IDS = [1, 259, 260, 261, 262, 40, 41]
@@ -237,6 +203,7 @@ RESIDENT_FAMILIES = [
     *("qwen2", "qwen3", "phi3", "phi3-short", "gemma2", "qwen2vl", "qwen3vl", "mistral3"),
     *("qwen2moe", "qwen3moe", "qwen3vlmoe", "glm4moe", "gemma4-moe"),
     *("gemma4", "gemma4-e", "gpt-oss", "gpt-oss-mxfp4", "qwen3-mxfp4", "qwen3moe-mxfp4", "qwen3-iq4", "qwen3moe-iq4"),
+    *("qwen35", "qwen3next", "qwen35moe"),
 ]
 
 
@@ -303,14 +270,34 @@ def test_every_family_runs_resident(tmp_path: Path, name: str) -> None:
 
 
 @needs_device
+def test_hybrid_device_session_keeps_its_state_on_the_device(tmp_path: Path) -> None:
+    """A hybrid's recurrent state lives in its device region, updated in place: hydrating it to
+    host memory is refused with a reason and loses nothing (the session goes on as if asked
+    nothing); a session that starts over at position 0 starts from a zero state."""
+    path = tmp_path / "qwen35.gguf"
+    write_family(path, "qwen35")
+    arm(regions=2, ctx=64)
+    m = load_on_device(path)
+    s, ref = gpu.create_device_session(m), gpu.create_device_session(m)
+    dl.eval_all(m, s, IDS[:4])
+    want = dl.eval_all(m, ref, IDS)
+    with pytest.raises(ValueError, match="recurrent state"):
+        gpu.moe_gpu_hydrate_session(m, s)
+    assert gpu.is_device_session(s)
+    np.testing.assert_array_equal(dl.eval_all(m, s, IDS[4:]), want[4:])
+    s.reset()
+    np.testing.assert_array_equal(dl.eval_all(m, s, IDS), want)
+
+
+@needs_device
 @pytest.mark.parametrize(
     "name, why",
-    [("qwen35", "DeltaNet"), ("qwen3next", "DeltaNet")],
+    [("qwen3-wide-heads", "heads of 384 values; the device attention takes even sizes up to 256")],
 )
 def test_declined_models_run_on_the_per_op_rails(tmp_path: Path, name: str, why: str) -> None:
-    """A model whose pass needs an op the device has no kernel for yet (routed experts, a
-    DeltaNet, attention sinks) goes on the per-op rails:
-    capture says "gpu:rails", the decline names the op, there are no device regions,
+    """A model whose pass the device cannot run whole (here: heads wider than its attention
+    kernel takes) goes on the per-op rails:
+    capture says "gpu:rails", the decline names the limit, there are no device regions,
     and its matrices multiply on the device (activations rounded as the CPU rounds them) while
     attention, routing and the recurrence stay on the CPU over host K/V. Logits track the CPU's;
     scheduler streams equal the single-stream output; dropping it frees what it held."""

@@ -87,6 +87,8 @@ pub trait Placeable: Sync {
     fn weight_bytes(&self) -> u64;
     /// Each K/V slot's heads: (head_dim, n_kv_heads).
     fn kv_heads(&self) -> Vec<(usize, usize)>;
+    /// Each recurrent slot's layer (a hybrid's DeltaNet layers, in order; empty elsewhere).
+    fn rec_layers(&self) -> Vec<super::DeltaNet>;
     fn seq_len(&self) -> usize;
     /// A pass's inputs for sessions at positions `lens` taking `counts` of `tokens`, the rows
     /// `picked` getting logits.
@@ -105,6 +107,11 @@ pub trait KvHome: Send + Sync {
     fn park(&self, region: usize, rows: usize) -> u64;
     /// The region and row count `claim` names, now held; None when another stream took it.
     fn adopt(&self, claim: u64) -> Option<(usize, usize)>;
+    /// Whether a claim's rows are taken whole or not at all: a region that holds a recurrent
+    /// state after its last row cannot give a shorter prefix.
+    fn whole(&self) -> bool {
+        false
+    }
 }
 
 /// A session's K/V in a device region.
@@ -185,7 +192,7 @@ impl DevKv {
             return Err(Error::InvalidArgument("adopt needs a fresh device session (n_past 0)".into()));
         }
         let Some((region, held)) = home.adopt(claim) else { return Ok(false) };
-        if rows > held {
+        if rows > held || (home.whole() && rows != held) {
             home.park(region, held);
             return Ok(false);
         }

@@ -307,6 +307,10 @@ impl Placeable for Model {
         (0..g.n_layers).map(|il| g.heads(il)).collect()
     }
 
+    fn rec_layers(&self) -> Vec<crate::backend::DeltaNet> {
+        self.config.rec_layers()
+    }
+
     fn seq_len(&self) -> usize {
         self.config.seq_len
     }

@@ -928,6 +928,10 @@ impl Scheduler {
                     }
                 }
             }
+            // A hybrid's recurrent state on the device is updated in place: no rollback of rejected drafts.
+            if self.device_kv && self.model.config.recurrent() {
+                cap = 0;
+            }
             if cap > 0 {
                 let (first, alpha) = s.spec.acceptance();
                 cands.push(Candidate { first, alpha, cap });

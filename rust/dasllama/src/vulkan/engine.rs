@@ -6,13 +6,14 @@
 //! position, the rows that get logits, RoPE tables, per-row factors) and replays it.
 
 use super::buffer::Buffer;
+use super::deltanet::{self, meta_words, DevDnParams, META_WORDS};
 use super::device::Gpu;
 use super::kernels::{Chain, Kernels, Runner};
 use super::moe::{moe_ffn, DevExperts, MoeScratch, RouteSpec};
 use super::ops::Recorder;
 use super::regions::Regions;
 use super::weights::{upload_f32, upload_stacked, upload_weight, DevWeight};
-use crate::backend::{Act, Buf, ExpertSet, PassIn, Placeable, Route};
+use crate::backend::{Act, Buf, DeltaNet, DnParams, ExpertSet, PassIn, Placeable, Route};
 use crate::kv::{KvCache, KvCodec};
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -32,7 +33,7 @@ const MAX_CHAINS: usize = 64;
 
 /// A kept chain: the window shape it serves, and the rows it leaves (read back after each run).
 struct Kept {
-    key: (usize, usize, bool),
+    key: (usize, usize, bool, usize),
     chain: Chain,
     out: Act,
 }
@@ -65,6 +66,14 @@ pub struct Engine {
     /// The tq4 rotation's signs, by head size.
     signs: HashMap<usize, Buffer>,
     pub regions: Regions,
+    /// A hybrid's recurrent state per region, after its K/V (the device's `kv::RecIo`): per
+    /// recurrent slot its conv state then its SSM state, updated in place by each pass.
+    rec: Vec<DeltaNet>,
+    /// Per recurrent slot: (conv, SSM) word offsets in a region's state; words a region's state takes.
+    rec_at: Vec<(usize, usize)>,
+    rec_words: usize,
+    states: Option<Buffer>,
+    dn_params: HashMap<usize, DevDnParams>,
     chains: Vec<Kept>,
     pub weight_bytes: u64,
     pub recorded: u64,
@@ -78,11 +87,23 @@ pub(super) struct MetaAt {
     pub picked: u64,
     pub ropes: Vec<u64>,
     pub scales: Vec<u64>,
+    /// Per recurrent slot: each session's record (`deltanet::meta_words`).
+    pub dn: Vec<u64>,
 }
 
 impl Engine {
     pub fn new(gpu: &Arc<Gpu>, m: &dyn Placeable, n_regions: usize, ctx: usize, codec: KvCodec) -> Result<Engine> {
         let regions = Regions::new(gpu, n_regions, ctx, &m.kv_heads(), codec)?;
+        let rec = m.rec_layers();
+        let mut rec_at = Vec::with_capacity(rec.len());
+        let mut rec_words = 0;
+        for dn in &rec {
+            let conv = (dn.conv_kernel - 1) * dn.conv_dim();
+            rec_at.push((rec_words, rec_words + conv));
+            rec_words += conv + dn.n_v_heads * dn.head_dim * dn.head_dim;
+        }
+        let states =
+            if rec.is_empty() { None } else { Some(Buffer::new(gpu, "recurrent states", (4 * n_regions * rec_words) as u64, MemoryLocation::GpuOnly)?) };
         Ok(Engine {
             gpu: gpu.clone(),
             kernels: Kernels::new(gpu)?,
@@ -101,6 +122,11 @@ impl Engine {
             grew: false,
             signs: HashMap::new(),
             regions,
+            rec,
+            rec_at,
+            rec_words,
+            states,
+            dn_params: HashMap::new(),
             chains: Vec::new(),
             weight_bytes: 0,
             recorded: 0,
@@ -184,6 +210,35 @@ impl Engine {
         moe_ffn(&mut self.run, &mut self.kernels, &self.experts[&key], &spec, e.act, lg, h, o, &scratch, d, n)
     }
 
+    /// Whether regions hold a recurrent state (a hybrid's).
+    pub fn recurrent(&self) -> bool {
+        !self.rec.is_empty()
+    }
+
+    /// One gated DeltaNet layer's recurrent core over the pass's sessions (`Ops::delta_net`),
+    /// each session's state in its region; `meta`: the sessions' records for this slot.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn delta_net(&mut self, dn: &DeltaNet, p: &DnParams, bufs: [Act; 4], meta: u64, sessions: usize) -> Result<()> {
+        let key = p.conv.as_ptr() as usize;
+        if !self.dn_params.contains_key(&key) {
+            let params = DevDnParams {
+                conv: upload_f32(&self.gpu, &mut self.up, "DeltaNet conv", p.conv)?,
+                dt_bias: upload_f32(&self.gpu, &mut self.up, "DeltaNet dt bias", p.dt_bias)?,
+                a: upload_f32(&self.gpu, &mut self.up, "DeltaNet a", p.a)?,
+            };
+            self.weight_bytes += params.conv.size + params.dt_bias.size + params.a.size;
+            self.dn_params.insert(key, params);
+        }
+        let states = self.states.as_ref().ok_or_else(|| Error::Internal("a DeltaNet layer in a model placed without recurrent slots".into()))?;
+        let buf = |a: Act| match &self.bufs[a.buf as usize] {
+            Some(b) if a.off == 0 => Ok(b),
+            _ => Err(Error::Internal("a DeltaNet layer takes whole pass buffers".into())),
+        };
+        let [qkv, beta, alpha, out] = bufs;
+        let (q, b, al, o) = (buf(qkv)?, buf(beta)?, buf(alpha)?, buf(out)?);
+        deltanet::delta_net(&mut self.run, &mut self.kernels, dn, &self.dn_params[&key], q, b, al, o, meta, states.addr, sessions)
+    }
+
     pub(super) fn signs(&mut self, head_dim: usize) -> Result<u64> {
         if !self.signs.contains_key(&head_dim) {
             let b = upload_f32(&self.gpu, &mut self.up, "tq4 signs", &crate::kv::codec::tq4_sign_vector(head_dim))?;
@@ -248,6 +303,18 @@ impl Engine {
             scales.push(words.len());
             words.extend(t.iter().map(|v| v.to_bits()));
         }
+        let mut dn = Vec::with_capacity(self.rec_at.len());
+        for &(conv, ssm) in &self.rec_at {
+            dn.push(words.len());
+            let mut first = 0;
+            for (&region, &cnt) in regions.iter().zip(inp.counts) {
+                // Each state is read and written in place: the kernels read a value before they overwrite it.
+                let base = region * self.rec_words;
+                words.extend(meta_words(first, cnt, base + conv, base + conv, base + ssm, base + ssm));
+                first += cnt;
+            }
+            debug_assert_eq!(words.len() - dn.last().copied().unwrap_or(0), META_WORDS * regions.len());
+        }
         let bytes = 4 * words.len() as u64;
         Engine::ensure(&self.gpu, &mut self.meta, bytes, MemoryLocation::CpuToGpu, "step metadata", &mut self.retired, &mut self.grew)?;
         let meta = self.meta.as_mut().expect("ensured above");
@@ -261,6 +328,7 @@ impl Engine {
             picked: at(picked_at),
             ropes: ropes.into_iter().map(at).collect(),
             scales: scales.into_iter().map(at).collect(),
+            dn: dn.into_iter().map(at).collect(),
         })
     }
 
@@ -275,8 +343,20 @@ impl Engine {
     /// One window of `m`'s pass: session i of `inp` in region `regions[i]`. The rows the pass
     /// leaves are appended to `out`.
     pub fn forward(&mut self, m: &dyn Placeable, regions: &[usize], inp: &PassIn<'_>, hidden: bool, out: &mut Vec<f32>) -> Result<()> {
-        let key = (inp.tokens.len(), inp.picked.len(), hidden);
+        // A recurrent layer's kernels take one workgroup per session: the sessions' count is part of the shape.
+        let key = (inp.tokens.len(), inp.picked.len(), hidden, if self.rec.is_empty() { 0 } else { inp.counts.len() });
         let at = self.write_meta(regions, inp)?;
+        if let Some(states) = &self.states {
+            // A session at its first position starts from a zero state.
+            let mut first = 0;
+            for (&region, &cnt) in regions.iter().zip(inp.counts) {
+                if inp.rows[first].1 == 0 {
+                    self.up.zero(states, (4 * region * self.rec_words) as u64, (4 * self.rec_words) as u64)?;
+                }
+                first += cnt;
+            }
+            self.up.submit()?;
+        }
         if self.grew {
             // The metadata buffer itself moved: every kept chain names the old one.
             self.grew = false;
@@ -306,7 +386,7 @@ impl Engine {
 
     /// Record the chain of a window of this shape, keeping it. A recording that outgrew a
     /// buffer is thrown away and done again over the grown buffers.
-    fn record(&mut self, m: &dyn Placeable, inp: &PassIn<'_>, hidden: bool, key: (usize, usize, bool), at: &MetaAt) -> Result<()> {
+    fn record(&mut self, m: &dyn Placeable, inp: &PassIn<'_>, hidden: bool, key: (usize, usize, bool, usize), at: &MetaAt) -> Result<()> {
         for _ in 0..3 {
             self.run.record_chain()?;
             let mut rec = Recorder::new(self, at, inp);
@@ -343,6 +423,11 @@ impl Engine {
     pub fn read_rows(&mut self, region: usize, len: usize, kv: &mut KvCache) -> Result<()> {
         if len == 0 {
             return Ok(());
+        }
+        if self.recurrent() {
+            return Err(Error::InvalidArgument(
+                "a hybrid's device session keeps its recurrent state on the device and cannot move to host memory; start a host session and prefill it".into(),
+            ));
         }
         let codec = self.regions.codec;
         kv.reserve(len)?;

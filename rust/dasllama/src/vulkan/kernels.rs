@@ -155,6 +155,14 @@ impl Runner {
         Ok(())
     }
 
+    /// Zero `size` bytes of `dst` from `off`.
+    pub fn zero(&mut self, dst: &Buffer, off: u64, size: u64) -> Result<()> {
+        self.begin()?;
+        // SAFETY: recording; the buffer is live and the range lies inside it (callers size it).
+        unsafe { self.gpu.device.cmd_fill_buffer(self.cmd, dst.raw, off, size, 0) };
+        Ok(())
+    }
+
     pub fn copy(&mut self, src: &Buffer, src_off: u64, dst: &Buffer, dst_off: u64, size: u64) -> Result<()> {
         self.begin()?;
         let r = [vk::BufferCopy { src_offset: src_off, dst_offset: dst_off, size }];

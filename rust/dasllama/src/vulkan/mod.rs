@@ -14,7 +14,6 @@
 //! knows a model: the forward pass comes through `backend::Placeable`.
 
 mod buffer;
-#[cfg_attr(not(test), allow(dead_code))]
 mod deltanet;
 mod device;
 mod engine;

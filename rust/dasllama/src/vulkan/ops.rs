@@ -19,6 +19,7 @@ use crate::{Error, Result};
 /// Hazard bits beyond the pass's buffers (one bit each): the K/V regions, the rounded input.
 const KV: u64 = 1 << 62;
 const XQ: u64 = 1 << 61;
+const STATE: u64 = 1 << 60;
 
 fn bit(a: Act) -> u64 {
     1 << a.buf as u64
@@ -385,8 +386,11 @@ impl Ops for Recorder<'_, '_> {
         self.op(bit(logits) | bit(x) | XQ, bit(out) | XQ, |rec| rec.e.experts(e, r, logits, x, out));
     }
 
-    fn delta_net(&mut self, _dn: &DeltaNet, _p: &DnParams, _slot: usize, _qkv: Act, _beta: Act, _alpha: Act, _out: Act) {
-        self.fail(missing("gated DeltaNet layers (their conv and recurrent state)"));
+    fn delta_net(&mut self, dn: &DeltaNet, p: &DnParams, slot: usize, qkv: Act, beta: Act, alpha: Act, out: Act) {
+        let sessions = self.inp.counts.len();
+        let meta = self.at.dn[slot];
+        // The conv and the recurrence record their own barrier between them.
+        self.op(bit(qkv) | bit(beta) | bit(alpha) | STATE, bit(qkv) | bit(out) | STATE, |r| r.e.delta_net(dn, p, [qkv, beta, alpha, out], meta, sessions));
     }
 
     fn load(&mut self, _src: &[f32], _x: Act) {

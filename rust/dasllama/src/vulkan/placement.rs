@@ -56,7 +56,7 @@ impl ResidentPlacement {
         };
         ResidentPlacement {
             dev,
-            book: Arc::new(Book::new(r.regions.count())),
+            book: Arc::new(Book::new(r.regions.count(), r.recurrent())),
             engine: Mutex::new(Some(r)),
             serving: AtomicBool::new(true),
             status: Mutex::new(status),

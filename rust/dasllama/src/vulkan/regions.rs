@@ -51,6 +51,8 @@ pub struct Regions {
 /// behind a lock of its own, so a session that ends or parks never waits for a step.
 pub struct Book {
     slots: Mutex<(Vec<Slot>, u64)>,
+    /// Regions hold a recurrent state after their last row: claims are adopted whole.
+    whole: bool,
 }
 
 impl Regions {
@@ -114,8 +116,8 @@ impl Regions {
 }
 
 impl Book {
-    pub fn new(n: usize) -> Book {
-        Book { slots: Mutex::new((vec![Slot::Free; n], 1)) }
+    pub fn new(n: usize, whole: bool) -> Book {
+        Book { slots: Mutex::new((vec![Slot::Free; n], 1)), whole }
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, (Vec<Slot>, u64)> {
@@ -134,6 +136,10 @@ impl Book {
 }
 
 impl KvHome for Book {
+    fn whole(&self) -> bool {
+        self.whole
+    }
+
     fn release(&self, region: usize) {
         if let Some(s) = self.slots().0.get_mut(region) {
             *s = Slot::Free;
