@@ -83,8 +83,9 @@ pub trait Placeable: Sync {
     fn host_only(&self) -> Option<String>;
     /// Every matrix, dense ones first (the per-op rails take them in this order while they fit).
     fn matrices(&self) -> Vec<&Weight>;
-    /// Bytes the weights take as stored.
-    fn weight_bytes(&self) -> u64;
+    /// The tables the pass reads by row (token embeddings), which go to the device beside the
+    /// matrices.
+    fn gathered(&self) -> Vec<&Weight>;
     /// Each K/V slot's heads: (head_dim, n_kv_heads).
     fn kv_heads(&self) -> Vec<(usize, usize)>;
     /// Each recurrent slot's layer (a hybrid's DeltaNet layers, in order; empty elsewhere).

@@ -295,11 +295,8 @@ impl Placeable for Model {
         Model::matrices(self)
     }
 
-    fn weight_bytes(&self) -> u64 {
-        let gathered = std::iter::once(&self.tok_embd).chain(self.ple.as_ref().map(|p| &p.tok_embd));
-        let n: usize = Model::matrices(self).into_iter().chain(gathered).map(|w| w.row_bytes() * w.rows).sum();
-        // Padding of the 18/22/34/210-byte blocks to words.
-        n as u64 * 9 / 8
+    fn gathered(&self) -> Vec<&Weight> {
+        std::iter::once(&self.tok_embd).chain(self.ple.as_ref().map(|p| &p.tok_embd)).collect()
     }
 
     fn kv_heads(&self) -> Vec<(usize, usize)> {

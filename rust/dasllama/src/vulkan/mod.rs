@@ -177,7 +177,7 @@ pub fn place(dev: &Arc<Device>, m: &dyn Placeable, o: &Options) -> std::result::
         return Err("the device needs at least one K/V region".into());
     }
     let kv_bytes = Regions::bytes_for(o.regions, ctx, &heads, codec);
-    let weight_bytes = m.weight_bytes();
+    let weight_bytes: u64 = m.matrices().into_iter().chain(m.gathered()).map(weights::device_bytes).sum();
     let need = weight_bytes + kv_bytes;
     let have = dev.budget(o.vram_mb);
     if need > have {

@@ -11,7 +11,7 @@ use super::buffer::Buffer;
 use super::device::Gpu;
 use super::kernels::{Kernels, Runner};
 use super::ops::{mm, W};
-use super::weights::{unsupported, upload_weight, DevWeight};
+use super::weights::{device_bytes, unsupported, upload_weight, DevWeight};
 use crate::backend::MatmulOffload;
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -70,7 +70,7 @@ impl Rails {
         let (mut bytes, mut left) = (0u64, 0usize);
         let mut unread = BTreeMap::new();
         for (i, &w) in matrices.iter().enumerate() {
-            let need = (w.row_bytes() * w.rows) as u64 * 9 / 8;
+            let need = device_bytes(w);
             if !super::shaders::reads_format(w.ty) {
                 *unread.entry(w.ty.name()).or_insert(0) += 1;
             }

@@ -32,6 +32,11 @@ fn packed_block_bytes(ty: GgmlType) -> usize {
     }
 }
 
+/// Bytes `w` takes on the device, its blocks repacked to start on words.
+pub fn device_bytes(w: &Weight) -> u64 {
+    (w.rows * (w.cols / w.ty.block_len()) * packed_block_bytes(w.ty)) as u64
+}
+
 /// Why a matrix cannot go to the device, if it cannot.
 pub fn unsupported(w: &Weight) -> Option<String> {
     if !super::shaders::reads_format(w.ty) {
