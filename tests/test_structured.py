@@ -16,7 +16,8 @@ import pytest
 from conftest import drain
 
 import dasllama as dl
-from dasllama.serve.tools import CallParser, convert_messages, split_calls
+from dasllama.serve.callformats import CallParser, split_calls
+from dasllama.serve.tools import convert_messages
 from serverproc import start, stop
 
 # ---- schemas and prompts --------------------------------------------------------------------------

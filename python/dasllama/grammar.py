@@ -51,6 +51,17 @@ def lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def marker(m: Model, text: str) -> str:
+    """``text`` as a Lark term for ``m``: the token itself (``<[id]>``) where ``m``'s vocabulary
+    holds it as one control token, which no string literal can match; else a string literal."""
+    from .model import encode
+
+    ids = encode(m, text, add_bos=False, special=True)
+    if len(ids) == 1 and m._native.token_type(ids[0]) == 3:
+        return f"<[{ids[0]}]>"
+    return lark_string(text)
+
+
 def check_grammar(m: Model, grammar: str) -> None:
     """Compile ``grammar`` for ``m``; ValueError saying why if it does not compile. The first
     grammar of a model indexes its vocabulary (about a second, GIL released), shared afterwards

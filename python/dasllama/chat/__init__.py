@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,19 +305,32 @@ class HarmonySplitter:
     [<|constrain|>...]<|message|>BODY``, each ended by ``<|end|>`` (a control token, not in the
     text), the next header, or the reply's end (``<|return|>`` and ``<|call|>`` stop it). Bodies of
     the ``final`` channel are content, of ``analysis`` and ``commentary`` reasoning; the headers are
-    neither. A reply that opens with no header (a model that skips the format) is content;
-    ``in_thought``: the prompt already opened the analysis channel."""
+    neither. With ``calls``, a message to a function (``to=functions.NAME`` in its header) is a
+    tool call: it goes out as content, whole at its end, in the form ``<tool_call>{"name": NAME, "arguments": BODY}</tool_call>``
+    that the server's call parser reads. A reply that opens with no header (a model that skips the
+    format) is content; ``in_thought``: the prompt already opened the analysis channel."""
 
     HEADS = ("<|start|>", "<|channel|>")
     ENDS = ("<|end|>", "<|return|>", "<|call|>")
 
-    def __init__(self, in_thought: bool = False) -> None:
+    def __init__(self, in_thought: bool = False, calls: bool = False) -> None:
+        self.calls = calls
         self.state = "body" if in_thought else "start"
         self.channel = "analysis"
+        self.recipient: str | None = None  # the function a message is addressed to
+        self.call = ""  # that message's body so far
         self.buf = ""
 
     def _sink(self, text: str, out: list[str]) -> None:
-        out[0 if self.channel == "final" else 1] += text
+        if self.recipient is not None:
+            self.call += text
+        else:
+            out[0 if self.channel == "final" else 1] += text
+
+    def _end_message(self, out: list[str]) -> None:
+        if self.recipient is not None:
+            out[0] += '<tool_call>{"name": ' + json.dumps(self.recipient) + ', "arguments": ' + (self.call.strip() or "{}") + "}</tool_call>"
+            self.recipient, self.call = None, ""
 
     def feed(self, text: str) -> tuple[str, str]:
         self.buf += text
@@ -338,6 +352,8 @@ class HarmonySplitter:
                 head, self.buf = self.buf[:at], self.buf[at + len("<|message|>") :]
                 name = head.split("<|channel|>", 1)[1] if "<|channel|>" in head else "final"
                 self.channel = name.split("<|", 1)[0].split(" ", 1)[0].strip() or "final"
+                to = re.search(r"to=functions\.([^\s<]+)", head)
+                self.recipient = to.group(1) if to and self.calls else None
                 self.state = "body"
                 continue
             # A body runs to the next marker; what may be the start of one is held back.
@@ -345,6 +361,7 @@ class HarmonySplitter:
             if hits:
                 at, mk = min(hits)
                 self._sink(self.buf[:at], out)
+                self._end_message(out)
                 if mk in self.HEADS:
                     self.buf, self.state = self.buf[at:], "header"
                 else:
@@ -361,20 +378,22 @@ class HarmonySplitter:
         if self.state == "body":
             out = ["", ""]
             self._sink(rest, out)
+            self._end_message(out)
             return out[1], out[0]
         if self.state == "start" and rest.strip():
             return "", rest.lstrip()
         return "", ""  # an unfinished header is markup, not text
 
 
-def thought_splitter(markers: tuple[str, str] = THOUGHT_MARKERS, in_thought: bool = False) -> ThoughtSplitter | HarmonySplitter:
-    """The incremental splitter for a template's markers (:func:`thought_markers`)."""
-    return HarmonySplitter(in_thought) if markers == HARMONY_MARKERS else ThoughtSplitter(markers, in_thought)
+def thought_splitter(markers: tuple[str, str] = THOUGHT_MARKERS, in_thought: bool = False, calls: bool = False) -> ThoughtSplitter | HarmonySplitter:
+    """The incremental splitter for a template's markers (:func:`thought_markers`); ``calls``:
+    Harmony's messages to functions go out as tool-call blocks (the request declared tools)."""
+    return HarmonySplitter(in_thought, calls) if markers == HARMONY_MARKERS else ThoughtSplitter(markers, in_thought)
 
 
-def split_reasoning(reply: str, markers: tuple[str, str] = THOUGHT_MARKERS, in_thought: bool = False) -> tuple[str, str]:
+def split_reasoning(reply: str, markers: tuple[str, str] = THOUGHT_MARKERS, in_thought: bool = False, calls: bool = False) -> tuple[str, str]:
     """(reasoning, content) of a whole reply (see :class:`ThoughtSplitter`, :class:`HarmonySplitter`)."""
-    sp = thought_splitter(markers, in_thought)
+    sp = thought_splitter(markers, in_thought, calls)
     r1, c1 = sp.feed(reply)
     r2, c2 = sp.finish()
     return r1 + r2, c1 + c2

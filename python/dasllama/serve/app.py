@@ -23,11 +23,12 @@ from .. import scheduler as sched
 from ..chat import HARMONY_EFFORTS, ChatRenderer, NothinkGuard, encode_prompt, is_harmony, make_nothink_guard, render_chat, render_close, thought_markers
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..grammar import check_grammar
+from ..grammar import marker as grammar_marker
 from ..model import encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
 from .status import StatusHistory
-from .tools import ToolError, Tools, call_grammar, convert_messages, parse_tools, response_format_grammar, with_tools
+from .tools import ToolError, Tools, call_grammar, convert_messages, parse_tools, response_format_grammar, template_format, with_tools
 
 log = logging.getLogger("dasllama.serve")
 
@@ -285,7 +286,7 @@ class Server:
                 grammar, grammar_param = response_format_grammar(body), "response_format"
             except ToolError as e:
                 raise ApiError(400, str(e), param=e.param) from None
-            if tools is not None and (g := call_grammar(tools)) is not None:
+            if tools is not None and (g := call_grammar(tools, lambda text: grammar_marker(m, text))) is not None:
                 if grammar is not None:
                     raise ApiError(400, "'response_format' cannot apply when 'tool_choice' forces a call: the reply is the call", param="response_format")
                 grammar, grammar_param = g, "tools"
@@ -300,7 +301,7 @@ class Server:
                 rendered.append(r)
             # Bounded before the template and the tokenizer see it: their cost grows with it.
             self.check_prompt_bytes(m, sum(_utf8_len(r["content"], "messages") for r in rendered) + len(json.dumps(body.get("tools") or [])), "messages")
-            fmt = tools.fmt if tools is not None else ("hermes" if "<tool_call>" in (m.chat_template or "") else "list")
+            fmt = tools.fmt if tools is not None else template_format(m.chat_template)
             try:
                 rendered = convert_messages(rendered, fmt)
             except ToolError as e:

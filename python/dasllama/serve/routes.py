@@ -25,9 +25,9 @@ from ..chat import split_reasoning, thought_splitter
 from ..embeddings import embed
 from ..model import decode, encode
 from .app import ITL_BUCKETS, TTFT_BUCKETS, ApiError, Histogram, Job, Server, _utf8_len, internal_error
+from .callformats import CallParser, split_calls
 from .engine import Subscription
 from .status import status
-from .tools import CallParser, split_calls
 
 log = logging.getLogger("dasllama.serve")
 
@@ -140,9 +140,9 @@ class Routes:
             watch = asyncio.ensure_future(_disconnected(request))
             try:
                 # With tools, each choice's text goes through a parser that gives calls out whole.
-                parsers = [CallParser() for _ in range(job.n)] if chat and job.tools is not None else None
+                parsers = [CallParser(job.tools.fmt) for _ in range(job.n)] if chat and job.tools is not None else None
                 # A leading thought goes out as `reasoning_content` deltas, before the content.
-                splitters = [thought_splitter(job.markers, job.in_thought) for _ in range(job.n)] if chat and job.markers else None
+                splitters = [thought_splitter(job.markers, job.in_thought, job.tools is not None) for _ in range(job.n)] if chat and job.markers else None
                 if chat:
                     for i in range(job.n):
                         yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
@@ -182,8 +182,9 @@ class Routes:
                     if parsers is not None:
                         text, calls = parsers[i].feed(text)
                         if reason:
-                            tail, _ = parsers[i].finish()
+                            tail, last = parsers[i].finish()
                             text += tail
+                            calls += last
                             if parsers[i].n_calls and reason == "stop":
                                 reason = "tool_calls"
                         if calls:
@@ -266,11 +267,11 @@ class Routes:
         for i, r in enumerate(results):
             if chat:
                 lp = {"content": r["lps"]} if job.logprobs is not None else None
-                thought, reply = split_reasoning(r["text"], job.markers, job.in_thought) if job.markers else ("", r["text"])
+                thought, reply = split_reasoning(r["text"], job.markers, job.in_thought, job.tools is not None) if job.markers else ("", r["text"])
                 message: dict[str, Any] = {"role": "assistant", "content": reply}
                 reason = r["reason"]
                 if job.tools is not None:
-                    content, calls = split_calls(reply)
+                    content, calls = split_calls(reply, job.tools.fmt)
                     if calls:
                         message = {"role": "assistant", "content": content, "tool_calls": calls}
                         reason = "tool_calls" if reason == "stop" else reason

@@ -2,26 +2,25 @@
 and ``response_format``, showing the tools to the model in its own template's convention, the
 grammars that force a call, and parsing calls out of the reply (whole, or as it streams).
 
-Two conventions, chosen from the chat template:
-- ``hermes`` (Qwen, Hermes, and every template that writes ``<tool_call>``): the template renders
-  the ``tools`` variable itself, and the model answers with one
-  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` block per call;
-  ``tool`` messages and assistant ``tool_calls`` go to the template as they are.
-- ``list`` (SmolLM2's tool format, used for any template that knows no tools): the tools are
-  described in the system turn and the model answers
-  ``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``; earlier calls are written
-  back the same way and tool results come back as a user turn inside ``<tool_response>`` tags.
+The convention a model writes calls in is read from its chat template (``callformats``). Where
+the template knows tools (Hermes/Qwen, Llama 3.x, Mistral, Gemma 4, GLM, DeepSeek, gpt-oss), it
+renders the ``tools`` variable itself, and ``tool`` messages and assistant ``tool_calls`` (their
+arguments as objects) go to it as they are. Elsewhere (``list``: SmolLM2's tool format, for any
+template that knows no tools) the tools are described in the system turn and the model answers
+``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``; earlier calls are written back
+the same way and tool results come back as a user turn inside ``<tool_response>`` tags.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..grammar import json_object_grammar, json_schema_grammar, json_schema_lark
+from ..grammar import json_object_grammar, json_schema_grammar, lark_string
+from . import callformats
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -40,13 +39,12 @@ class Tools:
     tools: list[dict[str, Any]]  # the functions: {"name", "description", "parameters"}
     choice: str | dict[str, Any]  # "auto", "required", or {"name": ...}
     parallel: bool
-    fmt: str  # "hermes" or "list"
+    fmt: str  # the model's call convention (a name in callformats.CONVENTIONS)
     openai: list[dict[str, Any]] = field(default_factory=list)  # as the client sent them
 
 
 def template_format(chat_template: str | None) -> str:
-    t = chat_template or ""
-    return "hermes" if OPEN in t and "tools" in t else "list"
+    return callformats.detect(chat_template).name
 
 
 def parse_tools(body: dict[str, Any], chat_template: str | None) -> Tools | None:
@@ -129,25 +127,14 @@ def response_format_grammar(body: dict[str, Any]) -> str | None:
     raise ToolError(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}", "response_format.type")
 
 
-def _call_schema(f: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}, "required": ["name", "arguments"], "additionalProperties": False}
-
-
-def call_grammar(t: Tools) -> str | None:
+def call_grammar(t: Tools, mark: Callable[[str], str] = lark_string) -> str | None:
     """For ``required`` or a named function: a grammar whose sentences are calls in the model's
-    convention (one, or one or more with ``parallel_tool_calls``). None for ``auto``."""
+    convention (one, or one or more with ``parallel_tool_calls``). None for ``auto``. ``mark``
+    writes a marker as a Lark term (see ``grammar.marker``)."""
     if t.choice == "auto":
         return None
     funcs = [f for f in t.tools if isinstance(t.choice, str) or f["name"] == t.choice["name"]]
-    one = _call_schema(funcs[0]) if len(funcs) == 1 else {"anyOf": [_call_schema(f) for f in funcs]}
-    if t.fmt == "hermes":
-        block = '"<tool_call>\\n" ' + json_schema_lark(one) + ' "\\n</tool_call>"'
-        more = ' ("\\n" call)*' if t.parallel else ""
-        return "start: call" + more + "\ncall: " + block + "\n"
-    arr: dict[str, Any] = {"type": "array", "items": one, "minItems": 1}
-    if not t.parallel:
-        arr["maxItems"] = 1
-    return f'start: "<tool_call>" {json_schema_lark(arr)} "</tool_call>"\n'
+    return callformats.call_grammar(callformats.CONVENTIONS[t.fmt], funcs, t.parallel, mark)
 
 
 def system_prompt(t: Tools) -> str:
@@ -190,7 +177,7 @@ def convert_messages(msgs: list[dict[str, Any]], fmt: str) -> list[dict[str, Any
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise ToolError(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., 'arguments': '...'}}}}", where)
                 plain.append({"name": fn["name"], "arguments": _arguments(fn.get("arguments", "{}"), where), "id": c.get("id")})
-            if fmt == "hermes":
+            if callformats.CONVENTIONS[fmt].native:
                 out.append(
                     {
                         "role": "assistant",
@@ -202,7 +189,7 @@ def convert_messages(msgs: list[dict[str, Any]], fmt: str) -> list[dict[str, Any
                 text = json.dumps([{"name": p["name"], "arguments": p["arguments"]} for p in plain], ensure_ascii=False)
                 out.append({"role": "assistant", "content": (msg["content"] + "\n" if msg["content"] else "") + f"{OPEN}{text}{CLOSE}"})
         elif msg["role"] == "tool":
-            if fmt == "hermes":
+            if callformats.CONVENTIONS[fmt].native:
                 out.append({"role": "tool", "content": msg["content"], "tool_call_id": msg.get("tool_call_id")})
             else:
                 out.append({"role": "user", "content": f"<tool_response>\n{msg['content']}\n</tool_response>"})
@@ -213,102 +200,9 @@ def convert_messages(msgs: list[dict[str, Any]], fmt: str) -> list[dict[str, Any
 
 def with_tools(msgs: list[dict[str, Any]], t: Tools) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and the template variables that show ``t`` to the model."""
-    if t.fmt == "hermes":
+    if callformats.CONVENTIONS[t.fmt].native:
         return msgs, {"tools": t.openai}
     sys = system_prompt(t)
     if msgs and msgs[0]["role"] == "system":
         return [{"role": "system", "content": msgs[0]["content"] + "\n\n" + sys}, *msgs[1:]], {}
     return [{"role": "system", "content": sys}, *msgs], {}
-
-
-def _openai_call(c: Any) -> dict[str, Any] | None:
-    if not isinstance(c, dict) or not isinstance(c.get("name"), str):
-        return None
-    args = c.get("arguments", c.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
-
-
-def _parse_block(body: str) -> list[dict[str, Any]] | None:
-    """A ``<tool_call>`` block's calls (an object, or a list of them); None if it holds no JSON."""
-    try:
-        v = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    items = v if isinstance(v, list) else [v]
-    calls = [_openai_call(c) for c in items]
-    if any(c is None for c in calls):
-        return None
-    return [c for c in calls if c is not None]
-
-
-class CallParser:
-    """Splits a reply, as it streams, into content and tool calls: text outside ``<tool_call>``
-    blocks is content (a tail that could still open a block is held back), a block is given out
-    as its calls once it closes. A block that never closes, or holds no valid call, is content."""
-
-    def __init__(self) -> None:
-        self.buf = ""
-        self.inside = False
-        self.held_ws = ""  # trailing whitespace of the content, given out only if more content follows
-        self.n_calls = 0
-
-    def _content(self, s: str) -> str:
-        # Trailing whitespace waits: before a call it is dropped, before more text it is given.
-        body = s.rstrip()
-        if not body:
-            self.held_ws += s
-            return ""
-        out, self.held_ws = self.held_ws + body, s[len(body) :]
-        return out
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        self.buf += text
-        content, calls = "", []
-        while True:
-            if not self.inside:
-                at = self.buf.find(OPEN)
-                if at >= 0:
-                    content += self._content(self.buf[:at])
-                    self.buf = self.buf[at + len(OPEN) :]
-                    self.inside = True
-                    continue
-                keep = next((k for k in range(min(len(OPEN) - 1, len(self.buf)), 0, -1) if OPEN.startswith(self.buf[-k:])), 0)
-                content += self._content(self.buf[: len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep :]
-                return content, calls
-            end = self.buf.find(CLOSE)
-            if end < 0:
-                return content, calls
-            block = self.buf[:end]
-            self.buf = self.buf[end + len(CLOSE) :]
-            self.inside = False
-            got = _parse_block(block)
-            if got is None:
-                content += self._content(OPEN + block + CLOSE)
-            else:
-                calls += got
-                self.n_calls += len(got)
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        rest = (OPEN if self.inside else "") + self.buf
-        self.buf, self.inside = "", False
-        content = self._content(rest)
-        if self.held_ws and not self.n_calls:
-            content, self.held_ws = content + self.held_ws, ""
-        return content, []
-
-
-def split_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole reply's content (None if only calls) and calls."""
-    p = CallParser()
-    c1, calls = p.feed(text)
-    c2, _ = p.finish()
-    content = c1 + c2
-    if calls:
-        return (content.strip() or None), calls
-    return content, calls

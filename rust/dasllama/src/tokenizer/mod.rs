@@ -40,13 +40,32 @@ pub struct Tokenizer {
     /// Control, user-defined and unknown tokens, longest text first.
     specials: Vec<u32>,
     /// Control tokens whose text a reply shows even without `special`: Gemma 4's thought channel
-    /// markers, so the reply's reader can split the thought off (see `VISIBLE_GEMMA4`).
+    /// markers, so the reply's reader can split the thought off (see `VISIBLE_GEMMA4`), and the
+    /// tool-call markers (`VISIBLE_CALLS`).
     visible: Vec<u32>,
 }
 
 /// Gemma 4 writes its thought as `<|channel>thought\n...<channel|>`; files mark the two markers
 /// control or user-defined, and llama.cpp's server keeps them in the text it parses.
 const VISIBLE_GEMMA4: [&str; 2] = ["<|channel>", "<channel|>"];
+
+/// The tokens a tool call is written with, in the families that write calls with control
+/// tokens (Llama 3.x, Mistral, Gemma 4, DeepSeek): shown, so the server's call parsers read the
+/// call from the reply's text (llama.cpp's server keeps them as its chat formats' preserved tokens).
+const VISIBLE_CALLS: [&str; 12] = [
+    "<|python_tag|>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|\"|>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+];
 
 enum Frag<'a> {
     Text(&'a str),
@@ -73,7 +92,8 @@ impl Tokenizer {
                 )))
             }
         };
-        let visible = if model == "gemma4" { VISIBLE_GEMMA4.iter().filter_map(|t| by_text.get(*t).copied()).collect() } else { Vec::new() };
+        let gemma4: &[&str] = if model == "gemma4" { &VISIBLE_GEMMA4 } else { &[] };
+        let visible = gemma4.iter().chain(&VISIBLE_CALLS).filter_map(|t| by_text.get(*t).copied()).collect();
         let mut specials: Vec<u32> = (0..n as u32)
             .filter(|&i| matches!(vocab.types[i as usize], TYPE_CONTROL | TYPE_USER_DEFINED | TYPE_UNKNOWN) && !vocab.tokens[i as usize].is_empty())
             .collect();
