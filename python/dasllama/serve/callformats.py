@@ -296,6 +296,19 @@ def _g4_object(schema: Any) -> str:
     return f'"{{" {body} "}}"'
 
 
+def _xml_args(f: dict[str, Any], open_fmt: str, close: str) -> str:
+    """A function's arguments as XML-style items (Qwen3-Coder's parameters, GLM's key/value
+    pairs): each property's value as JSON between ``open_fmt`` (its ``{k}`` the name) and
+    ``close``, the required ones always, the others optionally, in the schema's order."""
+    params = f["parameters"] if isinstance(f["parameters"], dict) else {}
+    required = set(params.get("required", []))
+    items = []
+    for k, v in params.get("properties", {}).items():
+        item = f"({lark_string(open_fmt.format(k=k))} {json_schema_lark(v if isinstance(v, dict) else {})} {lark_string(close)})"
+        items.append(item if k in required else item + "?")
+    return " ".join(items)
+
+
 def _schema(name: str, args: Any, args_key: str = "arguments") -> dict[str, Any]:
     return {"type": "object", "properties": {"name": {"const": name}, args_key: args}, "required": ["name", args_key], "additionalProperties": False}
 
@@ -326,20 +339,17 @@ def call_grammar(conv: Convention, funcs: list[dict[str, Any]], parallel: bool, 
         return f"start: call{more}\ncall: {mark('<tool_call>')} \"\\n\" {json_schema_lark(one_of())} \"\\n\" {mark('</tool_call>')}\n"
     if conv.name == "qwen3-coder":
 
-        def params(f: dict[str, Any]) -> str:
-            props = f["parameters"].get("properties", {}) if isinstance(f["parameters"], dict) else {}
-            items = " ".join(f'("<parameter={k}>\\n" {json_schema_lark(v if isinstance(v, dict) else {})} "\\n</parameter>\\n")?' for k, v in props.items())
-            return f'"<function={f["name"]}>\\n" {items} "</function>\\n"'
+        def function(f: dict[str, Any]) -> str:
+            args = _xml_args(f, "<parameter={k}>\n", "\n</parameter>\n")
+            return f"{lark_string('<function=' + f['name'] + '>' + chr(10))} {args} {lark_string('</function>' + chr(10))}"
 
-        return f'start: call{more}\ncall: {mark("<tool_call>")} "\\n" ({alt(params)}) {mark("</tool_call>")}\n'
+        return f"start: call{more}\ncall: {mark('<tool_call>')} {lark_string(chr(10))} ({alt(function)}) {mark('</tool_call>')}\n"
     if conv.name == "glm":
 
-        def kvs(f: dict[str, Any]) -> str:
-            props = f["parameters"].get("properties", {}) if isinstance(f["parameters"], dict) else {}
-            items = " ".join(f'("\\n<arg_key>{k}</arg_key>\\n<arg_value>" {json_schema_lark(v if isinstance(v, dict) else {})} "</arg_value>")?' for k, v in props.items())
-            return f'"{f["name"]}" {items}'
+        def pairs(f: dict[str, Any]) -> str:
+            return f"{lark_string(f['name'])} {_xml_args(f, chr(10) + '<arg_key>{k}</arg_key>' + chr(10) + '<arg_value>', '</arg_value>')}"
 
-        return f'start: call{more}\ncall: {mark("<tool_call>")} ({alt(kvs)}) "\\n" {mark("</tool_call>")}\n'
+        return f"start: call{more}\ncall: {mark('<tool_call>')} ({alt(pairs)}) {lark_string(chr(10))} {mark('</tool_call>')}\n"
     if conv.name == "llama3":
         return f"start: {json_schema_lark(one_of('parameters'))}\n"
     if conv.name == "mistral":
