@@ -211,9 +211,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": dict(arch="qwen2", heads=4, kv_heads=2, head_dim=64, bias=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
     # QK-norm; heads wider than dim / n_heads.
     "qwen3": dict(arch="qwen3", heads=4, kv_heads=2, head_dim=128, qk_norm=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
-    # Heads of 384 values: past what the device's attention kernel takes (256), so a placed
-    # model goes on the per-op rails.
-    "qwen3-wide-heads": dict(arch="qwen3", heads=2, kv_heads=1, head_dim=384, qk_norm=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
     # Fused QKV and gate/up, partial RoPE (48 of 64), longrope: the context (64) outgrows the
     # original one (32), so the long factors apply, and the attention factor scales both.
     "phi3": dict(
@@ -651,6 +648,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Shapes no real family has that meet a device's limits; written by write_family like the
+# families, but llama.cpp ran none of them (no goldens).
+DEVICE_LIMIT_FAMILIES: dict[str, dict[str, Any]] = {
+    # Heads of 384 values: past what the device's attention kernel takes (256), so a placed
+    # model goes on the per-op rails.
+    "qwen3-wide-heads": dict(arch="qwen3", heads=2, kv_heads=1, head_dim=384, qk_norm=True, embd=(0.12, QT.Q8_0), meta={"rope.freq_base": 1000000.0}),
+}
+
 
 def _recurrent(f: dict[str, Any], meta: dict[str, Any], i: int) -> bool:
     """Whether layer ``i`` of a hybrid family is a DeltaNet layer."""
@@ -738,7 +743,7 @@ def write_family(
     converter writes Qwen3.5; a path writes the same head to that sidecar file instead (its
     metadata the model's plus the MTP keys; ``meta``, ``drop`` and ``extra`` then apply to the
     sidecar) and leaves the model file as without ``mtp``."""
-    f = FAMILIES[name]
+    f = FAMILIES[name] if name in FAMILIES else DEVICE_LIMIT_FAMILIES[name]
     arch, heads, kvh, hd = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
     layers = f.get("layers", LAYERS)
     qd, kvd = heads * hd, kvh * hd
@@ -1233,7 +1238,7 @@ def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int]
     ``meta_over``: the keys ``write_family`` was given as ``meta``. Leaves each row's router
     margin in ``ROUTING_GAPS``."""
     ROUTING_GAPS.clear()
-    f = FAMILIES[name]
+    f = FAMILIES[name] if name in FAMILIES else DEVICE_LIMIT_FAMILIES[name]
     meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {}), **(meta_over or {})}
     if "gemma4" in f:
         return _gemma4_logits({k: v.astype(np.float64) for k, v in wt.items()}, f, meta, ids)
