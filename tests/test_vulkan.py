@@ -290,6 +290,49 @@ def test_hybrid_device_session_keeps_its_state_on_the_device(tmp_path: Path) -> 
 
 
 @needs_device
+def test_hybrid_turn_two_adopts_the_parked_region_whole_or_not_at_all(tmp_path: Path) -> None:
+    """A hybrid's parked region holds the recurrent state after its last row, so a claim is
+    adopted only for exactly its rows (a shorter prefix would need the state at that row):
+    adopting them continues as a fresh session over the whole prompt does; a shorter adopt
+    declines; through the scheduler, turn two attaches turn one's rows."""
+    path = tmp_path / "qwen35.gguf"
+    write_family(path, "qwen35")
+    arm(regions=2, ctx=64)
+    m = load_on_device(path)
+    turn1, rest = [1, 260, 262, 263, 40, 41], [264, 265, 42]
+    first = gpu.create_device_session(m)
+    dl.eval(m, first, turn1)
+    claim = gpu.gpu_device_kv_park(first)
+    del first
+    assert not gpu.gpu_device_kv_adopt(gpu.create_device_session(m), claim, len(turn1) - 2)
+    first = gpu.create_device_session(m)
+    dl.eval(m, first, turn1)
+    claim = gpu.gpu_device_kv_park(first)
+    del first
+    second = gpu.create_device_session(m)
+    assert gpu.gpu_device_kv_adopt(second, claim, len(turn1))
+    cont = dl.eval(m, second, rest)
+    gpu.gpu_device_kv_park(second)
+    del second
+    whole = gpu.create_device_session(m)
+    np.testing.assert_array_equal(cont, dl.eval(m, whole, turn1 + rest))
+    del whole
+    sch = dl.create_scheduler(m, max_streams=2)
+    gpu.set_device_kv(sch, True)
+    dl.submit(m, sch, dl.PendingReq(id=1, prompt=turn1, close_toks=[2], max_new=4, ignore_eos=True))
+    reply = [e.token for e in drain(m, sch) if e.kind == "piece"]
+    # What turn one left on the device: a length finish samples its last token but never feeds
+    # it, then the close is fed. A prompt that holds exactly those rows attaches all of them.
+    prompt2 = turn1 + reply[:-1] + [2] + rest
+    solo = dl.generate(m, gpu.create_device_session(m), prompt2, dl.SamplingParams(temp=0.0), 4)
+    dl.submit(m, sch, dl.PendingReq(id=2, prompt=prompt2, max_new=4, ignore_eos=True))
+    evs = drain(m, sch)
+    fin = next(e for e in evs if e.kind == "finished")
+    assert fin.n_cached == len(turn1 + reply), fin.n_cached
+    assert [e.token for e in evs if e.kind == "piece"] == solo[: len([e for e in evs if e.kind == "piece"])]
+
+
+@needs_device
 @pytest.mark.parametrize(
     "name, why",
     [("qwen3-wide-heads", "heads of 384 values; the device attention takes even sizes up to 256")],
