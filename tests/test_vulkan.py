@@ -270,6 +270,75 @@ def test_every_family_runs_resident(tmp_path: Path, name: str) -> None:
 
 
 @needs_device
+def test_a_model_that_does_not_fit_splits_between_the_device_and_the_cpu(tmp_path: Path) -> None:
+    """Under a budget that holds one of its two layers: "gpu:partial", the reason naming the
+    split; device-home sessions run layer 0 on the device and layer 1 and the head on the CPU
+    over their host K/V, with logits as close to the CPU's as a resident model's; eval_batch rows
+    bit-identical to single sessions; scheduler streams equal single streams; hydrating moves
+    the device's rows beside the host's and the session goes on on the CPU; nothing is parked;
+    dropping it returns every byte."""
+    path = tmp_path / "m.gguf"
+    write_model(path, QT.F32, ctx=64)
+    cpu_m = dl.load_model(path)
+    want = dl.eval_all(cpu_m, dl.create_session(cpu_m), IDS)
+    del cpu_m
+    before = gpu.gpu_tier_status().vram_bytes
+    arm(regions=4, ctx=64, vram_mb=3)
+    m = dl.load_model(path)
+    slot = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot) == "gpu:partial", slot.reason
+    assert "1 of its 2 layers run on the device" in slot.reason, slot.reason
+    assert m.placement is not None and m.placement.resident_layers == 1 and m.placement.tier == "gpu:partial"
+    s = gpu.create_device_session(m)
+    got = dl.eval_all(m, s, IDS)
+    err = max(np.abs(lsm(a) - lsm(b)).max() for a, b in zip(got, want, strict=True))
+    assert err < 0.02, err
+    del s
+    prompts = [[1, 259 + i, 40 + i, 262] for i in range(3)]
+    batched = [gpu.create_device_session(m) for _ in prompts]
+    nxt = [int(np.argmax(dl.eval(m, b, p))) for b, p in zip(batched, prompts, strict=True)]
+    solo_rows = []
+    for t, p in zip(nxt, prompts, strict=True):
+        one = gpu.create_device_session(m)
+        dl.eval(m, one, p)
+        solo_rows.append(dl.eval(m, one, [t]))
+        del one
+    out = dl.eval_batch(m, dl.create_batch_workspace(m), batched, nxt)
+    for k in range(len(prompts)):
+        np.testing.assert_array_equal(out[k], solo_rows[k])
+    del batched
+    solo = []
+    for p in prompts:
+        one = gpu.create_device_session(m)
+        solo.append(dl.generate(m, one, p, dl.SamplingParams(temp=0.0), 6))
+        del one
+    sch = dl.create_scheduler(m, max_streams=3, chunk_tokens=2)
+    gpu.set_device_kv(sch, True)
+    for i, p in enumerate(prompts):
+        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=6))
+    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for ev in drain(m, sch):
+        assert ev.finish != "error", ev.error
+        if ev.kind == "piece" or (ev.finish == "stop" and ev.token >= 0):
+            toks[ev.id].append(ev.token)
+    for i in range(len(prompts)):
+        assert toks[i] == solo[i][: len(toks[i])] and toks[i], (i, toks[i], solo[i])
+    del sch
+    # Hydrate: the device's layer-0 rows join the host's layer-1 rows; the CPU goes on.
+    h = gpu.create_device_session(m)
+    dl.eval(m, h, IDS[:-1])
+    gpu.moe_gpu_hydrate_session(m, h)
+    assert not gpu.is_device_session(h) and h.n_past == len(IDS) - 1
+    assert np.abs(lsm(dl.eval(m, h, IDS[-1:])) - lsm(want[-1])).max() < 0.02
+    parked = gpu.create_device_session(m)
+    dl.eval(m, parked, IDS[:3])
+    assert gpu.gpu_device_kv_park(parked) == 0  # the host's rows would be left behind
+    del h, parked
+    gpu.moe_gpu_drop_model()
+    assert gpu.gpu_tier_status().vram_bytes == before
+
+
+@needs_device
 def test_hybrid_device_session_keeps_its_state_on_the_device(tmp_path: Path) -> None:
     """A hybrid's recurrent state lives in its device region, updated in place: hydrating it to
     host memory is refused with a reason and loses nothing (the session goes on as if asked
@@ -606,14 +675,17 @@ def test_cpu_passes_name_host_sessions_only(tmp_path: Path) -> None:
 def test_bad_inputs_give_clear_outcomes(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
     write_model(path, QT.Q8_0, ctx=64)
-    # Too big for the budget: "cpu", and the reason says how big and what to do.
+    # Too big for the budget, not even one layer (2.4 MiB in f32) fitting: "cpu", and the reason
+    # says how big and what to do.
+    big = tmp_path / "f32.gguf"
+    write_model(big, QT.F32, ctx=64)
     arm(vram_mb=0)
     gpu.set_gpu_tier_want(gpu.GpuTierWant(auto_tier=True, vram_mb=1))
     assert gpu.moe_gpu_tier_arm()
-    m = dl.load_model(path)
+    m = dl.load_model(big)
     slot = gpu.gpu_model_marks_init()
     assert gpu.gpu_slot_capture(slot) == "cpu"
-    assert "MiB" in slot.reason and "budget" in gpu.gpu_resident_decline(), slot.reason
+    assert "MiB" in slot.reason and "budget" in gpu.gpu_resident_decline() and "not even one layer fits" in slot.reason, slot.reason
     with pytest.raises(ValueError, match="not on the device"):
         gpu.create_device_session(m)
     del m
@@ -743,8 +815,10 @@ def test_device_choice_and_bad_devices(tmp_path: Path) -> None:
         dl.load_model(path, device="vulkan:99")
     with pytest.raises(ValueError, match="unknown device"):
         dl.load_model(path, device="tpu")
+    big = tmp_path / "f32.gguf"
+    write_model(big, QT.F32, ctx=64)
     with pytest.raises(dl.DeviceError, match="budget"):
-        m.to("vulkan", vram_mb=1)
+        dl.load_model(big).to("vulkan", vram_mb=1)
     # "auto" never picks a CPU-type Vulkan device; it falls back to the CPU quietly.
     ok, _, kind = dl._native.vk_witness()
     auto = dl.load_model(path, device="auto")

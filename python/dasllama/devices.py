@@ -10,7 +10,8 @@ process and shared by the models placed on them.
 
 A model on a Vulkan device is placed there whole ("gpu:resident": every pass of a device-home
 session runs there) when the resident driver takes its architecture and it fits; otherwise its
-matrices go there and the rest runs on the CPU ("gpu:rails"). Models on one device share it, each
+matrices go there and the rest runs on the CPU ("gpu:rails"); one that does not fit whole has its
+first layers there and the rest on the CPU ("gpu:partial", as llama.cpp's -ngl). Models on one device share it, each
 with its own weights and K/V regions; a step of one never waits for a step of another, and
 status reads never wait for a step.
 """
@@ -61,7 +62,7 @@ CPU = Device("cpu")
 class PlacementStatus:
     """What a device holds for one model, as published after its last step."""
 
-    tier: str  # "gpu:resident" (the whole pass on the device) or "gpu:rails" (its matrices only)
+    tier: str  # "gpu:resident" (the whole pass on the device), "gpu:partial" (its first resident_layers) or "gpu:rails" (its matrices only)
     device: str  # the device's name
     reason: str  # why the device does not run the whole pass ("" while it does)
     serving: bool  # False once the device failed under it (the model runs on the CPU then)
@@ -180,7 +181,7 @@ class PlaceOptions:
 
 
 def place(m: Model, d: Device, opts: PlaceOptions) -> tuple[str, str]:
-    """Put ``m`` on ``d`` (taking it off where it was): its tier ("gpu:resident", "gpu:rails", or
+    """Put ``m`` on ``d`` (taking it off where it was): its tier ("gpu:resident", "gpu:partial", "gpu:rails", or
     "cpu" when it stays on the CPU) and why it is not resident."""
     if opts.regions < 1:
         raise ValueError(f"the device needs at least one K/V region, got {opts.regions}")

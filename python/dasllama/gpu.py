@@ -8,7 +8,7 @@ dance" and § "Streams served from the device")::
     moe_gpu_tier_arm()                    # open the device; False (and a reason) where there is none
     m = load_model(path)                  # an armed load puts the model on the device if it fits
     slot = gpu_model_marks_init()
-    gpu_slot_capture(slot)                # "cpu" | "gpu:rails" | "gpu:resident"
+    gpu_slot_capture(slot)                # "cpu" | "gpu:rails" | "gpu:partial" | "gpu:resident"
 
 On a machine without Vulkan every call is a cheap no-op that reports "cpu", so the same code runs
 anywhere. These names are the tutorial's, and so is their process-wide tier: one model installed
@@ -21,15 +21,19 @@ several models on one device. CPU-type Vulkan devices
 (Mesa's lavapipe) are used only with ``DASLLAMA_VK_ALLOW_CPU=1``; ``DASLLAMA_VK_DEVICE`` picks a
 device by index or name; ``DASLLAMA_GPU=0`` keeps everything on the CPU.
 
-"gpu:resident": the resident driver runs the whole forward pass of attention models with dense
-FFNs (llama, gemma3, qwen2, qwen3, phi3, gemma2) on the device, for device-home sessions whose K/V
-lives in device regions (f16, q8_0 or tq4: :func:`set_gpu_kv_dtype`). Sessions whose K/V lives in
-host memory run on the CPU then, and :func:`gpu_cpu_passes` counts them.
+"gpu:resident": the device runs the model's whole forward pass (every family the CPU runs), for
+device-home sessions whose K/V lives in device regions (f16, q8_0 or tq4:
+:func:`set_gpu_kv_dtype`). Sessions whose K/V lives in host memory run on the CPU then, and
+:func:`gpu_cpu_passes` counts them.
 
-"gpu:rails": a model the resident driver declines (MoE, DeltaNet hybrids, gated attention;
-:func:`gpu_resident_decline` says why) has its matrices put on the device, densest first, as far
-as the budget allows, and every session's matmuls over them run there, while attention, routing
-and the recurrence stay on the CPU over host K/V. ``numerics="ggml"`` stays on the CPU.
+"gpu:partial": the model does not fit whole, so its first layers (as many as fit, with their K/V
+regions) run on the device and the rest and the head on the CPU, over the session's host K/V for
+those layers, as llama.cpp's ``-ngl``; the reason says how many.
+
+"gpu:rails": a model the device cannot run whole and cannot split (:func:`gpu_resident_decline`
+says why) has its matrices put on the device, densest first, as far as the budget allows, and
+every session's matmuls over them run there, while the rest stays on the CPU over host K/V.
+``numerics="ggml"`` stays on the CPU.
 """
 
 from __future__ import annotations
@@ -275,8 +279,8 @@ def gpu_model_marks_init() -> GpuModelMarks:
 
 
 def gpu_slot_capture(st: GpuModelMarks) -> str:
-    """Right after a load: move its outcome into ``st`` and classify it: "cpu", "gpu:rails" or
-    "gpu:resident"."""
+    """Right after a load: move its outcome into ``st`` and classify it: "cpu", "gpu:rails",
+    "gpu:partial" or "gpu:resident"."""
     st.outcome, st.reason = gpu_outcome()
     return st.outcome
 
@@ -349,7 +353,7 @@ def resident_prefill_allowed() -> bool:
 
 def _resident(m: Model | None) -> dict[str, object] | None:
     st = _placement(m)
-    return st if st is not None and st["tier"] == "gpu:resident" and st["serving"] else None
+    return st if st is not None and st["tier"] in ("gpu:resident", "gpu:partial") and st["serving"] else None
 
 
 def device_kv_max_rows(m: Model) -> int:

@@ -74,7 +74,7 @@ class Model:
 
     def to(self, device: str | Device, **opts: Any) -> str:
         """Place the model on ``device`` ("cpu", "vulkan", "vulkan:N", "auto" or a Device),
-        taking it off where it was; returns its tier ("cpu", "gpu:rails", "gpu:resident").
+        taking it off where it was; returns its tier ("cpu", "gpu:rails", "gpu:partial", "gpu:resident").
         ``opts`` are :class:`PlaceOptions` (regions, ctx_max, ctx_strict, kv_dtype, vram_mb).
         An explicit Vulkan device the model cannot go on raises DeviceError with the reason;
         "auto" falls back to the CPU, logging why."""
@@ -87,6 +87,8 @@ class Model:
             log.info("%s runs on the CPU: %s", self.path.name, why)
         elif tier == "gpu:rails":
             log.info("%s on the per-op rails of '%s' (not resident: %s)", self.path.name, d.name, why)
+        elif tier == "gpu:partial":
+            log.info("%s split between '%s' and the CPU: %s", self.path.name, d.name, why)
         return tier
 
     @property

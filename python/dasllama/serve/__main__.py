@@ -154,9 +154,11 @@ def load_models(server: Server, args: argparse.Namespace) -> None:
         if armed:
             slot = gpu.gpu_model_marks_init()
             outcome = gpu.gpu_slot_capture(slot)
-            on_device = outcome == "gpu:resident"
+            on_device = outcome in ("gpu:resident", "gpu:partial")
             st = gpu.gpu_tier_status()
-            if on_device:
+            if outcome == "gpu:partial":
+                log.info("gpu backend auto-detected: %s split between '%s' and the CPU (%s)", m.path.name, st.device, slot.reason)
+            elif on_device:
                 log.info("gpu backend auto-detected: %s on '%s' (%d MiB of weights, %d streams from device memory)", m.path.name, st.device, st.weight_bytes >> 20, gpu.gpu_device_sessions())
             elif outcome == "gpu:rails":
                 log.info("gpu backend auto-detected: %s on the per-op rails of '%s' (%d MiB of matrices on the device, K/V in host memory; not resident because %s)", m.path.name, st.device, st.weight_bytes >> 20, slot.reason)

@@ -3,7 +3,7 @@
 use crate::backend::DevKv;
 pub use crate::kv::KvCache;
 use crate::kv::{KvCodec, KvPool, PRIVATE_PAGE_ROWS};
-use crate::model::forward::{forward_batch, LogitRows, Scratch};
+use crate::model::forward::{forward_batch, forward_batch_span, LogitRows, Scratch};
 use crate::model::Model;
 use crate::record::TokenRecord;
 use crate::{Error, Result};
@@ -81,10 +81,12 @@ impl Session {
     /// hybrid's recurrent state replayed over the rows of its last pass it keeps (a hybrid goes
     /// back no further than the start of its last pass: `KvCache::rewind_floor`).
     pub fn rewind(&mut self, m: &Model, pos: usize) {
-        match &mut self.dev {
-            Some(d) => d.truncate(pos),
-            None => crate::model::forward::rewind(m, &mut self.kv, pos),
+        if let Some(d) = &mut self.dev {
+            d.truncate(pos);
         }
+        // A device session of a split model keeps its later layers' rows here (elsewhere a
+        // device session's host cache is empty).
+        crate::model::forward::rewind(m, &mut self.kv, pos);
     }
 
     /// Run `tokens` at the current position; logits after the last one land in `self.logits`.
@@ -207,8 +209,31 @@ fn run(
     let p = m
         .placement()
         .ok_or_else(|| Error::Device("this device session's model is no longer on the device (it was dropped or switched out); create a new session".into()))?;
-    let mut kvs: Vec<&mut DevKv> = sessions.iter_mut().map(|s| s.dev.as_mut().expect("counted above")).collect();
-    crate::model::forward::forward_device(m, &*p, &mut kvs, counts, tokens, want, logits)
+    let Some(layers) = p.split() else {
+        let mut kvs: Vec<&mut DevKv> = sessions.iter_mut().filter_map(|s| s.dev.as_mut()).collect();
+        return crate::model::forward::forward_device(m, &*p, &mut kvs, counts, tokens, want, logits);
+    };
+    // A split model: the device runs the first layers and leaves every row's hidden state; the
+    // CPU runs the rest and the head over the sessions' host K/V.
+    let (mut devs, mut hosts): (Vec<&mut DevKv>, Vec<&mut KvCache>) = sessions.iter_mut().filter_map(|s| s.dev.as_mut().map(|d| (d, &mut s.kv))).unzip();
+    let lens: Vec<usize> = devs.iter().map(|d| d.len()).collect();
+    if hosts.iter().zip(&lens).any(|(h, &l)| h.len() != l) {
+        return Err(Error::Internal("a split device session's host rows and device rows differ in number".into()));
+    }
+    let mut x = std::mem::take(&mut scratch.split);
+    let mut done = crate::model::forward::forward_device(m, &*p, &mut devs, counts, tokens, LogitRows::All, &mut x);
+    if done.is_ok() {
+        let span = crate::model::forward::Span { layers: layers..m.layers.len(), x: Some(&x) };
+        done = forward_batch_span(m, &mut hosts, counts, tokens, span, want, scratch, logits, None);
+    }
+    scratch.split = x;
+    if done.is_err() {
+        // Neither part counts: the device's rows are overwritten by the next pass.
+        for (d, &l) in devs.iter_mut().zip(&lens) {
+            d.truncate(l);
+        }
+    }
+    done
 }
 
 /// Advance `sessions[i]` by `counts[i]` tokens taken in order from `tokens` (decode steps and

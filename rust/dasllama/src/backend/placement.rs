@@ -16,7 +16,8 @@ use std::sync::{Arc, Weak};
 /// A snapshot of what a placement holds and has done, published after each step.
 #[derive(Clone, Debug, Default)]
 pub struct PlacementStatus {
-    /// "gpu:resident" (the whole pass on the device) or "gpu:rails" (matrices only).
+    /// "gpu:resident" (the whole pass on the device), "gpu:partial" (the first
+    /// `resident_layers` layers on the device, the rest on the CPU) or "gpu:rails" (matrices only).
     pub tier: &'static str,
     /// The device's name.
     pub device: String,
@@ -62,6 +63,12 @@ pub trait Placement: Send + Sync {
     /// Positions one device-home session holds.
     fn session_ctx(&self) -> usize;
 
+    /// The layers a device pass runs when the device holds only the first of them (the rest run
+    /// on the CPU, over the session's host K/V); None when it holds them all.
+    fn split(&self) -> Option<usize> {
+        None
+    }
+
     /// One window of `m`'s forward pass over device-home sessions: session i of `inp` is the
     /// one in region `regions[i]`. The device runs `m.pass` on its ops (recording it the first
     /// time it sees this shape of window) and appends the rows the pass leaves to `out`.
@@ -94,9 +101,16 @@ pub trait Placeable: Sync {
     /// A pass's inputs for sessions at positions `lens` taking `counts` of `tokens`, the rows
     /// `picked` getting logits.
     fn pass_in<'a>(&self, lens: &[usize], counts: &'a [usize], tokens: &'a [u32], picked: Vec<usize>) -> PassIn<'a>;
-    /// The forward pass on `b`; it returns what it leaves: logits, or the final hidden states
-    /// where `hidden`.
-    fn pass(&self, b: &mut dyn Ops, inp: &PassIn<'_>, hidden: bool) -> Act;
+    /// The forward pass's first `layers` layers on `b`; it returns what it leaves: logits, or the
+    /// final hidden states where `hidden`, and every row's hidden state where `layers` stops
+    /// before the last layer.
+    fn pass(&self, b: &mut dyn Ops, inp: &PassIn<'_>, hidden: bool, layers: usize) -> Act;
+    fn n_layers(&self) -> usize;
+    /// Whether the layers can go to two devices, the first ones to this device: each layer
+    /// keeps K/V of its own (in slot order), no per-layer inputs, no recurrent state.
+    fn splits(&self) -> bool;
+    /// Layer `il`'s matrices.
+    fn layer_matrices(&self, il: usize) -> Vec<&Weight>;
 }
 
 /// Where a device-home session's region is booked: the placement's region table. A session

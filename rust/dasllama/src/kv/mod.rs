@@ -829,10 +829,15 @@ impl KvCache {
 
     /// Write rows for layer `il` at positions len.. (made exclusive by `reserve`).
     pub(crate) fn append(&mut self, il: usize, k: &[f32], v: &[f32]) {
+        self.write(il, self.len, k, v);
+    }
+
+    /// Write rows for layer `il` at positions `from`.. (reserved and this cache's alone).
+    pub(crate) fn write(&mut self, il: usize, from: usize, k: &[f32], v: &[f32]) {
         let g = &self.geo;
         let (hd, heads) = g.heads(il);
         for (j, (kr, vr)) in k.chunks_exact(hd * heads).zip(v.chunks_exact(hd * heads)).enumerate() {
-            let pos = self.len + j;
+            let pos = from + j;
             let page = &self.pages[pos / g.page_rows];
             assert_eq!(Arc::strong_count(page), 1, "writing into a shared KV page");
             // SAFETY: the assert above: this session holds the only reference to the page.

@@ -20,11 +20,13 @@ pub struct Scratch {
     /// order): what an MTP head reads beside the next token.
     pub keep_hidden: bool,
     pub hidden: Vec<f32>,
+    /// A split model's hidden states between the device's layers and the host's.
+    pub split: Vec<f32>,
 }
 
 impl Scratch {
     pub const fn new() -> Scratch {
-        Scratch { acts: HostActs::new(), keep_hidden: false, hidden: Vec::new() }
+        Scratch { acts: HostActs::new(), keep_hidden: false, hidden: Vec::new(), split: Vec::new() }
     }
 }
 
@@ -134,6 +136,23 @@ pub fn forward_batch(
     logits: &mut Vec<f32>,
     offload: Option<&mut dyn MatmulOffload>,
 ) -> Result<()> {
+    forward_batch_span(m, kvs, counts, tokens, Span::whole(m), want, s, logits, offload)
+}
+
+/// `forward_batch` over `span` of the model's layers (the host's share of a split model: the
+/// sessions' host K/V holds rows for those layers only).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_batch_span(
+    m: &Model,
+    kvs: &mut [&mut KvCache],
+    counts: &[usize],
+    tokens: &[u32],
+    span: Span<'_>,
+    want: LogitRows<'_>,
+    s: &mut Scratch,
+    logits: &mut Vec<f32>,
+    offload: Option<&mut dyn MatmulOffload>,
+) -> Result<()> {
     check(m, kvs.iter().map(|kv| kv.len()), counts, tokens, want)?;
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
         let want = kv.len() + cnt;
@@ -143,7 +162,7 @@ pub fn forward_batch(
     let inp = pass_inputs(m, &m.config.layers, &lens, counts, tokens, want);
     let keep = s.keep_hidden;
     let mut out = None;
-    host().pass(m.numerics, &mut s.acts, kvs, &inp, offload, &mut |b| out = Some(forward_rows(m, b, &inp, want, keep)));
+    host().pass(m.numerics, &mut s.acts, kvs, &inp, offload, &mut |b| out = Some(forward_span(m, b, &inp, span.clone(), want, keep)));
     let out = out.ok_or_else(|| Error::Internal("the host ran no pass".into()))?;
     take_rows(&mut s.acts, out.out, logits);
     if let Some(h) = out.hidden {
@@ -318,8 +337,22 @@ impl Placeable for Model {
         inp
     }
 
-    fn pass(&self, b: &mut dyn Ops, inp: &PassIn<'_>, hidden: bool) -> Act {
-        forward_rows(self, b, inp, if hidden { LogitRows::Hidden } else { LogitRows::All }, false).out
+    fn pass(&self, b: &mut dyn Ops, inp: &PassIn<'_>, hidden: bool, layers: usize) -> Act {
+        let span = Span { layers: 0..layers, x: None };
+        forward_span(self, b, inp, span, if hidden { LogitRows::Hidden } else { LogitRows::All }, false).out
+    }
+
+    fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn splits(&self) -> bool {
+        let c = &self.config;
+        self.ple.is_none() && c.rec_layers().is_empty() && (0..self.layers.len()).all(|il| c.kv_slot(il) == Some(il))
+    }
+
+    fn layer_matrices(&self, il: usize) -> Vec<&Weight> {
+        Model::layer_matrices(self, il)
     }
 }
 
@@ -352,14 +385,42 @@ pub fn check(m: &Model, lens: impl ExactSizeIterator<Item = usize>, counts: &[us
 /// (reserved by the caller), and committed by the caller once the pass has returned: a pass that
 /// fails midway leaves every session as it was.
 pub fn forward_rows(m: &Model, b: &mut dyn Ops, inp: &PassIn<'_>, want: LogitRows<'_>, keep_hidden: bool) -> PassOut {
+    forward_span(m, b, inp, Span::whole(m), want, keep_hidden)
+}
+
+/// The layers a pass runs, when it runs some (a model split between devices): layers
+/// `layers` of the model's, from the embedded tokens or, where `x` is given, from those rows
+/// (every row's hidden state before `layers.start`). A span that stops before the last layer
+/// leaves every row's hidden state, not the head's output.
+#[derive(Clone)]
+pub struct Span<'a> {
+    pub layers: std::ops::Range<usize>,
+    pub x: Option<&'a [f32]>,
+}
+
+impl Span<'_> {
+    pub fn whole(m: &Model) -> Span<'static> {
+        Span { layers: 0..m.layers.len(), x: None }
+    }
+}
+
+/// `forward_rows` over `span` of the model's layers.
+pub fn forward_span(m: &Model, b: &mut dyn Ops, inp: &PassIn<'_>, span: Span<'_>, want: LogitRows<'_>, keep_hidden: bool) -> PassOut {
     let c = &m.config;
     let (n, d) = (inp.tokens.len(), c.dim);
     let x = b.alloc(Buf::X, n * d);
-    b.embed(&m.tok_embd, c.embed_scale.unwrap_or(1.0), x);
-    if let Some(p) = &m.ple {
-        per_layer_inputs(m, b, p, x, n);
+    match span.x {
+        // A model split between devices has no per-layer inputs (`Placeable::splits`), which
+        // are made from the embedding.
+        Some(rows) => b.load(rows, x),
+        None => {
+            b.embed(&m.tok_embd, c.embed_scale.unwrap_or(1.0), x);
+            if let Some(p) = &m.ple {
+                per_layer_inputs(m, b, p, x, n);
+            }
+        }
     }
-    for (il, (l, desc)) in m.layers.iter().zip(&c.layers).enumerate() {
+    for (il, (l, desc)) in m.layers.iter().zip(&c.layers).enumerate().take(span.layers.end).skip(span.layers.start) {
         let slot = c.kv_slot(il).or(c.rec_slot(il)).expect("every layer keeps K/V or a recurrent state");
         block(m, b, inp, desc, l, slot, x);
         if let Some(p) = &l.ple {
@@ -368,6 +429,9 @@ pub fn forward_rows(m: &Model, b: &mut dyn Ops, inp: &PassIn<'_>, want: LogitRow
         if let Some(sc) = l.out_scale {
             b.scale(x, sc);
         }
+    }
+    if span.layers.end < m.layers.len() {
+        return PassOut { out: x, hidden: None };
     }
     let hidden = keep_hidden.then(|| {
         // Every row's hidden state after the final norm, for a drafter that reads it (MTP).

@@ -726,39 +726,58 @@ fn no_rows(cols: usize) -> Weight {
 }
 
 impl Model {
+    /// Layer `il`'s matrices, dense ones first, as `matrices` takes them.
+    pub fn layer_matrices(&self, il: usize) -> Vec<&Weight> {
+        let (mut dense, experts) = self.layer_weights(il);
+        dense.extend(experts);
+        dense.retain(|w| w.rows > 0);
+        dense
+    }
+
+    /// Layer `il`'s (dense, routed expert) matrices.
+    fn layer_weights(&self, il: usize) -> (Vec<&Weight>, Vec<&Weight>) {
+        let l = &self.layers[il];
+        let mut dense = Vec::new();
+        let mut experts = Vec::new();
+        match &l.mixer {
+            MixerWeights::Attention(a) => dense.extend([&a.wq, &a.wk, &a.wv, &a.wo]),
+            MixerWeights::DeltaNet(d) => {
+                dense.extend([&d.qkv, &d.gate, &d.out]);
+                match &d.ba {
+                    BetaAlpha::Split { beta, alpha } => dense.extend([beta, alpha]),
+                    BetaAlpha::Fused(w) => dense.push(w),
+                }
+            }
+        }
+        match &l.ffn {
+            FfnWeights::Dense { gate, up, down } => dense.extend([gate, up, down]),
+            FfnWeights::Moe(e) => {
+                dense.push(&e.router);
+                if let Some(s) = &e.shared {
+                    dense.extend(s.gate_inp.iter().chain([&s.gate, &s.up, &s.down]));
+                }
+                experts.extend(e.gate.iter().chain(&e.up).chain(&e.down));
+            }
+            FfnWeights::DenseMoe(p) => {
+                dense.extend([&p.gate, &p.up, &p.down, &p.experts.router]);
+                experts.extend(p.experts.gate.iter().chain(&p.experts.up).chain(&p.experts.down));
+            }
+        }
+        if let Some(p) = &l.ple {
+            dense.extend([&p.gate, &p.proj]);
+        }
+        (dense, experts)
+    }
+
     /// Every matrix the layers and the head multiply by (not the token embedding, which is
     /// gathered), the ones every row reads first and the routed experts (which rows choose) last.
     pub fn matrices(&self) -> Vec<&Weight> {
         let mut dense = Vec::new();
         let mut experts = Vec::new();
-        for l in &self.layers {
-            match &l.mixer {
-                MixerWeights::Attention(a) => dense.extend([&a.wq, &a.wk, &a.wv, &a.wo]),
-                MixerWeights::DeltaNet(d) => {
-                    dense.extend([&d.qkv, &d.gate, &d.out]);
-                    match &d.ba {
-                        BetaAlpha::Split { beta, alpha } => dense.extend([beta, alpha]),
-                        BetaAlpha::Fused(w) => dense.push(w),
-                    }
-                }
-            }
-            match &l.ffn {
-                FfnWeights::Dense { gate, up, down } => dense.extend([gate, up, down]),
-                FfnWeights::Moe(e) => {
-                    dense.push(&e.router);
-                    if let Some(s) = &e.shared {
-                        dense.extend(s.gate_inp.iter().chain([&s.gate, &s.up, &s.down]));
-                    }
-                    experts.extend(e.gate.iter().chain(&e.up).chain(&e.down));
-                }
-                FfnWeights::DenseMoe(p) => {
-                    dense.extend([&p.gate, &p.up, &p.down, &p.experts.router]);
-                    experts.extend(p.experts.gate.iter().chain(&p.experts.up).chain(&p.experts.down));
-                }
-            }
-            if let Some(p) = &l.ple {
-                dense.extend([&p.gate, &p.proj]);
-            }
+        for il in 0..self.layers.len() {
+            let (d, e) = self.layer_weights(il);
+            dense.extend(d);
+            experts.extend(e);
         }
         if let Some(p) = &self.ple {
             dense.push(&p.proj);

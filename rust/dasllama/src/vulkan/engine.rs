@@ -75,6 +75,10 @@ pub struct Engine {
     states: Option<Buffer>,
     dn_params: HashMap<usize, DevDnParams>,
     chains: Vec<Kept>,
+    /// The model's layers this device runs (the first ones; all of them unless split).
+    pub layers: usize,
+    /// Whether the model's later layers run elsewhere (`Placement::split`).
+    pub split: bool,
     pub weight_bytes: u64,
     pub recorded: u64,
     pub replayed: u64,
@@ -92,8 +96,14 @@ pub(super) struct MetaAt {
 }
 
 impl Engine {
-    pub fn new(gpu: &Arc<Gpu>, m: &dyn Placeable, n_regions: usize, ctx: usize, codec: KvCodec) -> Result<Engine> {
-        let regions = Regions::new(gpu, n_regions, ctx, &m.kv_heads(), codec)?;
+    /// `m`'s first `layers` layers on the device (all of them where `layers` is its count), with
+    /// `n_regions` K/V regions of `ctx` positions for them.
+    pub fn new(gpu: &Arc<Gpu>, m: &dyn Placeable, n_regions: usize, ctx: usize, codec: KvCodec, layers: usize) -> Result<Engine> {
+        let split = layers < m.n_layers();
+        let heads = m.kv_heads();
+        // A split model keeps K/V in slot order, one slot per layer (`Placeable::splits`).
+        let heads = if split { &heads[..layers] } else { &heads[..] };
+        let regions = Regions::new(gpu, n_regions, ctx, heads, codec)?;
         let rec = m.rec_layers();
         let mut rec_at = Vec::with_capacity(rec.len());
         let mut rec_words = 0;
@@ -128,6 +138,8 @@ impl Engine {
             states,
             dn_params: HashMap::new(),
             chains: Vec::new(),
+            layers,
+            split,
             weight_bytes: 0,
             recorded: 0,
             replayed: 0,
@@ -389,8 +401,9 @@ impl Engine {
     fn record(&mut self, m: &dyn Placeable, inp: &PassIn<'_>, hidden: bool, key: (usize, usize, bool, usize), at: &MetaAt) -> Result<()> {
         for _ in 0..3 {
             self.run.record_chain()?;
+            let layers = self.layers;
             let mut rec = Recorder::new(self, at, inp);
-            let res = m.pass(&mut rec, inp, hidden);
+            let res = m.pass(&mut rec, inp, hidden, layers);
             let failed = rec.finish();
             let bytes = 4 * res.len as u64;
             let copied = failed.and_then(|()| {
@@ -418,8 +431,9 @@ impl Engine {
         Err(Error::Internal("a pass kept outgrowing its device buffers".into()))
     }
 
-    /// Copy rows 0..len of `region` into the empty host cache `kv` (decoded from the device's
-    /// codec and re-encoded in the cache's).
+    /// Copy rows 0..len of `region` into the host cache `kv` (decoded from the device's codec
+    /// and re-encoded in the cache's): an empty one, or, for a split model, the session's own,
+    /// which holds the later layers' rows already.
     pub fn read_rows(&mut self, region: usize, len: usize, kv: &mut KvCache) -> Result<()> {
         if len == 0 {
             return Ok(());
@@ -430,6 +444,9 @@ impl Engine {
             ));
         }
         let codec = self.regions.codec;
+        if !kv.is_empty() && kv.len() != len {
+            return Err(Error::Internal(format!("a host cache of {} rows for a device session of {len}", kv.len())));
+        }
         kv.reserve(len)?;
         for slot in 0..self.regions.slots() {
             let (hd, nkv) = self.regions.heads(slot);
@@ -449,7 +466,7 @@ impl Engine {
                     decode_row(codec, row, hd, out);
                 }
             }
-            kv.append(slot, &k, &v);
+            kv.write(slot, 0, &k, &v);
         }
         kv.commit(len);
         Ok(())

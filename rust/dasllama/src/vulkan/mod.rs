@@ -142,6 +142,18 @@ impl Options {
     }
 }
 
+/// How many of `m`'s first layers fit in `have` bytes with the token table and their K/V regions.
+fn split_point(m: &dyn Placeable, regions: usize, ctx: usize, heads: &[(usize, usize)], codec: KvCodec, have: u64) -> usize {
+    let mut used: u64 = m.gathered().into_iter().map(weights::device_bytes).sum();
+    for il in 0..m.n_layers() {
+        used += m.layer_matrices(il).into_iter().map(weights::device_bytes).sum::<u64>() + Regions::bytes_for(regions, ctx, &heads[il..il + 1], codec);
+        if used > have {
+            return il;
+        }
+    }
+    m.n_layers()
+}
+
 fn log(msg: &str) {
     if std::env::var("DASLLAMA_VK_LOG").is_ok_and(|v| v == "1") {
         eprintln!("dasllama vulkan: {msg}");
@@ -180,18 +192,33 @@ pub fn place(dev: &Arc<Device>, m: &dyn Placeable, o: &Options) -> std::result::
     let weight_bytes: u64 = m.matrices().into_iter().chain(m.gathered()).map(weights::device_bytes).sum();
     let need = weight_bytes + kv_bytes;
     let have = dev.budget(o.vram_mb);
+    let mut layers = m.n_layers();
+    let mut split_why = String::new();
     if need > have {
         let why = format!(
-            "the model needs {} MiB on the device ({} MiB of weights, {} MiB of K/V for {} regions of {ctx} positions) but the budget is {} MiB; lower --gpu-regions or the context, or serve on the CPU",
+            "the model needs {} MiB on the device ({} MiB of weights, {} MiB of K/V for {} regions of {ctx} positions) but the budget is {} MiB",
             need >> 20,
             weight_bytes >> 20,
             kv_bytes >> 20,
             o.regions,
             have >> 20
         );
-        return Err(why);
+        // The first layers that fit, with their K/V, as llama.cpp's -ngl: the rest and the head run on the CPU.
+        let fit = if m.splits() { split_point(m, o.regions, ctx, &heads, codec, have) } else { 0 };
+        if fit == 0 || m.n_layers() < 2 {
+            let how = if m.splits() {
+                "not even one layer fits"
+            } else {
+                "its layers cannot be split between devices (shared K/V, per-layer inputs or a recurrent state)"
+            };
+            return Err(format!("{why}, and {how}; lower --gpu-regions or the context, or serve on the CPU"));
+        }
+        // All the layers but not the head: the last layer goes with it to the CPU.
+        layers = fit.min(m.n_layers() - 1);
+        let fit = layers;
+        split_why = format!("{why}: {fit} of its {} layers run on the device, the rest on the CPU", m.n_layers());
     }
-    let mut e = Engine::new(&dev.gpu, m, o.regions, ctx, codec).map_err(|e| format!("placing the model failed: {e}"))?;
+    let mut e = Engine::new(&dev.gpu, m, o.regions, ctx, codec, layers).map_err(|e| format!("placing the model failed: {e}"))?;
     // One row through the whole pass: every weight goes up, every pipeline compiles, and an op
     // the device cannot run says so now rather than in the first request.
     let inp = m.pass_in(&[0], &[1], &[0], vec![0]);
@@ -204,14 +231,16 @@ pub fn place(dev: &Arc<Device>, m: &dyn Placeable, o: &Options) -> std::result::
         Err(err) => return Err(format!("uploading the model failed: {err}")),
     }
     log(&format!(
-        "{} on '{}': {} MiB of weights, {} regions of {ctx} positions, K/V in {}",
+        "{} on '{}': {} of {} layers, {} MiB of weights, {} regions of {ctx} positions, K/V in {}",
         m.arch(),
         dev.info().name,
+        layers,
+        m.n_layers(),
         e.weight_bytes >> 20,
         o.regions,
         codec.name()
     ));
-    Ok(Arc::new(ResidentPlacement::new(dev.clone(), e)))
+    Ok(Arc::new(ResidentPlacement::new(dev.clone(), e, split_why)))
 }
 
 /// The per-op rails for a model the device does not hold whole (`why`, which its status keeps).

@@ -39,13 +39,14 @@ pub struct ResidentPlacement {
 }
 
 impl ResidentPlacement {
-    pub fn new(dev: Arc<Device>, r: Engine) -> ResidentPlacement {
+    /// `why`: why the device holds only the first `r.layers` layers ("" when it holds them all).
+    pub fn new(dev: Arc<Device>, r: Engine, why: String) -> ResidentPlacement {
         let status = PlacementStatus {
-            tier: "gpu:resident",
+            tier: if r.split { "gpu:partial" } else { "gpu:resident" },
             device: dev.info().name.clone(),
-            reason: String::new(),
+            reason: why,
             serving: true,
-            resident_layers: r.regions.slots(),
+            resident_layers: r.layers,
             weight_bytes: r.weight_bytes,
             kv_bytes: r.regions.bytes(),
             regions: r.regions.count(),
@@ -56,7 +57,7 @@ impl ResidentPlacement {
         };
         ResidentPlacement {
             dev,
-            book: Arc::new(Book::new(r.regions.count(), r.recurrent())),
+            book: Arc::new(Book::new(r.regions.count(), r.recurrent(), !r.split)),
             engine: Mutex::new(Some(r)),
             serving: AtomicBool::new(true),
             status: Mutex::new(status),
@@ -65,8 +66,9 @@ impl ResidentPlacement {
     }
 
     fn stale(&self) -> Error {
-        let why = lock(&self.status).reason.clone();
-        let why = if why.is_empty() { "it was dropped or switched out".to_string() } else { why };
+        let st = lock(&self.status);
+        // A serving placement's reason says why it is split, not why it stopped.
+        let why = if st.serving || st.reason.is_empty() { "it was dropped or switched out".to_string() } else { st.reason.clone() };
         Error::Device(format!("this device session's model is no longer on the device ({why}); create a new session"))
     }
 }
@@ -113,6 +115,11 @@ impl Placement for ResidentPlacement {
 
     fn session_ctx(&self) -> usize {
         lock(&self.status).session_ctx
+    }
+
+    fn split(&self) -> Option<usize> {
+        let st = lock(&self.status);
+        (st.tier == "gpu:partial").then_some(st.resident_layers)
     }
 
     fn forward(&self, m: &dyn Placeable, regions: &[usize], inp: &PassIn<'_>, hidden: bool, out: &mut Vec<f32>) -> Result<()> {

@@ -53,6 +53,9 @@ pub struct Book {
     slots: Mutex<(Vec<Slot>, u64)>,
     /// Regions hold a recurrent state after their last row: claims are adopted whole.
     whole: bool,
+    /// Whether rows can be parked: not where a session's later layers live in its host K/V
+    /// (a split model), which parking would leave behind.
+    parks: bool,
 }
 
 impl Regions {
@@ -116,8 +119,8 @@ impl Regions {
 }
 
 impl Book {
-    pub fn new(n: usize, whole: bool) -> Book {
-        Book { slots: Mutex::new((vec![Slot::Free; n], 1)), whole }
+    pub fn new(n: usize, whole: bool, parks: bool) -> Book {
+        Book { slots: Mutex::new((vec![Slot::Free; n], 1)), whole, parks }
     }
 
     fn slots(&self) -> std::sync::MutexGuard<'_, (Vec<Slot>, u64)> {
@@ -148,6 +151,10 @@ impl KvHome for Book {
 
     fn park(&self, region: usize, rows: usize) -> u64 {
         let (slots, next) = &mut *self.slots();
+        if !self.parks {
+            slots[region] = Slot::Free;
+            return 0;
+        }
         let claim = *next;
         *next += 1;
         slots[region] = Slot::Parked { claim, rows };
