@@ -14,8 +14,8 @@ use super::avx2::{K_BSUMS, K_BYTES, K_QS};
 use super::tile::{K45_DMIN, K45_M, K45_SC, Q4K_QS, Q4K_TILE_BLOCK, Q5K_QH, Q5K_QS, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
 use std::arch::x86_64::*;
 
-/// Bytes ahead of the block being read that the kernels prefetch, per weight stream: on an
-/// AVX-512 Xeon 4 KB beat 16 KB in decode.
+/// Bytes ahead of the block being read that the batch kernels prefetch, per weight stream (one
+/// row, decode, follows `prefetch`).
 const PREFETCH: usize = 4096;
 
 /// 32 bytes at `p` of the first tile and at `p + gap` of the second, as one vector.
@@ -61,6 +61,77 @@ unsafe fn prefetch_ahead(p: *const u8, bytes: usize) {
     }
 }
 
+/// How decode prefetches: bytes ahead of the walk for the K-quants and for the 32-value formats,
+/// and into which cache (0: L1, 1: L2). Measured with `examples/decode_rate` over 1 GB of
+/// weights, one thread, interleaved runs: on a Xeon with AMX (2.6 GHz, 2 vCPUs) L1 and 6 KB
+/// ahead gave Q4_K 14.8 GB/s and Q6_K 14.3 (4 KB within the tile, as before: 12.7 and 11.2;
+/// 16 KB into L2: 13.3 and 12.1), and L1 and 4 KB gave Q4_0 16.1 (before: 14.0). On AMD Zen 4
+/// an earlier round measured 16 KB into L2 best; that is the default there, unmeasured since.
+/// `DASLLAMA_PREFETCH=BYTES[:l1|l2]` sets both distances and the cache, for such measurements.
+#[derive(Clone, Copy)]
+pub(super) struct Prefetch {
+    pub kquant: usize,
+    pub block32: usize,
+    pub hint: u8,
+}
+
+pub(super) fn prefetch() -> Prefetch {
+    static P: std::sync::OnceLock<Prefetch> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        let id = __cpuid(0);
+        let amd = [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]; // "AuthenticAMD"
+        let mut p = if amd { Prefetch { kquant: 16384, block32: 16384, hint: 1 } } else { Prefetch { kquant: 6144, block32: 4096, hint: 0 } };
+        if let Ok(v) = std::env::var("DASLLAMA_PREFETCH") {
+            let (bytes, cache) = v.split_once(':').unwrap_or((&v, ""));
+            if let Ok(b) = bytes.parse() {
+                (p.kquant, p.block32) = (b, b);
+            }
+            match cache {
+                "l1" => p.hint = 0,
+                "l2" => p.hint = 1,
+                _ => {}
+            }
+        }
+        p
+    })
+}
+
+/// Prefetch `bytes` from `p` (line by line) into the cache `hint` names.
+#[inline(always)]
+unsafe fn prefetch_lines(p: *const u8, bytes: usize, hint: u8) {
+    for line in (0..bytes).step_by(64) {
+        let q = p.wrapping_add(line) as *const i8;
+        match hint {
+            0 => _mm_prefetch::<_MM_HINT_T0>(q),
+            _ => _mm_prefetch::<_MM_HINT_T1>(q),
+        }
+    }
+}
+
+/// Decode's prefetch for a 32-value format: every field of block `j` of the pair at `t` (the
+/// blocks counted on into the pairs after it, which the caller walks next), each region of a
+/// tile (`tile`: scales, mins, high bits, quants) its own stream. A region with less than a
+/// line a block is asked for once per line.
+#[inline(always)]
+unsafe fn prefetch_block<F: Fmt>(t: *const u8, nb: usize, j: usize, hint: u8) {
+    let gap = 8 * nb * F::WBYTES;
+    let (pair, j) = (j / nb, j % nb);
+    let base = t.wrapping_add(2 * gap * pair);
+    let dw = if F::MX { 1 } else { 2 };
+    let mw = if F::MIN { 2 } else { 0 };
+    let hw = if F::FIVE { 4 } else { 0 };
+    for tile in [base, base.wrapping_add(gap)] {
+        prefetch_lines(tile.wrapping_add(8 * F::HEAD * nb + 8 * F::QROW * j), 8 * F::QROW, hint);
+        let mut at = 0;
+        for per in [8 * dw, 8 * mw, 8 * hw] {
+            if per > 0 && (per * j) % 64 < per {
+                prefetch_lines(tile.wrapping_add(at + per * j), 1, hint);
+            }
+            at += per * nb;
+        }
+    }
+}
+
 /// A pair of tiles of a 32-value format against R activation rows.
 #[inline(always)]
 unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], nb: usize) -> [__m512; R] {
@@ -72,10 +143,16 @@ unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], n
     let (m4, top, b) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x80u8 as i8), _mm512_set1_epi8(0x10));
     // MXFP4: the biased levels in every 128-bit lane, for one `vpshufb` per 64 nibbles.
     let table = _mm512_broadcast_i32x4(_mm_loadu_si128(super::mxfp4::BIASED.as_ptr() as *const __m128i));
+    let Prefetch { block32: ahead, hint, .. } = prefetch();
+    let steps = ahead / (2 * gap / nb);
     for i in 0..nb {
         let qs = t.add(8 * F::HEAD * nb + 8 * F::QROW * i);
-        prefetch_ahead(qs, 8 * F::QROW);
-        prefetch_ahead(qs.add(gap), 8 * F::QROW);
+        if R > 1 {
+            prefetch_ahead(qs, 8 * F::QROW);
+            prefetch_ahead(qs.add(gap), 8 * F::QROW);
+        } else {
+            prefetch_block::<F>(t, nb, i + steps, hint);
+        }
         let mut isum = [_mm512_setzero_si512(); R];
         if zshift > 0 {
             for r in 0..R {
@@ -134,11 +211,22 @@ unsafe fn kquant_pair<const R: usize>(
 ) -> [__m512; R] {
     let gap = nsb * sb_bytes;
     let mut acc = [_mm512_setzero_ps(); R];
+    let Prefetch { kquant: ahead, hint, .. } = prefetch();
+    let steps = ahead / (2 * sb_bytes);
     for i in 0..nsb {
         let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
         let sb = t.add(i * sb_bytes);
-        prefetch_ahead(sb, sb_bytes);
-        prefetch_ahead(sb.add(gap), sb_bytes);
+        if R > 1 {
+            prefetch_ahead(sb, sb_bytes);
+            prefetch_ahead(sb.add(gap), sb_bytes);
+        } else {
+            // The walk reads superblock i of both tiles, then i + 1; past the pair's end, the
+            // next pair of tiles, which the caller's loop takes next.
+            let j = i + steps;
+            let p = t.wrapping_add(j / nsb * 2 * gap + j % nsb * sb_bytes);
+            prefetch_lines(p, sb_bytes, hint);
+            prefetch_lines(p.wrapping_add(gap), sb_bytes, hint);
+        }
         let (total, mins) = body(sb, gap, &ab);
         let dw = pair_f16(sb, gap);
         for r in 0..R {
@@ -205,6 +293,94 @@ unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, gap: usize,
         }
     }
     (total, Some(mins))
+}
+
+/// The activation sums of a q8_K block's eight 32-value sub-blocks as i16 pairs: dword p holds
+/// (sum_2p, sum_2p+1), the operand `vpmaddwd` takes against a row's mins (m_2p, m_2p+1).
+#[inline(always)]
+unsafe fn q8k_sub_sums(a: *const u8) -> __m256i {
+    let s32 = _mm256_madd_epi16(_mm256_loadu_si256(a.add(K_BSUMS) as *const __m256i), _mm256_set1_epi16(1));
+    _mm256_castsi128_si256(_mm_packs_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256::<1>(s32)))
+}
+
+/// `q45k_sums` for one activation row (decode), the same integers by a shorter walk: each 32
+/// bytes of quants are loaded once for both their nibbles (sub-blocks 2j and 2j + 1), and in Q5_K
+/// the fifth bits are a byte mask (`vptestmb`) that adds 16, so no shift depends on the
+/// sub-block. The mins take the activation's sub-block sums from one `vpmaddwd` over its block
+/// sums instead of sixteen scalar loads.
+#[inline(always)]
+unsafe fn q45k_one<const R: usize, const FIVE: bool>(sb: *const u8, gap: usize, ab: &[*const u8; R]) -> ([__m512i; R], Option<[__m512i; R]>) {
+    let a = ab[0];
+    let (m4, b16) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x10));
+    let qs = if FIVE { Q5K_QS } else { Q4K_QS };
+    let mut total = _mm512_setzero_si512();
+    for j in 0..4 {
+        let (mut lo_acc, mut hi_acc) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+        for c in 0..8 {
+            let raw = pair_load(sb.add(qs + 256 * j + 32 * c), gap);
+            let (mut lo, mut hi) = (_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4));
+            if FIVE {
+                let qh = pair_load(sb.add(Q5K_QH + 32 * c), gap);
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(1 << (2 * j))), lo, b16);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(2 << (2 * j))), hi, b16);
+            }
+            let y = a.add(K_QS + 64 * j + 4 * c);
+            lo_acc = _mm512_dpbusd_epi32(lo_acc, lo, bcast4(y));
+            hi_acc = _mm512_dpbusd_epi32(hi_acc, hi, bcast4(y.add(32)));
+        }
+        let sc_lo = _mm512_cvtepu8_epi32(pair_bytes(sb.add(K45_SC + 16 * j), gap));
+        let sc_hi = _mm512_cvtepu8_epi32(pair_bytes(sb.add(K45_SC + 16 * j + 8), gap));
+        total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(lo_acc, sc_lo), _mm512_mullo_epi32(hi_acc, sc_hi)));
+    }
+    let sums = _mm512_castsi256_si512(q8k_sub_sums(a));
+    let mut mins = _mm512_setzero_si512();
+    for p in 0..4 {
+        let m = |at: usize| _mm_unpacklo_epi8(_mm_loadl_epi64(sb.add(at) as *const __m128i), _mm_loadl_epi64(sb.add(at + 8) as *const __m128i));
+        let (m0, m1) = (m(K45_M + 16 * p), m(gap + K45_M + 16 * p));
+        let mm = _mm512_cvtepu8_epi16(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(m0), m1));
+        let both = _mm512_permutexvar_epi32(_mm512_set1_epi32(p as i32), sums);
+        mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mm, both));
+    }
+    (std::array::from_fn(|_| total), Some(std::array::from_fn(|_| mins)))
+}
+
+/// `q6k_sums` for one activation row (decode), walked by chunk position as `avx2_kquant`'s
+/// `q6k_one` is: the four quarters of a chunk share its qh vector and pairs of them an ql vector,
+/// each loaded once, and every shift is a constant. Eight sub-block sums of each half are kept
+/// apart until their scales weigh them, so the integers are the general kernel's.
+#[inline(always)]
+unsafe fn q6k_one<const R: usize>(sb: *const u8, gap: usize, ab: &[*const u8; R]) -> ([__m512i; R], Option<[__m512i; R]>) {
+    let a = ab[0];
+    let (m4, m30) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x30));
+    let mut total = _mm512_setzero_si512();
+    for h in 0..2 {
+        // acc[2q + c/4] is sub-block 8h + 2q + c/4; the (q - 32) offset starts it at -32 x the
+        // sub-block's activation sum, as in `q6k_quarter`.
+        let mut acc: [__m512i; 8] = std::array::from_fn(|s| {
+            let bs = (a.add(K_BSUMS + 2 * (8 * h + s)) as *const i16).read_unaligned() as i32;
+            _mm512_set1_epi32(-32 * bs)
+        });
+        for c in 0..8 {
+            let qh = pair_load(sb.add(Q6K_QH + 256 * h + 32 * c), gap);
+            let qa = pair_load(sb.add(Q6K_QL + 512 * h + 32 * c), gap);
+            let qb = pair_load(sb.add(Q6K_QL + 512 * h + 32 * (c + 8)), gap);
+            let w = [
+                _mm512_or_si512(_mm512_and_si512(qa, m4), _mm512_and_si512(_mm512_slli_epi16::<4>(qh), m30)),
+                _mm512_or_si512(_mm512_and_si512(qb, m4), _mm512_and_si512(_mm512_slli_epi16::<2>(qh), m30)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(qa), m4), _mm512_and_si512(qh, m30)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(qb), m4), _mm512_and_si512(_mm512_srli_epi16::<2>(qh), m30)),
+            ];
+            for (q, w) in w.into_iter().enumerate() {
+                let s = 2 * q + c / 4;
+                acc[s] = _mm512_dpbusd_epi32(acc[s], w, bcast4(a.add(K_QS + 128 * h + 32 * q + 4 * c)));
+            }
+        }
+        for (s, acc) in acc.into_iter().enumerate() {
+            let sc = _mm512_cvtepi8_epi32(pair_bytes(sb.add(Q6K_SC + 8 * (8 * h + s)), gap));
+            total = _mm512_add_epi32(total, _mm512_mullo_epi32(acc, sc));
+        }
+    }
+    (std::array::from_fn(|_| total), None)
 }
 
 /// Q6_K: the 256-bit Q6_K kernel's sums on a pair of tiles.
@@ -405,21 +581,33 @@ impl<F: Fmt> PairFormat for F {
 impl PairFormat for Q4K {
     #[inline(always)]
     unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nsb: usize) -> [__m512; R] {
-        kquant_pair::<R>(t, a, nsb, Q4K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, false>(sb, gap, ab))
+        if R == 1 {
+            kquant_pair::<R>(t, a, nsb, Q4K_TILE_BLOCK, |sb, gap, ab| q45k_one::<R, false>(sb, gap, ab))
+        } else {
+            kquant_pair::<R>(t, a, nsb, Q4K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, false>(sb, gap, ab))
+        }
     }
 }
 
 impl PairFormat for Q5K {
     #[inline(always)]
     unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nsb: usize) -> [__m512; R] {
-        kquant_pair::<R>(t, a, nsb, Q5K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, true>(sb, gap, ab))
+        if R == 1 {
+            kquant_pair::<R>(t, a, nsb, Q5K_TILE_BLOCK, |sb, gap, ab| q45k_one::<R, true>(sb, gap, ab))
+        } else {
+            kquant_pair::<R>(t, a, nsb, Q5K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, true>(sb, gap, ab))
+        }
     }
 }
 
 impl PairFormat for Q6K {
     #[inline(always)]
     unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nsb: usize) -> [__m512; R] {
-        kquant_pair::<R>(t, a, nsb, Q6K_TILE_BLOCK, |sb, gap, ab| q6k_sums::<R>(sb, gap, ab))
+        if R == 1 {
+            kquant_pair::<R>(t, a, nsb, Q6K_TILE_BLOCK, |sb, gap, ab| q6k_one::<R>(sb, gap, ab))
+        } else {
+            kquant_pair::<R>(t, a, nsb, Q6K_TILE_BLOCK, |sb, gap, ab| q6k_sums::<R>(sb, gap, ab))
+        }
     }
 }
 
