@@ -9,7 +9,7 @@
 //! The tiled layout is the one in `tile`: a pair is two tiles `gap` bytes apart, each half of a
 //! 512-bit operand loaded from its own tile (`pair_load`).
 
-use super::avx2::{Fmt, Q4K, Q5K, Q6K};
+use super::avx2::{prefetch, prefetch_block, prefetch_superblock, Fmt, Prefetch, Q4K, Q5K, Q6K};
 use super::avx2::{K_BSUMS, K_BYTES, K_QS};
 use super::tile::{K45_DMIN, K45_M, K45_SC, Q4K_QS, Q4K_TILE_BLOCK, Q5K_QH, Q5K_QS, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
 use std::arch::x86_64::*;
@@ -61,77 +61,6 @@ unsafe fn prefetch_ahead(p: *const u8, bytes: usize) {
     }
 }
 
-/// How decode prefetches: bytes ahead of the walk for the K-quants and for the 32-value formats,
-/// and into which cache (0: L1, 1: L2). Measured with `examples/decode_rate` over 1 GB of
-/// weights, one thread, interleaved runs: on a Xeon with AMX (2.6 GHz, 2 vCPUs) L1 and 6 KB
-/// ahead gave Q4_K 14.8 GB/s and Q6_K 14.3 (4 KB within the tile, as before: 12.7 and 11.2;
-/// 16 KB into L2: 13.3 and 12.1), and L1 and 4 KB gave Q4_0 16.1 (before: 14.0). On AMD Zen 4
-/// an earlier round measured 16 KB into L2 best; that is the default there, unmeasured since.
-/// `DASLLAMA_PREFETCH=BYTES[:l1|l2]` sets both distances and the cache, for such measurements.
-#[derive(Clone, Copy)]
-pub(super) struct Prefetch {
-    pub kquant: usize,
-    pub block32: usize,
-    pub hint: u8,
-}
-
-pub(super) fn prefetch() -> Prefetch {
-    static P: std::sync::OnceLock<Prefetch> = std::sync::OnceLock::new();
-    *P.get_or_init(|| {
-        let id = __cpuid(0);
-        let amd = [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]; // "AuthenticAMD"
-        let mut p = if amd { Prefetch { kquant: 16384, block32: 16384, hint: 1 } } else { Prefetch { kquant: 6144, block32: 4096, hint: 0 } };
-        if let Ok(v) = std::env::var("DASLLAMA_PREFETCH") {
-            let (bytes, cache) = v.split_once(':').unwrap_or((&v, ""));
-            if let Ok(b) = bytes.parse() {
-                (p.kquant, p.block32) = (b, b);
-            }
-            match cache {
-                "l1" => p.hint = 0,
-                "l2" => p.hint = 1,
-                _ => {}
-            }
-        }
-        p
-    })
-}
-
-/// Prefetch `bytes` from `p` (line by line) into the cache `hint` names.
-#[inline(always)]
-unsafe fn prefetch_lines(p: *const u8, bytes: usize, hint: u8) {
-    for line in (0..bytes).step_by(64) {
-        let q = p.wrapping_add(line) as *const i8;
-        match hint {
-            0 => _mm_prefetch::<_MM_HINT_T0>(q),
-            _ => _mm_prefetch::<_MM_HINT_T1>(q),
-        }
-    }
-}
-
-/// Decode's prefetch for a 32-value format: every field of block `j` of the pair at `t` (the
-/// blocks counted on into the pairs after it, which the caller walks next), each region of a
-/// tile (`tile`: scales, mins, high bits, quants) its own stream. A region with less than a
-/// line a block is asked for once per line.
-#[inline(always)]
-unsafe fn prefetch_block<F: Fmt>(t: *const u8, nb: usize, j: usize, hint: u8) {
-    let gap = 8 * nb * F::WBYTES;
-    let (pair, j) = (j / nb, j % nb);
-    let base = t.wrapping_add(2 * gap * pair);
-    let dw = if F::MX { 1 } else { 2 };
-    let mw = if F::MIN { 2 } else { 0 };
-    let hw = if F::FIVE { 4 } else { 0 };
-    for tile in [base, base.wrapping_add(gap)] {
-        prefetch_lines(tile.wrapping_add(8 * F::HEAD * nb + 8 * F::QROW * j), 8 * F::QROW, hint);
-        let mut at = 0;
-        for per in [8 * dw, 8 * mw, 8 * hw] {
-            if per > 0 && (per * j) % 64 < per {
-                prefetch_lines(tile.wrapping_add(at + per * j), 1, hint);
-            }
-            at += per * nb;
-        }
-    }
-}
-
 /// A pair of tiles of a 32-value format against R activation rows.
 #[inline(always)]
 unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], nb: usize) -> [__m512; R] {
@@ -151,7 +80,7 @@ unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], n
             prefetch_ahead(qs, 8 * F::QROW);
             prefetch_ahead(qs.add(gap), 8 * F::QROW);
         } else {
-            prefetch_block::<F>(t, nb, i + steps, hint);
+            prefetch_block::<F>(t, nb, 2, i + steps, hint);
         }
         let mut isum = [_mm512_setzero_si512(); R];
         if zshift > 0 {
@@ -220,12 +149,7 @@ unsafe fn kquant_pair<const R: usize>(
             prefetch_ahead(sb, sb_bytes);
             prefetch_ahead(sb.add(gap), sb_bytes);
         } else {
-            // The walk reads superblock i of both tiles, then i + 1; past the pair's end, the
-            // next pair of tiles, which the caller's loop takes next.
-            let j = i + steps;
-            let p = t.wrapping_add(j / nsb * 2 * gap + j % nsb * sb_bytes);
-            prefetch_lines(p, sb_bytes, hint);
-            prefetch_lines(p.wrapping_add(gap), sb_bytes, hint);
+            prefetch_superblock(t, nsb, sb_bytes, 2, i + steps, hint);
         }
         let (total, mins) = body(sb, gap, &ab);
         let dw = pair_f16(sb, gap);
