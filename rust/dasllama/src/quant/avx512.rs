@@ -561,3 +561,74 @@ pub(super) unsafe fn run<P: PairFormat>(t: &[u8], a: &[&[u8]], nb: usize, out: &
         _ => k::<P, 8>(t, a, nb, out),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::tile::{tile_bytes, tile_rows, TILE_ROWS};
+    use super::super::{act_row_bytes, avx2, quantize_row, scalar, GgmlType};
+
+    /// Sixteen K-quant rows: random bytes with small f16 scales, or (`edge`) every byte 0xFF (the
+    /// largest nibbles, high bits and 6-bit scales and mins) with Q6_K's i8 scales at `sc6`.
+    fn rows(ty: GgmlType, n: usize, seed: u64, edge: Option<u8>) -> Vec<Vec<u8>> {
+        let mut state = seed;
+        (0..2 * TILE_ROWS)
+            .map(|_| {
+                let mut row: Vec<u8> = (0..ty.row_bytes(n))
+                    .map(|_| {
+                        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        edge.map_or((state >> 56) as u8, |_| 0xFF)
+                    })
+                    .collect();
+                for b in row.chunks_exact_mut(ty.block_bytes()) {
+                    for &at in ty.f16_scale_offsets() {
+                        b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+                    }
+                    if let (GgmlType::Q6K, Some(sc)) = (ty, edge) {
+                        b[192..208].fill(sc);
+                    }
+                }
+                row
+            })
+            .collect()
+    }
+
+    /// The one-row (decode) pair kernels of Q4_K, Q5_K and Q6_K against the general pair kernel
+    /// (the same call with a second activation row) bit for bit, and against the scalar twin.
+    #[test]
+    fn one_row_pair_kernels_match_the_general_kernel_and_the_scalar_twin() {
+        if !avx2::has_avx512() {
+            eprintln!("skipped: no AVX-512 VNNI here (or turned off): the one-row pair kernels never run");
+            return;
+        }
+        let n = 768;
+        for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+            let f = avx2::tile_variants(ty).into_iter().find(|v| v.0 == "avx512").expect("the AVX-512 kernel").1;
+            for (seed, edge) in [(1, None), (2, None), (3, Some(0xFF)), (4, Some(0x80)), (5, Some(0x7F))] {
+                let rows = rows(ty, n, seed, edge);
+                let mut t = vec![0u8; 2 * tile_bytes(ty, n)];
+                for (k, tile) in t.chunks_exact_mut(tile_bytes(ty, n)).enumerate() {
+                    let refs: Vec<&[u8]> = rows[TILE_ROWS * k..TILE_ROWS * (k + 1)].iter().map(|r| &r[..]).collect();
+                    tile_rows(ty, &refs, tile);
+                }
+                let xs: [Vec<f32>; 3] = [
+                    (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.02).collect(),
+                    (0..n).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }).collect(),
+                    vec![-1.0; n],
+                ];
+                for x in &xs {
+                    let mut a = vec![0u8; act_row_bytes(GgmlType::Q8K, n)];
+                    quantize_row(GgmlType::Q8K, x, &mut a);
+                    let (mut one, mut two) = ([[0.0f32; 8]; 2], [[0.0f32; 8]; 4]);
+                    f(&t, &[&a], n, &mut one);
+                    f(&t, &[&a, &a], n, &mut two);
+                    // Two activation rows: out[r] is the first tile's row r, out[2 + r] the second's.
+                    assert_eq!([one[0], one[1]].map(|o| o.map(f32::to_bits)), [two[0], two[2]].map(|o| o.map(f32::to_bits)), "{}: seed {seed}", ty.name());
+                    for (j, row) in rows.iter().enumerate() {
+                        let (got, want) = (one[j / TILE_ROWS][j % TILE_ROWS], scalar::dot_fn(ty)(row, &a, n));
+                        assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{} seed {seed} row {j}: {got} != scalar {want}", ty.name());
+                    }
+                }
+            }
+        }
+    }
+}
