@@ -342,7 +342,8 @@ mod tests {
     fn tasks_split_rows_by_bytes() {
         // Llama-3.2-1B's Q, K (Q4_K, 1152 bytes a row of 2048) and V (Q6_K, 1680), an FFN pair,
         // the Q6_K output head, and odd sizes.
-        let cases: [&[(usize, usize)]; 5] = [&[(2048, 1152), (512, 1152), (512, 1680)], &[(8192, 1152), (8192, 1152)], &[(49152, 1680)], &[(40, 34), (8, 34), (100, 210)], &[(3, 18)]];
+        let cases: [&[(usize, usize)]; 5] =
+            [&[(2048, 1152), (512, 1152), (512, 1680)], &[(8192, 1152), (8192, 1152)], &[(49152, 1680)], &[(40, 34), (8, 34), (100, 210)], &[(3, 18)]];
         for mats in cases {
             for shares in 1..=9 {
                 let (pieces, bounds) = split_by_bytes(mats.iter().copied(), shares);
