@@ -154,20 +154,10 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
     }
     let act = &act[..];
     let positions = if segs.iter().any(|(w, _)| w.ggml_dot.is_some()) { crate::quant::ggml::row_positions(counts) } else { Vec::new() };
-    let total_rows: usize = segs.iter().map(|(w, _)| w.rows).sum();
     let threads = spin::team().threads();
     // Enough tasks to balance uneven cores, few enough that per-task overhead stays small.
     let per_thread = if n < 4 { 1 } else { 4 };
-    let chunk = total_rows.div_ceil(threads * per_thread).next_multiple_of(2 * TILE_ROWS);
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    for (si, (w, _)) in segs.iter().enumerate() {
-        let mut lo = 0;
-        while lo < w.rows {
-            let hi = (lo + chunk).min(w.rows);
-            tasks.push((si, lo, hi));
-            lo = hi;
-        }
-    }
+    let (pieces, tasks) = split_by_bytes(segs.iter().map(|(w, _)| (w.rows, w.row_bytes())), threads * per_thread);
     let tt = token_tile(n, arb);
     let ptrs: Vec<(&Weight, SharedOut)> = segs.iter_mut().map(|(w, o)| (&**w, SharedOut(o.as_mut_ptr()))).collect();
     let run = |&(si, lo, hi): &(usize, usize, usize)| {
@@ -280,11 +270,48 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
             }
         }
     };
-    if threads == 1 || tasks.len() == 1 {
-        tasks.iter().for_each(run);
+    let task = |i: usize| pieces[tasks[i]..tasks[i + 1]].iter().for_each(run);
+    if threads == 1 || tasks.len() == 2 {
+        (0..tasks.len() - 1).for_each(task);
     } else {
-        team.parallel_for(tasks.len(), &|i| run(&tasks[i]));
+        team.parallel_for(tasks.len() - 1, &task);
     }
+}
+
+/// Cuts the rows of several matrices ((rows, bytes a row) each) into about `shares` tasks of
+/// equal bytes of weights: one row step reads its weights once, so bytes, not rows, are its
+/// time, and fused matrices of different formats (Q4_K_M's Q6_K V beside a Q4_K Q and K) or
+/// shapes would leave a core idle if cut by rows. A task is a run of pieces (matrix, first row,
+/// end row), each starting on a multiple of sixteen rows, so pairs of tiles line up. Returns the
+/// pieces and the bounds of the tasks' runs in them (task i: pieces[b[i]..b[i + 1]]).
+fn split_by_bytes(mats: impl Iterator<Item = (usize, usize)>, shares: usize) -> (Vec<(usize, usize, usize)>, Vec<usize>) {
+    const STEP: usize = 2 * TILE_ROWS;
+    let mats: Vec<(usize, usize)> = mats.collect();
+    let total: usize = mats.iter().map(|&(rows, rb)| rows * rb).sum();
+    let share = total.div_ceil(shares.max(1)).max(1);
+    let (mut pieces, mut bounds) = (Vec::new(), vec![0]);
+    let mut filled = 0;
+    for (si, &(rows, rb)) in mats.iter().enumerate() {
+        let mut lo = 0;
+        while lo < rows {
+            // The rows left in this share, to the nearest step (a whole step at least, so an
+            // empty share still takes some).
+            let room = share.saturating_sub(filled);
+            let take = ((room + STEP / 2 * rb) / (STEP * rb) * STEP).max(STEP);
+            let hi = (lo + take).min(rows);
+            pieces.push((si, lo, hi));
+            filled += (hi - lo) * rb;
+            lo = hi;
+            if filled + STEP / 2 * rb > share {
+                bounds.push(pieces.len());
+                filled = 0;
+            }
+        }
+    }
+    if bounds.last() != Some(&pieces.len()) {
+        bounds.push(pieces.len());
+    }
+    (pieces, bounds)
 }
 
 /// Convert a weight to another storage format at load (QuantMode.q8 / fp32).
@@ -303,4 +330,40 @@ pub fn convert_weight(w: &Weight, to: GgmlType) -> Weight {
         })
     });
     Weight { ty: to, rows: w.rows, cols: w.cols, data: Bytes::Owned(Arc::new(data)), tiled: false, ggml_dot: None }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_by_bytes;
+
+    /// Every row in exactly one piece, pieces on multiples of sixteen rows, and the tasks' bytes
+    /// within a step of rows of the largest (the last may be short).
+    #[test]
+    fn tasks_split_rows_by_bytes() {
+        // Llama-3.2-1B's Q, K (Q4_K, 1152 bytes a row of 2048) and V (Q6_K, 1680), an FFN pair,
+        // the Q6_K output head, and odd sizes.
+        let cases: [&[(usize, usize)]; 5] =
+            [&[(2048, 1152), (512, 1152), (512, 1680)], &[(8192, 1152), (8192, 1152)], &[(49152, 1680)], &[(40, 34), (8, 34), (100, 210)], &[(3, 18)]];
+        for mats in cases {
+            for shares in 1..=9 {
+                let (pieces, bounds) = split_by_bytes(mats.iter().copied(), shares);
+                for (si, &(rows, _)) in mats.iter().enumerate() {
+                    let mut mine: Vec<(usize, usize)> = pieces.iter().filter(|p| p.0 == si).map(|p| (p.1, p.2)).collect();
+                    mine.sort();
+                    let mut at = 0;
+                    for (lo, hi) in mine {
+                        assert!(lo == at && lo % 16 == 0 && hi > lo, "{mats:?} / {shares}: piece {lo}..{hi} after {at}");
+                        at = hi;
+                    }
+                    assert_eq!(at, rows, "{mats:?} / {shares}: rows left out");
+                }
+                let bytes: Vec<usize> = bounds.windows(2).map(|b| pieces[b[0]..b[1]].iter().map(|&(si, lo, hi)| (hi - lo) * mats[si].1).sum()).collect();
+                let step = 16 * mats.iter().map(|m| m.1).max().unwrap_or(0);
+                let most = *bytes.iter().max().unwrap_or(&0);
+                // Rows come in steps, so a matrix end can leave a share a short piece over.
+                assert!(bytes.len() <= shares + mats.len(), "{mats:?} / {shares}: {} tasks", bytes.len());
+                assert!(bytes[..bytes.len() - 1].iter().all(|&b| b + step >= most), "{mats:?} / {shares}: uneven tasks {bytes:?}");
+            }
+        }
+    }
 }

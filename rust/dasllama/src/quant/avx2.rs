@@ -537,6 +537,89 @@ pub(super) unsafe fn bcast4(p: *const u8) -> __m256i {
 /// kernels keep their own.
 pub(super) const PREFETCH: usize = 8192;
 
+/// How decode prefetches: bytes ahead of the walk for the K-quants and for the 32-value formats,
+/// and into which cache (0: L1, 1: L2). Measured with `examples/decode_rate` over 1 GB of
+/// weights, one thread, interleaved runs: on a Xeon with AMX (2.6 GHz, 2 vCPUs) L1 and 6 KB
+/// ahead gave Q4_K 14.8 GB/s and Q6_K 14.3 (4 KB within the tile, as before: 12.7 and 11.2;
+/// 16 KB into L2: 13.3 and 12.1), and L1 and 4 KB gave Q4_0 16.1 (before: 14.0). On AMD Zen 4
+/// an earlier round measured 16 KB into L2 best; that is the default there, unmeasured since.
+/// `DASLLAMA_PREFETCH=BYTES[:l1|l2]` sets both distances and the cache, for such measurements.
+#[derive(Clone, Copy)]
+pub(super) struct Prefetch {
+    pub kquant: usize,
+    pub block32: usize,
+    pub hint: u8,
+}
+
+pub(super) fn prefetch() -> Prefetch {
+    static P: std::sync::OnceLock<Prefetch> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        let id = __cpuid(0);
+        let amd = [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]; // "AuthenticAMD"
+        let mut p = if amd { Prefetch { kquant: 16384, block32: 16384, hint: 1 } } else { Prefetch { kquant: 6144, block32: 4096, hint: 0 } };
+        if let Ok(v) = std::env::var("DASLLAMA_PREFETCH") {
+            let (bytes, cache) = v.split_once(':').unwrap_or((&v, ""));
+            if let Ok(b) = bytes.parse() {
+                (p.kquant, p.block32) = (b, b);
+            }
+            match cache {
+                "l1" => p.hint = 0,
+                "l2" => p.hint = 1,
+                _ => {}
+            }
+        }
+        p
+    })
+}
+
+/// Prefetch `bytes` from `p` (line by line) into the cache `hint` names.
+#[inline(always)]
+pub(super) unsafe fn prefetch_lines(p: *const u8, bytes: usize, hint: u8) {
+    for line in (0..bytes).step_by(64) {
+        let q = p.wrapping_add(line) as *const i8;
+        match hint {
+            0 => _mm_prefetch::<_MM_HINT_T0>(q),
+            _ => _mm_prefetch::<_MM_HINT_T1>(q),
+        }
+    }
+}
+
+/// Decode's prefetch for a 32-value format: every field of block `j` of the `tiles` tiles at `t`
+/// that one call reads side by side (the blocks counted on into the tiles after them, which the
+/// caller walks next), each region of a tile (`tile`: scales, mins, high bits, quants) its own
+/// stream. A region with less than a line a block is asked for once per line.
+#[inline(always)]
+pub(super) unsafe fn prefetch_block<F: Fmt>(t: *const u8, nb: usize, tiles: usize, j: usize, hint: u8) {
+    let tb = 8 * nb * F::WBYTES;
+    let (group, j) = (j / nb, j % nb);
+    let base = t.wrapping_add(tiles * tb * group);
+    let dw = if F::MX { 1 } else { 2 };
+    let mw = if F::MIN { 2 } else { 0 };
+    let hw = if F::FIVE { 4 } else { 0 };
+    for k in 0..tiles {
+        let tile = base.wrapping_add(k * tb);
+        prefetch_lines(tile.wrapping_add(8 * F::HEAD * nb + 8 * F::QROW * j), 8 * F::QROW, hint);
+        let mut at = 0;
+        for per in [8 * dw, 8 * mw, 8 * hw] {
+            if per > 0 && (per * j) % 64 < per {
+                prefetch_lines(tile.wrapping_add(at + per * j), 1, hint);
+            }
+            at += per * nb;
+        }
+    }
+}
+
+/// Decode's prefetch for a K-quant: superblock `j` of the `tiles` tiles at `t` that one call
+/// reads side by side, counted on into the tiles after them as `prefetch_block` does.
+#[inline(always)]
+pub(super) unsafe fn prefetch_superblock(t: *const u8, nsb: usize, sb_bytes: usize, tiles: usize, j: usize, hint: u8) {
+    let tb = nsb * sb_bytes;
+    let p = t.wrapping_add(j / nsb * tiles * tb + j % nsb * sb_bytes);
+    for k in 0..tiles {
+        prefetch_lines(p.wrapping_add(k * tb), sb_bytes, hint);
+    }
+}
+
 /// T consecutive tiles (eight weight rows each) against R activation rows: T x R vectors of
 /// eight outputs. Several tiles at once (decode) read several streams, which keeps more memory
 /// requests in flight than one stream per core can.
@@ -552,7 +635,13 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(t: 
     // AVX2's maddubs would saturate on them, so it keeps the sign trick. Same integers either way.
     let flip = F::SIGNED && ISA != AVX2;
     let zshift = if flip { 7 } else { F::ZSHIFT };
+    let Prefetch { block32: ahead, hint, .. } = prefetch();
+    let steps = ahead / (T * tile_bytes / nb);
     for i in 0..nb {
+        if R == 1 {
+            // Decode: in the order the walk reads, scales included (`prefetch_block`).
+            prefetch_block::<F>(t, nb, T, i + steps, hint);
+        }
         let mut start = [_mm256_setzero_si256(); R];
         if zshift > 0 {
             for r in 0..R {
@@ -563,9 +652,11 @@ unsafe fn tile_kernel<F: Fmt, const T: usize, const R: usize, const ISA: u8>(t: 
         for (k, &t) in tiles.iter().enumerate() {
             // Hardware prefetchers alone leave DRAM bandwidth unused when the weights do not fit
             // the caches (decode); ask for the bytes a few blocks ahead.
-            let qs = t.wrapping_add(8 * F::HEAD * nb + 8 * F::QROW * i + PREFETCH);
-            for line in (0..8 * F::QROW).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(line) as *const i8);
+            if R > 1 {
+                let qs = t.wrapping_add(8 * F::HEAD * nb + 8 * F::QROW * i + PREFETCH);
+                for line in (0..8 * F::QROW).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(qs.wrapping_add(line) as *const i8);
+                }
             }
             let mut isum = start;
             let mut isum2 = [_mm256_setzero_si256(); R];
@@ -717,16 +808,21 @@ pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
     body: impl Fn(*const u8, &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>),
 ) -> [[__m256; R]; T] {
     let mut acc = [[_mm256_setzero_ps(); R]; T];
-    // Decode reads the weights from memory: ten superblocks ahead (11-17 KB) beat 8 KB by 4% on a
-    // 1B Q4_K_M model (Zen 3, A/B interleaved). Batches read them from cache, where the nearer
-    // distance was as good or better.
-    let ahead = if R == 1 { 10 * sb_bytes } else { PREFETCH };
+    // Decode reads the weights from memory, in the order `prefetch_superblock` follows; batches
+    // read them from cache, where a near distance within each tile is enough.
+    let Prefetch { kquant: ahead, hint, .. } = prefetch();
+    let steps = ahead / (T * sb_bytes);
     for i in 0..nsb {
         let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
+        if R == 1 {
+            prefetch_superblock(t, nsb, sb_bytes, T, i + steps, hint);
+        }
         for (k, acc) in acc.iter_mut().enumerate() {
             let sb = t.add((k * nsb + i) * sb_bytes);
-            for line in (0..sb_bytes).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(ahead + line) as *const i8);
+            if R > 1 {
+                for line in (0..sb_bytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(PREFETCH + line) as *const i8);
+                }
             }
             let (total, mins) = body(sb, &ab);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));

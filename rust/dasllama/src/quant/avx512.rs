@@ -9,13 +9,13 @@
 //! The tiled layout is the one in `tile`: a pair is two tiles `gap` bytes apart, each half of a
 //! 512-bit operand loaded from its own tile (`pair_load`).
 
-use super::avx2::{Fmt, Q4K, Q5K, Q6K};
+use super::avx2::{prefetch, prefetch_block, prefetch_superblock, Fmt, Prefetch, Q4K, Q5K, Q6K};
 use super::avx2::{K_BSUMS, K_BYTES, K_QS};
 use super::tile::{K45_DMIN, K45_M, K45_SC, Q4K_QS, Q4K_TILE_BLOCK, Q5K_QH, Q5K_QS, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
 use std::arch::x86_64::*;
 
-/// Bytes ahead of the block being read that the kernels prefetch, per weight stream: on an
-/// AVX-512 Xeon 4 KB beat 16 KB in decode.
+/// Bytes ahead of the block being read that the batch kernels prefetch, per weight stream (one
+/// row, decode, follows `prefetch`).
 const PREFETCH: usize = 4096;
 
 /// 32 bytes at `p` of the first tile and at `p + gap` of the second, as one vector.
@@ -72,10 +72,16 @@ unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], n
     let (m4, top, b) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x80u8 as i8), _mm512_set1_epi8(0x10));
     // MXFP4: the biased levels in every 128-bit lane, for one `vpshufb` per 64 nibbles.
     let table = _mm512_broadcast_i32x4(_mm_loadu_si128(super::mxfp4::BIASED.as_ptr() as *const __m128i));
+    let Prefetch { block32: ahead, hint, .. } = prefetch();
+    let steps = ahead / (2 * gap / nb);
     for i in 0..nb {
         let qs = t.add(8 * F::HEAD * nb + 8 * F::QROW * i);
-        prefetch_ahead(qs, 8 * F::QROW);
-        prefetch_ahead(qs.add(gap), 8 * F::QROW);
+        if R > 1 {
+            prefetch_ahead(qs, 8 * F::QROW);
+            prefetch_ahead(qs.add(gap), 8 * F::QROW);
+        } else {
+            prefetch_block::<F>(t, nb, 2, i + steps, hint);
+        }
         let mut isum = [_mm512_setzero_si512(); R];
         if zshift > 0 {
             for r in 0..R {
@@ -134,11 +140,17 @@ unsafe fn kquant_pair<const R: usize>(
 ) -> [__m512; R] {
     let gap = nsb * sb_bytes;
     let mut acc = [_mm512_setzero_ps(); R];
+    let Prefetch { kquant: ahead, hint, .. } = prefetch();
+    let steps = ahead / (2 * sb_bytes);
     for i in 0..nsb {
         let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
         let sb = t.add(i * sb_bytes);
-        prefetch_ahead(sb, sb_bytes);
-        prefetch_ahead(sb.add(gap), sb_bytes);
+        if R > 1 {
+            prefetch_ahead(sb, sb_bytes);
+            prefetch_ahead(sb.add(gap), sb_bytes);
+        } else {
+            prefetch_superblock(t, nsb, sb_bytes, 2, i + steps, hint);
+        }
         let (total, mins) = body(sb, gap, &ab);
         let dw = pair_f16(sb, gap);
         for r in 0..R {
@@ -205,6 +217,94 @@ unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, gap: usize,
         }
     }
     (total, Some(mins))
+}
+
+/// The activation sums of a q8_K block's eight 32-value sub-blocks as i16 pairs: dword p holds
+/// (sum_2p, sum_2p+1), the operand `vpmaddwd` takes against a row's mins (m_2p, m_2p+1).
+#[inline(always)]
+unsafe fn q8k_sub_sums(a: *const u8) -> __m256i {
+    let s32 = _mm256_madd_epi16(_mm256_loadu_si256(a.add(K_BSUMS) as *const __m256i), _mm256_set1_epi16(1));
+    _mm256_castsi128_si256(_mm_packs_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256::<1>(s32)))
+}
+
+/// `q45k_sums` for one activation row (decode), the same integers by a shorter walk: each 32
+/// bytes of quants are loaded once for both their nibbles (sub-blocks 2j and 2j + 1), and in Q5_K
+/// the fifth bits are a byte mask (`vptestmb`) that adds 16, so no shift depends on the
+/// sub-block. The mins take the activation's sub-block sums from one `vpmaddwd` over its block
+/// sums instead of sixteen scalar loads.
+#[inline(always)]
+unsafe fn q45k_one<const R: usize, const FIVE: bool>(sb: *const u8, gap: usize, ab: &[*const u8; R]) -> ([__m512i; R], Option<[__m512i; R]>) {
+    let a = ab[0];
+    let (m4, b16) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x10));
+    let qs = if FIVE { Q5K_QS } else { Q4K_QS };
+    let mut total = _mm512_setzero_si512();
+    for j in 0..4 {
+        let (mut lo_acc, mut hi_acc) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+        for c in 0..8 {
+            let raw = pair_load(sb.add(qs + 256 * j + 32 * c), gap);
+            let (mut lo, mut hi) = (_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4));
+            if FIVE {
+                let qh = pair_load(sb.add(Q5K_QH + 32 * c), gap);
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(1 << (2 * j))), lo, b16);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(2 << (2 * j))), hi, b16);
+            }
+            let y = a.add(K_QS + 64 * j + 4 * c);
+            lo_acc = _mm512_dpbusd_epi32(lo_acc, lo, bcast4(y));
+            hi_acc = _mm512_dpbusd_epi32(hi_acc, hi, bcast4(y.add(32)));
+        }
+        let sc_lo = _mm512_cvtepu8_epi32(pair_bytes(sb.add(K45_SC + 16 * j), gap));
+        let sc_hi = _mm512_cvtepu8_epi32(pair_bytes(sb.add(K45_SC + 16 * j + 8), gap));
+        total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(lo_acc, sc_lo), _mm512_mullo_epi32(hi_acc, sc_hi)));
+    }
+    let sums = _mm512_castsi256_si512(q8k_sub_sums(a));
+    let mut mins = _mm512_setzero_si512();
+    for p in 0..4 {
+        let m = |at: usize| _mm_unpacklo_epi8(_mm_loadl_epi64(sb.add(at) as *const __m128i), _mm_loadl_epi64(sb.add(at + 8) as *const __m128i));
+        let (m0, m1) = (m(K45_M + 16 * p), m(gap + K45_M + 16 * p));
+        let mm = _mm512_cvtepu8_epi16(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(m0), m1));
+        let both = _mm512_permutexvar_epi32(_mm512_set1_epi32(p as i32), sums);
+        mins = _mm512_add_epi32(mins, _mm512_madd_epi16(mm, both));
+    }
+    (std::array::from_fn(|_| total), Some(std::array::from_fn(|_| mins)))
+}
+
+/// `q6k_sums` for one activation row (decode), walked by chunk position as `avx2_kquant`'s
+/// `q6k_one` is: the four quarters of a chunk share its qh vector and pairs of them an ql vector,
+/// each loaded once, and every shift is a constant. Eight sub-block sums of each half are kept
+/// apart until their scales weigh them, so the integers are the general kernel's.
+#[inline(always)]
+unsafe fn q6k_one<const R: usize>(sb: *const u8, gap: usize, ab: &[*const u8; R]) -> ([__m512i; R], Option<[__m512i; R]>) {
+    let a = ab[0];
+    let (m4, m30) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x30));
+    let mut total = _mm512_setzero_si512();
+    for h in 0..2 {
+        // acc[2q + c/4] is sub-block 8h + 2q + c/4; the (q - 32) offset starts it at -32 x the
+        // sub-block's activation sum, as in `q6k_quarter`.
+        let mut acc: [__m512i; 8] = std::array::from_fn(|s| {
+            let bs = (a.add(K_BSUMS + 2 * (8 * h + s)) as *const i16).read_unaligned() as i32;
+            _mm512_set1_epi32(-32 * bs)
+        });
+        for c in 0..8 {
+            let qh = pair_load(sb.add(Q6K_QH + 256 * h + 32 * c), gap);
+            let qa = pair_load(sb.add(Q6K_QL + 512 * h + 32 * c), gap);
+            let qb = pair_load(sb.add(Q6K_QL + 512 * h + 32 * (c + 8)), gap);
+            let w = [
+                _mm512_or_si512(_mm512_and_si512(qa, m4), _mm512_and_si512(_mm512_slli_epi16::<4>(qh), m30)),
+                _mm512_or_si512(_mm512_and_si512(qb, m4), _mm512_and_si512(_mm512_slli_epi16::<2>(qh), m30)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(qa), m4), _mm512_and_si512(qh, m30)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(qb), m4), _mm512_and_si512(_mm512_srli_epi16::<2>(qh), m30)),
+            ];
+            for (q, w) in w.into_iter().enumerate() {
+                let s = 2 * q + c / 4;
+                acc[s] = _mm512_dpbusd_epi32(acc[s], w, bcast4(a.add(K_QS + 128 * h + 32 * q + 4 * c)));
+            }
+        }
+        for (s, acc) in acc.into_iter().enumerate() {
+            let sc = _mm512_cvtepi8_epi32(pair_bytes(sb.add(Q6K_SC + 8 * (8 * h + s)), gap));
+            total = _mm512_add_epi32(total, _mm512_mullo_epi32(acc, sc));
+        }
+    }
+    (std::array::from_fn(|_| total), None)
 }
 
 /// Q6_K: the 256-bit Q6_K kernel's sums on a pair of tiles.
@@ -405,21 +505,33 @@ impl<F: Fmt> PairFormat for F {
 impl PairFormat for Q4K {
     #[inline(always)]
     unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nsb: usize) -> [__m512; R] {
-        kquant_pair::<R>(t, a, nsb, Q4K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, false>(sb, gap, ab))
+        if R == 1 {
+            kquant_pair::<R>(t, a, nsb, Q4K_TILE_BLOCK, |sb, gap, ab| q45k_one::<R, false>(sb, gap, ab))
+        } else {
+            kquant_pair::<R>(t, a, nsb, Q4K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, false>(sb, gap, ab))
+        }
     }
 }
 
 impl PairFormat for Q5K {
     #[inline(always)]
     unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nsb: usize) -> [__m512; R] {
-        kquant_pair::<R>(t, a, nsb, Q5K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, true>(sb, gap, ab))
+        if R == 1 {
+            kquant_pair::<R>(t, a, nsb, Q5K_TILE_BLOCK, |sb, gap, ab| q45k_one::<R, true>(sb, gap, ab))
+        } else {
+            kquant_pair::<R>(t, a, nsb, Q5K_TILE_BLOCK, |sb, gap, ab| q45k_sums::<R, true>(sb, gap, ab))
+        }
     }
 }
 
 impl PairFormat for Q6K {
     #[inline(always)]
     unsafe fn pair<const R: usize>(t: *const u8, a: [*const u8; R], nsb: usize) -> [__m512; R] {
-        kquant_pair::<R>(t, a, nsb, Q6K_TILE_BLOCK, |sb, gap, ab| q6k_sums::<R>(sb, gap, ab))
+        if R == 1 {
+            kquant_pair::<R>(t, a, nsb, Q6K_TILE_BLOCK, |sb, gap, ab| q6k_one::<R>(sb, gap, ab))
+        } else {
+            kquant_pair::<R>(t, a, nsb, Q6K_TILE_BLOCK, |sb, gap, ab| q6k_sums::<R>(sb, gap, ab))
+        }
     }
 }
 
@@ -447,5 +559,76 @@ pub(super) unsafe fn run<P: PairFormat>(t: &[u8], a: &[&[u8]], nb: usize, out: &
         6 => k::<P, 6>(t, a, nb, out),
         7 => k::<P, 7>(t, a, nb, out),
         _ => k::<P, 8>(t, a, nb, out),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tile::{tile_bytes, tile_rows, TILE_ROWS};
+    use super::super::{act_row_bytes, avx2, quantize_row, scalar, GgmlType};
+
+    /// Sixteen K-quant rows: random bytes with small f16 scales, or (`edge`) every byte 0xFF (the
+    /// largest nibbles, high bits and 6-bit scales and mins) with Q6_K's i8 scales at `sc6`.
+    fn rows(ty: GgmlType, n: usize, seed: u64, edge: Option<u8>) -> Vec<Vec<u8>> {
+        let mut state = seed;
+        (0..2 * TILE_ROWS)
+            .map(|_| {
+                let mut row: Vec<u8> = (0..ty.row_bytes(n))
+                    .map(|_| {
+                        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        edge.map_or((state >> 56) as u8, |_| 0xFF)
+                    })
+                    .collect();
+                for b in row.chunks_exact_mut(ty.block_bytes()) {
+                    for &at in ty.f16_scale_offsets() {
+                        b[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+                    }
+                    if let (GgmlType::Q6K, Some(sc)) = (ty, edge) {
+                        b[192..208].fill(sc);
+                    }
+                }
+                row
+            })
+            .collect()
+    }
+
+    /// The one-row (decode) pair kernels of Q4_K, Q5_K and Q6_K against the general pair kernel
+    /// (the same call with a second activation row) bit for bit, and against the scalar twin.
+    #[test]
+    fn one_row_pair_kernels_match_the_general_kernel_and_the_scalar_twin() {
+        if !avx2::has_avx512() {
+            eprintln!("skipped: no AVX-512 VNNI here (or turned off): the one-row pair kernels never run");
+            return;
+        }
+        let n = 768;
+        for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+            let f = avx2::tile_variants(ty).into_iter().find(|v| v.0 == "avx512").expect("the AVX-512 kernel").1;
+            for (seed, edge) in [(1, None), (2, None), (3, Some(0xFF)), (4, Some(0x80)), (5, Some(0x7F))] {
+                let rows = rows(ty, n, seed, edge);
+                let mut t = vec![0u8; 2 * tile_bytes(ty, n)];
+                for (k, tile) in t.chunks_exact_mut(tile_bytes(ty, n)).enumerate() {
+                    let refs: Vec<&[u8]> = rows[TILE_ROWS * k..TILE_ROWS * (k + 1)].iter().map(|r| &r[..]).collect();
+                    tile_rows(ty, &refs, tile);
+                }
+                let xs: [Vec<f32>; 3] = [
+                    (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.02).collect(),
+                    (0..n).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }).collect(),
+                    vec![-1.0; n],
+                ];
+                for x in &xs {
+                    let mut a = vec![0u8; act_row_bytes(GgmlType::Q8K, n)];
+                    quantize_row(GgmlType::Q8K, x, &mut a);
+                    let (mut one, mut two) = ([[0.0f32; 8]; 2], [[0.0f32; 8]; 4]);
+                    f(&t, &[&a], n, &mut one);
+                    f(&t, &[&a, &a], n, &mut two);
+                    // Two activation rows: out[r] is the first tile's row r, out[2 + r] the second's.
+                    assert_eq!([one[0], one[1]].map(|o| o.map(f32::to_bits)), [two[0], two[2]].map(|o| o.map(f32::to_bits)), "{}: seed {seed}", ty.name());
+                    for (j, row) in rows.iter().enumerate() {
+                        let (got, want) = (one[j / TILE_ROWS][j % TILE_ROWS], scalar::dot_fn(ty)(row, &a, n));
+                        assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{} seed {seed} row {j}: {got} != scalar {want}", ty.name());
+                    }
+                }
+            }
+        }
     }
 }

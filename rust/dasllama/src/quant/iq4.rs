@@ -132,8 +132,15 @@ mod simd {
         let ones = _mm256_set1_epi16(1);
         // Two accumulators: consecutive blocks' fmas do not wait on each other.
         let mut acc = [_mm256_setzero_ps(); 2];
+        let pf = crate::quant::avx2::prefetch();
         for ib in 0..nb {
             let (wb, ab) = (w.add(ib * NL_BLOCK_BYTES), a.add(ib * 34));
+            if ib % 4 == 0 {
+                // Rows lie one after another, so bytes ahead in this row run on into the next
+                // rows, which the caller dots next: decode's weight stream in its order. Four
+                // blocks are 72 bytes, at most two lines.
+                crate::quant::avx2::prefetch_lines(wb.wrapping_add(pf.block32), 4 * NL_BLOCK_BYTES + 63, pf.hint);
+            }
             let q8 = _mm256_loadu_si256(ab.add(2) as *const __m256i);
             let lanes = _mm256_madd_epi16(pairs(levels(wb.add(2)), q8), ones);
             let d = _mm256_set1_ps(f16(wb) * f16(ab));
@@ -152,8 +159,11 @@ mod simd {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn xs_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
         let mut acc = _mm256_setzero_ps();
+        let pf = crate::quant::avx2::prefetch();
         for ibl in 0..nb {
             let (wb, ab) = (w.add(ibl * XS_BLOCK_BYTES), a.add(ibl * 292));
+            // As in `nl_impl`: the stream of rows, in the order the caller dots them.
+            crate::quant::avx2::prefetch_lines(wb.wrapping_add(pf.kquant), XS_BLOCK_BYTES, pf.hint);
             let mut sh = (wb.add(2) as *const u16).read_unaligned() as i32;
             let mut isum = _mm256_setzero_si256();
             for ib in (0..8).step_by(2) {
