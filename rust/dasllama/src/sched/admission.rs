@@ -13,12 +13,11 @@ use std::time::Instant;
 impl Scheduler {
     /// A fresh device stream takes over the parked rows of the longest earlier conversation its
     /// prompt continues (one token short of the prompt, whose last token gives the first logits).
-    pub(super) fn adopt_parked(&mut self, i: usize) {
-        let s = self.slots[i].as_mut().expect("prefilling stream");
+    fn adopt_parked(&mut self, s: &mut Stream) {
         let limit = s.req.prompt.len() - 1;
         let best = self.parked.iter().enumerate().map(|(j, (toks, _))| (toks.iter().zip(&s.req.prompt[..limit]).take_while(|(a, b)| a == b).count(), j)).max();
         let Some((rows, j)) = best.filter(|&(rows, _)| rows > 0) else { return };
-        let (_, claim) = self.parked.remove(j).expect("found above");
+        let Some((_, claim)) = self.parked.remove(j) else { return };
         let Some(dev) = s.session.dev.as_mut() else { return };
         if let Ok(true) = dev.adopt(claim, rows) {
             (s.cached, s.fed) = (rows, rows);
@@ -28,7 +27,7 @@ impl Scheduler {
     }
 
     pub(super) fn known(&self, id: i64) -> bool {
-        self.queue.iter().any(|(r, _, _)| r.id == id) || self.slots.iter().flatten().any(|s| s.req.id == id)
+        self.queue.iter().any(|(r, _, _)| r.id == id) || self.streams.iter().any(|s| s.req.id == id)
     }
 
     /// Queue a request. Ok(false) when the queue is full; an error (and nothing queued) when the
@@ -73,15 +72,14 @@ impl Scheduler {
 
     /// Remove a request wherever it is; its stream (and KV) is freed at once.
     pub fn evict(&mut self, id: i64, events: &mut Vec<SchedEvent>) -> bool {
-        if let Some(i) = self.queue.iter().position(|(r, _, _)| r.id == id) {
-            let (req, _, _) = self.queue.remove(i).expect("index from position");
+        if let Some((req, _, _)) = self.queue.iter().position(|(r, _, _)| r.id == id).and_then(|i| self.queue.remove(i)) {
             events.push(finished_event(usize::MAX, &req, Finish::Evicted, -1, 0, 0, 0));
             self.stats.finished += 1;
             return true;
         }
-        if let Some(slot) = self.slots.iter().position(|s| s.as_ref().is_some_and(|s| s.req.id == id)) {
-            let s = self.slots[slot].take().expect("slot found above");
-            events.push(self.finish_stream(slot, s, Finish::Evicted, -1));
+        if let Some(i) = self.streams.iter().position(|s| s.req.id == id) {
+            let mut s = self.streams.remove(i);
+            events.push(self.finish_stream(&mut s, Finish::Evicted, -1));
             return true;
         }
         false
@@ -93,15 +91,17 @@ impl Scheduler {
             self.device_kv = false;
             self.parked.clear();
         }
-        for slot in 0..self.slots.len() {
-            if self.slots[slot].is_some() {
+        for slot in 0..self.max_streams {
+            // Streams are kept in slot order: this slot's place, and whether it is taken.
+            let at = self.streams.partition_point(|s| s.slot < slot);
+            if self.streams.get(at).is_some_and(|s| s.slot == slot) {
                 continue;
             }
             let Some((req, t_submit, constraint)) = self.queue.pop_front() else { break };
             self.admitted += 1;
             let session = match (&self.pool, self.device_kv) {
                 (_, true) => Session::on_device(m),
-                (Some(p), false) => Ok(Session::paged(m, p).expect("the pool was made for this model")),
+                (Some(p), false) => Session::paged(m, p),
                 (None, false) => Ok(Session::new(m)),
             };
             let mut session = match session {
@@ -122,7 +122,9 @@ impl Scheduler {
                 session.kv.keep_marks();
             }
             // The prefix cache is looked up in `step`, just before the stream's first chunk.
-            self.slots[slot] = Some(Stream {
+            let stream = Stream {
+                slot,
+                ended: false,
                 in_kv: Vec::new(),
                 cached: 0,
                 share_at: 0,
@@ -138,7 +140,40 @@ impl Scheduler {
                 constraint,
                 seen_content: false,
                 in_thought: false,
-            });
+            };
+            self.streams.insert(at, stream);
+        }
+    }
+
+    /// A stream that has evaluated nothing yet attaches the longest cached prefix (one token
+    /// short of the prompt, so that its last token is evaluated and gives the first logits).
+    /// Looking until its first chunk, not only at admission, lets it find what streams admitted
+    /// with it have prefilled since (a shared system prompt).
+    pub(super) fn attach_prefixes(&mut self, streams: &mut [Stream], prefilling: &[usize]) {
+        if self.device_kv {
+            for &i in prefilling {
+                if streams[i].fed == 0 {
+                    self.adopt_parked(&mut streams[i]);
+                }
+            }
+        }
+        if let Some(pool) = self.pool.as_ref().filter(|_| !self.device_kv) {
+            for &i in prefilling {
+                let s = &mut streams[i];
+                // A hybrid's session takes the pages up to the deepest one that carries a
+                // snapshot of its recurrent state, and that state (`KvPool::attach`).
+                if s.fed == 0 {
+                    let (got, matched) = pool.attach_matched(&mut s.session.kv, &s.req.prompt, s.req.prompt.len() - 1);
+                    if matched > got && s.session.kv.recurrent() {
+                        s.share_at = matched;
+                    }
+                    if got > 0 {
+                        (s.cached, s.fed) = (got, got);
+                        s.in_kv = s.req.prompt[..got].to_vec();
+                        self.stats.cached_tokens += got as u64;
+                    }
+                }
+            }
         }
     }
 }

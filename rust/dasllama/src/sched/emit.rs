@@ -50,9 +50,8 @@ pub struct SchedEvent {
 impl Scheduler {
     /// Sample from the stream's logits and emit its piece, or finish it; the token if the
     /// stream goes on. `row`: the stream's logits after its last token in `in_kv`.
-    pub(super) fn sample_and_emit(&mut self, m: &Model, i: usize, row: &[f32], events: &mut Vec<SchedEvent>) -> Option<u32> {
+    pub(super) fn sample_and_emit(&mut self, m: &Model, s: &mut Stream, row: &[f32], events: &mut Vec<SchedEvent>) -> Option<u32> {
         let ctx = self.ctx();
-        let s = self.slots[i].as_mut().expect("live stream");
         // Log-probabilities are the model's own, before penalties and sampling settings.
         let lp = s.req.logprobs.map(|k| log_softmax_top(row, k));
         let tok = if let Some(c) = s.constraint.as_mut() {
@@ -81,8 +80,7 @@ impl Scheduler {
             match picked {
                 Ok(tok) => tok,
                 Err(e) => {
-                    let s = self.slots[i].take().expect("live stream");
-                    let ev = self.fail_stream(i, s, e);
+                    let ev = self.fail_stream(s, e);
                     events.push(ev);
                     return None;
                 }
@@ -110,8 +108,7 @@ impl Scheduler {
         }
         let nothink_stop = marker.is_some() && s.seen_content;
         if (!s.req.ignore_eos && m.tokenizer.is_eog(tok)) || s.req.stop_ids.contains(&tok) || nothink_stop {
-            let s = self.slots[i].take().expect("live stream");
-            let ev = self.finish_stream(i, s, Finish::Stop, tok as i64);
+            let ev = self.finish_stream(s, Finish::Stop, tok as i64);
             events.push(ev);
             return None;
         }
@@ -120,8 +117,7 @@ impl Scheduler {
             None | Some(Ok(false)) => false,
             Some(Ok(true)) => true,
             Some(Err(e)) => {
-                let s = self.slots[i].take().expect("live stream");
-                let ev = self.fail_stream(i, s, e);
+                let ev = self.fail_stream(s, e);
                 events.push(ev);
                 return None;
             }
@@ -136,7 +132,7 @@ impl Scheduler {
             text.push_str(&s.session.record.finish_text());
         }
         events.push(SchedEvent {
-            stream: i,
+            stream: s.slot,
             id: s.req.id,
             kind: EventKind::Piece,
             token: tok as i64,
@@ -152,8 +148,7 @@ impl Scheduler {
             error: None,
         });
         if done {
-            let s = self.slots[i].take().expect("live stream");
-            let ev = self.finish_stream(i, s, if complete { Finish::Stop } else { Finish::Length }, -1);
+            let ev = self.finish_stream(s, if complete { Finish::Stop } else { Finish::Length }, -1);
             events.push(ev);
             None
         } else {
@@ -164,13 +159,15 @@ impl Scheduler {
 
     /// End a stream that failed: its KV is dropped (not donated: it may hold rows of a failed
     /// pass), and the event carries the error.
-    pub(super) fn fail_stream(&mut self, slot: usize, s: Stream, e: Error) -> SchedEvent {
-        let mut ev = self.finish_stream(slot, s, Finish::Error, -1);
+    pub(super) fn fail_stream(&mut self, s: &mut Stream, e: Error) -> SchedEvent {
+        let mut ev = self.finish_stream(s, Finish::Error, -1);
         ev.error = Some((e.kind(), e.to_string()));
         ev
     }
 
-    pub(super) fn finish_stream(&mut self, slot: usize, mut s: Stream, finish: Finish, token: i64) -> SchedEvent {
+    /// End a stream: its event, its K/V given back (or donated to the prefix cache, or parked on
+    /// the device), and the stream marked `ended` (the step drops it; `evict` has already).
+    pub(super) fn finish_stream(&mut self, s: &mut Stream, finish: Finish, token: i64) -> SchedEvent {
         let m = &*self.model;
         // A stream that ends inside a verify chunk holds rows past what it emitted.
         s.session.rewind(m, s.in_kv.len());
@@ -183,13 +180,14 @@ impl Scheduler {
             if closed {
                 s.in_kv.extend_from_slice(&close);
             }
-            let dev = s.session.dev.as_mut().expect("a device stream");
-            dev.truncate(s.in_kv.len());
-            let claim = dev.park();
+            let claim = s.session.dev.as_mut().map_or(0, |dev| {
+                dev.truncate(s.in_kv.len());
+                dev.park()
+            });
             if claim > 0 {
                 self.parked.push_back((std::mem::take(&mut s.in_kv), claim));
                 // Claims of regions taken since are stale anyway; keep the list short.
-                while self.parked.len() > 4 * self.slots.len() {
+                while self.parked.len() > 4 * self.max_streams {
                     self.parked.pop_front();
                 }
             }
@@ -225,7 +223,8 @@ impl Scheduler {
         let gen = s.t_first.map_or(0, |t| (now - t).as_micros() as u64);
         self.stats.finished += 1;
         self.stats.ttft_us_sum += ttft;
-        let mut ev = finished_event(slot, &s.req, finish, token, s.generated, ttft, gen);
+        s.ended = true;
+        let mut ev = finished_event(s.slot, &s.req, finish, token, s.generated, ttft, gen);
         ev.n_cached = s.cached;
         ev
     }

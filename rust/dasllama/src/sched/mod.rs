@@ -71,6 +71,11 @@ pub struct Nothink {
 }
 
 struct Stream {
+    /// The stream's number (what events name it by): the free slot it took at admission.
+    slot: usize,
+    /// Finished during this step (its event is out and its K/V given back): the step drops it
+    /// when it ends, and nothing in the step touches it after.
+    ended: bool,
     req: PendingReq,
     session: Session,
     /// Tokens whose K/V the session holds, in order (for donating pages to the prefix cache).
@@ -135,7 +140,11 @@ pub struct Scheduler {
     model: Arc<Model>,
     /// With page_rows > 0: the paged pool and its prefix cache.
     pool: Option<KvPool>,
-    slots: Vec<Option<Stream>>,
+    /// The live streams, in slot order. A step takes them out whole (`step`), so nothing in it
+    /// looks a stream up by a slot that might be empty.
+    streams: Vec<Stream>,
+    /// Streams at most (slots `0..max_streams`).
+    max_streams: usize,
     /// Waiting requests, with their grammars compiled at submission.
     queue: VecDeque<(PendingReq, Instant, Option<Box<Constraint>>)>,
     max_queue: usize,
@@ -214,7 +223,8 @@ impl Scheduler {
         Ok(Scheduler {
             model,
             pool,
-            slots: (0..max_streams).map(|_| None).collect(),
+            streams: Vec::with_capacity(max_streams),
+            max_streams,
             queue: VecDeque::new(),
             max_queue,
             chunk_tokens,
@@ -261,11 +271,10 @@ impl Scheduler {
                 return Err(Error::InvalidArgument(format!("the model is not held whole by a device: {why}")));
             };
             let regions = p.status().regions;
-            if regions < self.slots.len() {
+            if regions < self.max_streams {
                 return Err(Error::InvalidArgument(format!(
                     "the device has {regions} K/V regions for {} streams; set_gpu_resident_regions({}) before the load, or make a scheduler with fewer streams",
-                    self.slots.len(),
-                    self.slots.len()
+                    self.max_streams, self.max_streams
                 )));
             }
         }
@@ -295,15 +304,14 @@ impl Scheduler {
     /// the MTP head's K/V holds plus the trunk's hidden states waiting for it, or -1).
     pub fn stream_positions(&self) -> Vec<(i64, usize, usize, i64)> {
         let d = self.model.config.dim;
-        self.slots
+        self.streams
             .iter()
-            .flatten()
             .map(|s| (s.req.id, s.in_kv.len(), s.session.n_past(), s.spec.mtp.as_ref().map_or(-1, |st| (st.kv.len() + st.pending.len() / d) as i64)))
             .collect()
     }
 
     pub fn n_active(&self) -> usize {
-        self.slots.iter().filter(|s| s.is_some()).count()
+        self.streams.len()
     }
 
     pub fn n_queued(&self) -> usize {
@@ -322,7 +330,7 @@ impl Scheduler {
     /// for the failure paths). False if no such request runs.
     #[cfg(feature = "fault-injection")]
     pub fn inject_fault(&mut self, id: i64) -> bool {
-        match self.slots.iter_mut().flatten().find(|s| s.req.id == id) {
+        match self.streams.iter_mut().find(|s| s.req.id == id) {
             Some(s) => {
                 s.session.fault = true;
                 true

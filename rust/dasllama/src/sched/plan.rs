@@ -5,15 +5,15 @@ use super::{budget, SchedEvent, Scheduler, Stream, FIRST_CHUNK, MIN_CHUNK};
 use crate::model::forward::LogitRows;
 use crate::model::{Ffn, Model};
 use crate::session::{eval_rows, Session};
-use crate::{error, Result};
+use crate::{error, Error, Result};
 
 impl Scheduler {
     /// Add this step's prefill chunk to `plan` (which holds its decode rows): prompt tokens of
     /// the oldest admitted streams first, as many as the step budget leaves room for beside the
     /// decode rows by the measured cost of passes, at most `chunk_tokens` (and at least
     /// `MIN_CHUNK` for the first, so a prompt always advances).
-    pub(super) fn plan_prefill(&self, prefilling: &[usize], plan: &mut Vec<(usize, usize)>) {
-        let (mut rows, mut keys) = self.pass_size(plan);
+    pub(super) fn plan_prefill(&self, streams: &[Stream], prefilling: &[usize], plan: &mut Vec<(usize, usize)>) {
+        let (mut rows, mut keys) = self.pass_size(streams, plan);
         // Seconds the pass may take; None: fixed chunks (no budget). Where the decode rows alone
         // overrun the budget, the prompt still gets half a budget a step: decoders wait that much
         // longer, and the prompt is not starved. With nothing decoding the budget holds too: a
@@ -31,7 +31,7 @@ impl Scheduler {
             if left == 0 {
                 break;
             }
-            let s = self.slots[i].as_ref().expect("prefilling stream");
+            let s = &streams[i];
             let (rest, depth) = ((s.req.prompt.len() - s.fed).min(left), s.session.n_past() as f64);
             // Rows and attended keys a piece of k tokens adds (and its one logit row).
             let size = |k: usize| (k as f64 + self.logit_weight, k as f64 * depth + (k * (k + 1) / 2) as f64);
@@ -44,7 +44,7 @@ impl Scheduler {
                     };
                     let k = budget::largest_within(rest, allow, cost);
                     // The first piece gets at least MIN_CHUNK tokens, so a prompt always advances.
-                    if plan.iter().all(|p| self.slots[p.0].as_ref().is_some_and(|s| s.next.is_some())) {
+                    if plan.iter().all(|p| streams[p.0].next.is_some()) {
                         k.max(MIN_CHUNK.min(rest))
                     } else {
                         k
@@ -87,10 +87,10 @@ impl Scheduler {
     /// A pass's size as the step's cost model counts it: rows through the layers plus logit rows
     /// weighted (`logit_weight`), and the keys its rows attend. Every plan entry has one logit
     /// row except a decoding stream's verify chunk, which has one per row.
-    pub(super) fn pass_size(&self, plan: &[(usize, usize)]) -> (f64, f64) {
+    pub(super) fn pass_size(&self, streams: &[Stream], plan: &[(usize, usize)]) -> (f64, f64) {
         let (mut rows, mut keys) = (0.0, 0.0);
         for &(i, k) in plan {
-            let s = self.slots[i].as_ref().expect("planned stream");
+            let s = &streams[i];
             let logit_rows = if s.next.is_some() { k } else { 1 };
             let n = s.session.n_past();
             rows += k as f64 + self.logit_weight * logit_rows as f64;
@@ -101,11 +101,11 @@ impl Scheduler {
 
     /// Evaluate the planned streams' tokens in one pass; logits land in `self.ws.logits`: every
     /// row of a decoding stream (its next token, then its drafts), the last of a prefill chunk.
-    pub(super) fn eval_plan(&mut self, m: &Model, plan: &[(usize, usize)]) -> Result<()> {
+    pub(super) fn eval_plan(&mut self, m: &Model, streams: &mut [Stream], plan: &[(usize, usize)]) -> Result<()> {
         let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
         let mut tails = Vec::with_capacity(plan.len());
         for &(i, k) in plan {
-            let s = self.slots[i].as_ref().expect("planned stream");
+            let s = &streams[i];
             match s.next {
                 Some(t) => {
                     tokens.push(t);
@@ -118,8 +118,10 @@ impl Scheduler {
                 }
             }
         }
-        let mut by_slot: Vec<Option<&mut Session>> = self.slots.iter_mut().map(|s| s.as_mut().map(|s| &mut s.session)).collect();
-        let mut sessions: Vec<&mut Session> = plan.iter().map(|&(i, _)| by_slot[i].take().expect("each slot planned once")).collect();
+        let mut sessions: Vec<&mut Session> = pick_mut(streams, plan.iter().copied()).into_iter().map(|(s, _)| &mut s.session).collect();
+        if sessions.len() != plan.len() {
+            return Err(Error::Internal(format!("a step planned {} entries for {} distinct live streams", plan.len(), sessions.len())));
+        }
         let counts: Vec<usize> = plan.iter().map(|p| p.1).collect();
         let ws = &mut self.ws;
         error::catch("a scheduler step", || eval_rows(m, ws, &mut sessions, &counts, &tokens, LogitRows::Tail(&tails)))
@@ -129,24 +131,48 @@ impl Scheduler {
     /// same whatever the batch, and a failed pass committed no position, so the survivors' results
     /// are what the batch would have given). Failed streams end with an error and leave `plan`;
     /// returns the survivors' logits, in the new plan's order.
-    pub(super) fn eval_isolated(&mut self, m: &Model, plan: &mut Vec<(usize, usize)>, events: &mut Vec<SchedEvent>) -> Vec<f32> {
+    pub(super) fn eval_isolated(&mut self, m: &Model, streams: &mut [Stream], plan: &mut Vec<(usize, usize)>, events: &mut Vec<SchedEvent>) -> Vec<f32> {
         let v = m.config.vocab_size;
         let mut logits = Vec::with_capacity(plan.len() * v);
         let mut kept = Vec::with_capacity(plan.len());
         for &(i, k) in plan.iter() {
-            match self.eval_plan(m, &[(i, k)]) {
+            match self.eval_plan(m, streams, &[(i, k)]) {
                 Ok(()) => {
                     logits.extend_from_slice(&self.ws.logits);
                     kept.push((i, k));
                 }
                 Err(e) => {
-                    let s = self.slots[i].take().expect("planned stream");
-                    events.push(self.fail_stream(i, s, e));
+                    events.push(self.fail_stream(&mut streams[i], e));
                 }
             }
         }
         *plan = kept;
         logits
+    }
+
+    /// Pages first, per stream: a stream the pool cannot grow fails alone, before the pass (one
+    /// that cannot grow for its drafts decodes without them), and leaves `plan`.
+    pub(super) fn reserve_pages(&mut self, streams: &mut [Stream], plan: &mut Vec<(usize, usize)>, events: &mut Vec<SchedEvent>) {
+        plan.retain_mut(|(i, k)| {
+            let s = &mut streams[*i];
+            if s.session.dev.is_some() {
+                // A device region holds its whole context already.
+                return true;
+            }
+            let mut res = s.session.kv.reserve(s.session.n_past() + *k);
+            if res.is_err() && !s.spec.drafts.is_empty() {
+                *k -= s.spec.drafts.len();
+                s.spec.drafts.clear();
+                res = s.session.kv.reserve(s.session.n_past() + *k);
+            }
+            match res {
+                Ok(()) => true,
+                Err(e) => {
+                    events.push(self.fail_stream(s, e));
+                    false
+                }
+            }
+        });
     }
 }
 
@@ -175,4 +201,11 @@ pub(super) fn body_macs(m: &Model) -> f64 {
         })
         .sum();
     body as f64
+}
+
+/// The streams at the given indices, each with its count, in the order given; an index past the
+/// streams, or one given again, is left out (the caller checks what it got).
+pub(super) fn pick_mut(streams: &mut [Stream], chosen: impl Iterator<Item = (usize, usize)>) -> Vec<(&mut Stream, usize)> {
+    let mut by_index: Vec<Option<&mut Stream>> = streams.iter_mut().map(Some).collect();
+    chosen.filter_map(|(i, k)| by_index.get_mut(i)?.take().map(|s| (s, k))).collect()
 }

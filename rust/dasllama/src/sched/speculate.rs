@@ -1,6 +1,7 @@
 //! Speculation: choosing the drafter, drafting for the decoding streams, and verifying the
 //! drafts against the pass's rows (accepting the longest run the target agrees with).
 
+use super::plan::pick_mut;
 use super::{SchedEvent, Scheduler, Speculation, Stream};
 use crate::backend::Numerics;
 use crate::model::Model;
@@ -29,7 +30,7 @@ impl Scheduler {
                 "speculation needs numerics='fast': ggml's order sums a chunk's rows differently from single rows, so verified tokens could differ from plain decoding".into(),
             ));
         }
-        for s in self.slots.iter_mut().flatten() {
+        for s in self.streams.iter_mut() {
             s.spec = drafter.as_ref().map_or_else(StreamSpec::default, |d| StreamSpec::new(d.bursty(), None));
         }
         // An MTP head reads the trunk's hidden state of every row (Gemma 4's assistant, the last).
@@ -71,11 +72,11 @@ impl Scheduler {
     /// Propose this step's drafts for the decoding streams (`Stream::spec.drafts`), as many as
     /// the policy finds worth their rows in the pass `plan` makes without them.
     /// Whether any stream drafts.
-    pub(super) fn draft(&mut self, decoding: &[usize], plan: &[(usize, usize)]) -> bool {
+    pub(super) fn draft(&mut self, all: &mut [Stream], decoding: &[usize], plan: &[(usize, usize)]) -> bool {
         let ctx = self.ctx();
         let Some(sp) = self.spec.as_mut() else { return false };
         for &i in decoding {
-            self.slots[i].as_mut().expect("decoding stream").spec.drafts.clear();
+            all[i].spec.drafts.clear();
         }
         if !sp.guard.allow() && sp.fixed_k.is_none() {
             return false;
@@ -90,7 +91,7 @@ impl Scheduler {
         let max_draft = sp.drafter.max_draft();
         let (mut cands, mut who) = (Vec::new(), Vec::new());
         for &i in decoding {
-            let s = self.slots[i].as_mut().expect("decoding stream");
+            let s = &mut all[i];
             // A draft would be verified against unmasked rows: a constrained stream decodes plainly.
             if s.constraint.is_some() {
                 continue;
@@ -100,7 +101,8 @@ impl Scheduler {
             let mut cap = max_draft.min(s.req.max_new - s.generated - 1).min(room);
             match &sp.drafter {
                 Drafter::Ngram { .. } => {
-                    s.in_kv.push(s.next.expect("decoding stream"));
+                    let Some(next) = s.next else { continue };
+                    s.in_kv.push(next);
                     ngram::propose(&s.in_kv, cap, &mut s.spec.drafts);
                     s.in_kv.pop();
                     cap = s.spec.drafts.len();
@@ -132,7 +134,8 @@ impl Scheduler {
             return false;
         }
         let (target_cost, draft_cost) = (&sp.target_cost, &sp.draft_cost);
-        let target = |r: f64| target_cost.cost(r).expect("measured above");
+        // (Measured: `line` is known above.)
+        let target = |r: f64| target_cost.cost(r).unwrap_or(f64::INFINITY);
         // Until the drafter's own passes are measured, guess: a draft model a quarter of the
         // target's cost, an MTP head (one block of the target's) a twentieth.
         let guess = match &sp.drafter {
@@ -150,22 +153,21 @@ impl Scheduler {
             }
         };
         for (&i, _) in who.iter().zip(&ks).filter(|p| *p.1 == 0) {
-            self.slots[i].as_mut().expect("decoding stream").spec.idle();
+            all[i].spec.idle();
         }
         let drafting = ks.iter().any(|&k| k > 0);
         if let Drafter::Mtp { head, .. } = &sp.drafter {
-            let mut by_slot: Vec<Option<&mut Stream>> = self.slots.iter_mut().map(|s| s.as_mut()).collect();
-            let mut streams: Vec<(&mut Stream, usize)> =
-                who.iter().zip(&ks).filter(|p| *p.1 > 0).map(|(&i, &k)| (by_slot[i].take().expect("each stream once"), k)).collect();
+            let mut streams = pick_mut(all, who.iter().copied().zip(ks.iter().copied()).filter(|p| p.1 > 0));
             let t_draft = Instant::now();
             let d = self.model.config.dim;
             let draft_rows: usize = streams.iter().map(|(s, k)| k - 1 + s.spec.mtp.as_ref().map_or(0, |st| st.pending.len() / d)).sum();
             let mut jobs: Vec<mtp::Job<'_>> = streams
                 .iter_mut()
-                .map(|(s, k)| {
+                .filter_map(|(s, k)| {
                     let Stream { spec, in_kv, next, .. } = &mut **s;
                     let StreamSpec { mtp, drafts, .. } = spec;
-                    mtp::Job { state: mtp.as_mut().expect("checked in the candidates"), ctx: in_kv, next: next.expect("decoding stream"), k: *k, out: drafts }
+                    // (A candidate has both: `covers` above, and it decodes.)
+                    Some(mtp::Job { state: mtp.as_mut()?, ctx: in_kv, next: (*next)?, k: *k, out: drafts })
                 })
                 .collect();
             let depth = jobs.iter().map(|j| j.k).max().unwrap_or(0);
@@ -183,17 +185,15 @@ impl Scheduler {
             return false;
         }
         if let Drafter::Assistant { asst, .. } = &sp.drafter {
-            let mut by_slot: Vec<Option<&mut Stream>> = self.slots.iter_mut().map(|s| s.as_mut()).collect();
-            let mut streams: Vec<(&mut Stream, usize)> =
-                who.iter().zip(&ks).filter(|p| *p.1 > 0).map(|(&i, &k)| (by_slot[i].take().expect("each stream once"), k)).collect();
+            let mut streams = pick_mut(all, who.iter().copied().zip(ks.iter().copied()).filter(|p| p.1 > 0));
             let t_draft = Instant::now();
             let draft_rows: usize = streams.iter().map(|(_, k)| *k).sum();
             let mut jobs: Vec<assistant::Job<'_>> = streams
                 .iter_mut()
-                .map(|(s, k)| {
+                .filter_map(|(s, k)| {
                     let Stream { spec, session, next, .. } = &mut **s;
                     let StreamSpec { last_h, drafts, .. } = spec;
-                    assistant::Job { kv: &mut session.kv, hidden: last_h, next: next.expect("decoding stream"), k: *k, out: drafts }
+                    Some(assistant::Job { kv: &mut session.kv, hidden: last_h, next: (*next)?, k: *k, out: drafts })
                 })
                 .collect();
             let depth = jobs.iter().map(|j| j.k).max().unwrap_or(0);
@@ -212,29 +212,28 @@ impl Scheduler {
         }
         let Drafter::Model { draft, .. } = &sp.drafter else {
             for (&i, &k) in who.iter().zip(&ks) {
-                self.slots[i].as_mut().expect("decoding stream").spec.drafts.truncate(k);
+                all[i].spec.drafts.truncate(k);
             }
             return drafting;
         };
         // Each draft session holds a prefix of its stream's context: feed it the rest.
-        let mut by_slot: Vec<Option<&mut Stream>> = self.slots.iter_mut().map(|s| s.as_mut()).collect();
-        let mut streams: Vec<(&mut Stream, usize)> =
-            who.iter().zip(&ks).filter(|p| *p.1 > 0).map(|(&i, &k)| (by_slot[i].take().expect("each stream once"), k)).collect();
+        let mut streams = pick_mut(all, who.iter().copied().zip(ks.iter().copied()).filter(|p| p.1 > 0));
         let mut feeds = Vec::with_capacity(streams.len());
         for (s, _) in streams.iter_mut() {
             let ds = s.spec.draft.get_or_insert_with(|| Session::new(draft));
             ds.kv.truncate(s.in_kv.len());
             let mut feed = s.in_kv[ds.n_past()..].to_vec();
-            feed.push(s.next.expect("decoding stream"));
+            feed.extend(s.next);
             feeds.push(feed);
         }
         let t_draft = Instant::now();
         let mut jobs: Vec<draft::Job<'_>> = streams
             .iter_mut()
             .zip(&feeds)
-            .map(|((s, k), feed)| {
+            .filter_map(|((s, k), feed)| {
                 let StreamSpec { draft, drafts, .. } = &mut s.spec;
-                draft::Job { session: draft.as_mut().expect("made above"), feed, k: *k, out: drafts }
+                // (Made above.)
+                Some(draft::Job { session: draft.as_mut()?, feed, k: *k, out: drafts })
             })
             .collect();
         let depth = jobs.iter().map(|j| j.k).max().unwrap_or(0);
@@ -258,21 +257,20 @@ impl Scheduler {
     /// its next token and after each draft): sample from each row in turn while the sampled token
     /// is the draft that row was fed; the first that is not, or the row after the last draft,
     /// gives the stream's next token. The KV keeps what was accepted. Returns the tokens emitted.
-    pub(super) fn verify(&mut self, m: &Model, i: usize, rows: &[f32], events: &mut Vec<SchedEvent>) -> usize {
+    pub(super) fn verify(&mut self, m: &Model, s: &mut Stream, rows: &[f32], events: &mut Vec<SchedEvent>) -> usize {
         let v = m.config.vocab_size;
-        let drafts = std::mem::take(&mut self.slots[i].as_mut().expect("decoding stream").spec.drafts);
+        let drafts = std::mem::take(&mut s.spec.drafts);
         let (mut accepted, mut emitted) = (0, 0);
         for j in 0..=drafts.len() {
             if j > 0 {
-                self.slots[i].as_mut().expect("decoding stream").in_kv.push(drafts[j - 1]);
+                s.in_kv.push(drafts[j - 1]);
             }
             emitted += 1;
-            let Some(tok) = self.sample_and_emit(m, i, &rows[j * v..(j + 1) * v], events) else { break };
+            let Some(tok) = self.sample_and_emit(m, s, &rows[j * v..(j + 1) * v], events) else { break };
             if j < drafts.len() && tok == drafts[j] {
                 accepted += 1;
                 continue;
             }
-            let s = self.slots[i].as_mut().expect("decoding stream");
             s.session.rewind(m, s.in_kv.len());
             if let Some(ds) = &mut s.spec.draft {
                 ds.kv.truncate(s.in_kv.len());
@@ -287,7 +285,7 @@ impl Scheduler {
             self.stats.spec_drafted += drafts.len() as u64;
             self.stats.spec_accepted += accepted as u64;
         }
-        if let Some(s) = self.slots[i].as_mut() {
+        if !s.ended {
             // Its buffer, for the next step's drafts.
             s.spec.drafts = drafts;
             s.spec.drafts.clear();

@@ -1,7 +1,8 @@
 //! One step: admit, attach cached prefixes, plan the pass, reserve pages, evaluate, and hand
 //! each stream its rows' logits.
 
-use super::{SchedEvent, Scheduler};
+use super::{SchedEvent, Scheduler, Stream};
+use crate::model::Model;
 use crate::spec::Drafter;
 use crate::Result;
 use std::time::Instant;
@@ -14,92 +15,53 @@ impl Scheduler {
         let model = self.model.clone();
         let m = &*model;
         self.admit(m, events);
-        let decoding: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).collect();
-        let mut prefilling: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].as_ref().is_some_and(|s| s.fed < s.req.prompt.len())).collect();
-        prefilling.sort_by_key(|&i| self.slots[i].as_ref().map(|s| s.order));
-        // A stream that has evaluated nothing yet attaches the longest cached prefix (one token
-        // short of the prompt, so that its last token is evaluated and gives the first logits).
-        // Looking until its first chunk, not only at admission, lets it find what streams admitted
-        // with it have prefilled since (a shared system prompt).
-        if self.device_kv {
-            for &i in &prefilling {
-                if self.slots[i].as_ref().is_some_and(|s| s.fed == 0) {
-                    self.adopt_parked(i);
-                }
-            }
-        }
-        if let Some(pool) = self.pool.as_ref().filter(|_| !self.device_kv) {
-            for &i in &prefilling {
-                let s = self.slots[i].as_mut().expect("prefilling stream");
-                // A hybrid's session takes the pages up to the deepest one that carries a
-                // snapshot of its recurrent state, and that state (`KvPool::attach`).
-                if s.fed == 0 {
-                    let (got, matched) = pool.attach_matched(&mut s.session.kv, &s.req.prompt, s.req.prompt.len() - 1);
-                    if matched > got && s.session.kv.recurrent() {
-                        s.share_at = matched;
-                    }
-                    if got > 0 {
-                        (s.cached, s.fed) = (got, got);
-                        s.in_kv = s.req.prompt[..got].to_vec();
-                        self.stats.cached_tokens += got as u64;
-                    }
-                }
-            }
-        }
+        // The streams come out whole for the step: a stream that ends in it stays in place,
+        // marked, until the step is over, so every index the step holds names a stream.
+        let mut streams = std::mem::take(&mut self.streams);
+        self.step_streams(m, &mut streams, events);
+        streams.retain(|s| !s.ended);
+        self.streams = streams;
+        Ok(self.n_active() > 0 || !self.queue.is_empty())
+    }
+
+    /// The step's pass over `streams` (the live streams, in slot order).
+    fn step_streams(&mut self, m: &Model, streams: &mut [Stream], events: &mut Vec<SchedEvent>) {
+        let decoding: Vec<usize> = (0..streams.len()).filter(|&i| streams[i].next.is_some()).collect();
+        let mut prefilling: Vec<usize> = (0..streams.len()).filter(|&i| streams[i].fed < streams[i].req.prompt.len()).collect();
+        prefilling.sort_by_key(|&i| streams[i].order);
+        self.attach_prefixes(streams, &prefilling);
         // (slot, token count) of this pass: decode rows first (with their drafts), then the
         // prefill chunk's pieces.
         let mut plan: Vec<(usize, usize)> = decoding.iter().map(|&i| (i, 1)).collect();
         let t_step = Instant::now();
-        let drafted = self.draft(&decoding, &plan);
+        let drafted = self.draft(streams, &decoding, &plan);
         for p in plan.iter_mut() {
-            p.1 += self.slots[p.0].as_ref().expect("planned stream").spec.drafts.len();
+            p.1 += streams[p.0].spec.drafts.len();
         }
-        self.plan_prefill(&prefilling, &mut plan);
-        // Pages first, per stream: a stream the pool cannot grow fails alone, before the pass
-        // (one that cannot grow for its drafts decodes without them).
-        plan.retain_mut(|(i, k)| {
-            let s = self.slots[*i].as_mut().expect("planned stream");
-            if s.session.dev.is_some() {
-                // A device region holds its whole context already.
-                return true;
-            }
-            let mut res = s.session.kv.reserve(s.session.n_past() + *k);
-            if res.is_err() && !s.spec.drafts.is_empty() {
-                *k -= s.spec.drafts.len();
-                s.spec.drafts.clear();
-                res = s.session.kv.reserve(s.session.n_past() + *k);
-            }
-            match res {
-                Ok(()) => true,
-                Err(e) => {
-                    let s = self.slots[*i].take().expect("planned stream");
-                    events.push(self.fail_stream(*i, s, e));
-                    false
-                }
-            }
-        });
+        self.plan_prefill(streams, &prefilling, &mut plan);
+        self.reserve_pages(streams, &mut plan, events);
         if plan.is_empty() {
-            return Ok(self.n_active() > 0 || !self.queue.is_empty());
+            return;
         }
         let t_pass = Instant::now();
-        let (pass_rows, pass_keys) = self.pass_size(&plan);
-        let logits = match self.eval_plan(m, &plan) {
+        let (pass_rows, pass_keys) = self.pass_size(streams, &plan);
+        let logits = match self.eval_plan(m, streams, &plan) {
             Ok(()) => {
                 self.step_cost.observe(pass_rows, pass_keys, t_pass.elapsed().as_secs_f64());
                 // Verify rows are priced in decode passes, which read the weights for a few rows;
                 // a prefill chunk's rows are compute-bound and cost more each, so they would
                 // teach the cost model sizes that starve speculation.
-                let decode_only = plan.iter().all(|&(i, _)| self.slots[i].as_ref().is_some_and(|s| s.next.is_some()));
+                let decode_only = plan.iter().all(|&(i, _)| streams[i].next.is_some());
                 if let (Some(sp), true) = (&mut self.spec, decode_only) {
                     let rows = sp.pass_rows(plan.iter().map(|p| p.1).sum(), self.ws.logits.len() / m.config.vocab_size);
                     sp.target_cost.observe(rows, t_pass.elapsed().as_secs_f64());
                 }
                 std::mem::take(&mut self.ws.logits)
             }
-            Err(_) => self.eval_isolated(m, &mut plan, events),
+            Err(_) => self.eval_isolated(m, streams, &mut plan, events),
         };
         // Counted over the streams the pass advanced (a failed one has left the plan).
-        let n_decoding = plan.iter().filter(|&&(i, _)| self.slots[i].as_ref().is_some_and(|s| s.next.is_some())).count();
+        let n_decoding = plan.iter().filter(|&&(i, _)| !streams[i].ended && streams[i].next.is_some()).count();
         if n_decoding > 0 {
             self.stats.decode_steps += 1;
             self.stats.decode_rows += n_decoding as u64;
@@ -119,13 +81,13 @@ impl Scheduler {
         for &(i, k) in plan.iter() {
             let hid = if hidden_ok { &hidden[hr * d..(hr + k) * d] } else { &[][..] };
             hr += k;
-            let s = self.slots[i].as_mut().expect("planned stream");
+            let s = &mut streams[i];
             if let Some(t) = s.next.take() {
                 s.in_kv.push(t);
                 let before = s.in_kv.len() - 1;
-                emitted += self.verify(m, i, &logits[r * v..(r + k) * v], events);
+                emitted += self.verify(m, s, &logits[r * v..(r + k) * v], events);
                 r += k;
-                if let Some(s) = self.slots[i].as_mut() {
+                if !s.ended {
                     // The rows the stream kept.
                     let kept = s.in_kv.len() - before;
                     if let Some(st) = &mut s.spec.mtp {
@@ -169,7 +131,7 @@ impl Scheduler {
                 if let Some(pool) = self.pool.as_ref().filter(|_| !self.device_kv) {
                     pool.donate(&s.session.kv, &s.in_kv);
                 }
-                self.sample_and_emit(m, i, row, events);
+                self.sample_and_emit(m, s, row, events);
             }
         }
         self.ws.logits = logits;
@@ -180,6 +142,5 @@ impl Scheduler {
         if let (Some(sp), false, true) = (&mut self.spec, prefilled, emitted > 0) {
             sp.guard.observe(drafted, emitted, t_step.elapsed().as_secs_f64());
         }
-        Ok(self.n_active() > 0 || !self.queue.is_empty())
     }
 }
