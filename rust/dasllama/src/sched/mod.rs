@@ -18,6 +18,8 @@ mod emit;
 mod plan;
 mod speculate;
 mod step;
+#[cfg(test)]
+mod tests;
 
 use crate::backend::Numerics;
 use crate::constrain::Constraint;
