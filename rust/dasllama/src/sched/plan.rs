@@ -3,7 +3,7 @@
 
 use super::{budget, SchedEvent, Scheduler, Stream, FIRST_CHUNK, MIN_CHUNK};
 use crate::model::forward::LogitRows;
-use crate::model::{Ffn, Model};
+use crate::model::Model;
 use crate::session::{eval_rows, Session};
 use crate::{error, Error, Result};
 
@@ -178,29 +178,7 @@ impl Scheduler {
 
 /// Multiply-adds of one row's logits over those of one row through the layers.
 pub(super) fn logit_weight(m: &Model) -> f64 {
-    (m.config.vocab_size * m.config.dim) as f64 / body_macs(m).max(1.0)
-}
-
-/// Weight multiply-adds of one row through the layers.
-pub(super) fn body_macs(m: &Model) -> f64 {
-    let c = &m.config;
-    let attn = c.dim * (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() * c.dim;
-    let body: usize = c
-        .layers
-        .iter()
-        .map(|l| {
-            attn + match l.ffn {
-                Ffn::Dense { hidden, .. } => 3 * c.dim * hidden,
-                // A row runs the router, its chosen experts and the shared one.
-                Ffn::Moe { n_expert, n_used, hidden, shared, shared_gated, .. } => {
-                    c.dim * n_expert + n_used * 3 * c.dim * hidden + shared.map_or(0, |s| 3 * c.dim * s + if shared_gated { c.dim } else { 0 })
-                }
-                // The dense GLU, the router and the chosen experts.
-                Ffn::DenseMoe { hidden, n_expert, n_used, expert_hidden, .. } => 3 * c.dim * hidden + c.dim * n_expert + n_used * 3 * c.dim * expert_hidden,
-            }
-        })
-        .sum();
-    body as f64
+    (m.config.vocab_size * m.config.dim) as f64 / m.config.macs_per_row().max(1.0)
 }
 
 /// The streams at the given indices, each with its count, in the order given; an index past the
