@@ -252,6 +252,29 @@ pub struct Config {
 }
 
 impl Config {
+    /// Weight multiply-adds of one row through the layers (what the scheduler's cost model
+    /// weighs a row's logits and its attended keys against).
+    pub fn macs_per_row(&self) -> f64 {
+        let c = self;
+        let attn = c.dim * (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() * c.dim;
+        let body: usize = c
+            .layers
+            .iter()
+            .map(|l| {
+                attn + match l.ffn {
+                    Ffn::Dense { hidden, .. } => 3 * c.dim * hidden,
+                    // A row runs the router, its chosen experts and the shared one.
+                    Ffn::Moe { n_expert, n_used, hidden, shared, shared_gated, .. } => {
+                        c.dim * n_expert + n_used * 3 * c.dim * hidden + shared.map_or(0, |s| 3 * c.dim * s + if shared_gated { c.dim } else { 0 })
+                    }
+                    // The dense GLU, the router and the chosen experts.
+                    Ffn::DenseMoe { hidden, n_expert, n_used, expert_hidden, .. } => 3 * c.dim * hidden + c.dim * n_expert + n_used * 3 * c.dim * expert_hidden,
+                }
+            })
+            .sum();
+        body as f64
+    }
+
     pub fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
     }

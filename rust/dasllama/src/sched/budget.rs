@@ -101,7 +101,7 @@ fn solve3(mut m: [[f64; 4]; 3]) -> Option<(f64, f64, f64)> {
 fn key_rows(m: &Model) -> f64 {
     let c = &m.config;
     let per_key = c.kv_layers() as f64 * 2.0 * c.q_dim() as f64;
-    KEY_OP_COST * per_key / super::body_macs(m).max(1.0)
+    KEY_OP_COST * per_key / c.macs_per_row().max(1.0)
 }
 
 /// The largest k <= max with cost(k) <= budget, for a cost that grows with k (0 if none fits).
