@@ -26,6 +26,7 @@ from ..grammar import check_grammar
 from ..model import encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
+from .options import Options
 from .status import StatusHistory
 from .tools import ToolError, Tools, call_grammar, convert_messages, parse_tools, response_format_grammar, with_tools
 
@@ -217,6 +218,7 @@ class Server:
         self.cors_origins = list(cors_origins or [])
         self.metrics = Metrics()
         self.history = StatusHistory()
+        self.options = Options()
 
     def engine(self, name: Any) -> Engine:
         if name is None or name == "":
@@ -225,6 +227,10 @@ class Server:
         if not isinstance(name, str):
             raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
         served = self.names.get(name, name)
+        if served not in self.engines and len(self.engines) == 1:
+            # One model served: any name reaches it (clients written for OpenAI send their own
+            # model names, as llama-server accepts).
+            return next(iter(self.engines.values()))
         if served not in self.engines:
             raise ApiError(404, f"the model '{name}' does not exist; this server has: {', '.join(self.engines)}", param="model", code="model_not_found")
         return self.engines[served]
@@ -232,7 +238,9 @@ class Server:
     def add(self, eng: Engine, *names: str) -> None:
         """Serve `eng` under its name and answer to `names` as well."""
         self.engines[eng.name] = eng
-        for n in (eng.name, *names):
+        if self.options.chat_template:
+            eng.m.chat_template = self.options.chat_template
+        for n in (eng.name, *names, *self.options.aliases):
             self.names.setdefault(n, eng.name)
         self.default = self.default or eng.name
 
@@ -362,7 +370,8 @@ class Server:
         if len(prompt) + 1 > ctx:
             raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the prompt has {len(prompt)}", param="messages" if chat else "prompt", code="context_length_exceeded")
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_new = _num(body, key, int, min(256 if chat else 16, ctx - len(prompt)), 1, None)
+        default_new = self.options.n_predict if self.options.n_predict > 0 else (256 if chat else 16)
+        max_new = _num(body, key, int, min(default_new, ctx - len(prompt)), 1, None)
         max_new = min(max_new, ctx - len(prompt))
         stop = body.get("stop")
         if stop is None:
@@ -374,9 +383,9 @@ class Server:
         else:
             raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
         stops = [s for s in stops if s]
-        seed = _num(body, "seed", int, None)
+        seed = _num(body, "seed", int, self.options.seed)
         params = SamplingParams(
-            temp=float(_num(body, "temperature", (int, float), 1.0, 0, 2)),
+            temp=float(_num(body, "temperature", (int, float), 1.0 if self.options.temperature is None else self.options.temperature, 0, 2)),
             top_k=_num(body, "top_k", int, 0, 0, None),
             top_p=float(_num(body, "top_p", (int, float), 1.0, 0, 1)),
             min_p=float(_num(body, "min_p", (int, float), 0.0, 0, 1)),
@@ -411,7 +420,7 @@ class Server:
                 check_grammar(m, grammar)
             except ValueError as e:
                 raise ApiError(400, str(e), param=grammar_param) from None
-        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink)
+        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage", self.options.stream_usage)), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink)
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
         """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a
@@ -523,11 +532,13 @@ class _Cors(CORSMiddleware):
 
 def build_app(server: Server) -> Starlette:
     # Imported here: routes.py builds on this module's Server and ApiError.
+    from .llama_api import Native, native
     from .routes import STATIC, Routes, method_not_allowed, not_found, page, server_error
 
     r = Routes(server)
+    n = Native(r)
     routes = [
-        Route("/", page("chat.html"), methods=["GET"]),
+        *([Route("/", page("chat.html"), methods=["GET"])] if server.options.ui else []),
         Route("/status", page("status.html"), methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
         Route("/status.json", r.guarded(r.status_json), methods=["GET"]),
@@ -536,13 +547,30 @@ def build_app(server: Server) -> Starlette:
         Route("/v1/models/{name:path}", r.guarded(r.model), methods=["GET"]),
         Route("/v1/chat/completions", r.guarded(r.chat_completions), methods=["POST"]),
         Route("/v1/completions", r.guarded(r.text_completions), methods=["POST"]),
-        Route("/tokenize", r.guarded(r.tokenize), methods=["POST"]),
-        Route("/v1/embeddings", r.guarded(r.embeddings), methods=["POST"]),
-        Route("/detokenize", r.guarded(r.detokenize), methods=["POST"]),
+        Route("/tokenize", native(r, n.tokenize), methods=["POST"]),
+        Route("/v1/embeddings", r.guarded(lambda q: n.embeddings(q, oai=True)), methods=["POST"]),
+        Route("/detokenize", native(r, n.detokenize), methods=["POST"]),
         Route("/metrics", r.guarded(r.metrics), methods=["GET"]),
+        # llama-server's routes (llama_api.py): its native API, and the OpenAI ones without /v1.
+        Route("/completion", native(r, n.completion), methods=["POST"]),
+        Route("/completions", native(r, n.completion), methods=["POST"]),
+        Route("/chat/completions", r.guarded(r.chat_completions), methods=["POST"]),
+        Route("/models", r.guarded(r.models), methods=["GET"]),
+        Route("/v1/health", r.health, methods=["GET"]),
+        Route("/embedding", native(r, lambda q: n.embeddings(q, oai=False)), methods=["POST"]),
+        Route("/embeddings", native(r, lambda q: n.embeddings(q, oai=False)), methods=["POST"]),
+        Route("/infill", native(r, n.infill), methods=["POST"]),
+        Route("/apply-template", native(r, n.apply_template), methods=["POST"]),
+        Route("/props", native(r, n.props), methods=["GET", "POST"]),
+        Route("/slots", native(r, n.slots), methods=["GET"]),
+        Route("/slots/{id_slot}", native(r, n.slot_action), methods=["POST"]),
     ]
     middleware = []
-    if server.cors_origins:
+    if server.options.llama_cors is not None:
+        from .cors import LlamaCors
+
+        middleware.append(Middleware(LlamaCors, allowed=server.options.llama_cors))
+    elif server.cors_origins:
         # Only the origins named: a browser page elsewhere may call the API (preflight answered,
         # the key sent as a header, never as a cookie); any other origin gets no CORS headers, so
         # its browser refuses the answer. The server's own pages are same-origin and need none.

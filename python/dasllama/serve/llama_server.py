@@ -46,11 +46,9 @@ IGNORED: list[tuple[tuple[str, ...], bool]] = [
     (("--offline",), False),
     (("--context-shift",), False),
     (("--no-context-shift",), False),
-    (("--pooling",), True),
     (("-cram", "--cache-ram"), True),
     (("--no-cache-idle-slots",), False),
     (("--reasoning-format",), True),
-    (("-rea", "--reasoning"), True),
     (("--reasoning-budget",), True),
     (("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n"), True),
     (("--spec-draft-n-min", "--draft-min", "--draft-n-min"), True),
@@ -143,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-ui", "--no-webui", dest="no_ui", action="store_true", help="no chat page at /")
     ap.add_argument("--chat-template", dest="chat_template", default=None, help="(accepted; the model's own template is used)")
     ap.add_argument("--chat-template-file", dest="chat_template_file", default=None, help="a Jinja chat template file used instead of the model's")
+    ap.add_argument("--pooling", default=None, choices=["none", "mean", "cls", "last", "rank"], help="embeddings pooling (default: the model's)")
+    ap.add_argument("-rea", "--reasoning", default=None, choices=["on", "off", "auto"], help="off: render chat templates with thinking off")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     ap.add_argument("--log-verbosity", "-lv", dest="log_verbosity", type=int, default=None, help="(accepted)")
     for names, takes_value in IGNORED:
@@ -167,7 +167,7 @@ def resolve_model(ns: argparse.Namespace, ap: argparse.ArgumentParser) -> str | 
             f"dasllama-server does not download models ({'--hf-repo ' + ns.hf_repo if ns.hf_repo else '--model-url ' + ns.model_url}); "
             f"pass -m PATH, or set {HF_FALLBACK_ENV} to the local file to serve in its place"
         )
-    log.warning("serving %s in place of %s%s (%s)", fallback, remote, "/" + ns.hf_file if ns.hf_file else "", HF_FALLBACK_ENV)
+    ns.notes.append(f"serving {fallback} in place of {remote}{'/' + ns.hf_file if ns.hf_file else ''} ({HF_FALLBACK_ENV})")
     return fallback
 
 
@@ -181,6 +181,7 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
             raise SystemExit(f"dasllama-server: {flag} is not supported: dasllama has no {UNSUPPORTED[flag]}")
     ap = build_parser()
     ns, unknown = ap.parse_known_args(argv)
+    ns.notes = []
     if unknown:
         ap.error(f"unknown arguments: {' '.join(unknown)} (llama-server flags dasllama-server takes: dasllama-server --help)")
     if ns.threads > 0:
@@ -212,12 +213,9 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
     if api_key:
         serve_argv += ["--api-key", api_key]
     args = parse_args(serve_argv, prog="dasllama-server")
-    if ns.chat_template_file:
-        with open(ns.chat_template_file, encoding="utf-8") as f:
-            args.chat_template_override = f.read()
     ignored = sorted(k[len("ignored_") :] for k, v in vars(ns).items() if k.startswith("ignored_") and v not in (None, False))
     if ignored:
-        log.info("ignored (no effect on dasllama): %s", ", ".join(ignored))
+        ns.notes.append(f"ignored (no effect on dasllama): {', '.join(ignored)}")
     cors = [o.strip() for o in ns.cors_origins.split(",") if o.strip()] if ns.cors_origins else ["*"]
     opts = Options(
         n_predict=ns.n_predict,
@@ -230,7 +228,14 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
         aliases=aliases,
         tags=sorted({t.strip() for t in ns.tags.split(",") if t.strip()}) if ns.tags else [],
         llama_cors=cors,
+        stream_usage=True,
+        notes=ns.notes,
+        pooling=ns.pooling if ns.pooling != "rank" else None,
+        reasoning=ns.reasoning,
     )
+    if ns.chat_template_file:
+        with open(ns.chat_template_file, encoding="utf-8") as f:
+            opts.chat_template = f.read()
     return args, opts
 
 
@@ -241,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def setup(server: Any) -> None:
         server.options = opts
+        for note in opts.notes:
+            log.warning("%s", note)
+        if opts.chat_template:
+            log.info("chat template from --chat-template-file")
 
     return run(args, setup)
 

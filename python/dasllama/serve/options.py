@@ -24,4 +24,9 @@ class Options:
     # CORS as llama-server answers it: the caller's origin echoed back with credentials allowed;
     # "localhost" stands for any loopback origin. None: dasllama.serve's own --cors-origin rules.
     llama_cors: list[str] | None = None
-    build: str = "b0-dasllama"  # system_fingerprint, as llama-server's "b<build>"
+    build: str = "b0-dasllama"
+    notes: list[str] = field(default_factory=list)  # what the command line mapped or ignored, logged at start
+    stream_usage: bool = False  # streams end with a usage chunk unless stream_options says no (llama-server's default)
+    pooling: str | None = None  # --pooling for the embeddings routes (None: the model's own)
+    reasoning: str | None = None  # --reasoning on/off/auto: "off" renders templates with thinking off
+    chat_template: str | None = None  # --chat-template-file: used instead of the model's template  # system_fingerprint, as llama-server's "b<build>"

@@ -59,8 +59,11 @@ class Routes:
         # Starlette decodes header values as latin-1, so this recovers the bytes sent; comparing in
         # constant time keeps the answer's timing from telling how much of a guess was right.
         sent = request.headers.get("authorization", "").encode("latin-1")
-        if not hmac.compare_digest(sent, f"Bearer {self.server.api_key}".encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        # Anthropic's clients send the key as X-Api-Key.
+        x_key = request.headers.get("x-api-key", "").encode("latin-1")
+        good = hmac.compare_digest(sent, f"Bearer {self.server.api_key}".encode()) | hmac.compare_digest(x_key, self.server.api_key.encode())
+        if not good:
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", type_="authentication_error", code="invalid_api_key")
 
     def guarded(self, handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:
@@ -90,7 +93,8 @@ class Routes:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["name"]
-        self.server.engine(name)  # 404 for a name no model answers to
+        if name not in self.server.names:
+            raise ApiError(404, f"the model '{name}' does not exist; this server has: {', '.join(self.server.engines)}", param="model", code="model_not_found")
         return JSONResponse(_model_card(name))
 
     async def completions(self, request: Request, chat: bool) -> Response:
@@ -145,7 +149,7 @@ class Routes:
                 splitters = [thought_splitter(job.markers, job.in_thought) for _ in range(job.n)] if chat and job.markers else None
                 if chat:
                     for i in range(job.n):
-                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}]})
                 done = 0
                 while done < job.n:
                     getter = asyncio.ensure_future(queue.get())
@@ -212,7 +216,7 @@ class Routes:
                         chunk["usage"] = None
                     yield _sse(chunk)
                 if job.include_usage:
-                    yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [], "usage": _usage(usage)})
+                    yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "system_fingerprint": self.server.options.build, "choices": [], "usage": _usage(usage), "timings": _timings(usage)})
                 yield b"data: [DONE]\n\n"
             except Exception as e:  # past the headers, an error event is the only way left to say it
                 log.exception("%s %s failed while streaming", request.method, request.url.path)
@@ -283,7 +287,7 @@ class Routes:
                 if job.logprobs is not None:
                     lp = {"tokens": [e["token"] for e in r["lps"]], "token_logprobs": [e["logprob"] for e in r["lps"]], "top_logprobs": [e["top"] for e in r["lps"]]}
                 choices.append({"index": i, "text": r["text"], "logprobs": lp, "finish_reason": r["reason"]})
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, "usage": _usage(usage)})
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "system_fingerprint": self.server.options.build, "choices": choices, "usage": _usage(usage), "timings": _timings(usage)})
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.completions(request, True)
@@ -469,6 +473,11 @@ def _logprob_entry(m: Any, ev: sched.SchedEvent, chat: bool) -> dict[str, Any]:
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _timings(u: dict[str, int]) -> dict[str, Any]:
+    """llama-server's `timings` beside `usage` (token counts; dasllama times requests in /metrics)."""
+    return {"cache_n": u["cached"], "prompt_n": u["prompt"] - u["cached"], "predicted_n": u["completion"]}
 
 
 def _usage(u: dict[str, int]) -> dict[str, Any]:
