@@ -532,11 +532,14 @@ class _Cors(CORSMiddleware):
 
 def build_app(server: Server) -> Starlette:
     # Imported here: routes.py builds on this module's Server and ApiError.
+    from .anthropic import Anthropic
+    from .anthropic import guarded as anthropic_guarded
     from .llama_api import Native, native
     from .routes import STATIC, Routes, method_not_allowed, not_found, page, server_error
 
     r = Routes(server)
     n = Native(r)
+    a = Anthropic(r)
     routes = [
         *([Route("/", page("chat.html"), methods=["GET"])] if server.options.ui else []),
         Route("/status", page("status.html"), methods=["GET"]),
@@ -564,6 +567,9 @@ def build_app(server: Server) -> Starlette:
         Route("/props", native(r, n.props), methods=["GET", "POST"]),
         Route("/slots", native(r, n.slots), methods=["GET"]),
         Route("/slots/{id_slot}", native(r, n.slot_action), methods=["POST"]),
+        # Anthropic's Messages API (anthropic.py).
+        Route("/v1/messages", anthropic_guarded(r, a.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_guarded(r, a.count_tokens), methods=["POST"]),
     ]
     middleware = []
     if server.options.llama_cors is not None:

@@ -89,7 +89,11 @@ class Routes:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [_model_card(name) for name in self.server.engines]})
+        opts = self.server.options
+        cards = [_model_card(name) for name in self.server.engines]
+        if len(cards) == 1 and (opts.aliases or opts.tags):  # dasllama-server's --alias a,b and --tags
+            cards[0] |= {"aliases": opts.aliases or [cards[0]["id"]], "tags": opts.tags}
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["name"]
@@ -98,7 +102,11 @@ class Routes:
         return JSONResponse(_model_card(name))
 
     async def completions(self, request: Request, chat: bool) -> Response:
-        body = await self.server.body(request)
+        return await self.complete(request, await self.server.body(request), chat)
+
+    async def complete(self, request: Request, body: dict[str, Any], chat: bool) -> Response:
+        """An OpenAI (chat) completion of `body`: the other APIs (Anthropic, Ollama) translate
+        their requests into one and its answer back."""
         # Rendering the template and tokenizing grow with the prompt: never on the event loop.
         job = await asyncio.get_running_loop().run_in_executor(None, self.server.job, body, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
