@@ -220,7 +220,9 @@ def run(args: argparse.Namespace, setup: Callable[[Server], None] | None = None)
             yield
 
     hosts = [h.strip() for h in args.host.split(",") if h.strip()]
-    config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    # dasllama-server asks for h11, which writes header names in the case given (httptools lowercases them).
+    http = getattr(args, "http", "auto")
+    config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30, http=http)
     uv = _Uvicorn(config)
     sockets = [_listen(h, args.port) for h in hosts] if len(hosts) > 1 else None
 

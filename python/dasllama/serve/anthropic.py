@@ -224,7 +224,7 @@ class Anthropic:
         return StreamingResponse(self._events(resp.body_iterator, oai), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def _events(self, chunks: AsyncIterator[Any], oai: dict[str, Any]) -> AsyncIterator[bytes]:
-        n_prompt = await asyncio.get_running_loop().run_in_executor(None, self._count, oai)
+        n_prompt = await asyncio.get_running_loop().run_in_executor(None, self.count_prompt, oai)
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         model = None
         index = -1
@@ -280,7 +280,7 @@ class Anthropic:
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": None}, "usage": {"output_tokens": u["output_tokens"]}})
         yield _event("message_stop", {})
 
-    def _count(self, oai: dict[str, Any]) -> int:
+    def count_prompt(self, oai: dict[str, Any]) -> int:
         eng = self.server.engine(oai.get("model"))
         m = eng.m
         if not m.chat_template:
@@ -302,5 +302,14 @@ class Anthropic:
     async def count_tokens(self, request: Request) -> Response:
         body = await self.server.body(request)
         oai = to_openai(body)
-        n = await asyncio.get_running_loop().run_in_executor(None, self._count, oai)
+        n = await asyncio.get_running_loop().run_in_executor(None, self.count_prompt, oai)
+        return JSONResponse({"input_tokens": n})
+
+    async def openai_input_tokens(self, request: Request) -> Response:
+        """llama-server's POST /chat/completions/input_tokens: the prompt's token count for an
+        OpenAI chat request (in OpenAI's error shape)."""
+        body = await self.server.body(request)
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        n = await asyncio.get_running_loop().run_in_executor(None, self.count_prompt, body)
         return JSONResponse({"input_tokens": n})

@@ -40,12 +40,15 @@ BYTES_PER_CONTEXT_TOKEN = 16
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers or {}
+        self.extra = extra or {}  # more fields for the error object (llama-server's n_prompt_tokens, n_ctx)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -288,6 +291,10 @@ class Server:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+            if body.get("continue_final_message"):
+                if body.get("add_generation_prompt"):
+                    raise ApiError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true", param="continue_final_message")
+                raise ApiError(400, "'continue_final_message' is not supported: dasllama renders the conversation with a new assistant turn", param="continue_final_message")
             try:
                 tools = parse_tools(body, m.chat_template)
                 grammar, grammar_param = response_format_grammar(body), "response_format"
@@ -368,7 +375,14 @@ class Server:
             raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
         ctx = int(m.config["seq_len"])
         if len(prompt) + 1 > ctx:
-            raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the prompt has {len(prompt)}", param="messages" if chat else "prompt", code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {ctx} tokens; the prompt has {len(prompt)}",
+                type_="exceed_context_size_error" if self.options.llama_compat else "invalid_request_error",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+                extra={"n_prompt_tokens": len(prompt), "n_ctx": ctx},
+            )
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         default_new = self.options.n_predict if self.options.n_predict > 0 else (256 if chat else 16)
         max_new = _num(body, key, int, min(default_new, ctx - len(prompt)), 1, None)
@@ -420,7 +434,7 @@ class Server:
                 check_grammar(m, grammar)
             except ValueError as e:
                 raise ApiError(400, str(e), param=grammar_param) from None
-        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage", self.options.stream_usage)), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink)
+        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage", self.options.llama_compat and chat)), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink)
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
         """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a
@@ -570,11 +584,14 @@ def build_app(server: Server) -> Starlette:
         # Anthropic's Messages API (anthropic.py).
         Route("/v1/messages", anthropic_guarded(r, a.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_guarded(r, a.count_tokens), methods=["POST"]),
+        Route("/chat/completions/input_tokens", r.guarded(a.openai_input_tokens), methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", r.guarded(a.openai_input_tokens), methods=["POST"]),
     ]
     middleware = []
     if server.options.llama_cors is not None:
-        from .cors import LlamaCors
+        from .cors import LlamaCors, TitleCaseHeaders
 
+        middleware.append(Middleware(TitleCaseHeaders))
         middleware.append(Middleware(LlamaCors, allowed=server.options.llama_cors))
     elif server.cors_origins:
         # Only the origins named: a browser page elsewhere may call the API (preflight answered,

@@ -36,14 +36,14 @@ class LlamaCors:
         origin = headers.get("origin")
         ok = origin is not None and origin_allowed(origin, self.allowed)
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
-            out: list[tuple[bytes, bytes]] = [(b"content-length", b"0")]
+            out: list[tuple[bytes, bytes]] = [(b"Content-Length", b"0")]
             if ok and origin is not None:
                 out += [
-                    (b"access-control-allow-origin", origin.encode("latin-1")),
-                    (b"access-control-allow-credentials", b"true"),
-                    (b"access-control-allow-methods", METHODS.encode()),
-                    (b"access-control-allow-headers", b"*"),
-                    (b"vary", b"Origin"),
+                    (b"Access-Control-Allow-Origin", origin.encode("latin-1")),
+                    (b"Access-Control-Allow-Credentials", b"true"),
+                    (b"Access-Control-Allow-Methods", METHODS.encode()),
+                    (b"Access-Control-Allow-Headers", b"*"),
+                    (b"Vary", b"Origin"),
                 ]
             await send({"type": "http.response.start", "status": 200, "headers": out})
             await send({"type": "http.response.body", "body": b""})
@@ -51,7 +51,7 @@ class LlamaCors:
         if not ok or origin is None:
             await self.app(scope, receive, send)
             return
-        extra = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"access-control-allow-credentials", b"true"), (b"vary", b"Origin")]
+        extra = [(b"Access-Control-Allow-Origin", origin.encode("latin-1")), (b"Access-Control-Allow-Credentials", b"true"), (b"Vary", b"Origin")]
 
         async def send_with(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -60,3 +60,28 @@ class LlamaCors:
 
         await self.app(scope, receive, send_with)
 
+
+
+class TitleCaseHeaders:
+    """Response header names in Title-Case, as llama-server writes them (Starlette writes them in
+    lowercase; HTTP does not care, but clients that read headers into a plain dict do). Needs an
+    HTTP layer that keeps the case it is given (uvicorn's h11, not httptools)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_titled(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [(_title(k), v) for k, v in message.get("headers", [])]}
+            await send(message)
+
+        await self.app(scope, receive, send_titled)
+
+
+def _title(name: bytes) -> bytes:
+    return b"-".join(p[:1].upper() + p[1:].lower() for p in name.split(b"-"))

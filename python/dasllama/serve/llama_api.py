@@ -195,6 +195,25 @@ def llama_job(server: Server, eng: Engine, body: dict[str, Any], prompt: list[in
     )
 
 
+def timings(n_prompt: int, cached: int, n_gen: int, ttft_us: int, gen_us: int) -> dict[str, Any]:
+    """llama-server's `timings`: the prompt's time is the time to the first token; the
+    generation rate counts the tokens after the first (it comes with the prompt's last step)."""
+    prompt_ms, gen_ms = max(ttft_us, 1) / 1000, gen_us / 1000
+    n_new = max(1, n_prompt - cached)
+    steps = n_gen - 1
+    return {
+        "cache_n": cached,
+        "prompt_n": n_prompt - cached,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / n_new,
+        "prompt_per_second": 1e3 * n_new / prompt_ms,
+        "predicted_n": n_gen,
+        "predicted_ms": gen_ms,
+        "predicted_per_token_ms": gen_ms / steps if steps > 0 and gen_ms > 0 else 0.0,
+        "predicted_per_second": 1e3 / gen_ms * steps if steps > 0 and gen_ms > 0 else 0.0,
+    }
+
+
 def _generation_settings(server: Server, job: Job, body: dict[str, Any]) -> dict[str, Any]:
     p = job.params
     eng = job.engine
@@ -310,17 +329,7 @@ class Native:
             "stop_type": stop_type,
             "stopping_word": stopping_word,
             "tokens_cached": n_prompt + n_gen,
-            "timings": {
-                "cache_n": cached,
-                "prompt_n": n_prompt - cached,
-                "prompt_ms": ttft,
-                "prompt_per_token_ms": ttft / max(1, n_prompt - cached),
-                "prompt_per_second": 1000 * max(1, n_prompt - cached) / max(ttft, 1e-6),
-                "predicted_n": n_gen,
-                "predicted_ms": gen_ms,
-                "predicted_per_token_ms": gen_ms / max(1, n_gen),
-                "predicted_per_second": 1000 * n_gen / max(gen_ms, 1e-6),
-            },
+            "timings": timings(n_prompt, cached, n_gen, int(ttft * 1000), int(gen_ms * 1000)),
         }
         if job.logprobs:
             res["completion_probabilities"] = probs
@@ -388,19 +397,19 @@ class Native:
         body = await self.server.body(request)
         eng = self.server.engine(body.get("model"))
         m = eng.m
-        fim = {k: _fim_token(m, k) for k in FIM_TOKENS}
-        missing = [k for k, v in fim.items() if v is None]
-        if missing:
-            raise ApiError(501, f"this model has no fill-in-the-middle tokens ({', '.join(missing)} missing from its vocabulary): /infill needs a code model with FIM tokens", code="not_supported")
         prefix, suffix = body.get("input_prefix", ""), body.get("input_suffix", "")
         extra = body.get("input_extra", [])
         if not isinstance(prefix, str) or not isinstance(suffix, str):
             raise ApiError(400, "'input_prefix' and 'input_suffix' must be strings", param="input_prefix")
-        if not isinstance(extra, list) or not all(isinstance(c, dict) and isinstance(c.get("text", ""), str) and isinstance(c.get("filename", ""), str) for c in extra):
-            raise ApiError(400, "'input_extra' must be a list of {'filename': str, 'text': str}", param="input_extra")
+        if not isinstance(extra, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str) and isinstance(c.get("filename", ""), str) for c in extra):
+            raise ApiError(400, "'input_extra' must be a list of {'filename': str, 'text': str} chunks", param="input_extra")
         prompt_text = body.get("prompt", "")
         if not isinstance(prompt_text, str):
             raise ApiError(400, "'prompt' must be a string", param="prompt")
+        fim = {k: _fim_token(m, k) for k in FIM_TOKENS}
+        missing = [k for k, v in fim.items() if v is None]
+        if missing:
+            raise ApiError(501, f"this model has no fill-in-the-middle tokens ({', '.join(missing)} missing from its vocabulary): /infill needs a code model with FIM tokens", code="not_supported")
 
         def build() -> list[int]:
             ctx_text = "".join((f"{c.get('filename', '')}\n" if c.get("filename") else "") + c.get("text", "") for c in extra)
@@ -667,3 +676,57 @@ def _sse(obj: dict[str, Any]) -> bytes:
 async def _disconnected(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.1)
+
+
+LLAMA_METRICS = [
+    # (name, type, help)
+    ("prompt_tokens_total", "counter", "Number of prompt tokens processed (cached ones apart)."),
+    ("prompt_tokens_cached_total", "counter", "Number of prompt tokens served from the prefix cache."),
+    ("prompt_seconds_total", "counter", "Prompt process time (time to first token)."),
+    ("tokens_predicted_total", "counter", "Number of generation tokens processed."),
+    ("tokens_predicted_seconds_total", "counter", "Predict process time."),
+    ("n_decode_total", "counter", "Total number of decode steps."),
+    ("n_tokens_max", "counter", "Largest context a request may use."),
+    ("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed for verification."),
+    ("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    ("spec_decode_num_drafts_total", "counter", "Verification steps of drafts."),
+    ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s."),
+    ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s."),
+    ("requests_processing", "gauge", "Number of requests processing."),
+    ("requests_deferred", "gauge", "Number of requests deferred (queued)."),
+    ("n_busy_slots_per_decode", "gauge", "Average number of busy slots per decode step."),
+]
+
+
+def llama_metrics(server: Server) -> list[str]:
+    """llama-server's `llamacpp:` metrics over every model served (beside dasllama's own)."""
+    mt = server.metrics
+    stats = [eng.stats() for eng in server.engines.values()]
+    counts = [eng.counts() for eng in server.engines.values()]
+    cached = sum(mt.cached_tokens.values())
+    prompt = sum(mt.prompt_tokens.values()) - cached
+    prompt_s = sum(h.total for h in mt.ttft.values())
+    gen = sum(mt.generated_tokens.values())
+    gen_s = sum(h.total for h in mt.itl.values())
+    steps = sum(int(s.get("decode_steps", 0)) for s in stats)
+    values = {
+        "prompt_tokens_total": prompt,
+        "prompt_tokens_cached_total": cached,
+        "prompt_seconds_total": prompt_s,
+        "tokens_predicted_total": gen,
+        "tokens_predicted_seconds_total": gen_s,
+        "n_decode_total": steps,
+        "n_tokens_max": max((int(e.m.config["seq_len"]) for e in server.engines.values()), default=0),
+        "spec_decode_num_draft_tokens_total": sum(int(s.get("spec_drafted", 0)) for s in stats),
+        "spec_decode_num_accepted_tokens_total": sum(int(s.get("spec_accepted", 0)) for s in stats),
+        "spec_decode_num_drafts_total": sum(int(s.get("spec_verifies", 0)) for s in stats),
+        "prompt_tokens_seconds": prompt / prompt_s if prompt_s > 0 else 0.0,
+        "predicted_tokens_seconds": gen / gen_s if gen_s > 0 else 0.0,
+        "requests_processing": sum(a for a, _ in counts),
+        "requests_deferred": sum(q for _, q in counts),
+        "n_busy_slots_per_decode": sum(float(s.get("avg_batch", 0.0)) for s in stats),
+    }
+    out = []
+    for name, kind, help_ in LLAMA_METRICS:
+        out += [f"# HELP llamacpp:{name} {help_}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {values[name]}"]
+    return out

@@ -213,6 +213,7 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
     if api_key:
         serve_argv += ["--api-key", api_key]
     args = parse_args(serve_argv, prog="dasllama-server")
+    args.http = "h11"  # header names as llama-server writes them (Title-Case)
     ignored = sorted(k[len("ignored_") :] for k, v in vars(ns).items() if k.startswith("ignored_") and v not in (None, False))
     if ignored:
         ns.notes.append(f"ignored (no effect on dasllama): {', '.join(ignored)}")
@@ -228,7 +229,7 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
         aliases=aliases,
         tags=sorted({t.strip() for t in ns.tags.split(",") if t.strip()}) if ns.tags else [],
         llama_cors=cors,
-        stream_usage=True,
+        llama_compat=True,
         notes=ns.notes,
         pooling=ns.pooling if ns.pooling != "rank" else None,
         reasoning=ns.reasoning,

@@ -26,7 +26,12 @@ class Options:
     llama_cors: list[str] | None = None
     build: str = "b0-dasllama"
     notes: list[str] = field(default_factory=list)  # what the command line mapped or ignored, logged at start
-    stream_usage: bool = False  # streams end with a usage chunk unless stream_options says no (llama-server's default)
+    # llama-server's answers where they differ from OpenAI's: chat streams end with a usage chunk
+    # unless stream_options says no, a context overflow is an "exceed_context_size_error".
+    llama_compat: bool = False
     pooling: str | None = None  # --pooling for the embeddings routes (None: the model's own)
     reasoning: str | None = None  # --reasoning on/off/auto: "off" renders templates with thinking off
     chat_template: str | None = None  # --chat-template-file: used instead of the model's template  # system_fingerprint, as llama-server's "b<build>"
+
+
+FINGERPRINT = Options.build

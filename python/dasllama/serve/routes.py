@@ -26,6 +26,8 @@ from ..embeddings import embed
 from ..model import decode, encode
 from .app import ITL_BUCKETS, TTFT_BUCKETS, ApiError, Histogram, Job, Server, _utf8_len, internal_error
 from .engine import Subscription
+from .llama_api import llama_metrics, timings
+from .options import FINGERPRINT
 from .status import status
 from .tools import CallParser, split_calls
 
@@ -42,6 +44,7 @@ PAGE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
+PROCESS_START = time.time()
 # OpenAI's own bound on inputs per embeddings request.
 EMBED_MAX_INPUTS = 2048
 
@@ -180,6 +183,8 @@ class Routes:
                         usage["prompt"] = ev.n_prompt if ev else usage["prompt"]
                         usage["completion"] += ev.n_gen if ev else 0
                         usage["cached"] = max(usage["cached"], ev.n_cached if ev else 0)
+                        usage["ttft_us"] = max(usage.get("ttft_us", 0), ev.ttft_us if ev else 0)
+                        usage["gen_us"] = max(usage.get("gen_us", 0), ev.gen_us if ev else 0)
                     calls: list[dict[str, Any]] = []
                     if splitters is not None:
                         thought, text = splitters[i].feed(text)
@@ -224,7 +229,7 @@ class Routes:
                         chunk["usage"] = None
                     yield _sse(chunk)
                 if job.include_usage:
-                    yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "system_fingerprint": self.server.options.build, "choices": [], "usage": _usage(usage), "timings": _timings(usage)})
+                    yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [], "usage": _usage(usage), "timings": _timings(usage)})
                 yield b"data: [DONE]\n\n"
             except Exception as e:  # past the headers, an error event is the only way left to say it
                 log.exception("%s %s failed while streaming", request.method, request.url.path)
@@ -247,6 +252,7 @@ class Routes:
         m = job.engine.m
         async def collect(i: int) -> dict[str, Any]:
             text, reason, n_prompt, n_gen, cached, lps = "", "stop", 0, 0, 0, []
+            ttft_us = gen_us = 0
             async for t, ev, r in gens[i]:
                 text += t
                 if job.logprobs is not None and ev is not None and ev.kind == "piece" and t:
@@ -254,8 +260,8 @@ class Routes:
                 if r:
                     reason = r
                     if ev is not None:
-                        n_prompt, n_gen, cached = ev.n_prompt, ev.n_gen, ev.n_cached
-            return {"text": text, "reason": reason, "n_prompt": n_prompt or len(job.prompt), "n_gen": n_gen, "cached": cached, "lps": lps}
+                        n_prompt, n_gen, cached, ttft_us, gen_us = ev.n_prompt, ev.n_gen, ev.n_cached, ev.ttft_us, ev.gen_us
+            return {"text": text, "reason": reason, "n_prompt": n_prompt or len(job.prompt), "n_gen": n_gen, "cached": cached, "lps": lps, "ttft_us": ttft_us, "gen_us": gen_us}
 
         # A client that hangs up before the answer is cancelled like a streaming one.
         work = asyncio.ensure_future(asyncio.gather(*(collect(i) for i in range(job.n))))
@@ -273,7 +279,7 @@ class Routes:
         if hung_up:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         results = work.result()
-        usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results)}
+        usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results), "ttft_us": max(r["ttft_us"] for r in results), "gen_us": max(r["gen_us"] for r in results)}
         choices = []
         for i, r in enumerate(results):
             if chat:
@@ -375,6 +381,8 @@ class Routes:
         return JSONResponse({"content": decode(eng.m, toks)})
 
     async def metrics(self, request: Request) -> Response:
+        if not self.server.options.metrics_endpoint:
+            raise ApiError(501, "This server does not support metrics endpoint (start it with --metrics)", type_="not_supported_error", code="not_supported")
         mt = self.server.metrics
         lines = [
             "# HELP dasllama_requests_total Requests by outcome (stop, length, cancelled, rejected, error).",
@@ -414,7 +422,8 @@ class Routes:
         lines += ["# HELP dasllama_inter_token_seconds Time between streamed tokens.", "# TYPE dasllama_inter_token_seconds histogram"]
         for name in self.server.engines:
             lines += mt.itl.get(name, Histogram(ITL_BUCKETS)).render("dasllama_inter_token_seconds", f'model="{name}"')
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        lines += llama_metrics(self.server)
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4", headers={"Process-Start-Time-Unix": str(int(PROCESS_START))})
 
     async def status_json(self, request: Request) -> Response:
         return JSONResponse(status(self.server, self.server.history), headers={"Cache-Control": "no-store"})
@@ -480,12 +489,14 @@ def _logprob_entry(m: Any, ev: sched.SchedEvent, chat: bool) -> dict[str, Any]:
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
+    if "object" in obj:
+        obj = {**obj, "system_fingerprint": FINGERPRINT}
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 def _timings(u: dict[str, int]) -> dict[str, Any]:
-    """llama-server's `timings` beside `usage` (token counts; dasllama times requests in /metrics)."""
-    return {"cache_n": u["cached"], "prompt_n": u["prompt"] - u["cached"], "predicted_n": u["completion"]}
+    """llama-server's `timings` beside `usage`."""
+    return timings(u["prompt"], u["cached"], u["completion"], u.get("ttft_us", 0), u.get("gen_us", 0))
 
 
 def _usage(u: dict[str, int]) -> dict[str, Any]:
