@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import logging
 import math
@@ -324,6 +325,11 @@ class Server:
             if tools is not None:
                 rendered, extra = with_tools(rendered, tools)
             thinking = _enable_thinking(body)
+            if thinking is None and self.options.llama_compat:
+                # llama-server passes enable_thinking to every template (false under --reasoning off)
+                # and today's date as date_string (Llama 3.x templates print it).
+                thinking = self.options.reasoning != "off"
+                extra["date_string"] = datetime.date.today().strftime("%d %b %Y")
             effort = _reasoning_effort(body)
             if is_harmony(m):
                 # gpt-oss's template writes the level into its system message as given, and the
@@ -549,11 +555,14 @@ def build_app(server: Server) -> Starlette:
     from .anthropic import Anthropic
     from .anthropic import guarded as anthropic_guarded
     from .llama_api import Native, native
+    from .ollama import Ollama
+    from .ollama import guarded as ollama_guarded
     from .routes import STATIC, Routes, method_not_allowed, not_found, page, server_error
 
     r = Routes(server)
     n = Native(r)
     a = Anthropic(r)
+    o = Ollama(r)
     routes = [
         *([Route("/", page("chat.html"), methods=["GET"])] if server.options.ui else []),
         Route("/status", page("status.html"), methods=["GET"]),
@@ -585,6 +594,16 @@ def build_app(server: Server) -> Starlette:
         Route("/v1/messages", anthropic_guarded(r, a.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_guarded(r, a.count_tokens), methods=["POST"]),
         Route("/chat/completions/input_tokens", r.guarded(a.openai_input_tokens), methods=["POST"]),
+        # Ollama's API (ollama.py).
+        Route("/api/version", ollama_guarded(r, o.version), methods=["GET"]),
+        Route("/api/tags", ollama_guarded(r, o.tags), methods=["GET"]),
+        Route("/api/ps", ollama_guarded(r, o.ps), methods=["GET"]),
+        Route("/api/show", ollama_guarded(r, o.show), methods=["POST"]),
+        Route("/api/chat", ollama_guarded(r, o.chat), methods=["POST"]),
+        Route("/api/generate", ollama_guarded(r, o.generate), methods=["POST"]),
+        Route("/api/embed", ollama_guarded(r, o.embed), methods=["POST"]),
+        Route("/api/embeddings", ollama_guarded(r, o.embed), methods=["POST"]),
+        Route("/api/{op:path}", ollama_guarded(r, o.unsupported), methods=["GET", "POST", "DELETE", "HEAD"]),
         Route("/v1/chat/completions/input_tokens", r.guarded(a.openai_input_tokens), methods=["POST"]),
     ]
     middleware = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import json
 import logging
 import math
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat import ChatRenderer, render_chat
+from ..chat import render_chat
 from ..embeddings import default_pooling, embed
 from ..errors import TemplateError
 from ..grammar import check_grammar, json_schema_grammar
@@ -627,13 +628,14 @@ def render_request(server: Server, eng: Engine, body: dict[str, Any]) -> str:
     kw = body.get("chat_template_kwargs") or {}
     if isinstance(kw, dict):
         extra.update({k: v for k, v in kw.items() if isinstance(k, str)})
-    if server.options.reasoning == "off":
-        extra.setdefault("enable_thinking", False)
+    # As llama-server renders: enable_thinking always given (false under --reasoning off), and
+    # today's date as date_string (Llama 3.x templates print it).
+    extra.setdefault("enable_thinking", server.options.reasoning != "off")
+    extra.setdefault("date_string", datetime.date.today().strftime("%d %b %Y"))
     try:
         text = render_chat(m, rendered, add_generation_prompt=agp, **extra)
     except TemplateError as e:
         raise ApiError(400, str(e), param="messages") from None
-    _ = ChatRenderer  # the chat routes' renderer; /apply-template renders the text only
     return text
 
 
