@@ -30,17 +30,17 @@ WEATHER = {"name": "get_weather", "description": "Get the weather in a city", "i
 
 
 def test_messages_basic_and_system(client: anthropic.Anthropic) -> None:
-    r = client.messages.create(model="claude-sonnet-4-5", max_tokens=12, system="You are brief.", messages=[{"role": "user", "content": "Say hello"}], temperature=0)
+    r = client.messages.create(model="claude-sonnet-4-5", max_tokens=12, system="You are brief.", messages=[{"role": "user", "content": "Say hello"}], extra_body={"temperature": 0})
     assert r.type == "message" and r.role == "assistant" and r.model == "smol"
     assert r.content[0].type == "text" and r.content[0].text
     assert r.stop_reason in ("end_turn", "max_tokens") and 0 < r.usage.output_tokens <= 12 and r.usage.input_tokens > 0
 
 
 def test_messages_stream_events(client: anthropic.Anthropic) -> None:
-    with client.messages.stream(model="smol", max_tokens=10, messages=[{"role": "user", "content": "Count to five"}], temperature=0) as s:
+    with client.messages.stream(model="smol", max_tokens=10, messages=[{"role": "user", "content": "Count to five"}], extra_body={"temperature": 0}) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
-    whole = client.messages.create(model="smol", max_tokens=10, messages=[{"role": "user", "content": "Count to five"}], temperature=0)
+    whole = client.messages.create(model="smol", max_tokens=10, messages=[{"role": "user", "content": "Count to five"}], extra_body={"temperature": 0})
     assert text and text == final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
 

@@ -557,12 +557,14 @@ def build_app(server: Server) -> Starlette:
     from .llama_api import Native, native
     from .ollama import Ollama
     from .ollama import guarded as ollama_guarded
+    from .responses import Responses
     from .routes import STATIC, Routes, method_not_allowed, not_found, page, server_error
 
     r = Routes(server)
     n = Native(r)
     a = Anthropic(r)
     o = Ollama(r)
+    resp = Responses(r)
     routes = [
         *([Route("/", page("chat.html"), methods=["GET"])] if server.options.ui else []),
         Route("/status", page("status.html"), methods=["GET"]),
@@ -594,6 +596,9 @@ def build_app(server: Server) -> Starlette:
         Route("/v1/messages", anthropic_guarded(r, a.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_guarded(r, a.count_tokens), methods=["POST"]),
         Route("/chat/completions/input_tokens", r.guarded(a.openai_input_tokens), methods=["POST"]),
+        # OpenAI's Responses API (responses.py).
+        Route("/v1/responses", r.guarded(resp.create), methods=["POST"]),
+        Route("/responses", r.guarded(resp.create), methods=["POST"]),
         # Ollama's API (ollama.py).
         Route("/api/version", ollama_guarded(r, o.version), methods=["GET"]),
         Route("/api/tags", ollama_guarded(r, o.tags), methods=["GET"]),

@@ -178,7 +178,7 @@ class Ollama:
             oai["tools"] = body["tools"]
         if isinstance(body.get("think"), bool):
             oai["enable_thinking"] = body["think"]
-        return await self._run(request, body, oai, chat=True)
+        return await self._run(request, body, oai, chat=True, shape="chat")
 
     async def generate(self, request: Request) -> Response:
         body = await self.server.body(request)
@@ -193,15 +193,16 @@ class Ollama:
         eng = self.server.engine(body.get("model"))
         if body.get("raw") or not eng.m.chat_template:
             oai["prompt"] = prompt
-            return await self._run(request, body, oai, chat=False)
+            return await self._run(request, body, oai, chat=False, shape="generate")
         system = body.get("system")
         msgs = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + [{"role": "user", "content": prompt}]
         oai["messages"] = msgs
         if isinstance(body.get("think"), bool):
             oai["enable_thinking"] = body["think"]
-        return await self._run(request, body, oai, chat=True)
+        return await self._run(request, body, oai, chat=True, shape="generate")
 
-    async def _run(self, request: Request, body: dict[str, Any], oai: dict[str, Any], chat: bool) -> Response:
+    async def _run(self, request: Request, body: dict[str, Any], oai: dict[str, Any], chat: bool, shape: str) -> Response:
+        """Run `oai` as a (chat) completion; answer as /api/chat (`shape` "chat") or /api/generate."""
         stream = body.get("stream", True)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", param="stream")
@@ -218,7 +219,7 @@ class Ollama:
             r = json.loads(bytes(resp.body))  # type: ignore[attr-defined]
             choice = r["choices"][0]
             out: dict[str, Any] = {"model": r["model"], "created_at": _now()}
-            if chat:
+            if shape == "chat":
                 msg = choice["message"]
                 out["message"] = {"role": "assistant", "content": msg.get("content") or ""}
                 if msg.get("reasoning_content"):
@@ -226,12 +227,14 @@ class Ollama:
                 if msg.get("tool_calls"):
                     out["message"]["tool_calls"] = _calls(msg)
             else:
-                out["response"] = choice["text"]
+                out["response"] = choice["message"].get("content") or "" if chat else choice["text"]
+                if chat and choice["message"].get("reasoning_content"):
+                    out["thinking"] = choice["message"]["reasoning_content"]
             return JSONResponse(out | _stats(r.get("usage"), r.get("timings"), choice.get("finish_reason")))
         assert isinstance(resp, StreamingResponse)
-        return StreamingResponse(self._ndjson(resp.body_iterator, chat), media_type="application/x-ndjson")
+        return StreamingResponse(self._ndjson(resp.body_iterator, chat, shape), media_type="application/x-ndjson")
 
-    async def _ndjson(self, chunks: AsyncIterator[Any], chat: bool) -> AsyncIterator[bytes]:
+    async def _ndjson(self, chunks: AsyncIterator[Any], chat: bool, shape: str) -> AsyncIterator[bytes]:
         model, reason, usage, timings = None, None, None, None
         async for raw in chunks:
             data = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -247,7 +250,11 @@ class Ollama:
                 timings = ch.get("timings") or timings
                 for c in ch.get("choices") or []:
                     reason = c.get("finish_reason") or reason
-                    if chat:
+                    if chat and shape == "generate":
+                        d = c.get("delta") or {}
+                        if d.get("content"):
+                            yield (json.dumps({"model": model, "created_at": _now(), "response": d["content"], "done": False}, ensure_ascii=False) + "\n").encode()
+                    elif chat:
                         d = c.get("delta") or {}
                         msg: dict[str, Any] = {"role": "assistant", "content": d.get("content") or ""}
                         if d.get("reasoning_content"):
@@ -259,7 +266,7 @@ class Ollama:
                     elif c.get("text"):
                         yield (json.dumps({"model": model, "created_at": _now(), "response": c["text"], "done": False}, ensure_ascii=False) + "\n").encode()
         last: dict[str, Any] = {"model": model, "created_at": _now()}
-        last |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        last |= {"message": {"role": "assistant", "content": ""}} if shape == "chat" else {"response": ""}
         yield (json.dumps(last | _stats(usage, timings, reason)) + "\n").encode()
 
     async def embed(self, request: Request) -> Response:
