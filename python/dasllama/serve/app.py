@@ -554,7 +554,7 @@ def build_app(server: Server) -> Starlette:
     # Imported here: routes.py builds on this module's Server and ApiError.
     from .anthropic import Anthropic
     from .anthropic import guarded as anthropic_guarded
-    from .llama_api import Native, native
+    from .llama_api import Native, Rerank, native
     from .ollama import Ollama
     from .ollama import guarded as ollama_guarded
     from .responses import Responses
@@ -562,6 +562,7 @@ def build_app(server: Server) -> Starlette:
 
     r = Routes(server)
     n = Native(r)
+    rr = Rerank(server)
     a = Anthropic(r)
     o = Ollama(r)
     resp = Responses(r)
@@ -592,6 +593,10 @@ def build_app(server: Server) -> Starlette:
         Route("/props", native(r, n.props), methods=["GET", "POST"]),
         Route("/slots", native(r, n.slots), methods=["GET"]),
         Route("/slots/{id_slot}", native(r, n.slot_action), methods=["POST"]),
+        Route("/rerank", native(r, rr.rerank), methods=["POST"]),
+        Route("/reranking", native(r, rr.rerank), methods=["POST"]),
+        Route("/v1/rerank", native(r, rr.rerank), methods=["POST"]),
+        Route("/v1/reranking", native(r, rr.rerank), methods=["POST"]),
         # Anthropic's Messages API (anthropic.py).
         Route("/v1/messages", anthropic_guarded(r, a.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_guarded(r, a.count_tokens), methods=["POST"]),

@@ -732,3 +732,66 @@ def llama_metrics(server: Server) -> list[str]:
     for name, kind, help_ in LLAMA_METRICS:
         out += [f"# HELP llamacpp:{name} {help_}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {values[name]}"]
     return out
+
+
+def _has_rank_head(m: Any) -> bool:
+    """Whether the file declares a reranker's classifier head (llama.cpp's rank pooling)."""
+    return m.metadata.get(f"{m.arch}.pooling_type") == 4
+
+
+class Rerank:
+    """`/rerank`, `/v1/rerank`, `/reranking` (llama-server's and TEI's shapes). dasllama runs no
+    classifier heads yet, so a model whose file declares one (a real reranker) is refused with a
+    501; any other model ranks documents by the cosine similarity of its embeddings of the
+    query and each document (`"scoring": "embedding_similarity"` in the answer says so)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    async def rerank(self, request: Request) -> Response:
+        body = await self.server.body(request)
+        eng = self.server.engine(body.get("model"))
+        m = eng.m
+        query = body.get("query")
+        if not isinstance(query, str) or not query:
+            raise ApiError(400, "'query' must be a non-empty string", param="query")
+        tei = "texts" in body
+        docs = body.get("texts" if tei else "documents")
+        if not isinstance(docs, list) or not docs:
+            raise ApiError(400, f"'{'texts' if tei else 'documents'}' must be a non-empty list of strings", param="documents")
+        texts = []
+        for i, d in enumerate(docs):
+            if isinstance(d, dict) and isinstance(d.get("text"), str):
+                d = d["text"]
+            if not isinstance(d, str):
+                raise ApiError(400, f"document {i} must be a string", param="documents")
+            texts.append(d)
+        top_n = _num(body, "top_n", int, len(texts), 1, None)
+        if _has_rank_head(m):
+            raise ApiError(501, f"'{eng.name}' is a reranker (a classifier head): dasllama does not run classifier heads yet", code="not_supported")
+        for t in (query, *texts):
+            self.server.check_prompt_bytes(m, _utf8_len(t, "documents"), "documents")
+
+        def run() -> tuple[list[float], int]:
+            filler = m.bos_id if m.bos_id is not None else (m.eos_id or 0)
+            ids = [encode(m, t) or [filler] for t in (query, *texts)]
+            ctx = int(m.config["seq_len"])
+            if any(len(t) > ctx for t in ids):
+                raise ApiError(400, f"an input is too large to process; the context holds {ctx} tokens", param="documents")
+            vecs = embed(m, ids, pooling=self.server.options.pooling if self.server.options.pooling in ("mean", "cls", "last") else default_pooling(m), normalize=True)  # type: ignore[arg-type]
+            q = vecs[0]
+            return [float(v @ q) for v in vecs[1:]], sum(len(ids[0]) + len(t) for t in ids[1:])
+
+        scores, n_tok = await asyncio.get_running_loop().run_in_executor(None, run)
+        order = sorted(range(len(texts)), key=lambda i: -scores[i])[:top_n]
+        if tei:
+            out: list[dict[str, Any]] = [{"index": i, "score": scores[i]} for i in order]
+            if body.get("return_text"):
+                for o in out:
+                    o["text"] = texts[o["index"]]
+            return JSONResponse(out)
+        results = [{"index": i, "relevance_score": scores[i]} for i in order]
+        if body.get("return_documents"):
+            for r in results:
+                r["document"] = {"text": texts[r["index"]]}
+        return JSONResponse({"model": eng.name, "object": "list", "scoring": "embedding_similarity", "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}, "results": results})
