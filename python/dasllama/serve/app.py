@@ -27,6 +27,7 @@ from ..grammar import check_grammar
 from ..model import encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
+from .gbnf import request_grammar
 from .options import Options
 from .status import StatusHistory
 from .tools import ToolError, Tools, call_grammar, convert_messages, parse_tools, response_format_grammar, with_tools
@@ -99,6 +100,8 @@ class Metrics:
     ttft: dict[str, Histogram] = field(default_factory=dict)
     itl: dict[str, Histogram] = field(default_factory=dict)
     tokens_out: dict[str, int] = field(default_factory=dict)  # generated tokens as they stream, for the status page's rates
+    embedded_tokens: int = 0  # prompt tokens of embedding (and rerank) requests
+    embed_passes: int = 0  # their forward passes
 
     def outcome(self, model: str, outcome: str) -> None:
         self.requests[(model, outcome)] = self.requests.get((model, outcome), 0) + 1
@@ -270,7 +273,7 @@ class Server:
         if n_bytes > limit:
             raise ApiError(
                 400,
-                f"the prompt is {n_bytes} bytes; this server takes at most {limit} bytes for a context of {int(m.config['seq_len'])} tokens "
+                f"the prompt is too large: {n_bytes} bytes; this server takes at most {limit} bytes for a context of {int(m.config['seq_len'])} tokens "
                 "(start it with a larger --max-prompt-bytes to raise the limit)",
                 param=param,
                 code="context_length_exceeded",
@@ -299,8 +302,12 @@ class Server:
             try:
                 tools = parse_tools(body, m.chat_template)
                 grammar, grammar_param = response_format_grammar(body), "response_format"
+                if grammar is None:  # llama-server's own fields
+                    grammar, grammar_param = request_grammar(body)
             except ToolError as e:
                 raise ApiError(400, str(e), param=e.param) from None
+            except ValueError as e:
+                raise ApiError(400, str(e), param="grammar") from None
             if tools is not None and (g := call_grammar(tools)) is not None:
                 if grammar is not None:
                     raise ApiError(400, "'response_format' cannot apply when 'tool_choice' forces a call: the reply is the call", param="response_format")
@@ -364,8 +371,12 @@ class Server:
             markers, in_thought, nothink = None, False, None
             try:
                 grammar, grammar_param = response_format_grammar(body), "response_format"
+                if grammar is None:  # llama-server's own fields
+                    grammar, grammar_param = request_grammar(body)
             except ToolError as e:
                 raise ApiError(400, str(e), param=e.param) from None
+            except ValueError as e:
+                raise ApiError(400, str(e), param="grammar") from None
             p = body.get("prompt")
             if isinstance(p, str):
                 self.check_prompt_bytes(m, _utf8_len(p, "prompt"), "prompt")

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
+
+from ..grammar import json_schema_grammar
 
 _TOKEN = re.compile(
     r"""
@@ -114,3 +117,21 @@ def gbnf_to_lark(text: str) -> str:
             raise ValueError(f"rule '{name}' is empty")
         lines.append(f"{_rule_name(name)}: {' '.join(body)}")
     return "\n".join(lines) + "\n"
+
+
+def request_grammar(body: dict[str, Any]) -> tuple[str | None, str | None]:
+    """llama-server's request grammars: `json_schema` (a schema) or `grammar` (GBNF), as
+    (llguidance grammar, the field it came from); (None, None) when the request has neither.
+    ValueError for a field that is not one."""
+    if body.get("json_schema") is not None:
+        if not isinstance(body["json_schema"], dict):
+            raise ValueError("'json_schema' must be a JSON schema object")
+        return json_schema_grammar(body["json_schema"]), "json_schema"
+    if body.get("grammar"):
+        if not isinstance(body["grammar"], str):
+            raise ValueError("'grammar' must be a string (GBNF)")
+        try:
+            return gbnf_to_lark(body["grammar"]), "grammar"
+        except ValueError as e:
+            raise ValueError(f"failed to parse grammar: {e}") from None
+    return None, None

@@ -22,11 +22,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat import render_chat
 from ..embeddings import default_pooling, embed
 from ..errors import TemplateError
-from ..grammar import check_grammar, json_schema_grammar
+from ..grammar import check_grammar
 from ..model import decode, encode, token_piece
 from ..session import SamplingParams
 from .app import ApiError, Job, Server, _num, _utf8_len
-from .gbnf import gbnf_to_lark
+from .gbnf import request_grammar
 from .tools import ToolError, convert_messages, parse_tools, with_tools
 
 if TYPE_CHECKING:
@@ -169,18 +169,10 @@ def llama_job(server: Server, eng: Engine, body: dict[str, Any], prompt: list[in
     if seed is None or seed < 0:
         seed = opts.seed
     n_probs = _num(body, "n_probs", int, 0, 0, None)
-    grammar, gparam = None, None
-    if body.get("json_schema") is not None:
-        if not isinstance(body["json_schema"], dict):
-            raise ApiError(400, "'json_schema' must be a JSON schema object", param="json_schema")
-        grammar, gparam = json_schema_grammar(body["json_schema"]), "json_schema"
-    elif body.get("grammar"):
-        if not isinstance(body["grammar"], str):
-            raise ApiError(400, "'grammar' must be a string (GBNF)", param="grammar")
-        try:
-            grammar, gparam = gbnf_to_lark(body["grammar"]), "grammar"
-        except ValueError as e:
-            raise ApiError(400, f"failed to parse grammar: {e}", param="grammar") from None
+    try:
+        grammar, gparam = request_grammar(body)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="grammar") from None
     if grammar is not None:
         try:
             check_grammar(m, grammar)
@@ -580,6 +572,8 @@ class Native:
                 raise ApiError(400, str(e), param="input") from None
 
         vecs, n_tok = await asyncio.get_running_loop().run_in_executor(None, run)
+        self.server.metrics.embedded_tokens += n_tok
+        self.server.metrics.embed_passes += 1
 
         def enc(v: Any) -> Any:
             return base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else [float(x) for x in v]
@@ -706,11 +700,11 @@ def llama_metrics(server: Server) -> list[str]:
     stats = [eng.stats() for eng in server.engines.values()]
     counts = [eng.counts() for eng in server.engines.values()]
     cached = sum(mt.cached_tokens.values())
-    prompt = sum(mt.prompt_tokens.values()) - cached
+    prompt = sum(mt.prompt_tokens.values()) - cached + mt.embedded_tokens
     prompt_s = sum(h.total for h in mt.ttft.values())
     gen = sum(mt.generated_tokens.values())
     gen_s = sum(h.total for h in mt.itl.values())
-    steps = sum(int(s.get("decode_steps", 0)) for s in stats)
+    steps = sum(int(s.get("decode_steps", 0)) for s in stats) + mt.embed_passes
     values = {
         "prompt_tokens_total": prompt,
         "prompt_tokens_cached_total": cached,
