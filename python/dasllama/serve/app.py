@@ -600,6 +600,7 @@ def build_app(server: Server) -> Starlette:
         Route("/embedding", native(r, lambda q: n.embeddings(q, oai=False)), methods=["POST"]),
         Route("/embeddings", native(r, lambda q: n.embeddings(q, oai=False)), methods=["POST"]),
         Route("/infill", native(r, n.infill), methods=["POST"]),
+        Route("/predict", native(r, n.predict), methods=["POST"]),
         Route("/apply-template", native(r, n.apply_template), methods=["POST"]),
         Route("/props", native(r, n.props), methods=["GET", "POST"]),
         Route("/slots", native(r, n.slots), methods=["GET"]),

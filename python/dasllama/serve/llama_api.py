@@ -235,6 +235,7 @@ def _generation_settings(server: Server, job: Job, body: dict[str, Any]) -> dict
         "n_ctx": int(eng.m.config["seq_len"]),
         "model": eng.name,
         "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+        "logit_bias": [],  # with ignore_eos the EOG tokens may be sampled (and pass), not banned
         "speculative.n_max": 0,
         "lora": [],
     }
@@ -383,6 +384,30 @@ class Native:
                         return
         except ApiError as e:
             yield _sse({"error": {"code": e.status, "message": e.message, "type": ERROR_TYPES.get(e.status, "server_error")}})
+
+    # ---- /predict (Vertex AI's prediction shape, as llama-server serves it) ----------------------
+
+    async def predict(self, request: Request) -> Response:
+        body = await self.server.body(request)
+        instances = body.get("instances")
+        if not isinstance(instances, list) or not instances or not all(isinstance(i, dict) for i in instances):
+            raise ApiError(400, "'instances' must be a non-empty list of request objects", param="instances")
+        if len(instances) > 64:
+            raise ApiError(400, "at most 64 instances per request", param="instances")
+        kinds = {"chatCompletions": True, "chat_completions": True, "completions": False}
+
+        async def one(inst: dict[str, Any]) -> Any:
+            fmt = inst.get("@requestFormat", "chatCompletions")
+            if fmt not in kinds:
+                raise ApiError(400, f"'@requestFormat' must be one of {', '.join(kinds)}", param="@requestFormat")
+            req = {k: v for k, v in inst.items() if k != "@requestFormat"} | {"stream": False}
+            resp = await self.routes.complete(request, req, chat=kinds[fmt])
+            if resp.status_code != 200:
+                err = json.loads(bytes(resp.body))["error"]
+                raise ApiError(resp.status_code, err["message"], param=err.get("param"))
+            return json.loads(bytes(resp.body))
+
+        return JSONResponse({"predictions": list(await asyncio.gather(*(one(i) for i in instances)))})
 
     # ---- /infill -------------------------------------------------------------------------------
 
