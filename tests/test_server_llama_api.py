@@ -178,3 +178,32 @@ def test_api_key_header_forms(server: str) -> None:
     body = {"prompt": "Hi", "n_predict": 2}
     assert post(server, "/completion", body, headers={}).json()["error"]["type"] == "authentication_error"
     assert post(server, "/completion", body, headers={"X-Api-Key": KEY}).status_code == 200
+
+
+def test_rerank_by_embedding_similarity(server: str, smollm: dl.Model) -> None:
+    docs = ["Paris is the capital of France.", "Machine learning is a field of artificial intelligence.", "Bananas are yellow."]
+    r = post(server, "/rerank", {"query": "What is machine learning?", "documents": docs, "top_n": 2}).json()
+    assert r["scoring"] == "embedding_similarity" and len(r["results"]) == 2
+    v = dl.embed(smollm, ["What is machine learning?", *docs])
+    want = sorted(range(3), key=lambda i: -float(v[i + 1] @ v[0]))[:2]
+    assert [x["index"] for x in r["results"]] == want
+    tei = post(server, "/v1/rerank", {"query": "What is machine learning?", "texts": docs}).json()
+    assert [x["index"] for x in tei][:2] == want
+    for bad in ({"query": "q", "documents": []}, {"query": "q", "documents": [1, 2]}, {"query": "q"}, {"documents": ["a"]}):
+        assert post(server, "/rerank", bad).status_code == 400
+
+
+def test_predict_instances(server: str) -> None:
+    body = {"instances": [{"@requestFormat": "chatCompletions", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}, {"@requestFormat": "completions", "max_tokens": 3, "prompt": "The sky"}]}
+    p = post(server, "/predict", body).json()["predictions"]
+    assert p[0]["object"] == "chat.completion" and p[1]["object"] == "text_completion"
+    assert post(server, "/predict", {"instances": [{"@requestFormat": "nope"}]}).status_code == 400
+
+
+def test_metrics_llama_names_and_switch(server: str) -> None:
+    post(server, "/completion", {"prompt": "Hello", "n_predict": 3})
+    r = httpx.get(server + "/metrics", headers=AUTH)
+    # Written as llama-server writes it: clients that read headers into a plain dict look it up so.
+    assert r.status_code == 200 and b"Process-Start-Time-Unix" in [k for k, _ in r.headers.raw]
+    values = {ln.split()[0]: float(ln.split()[1]) for ln in r.text.splitlines() if ln.startswith("llamacpp:")}
+    assert values["llamacpp:tokens_predicted_total"] >= 3 and values["llamacpp:n_decode_total"] > 0 and values["llamacpp:requests_processing"] == 0

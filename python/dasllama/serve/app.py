@@ -398,7 +398,7 @@ class Server:
                 type_="exceed_context_size_error" if self.options.llama_compat else "invalid_request_error",
                 param="messages" if chat else "prompt",
                 code="context_length_exceeded",
-                extra={"n_prompt_tokens": len(prompt), "n_ctx": ctx},
+                extra={"n_prompt_tokens": len(prompt), "n_ctx": ctx} if self.options.llama_compat else None,
             )
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         default_new = self.options.n_predict if self.options.n_predict > 0 else (256 if chat else 16)
@@ -588,7 +588,7 @@ def build_app(server: Server) -> Starlette:
         Route("/v1/chat/completions", r.guarded(r.chat_completions), methods=["POST"]),
         Route("/v1/completions", r.guarded(r.text_completions), methods=["POST"]),
         Route("/tokenize", native(r, n.tokenize), methods=["POST"]),
-        Route("/v1/embeddings", r.guarded(lambda q: n.embeddings(q, oai=True)), methods=["POST"]),
+        Route("/v1/embeddings", r.guarded(lambda q: n.embeddings(q, oai=True)) if server.options.llama_compat else r.guarded(r.embeddings), methods=["POST"]),
         Route("/detokenize", native(r, n.detokenize), methods=["POST"]),
         Route("/metrics", r.guarded(r.metrics), methods=["GET"]),
         # llama-server's routes (llama_api.py): its native API, and the OpenAI ones without /v1.

@@ -570,6 +570,9 @@ class Native:
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+        dims = body.get("dimensions")
+        if dims is not None and dims != int(m.config["dim"]):
+            raise ApiError(400, f"this model's embeddings have {m.config['dim']} dimensions; 'dimensions' cannot change that", param="dimensions")
         raw = body.get("input", body.get("content"))
         if raw is None:
             raise ApiError(400, "'input' is required", param="input")
@@ -585,7 +588,7 @@ class Native:
                 raise ApiError(400, "'input' is empty", param="input")
             ctx = int(m.config["seq_len"])
             filler = m.bos_id if m.bos_id is not None else (m.eos_id or 0)
-            prompts = [p or [filler] for p in prompts]
+            prompts = [p or [filler] for p in prompts]  # llama-server embeds an empty input too
             for i, t in enumerate(prompts):
                 if len(t) > ctx:
                     raise ApiError(400, f"input {i} is too large to process ({len(t)} tokens); the context holds {ctx}", param="input", code="context_length_exceeded")

@@ -158,9 +158,11 @@ class Routes:
                 parsers = [CallParser() for _ in range(job.n)] if chat and job.tools is not None else None
                 # A leading thought goes out as `reasoning_content` deltas, before the content.
                 splitters = [thought_splitter(job.markers, job.in_thought) for _ in range(job.n)] if chat and job.markers else None
+                # OpenAI's first chunk carries content ""; llama-server's carries null.
+                first_content = None if self.server.options.llama_compat else ""
                 if chat:
                     for i in range(job.n):
-                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}]})
+                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": first_content}, "logprobs": None, "finish_reason": None}]})
                 done = 0
                 while done < job.n:
                     getter = asyncio.ensure_future(queue.get())
