@@ -81,3 +81,11 @@ def test_errors_in_anthropic_shape(server: str, client: anthropic.Anthropic) -> 
         r = httpx.post(server + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
         assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", r.text
     assert httpx.get(server + "/health").json() == {"status": "ok"}
+
+
+def test_prefill_continues_the_assistant_turn(client: anthropic.Anthropic, smollm: dl.Model) -> None:
+    msgs = [{"role": "user", "content": "Give me a JSON object with a key a."}, {"role": "assistant", "content": '{"a":'}]
+    r = client.messages.create(model="smol", max_tokens=6, messages=msgs, extra_body={"temperature": 0})
+    n = client.messages.count_tokens(model="smol", messages=msgs[:1]).input_tokens
+    # The prompt is the conversation up to a new assistant turn, then the prefill's tokens.
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens > n and r.content[0].type == "text"

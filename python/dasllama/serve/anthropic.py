@@ -128,6 +128,8 @@ def to_openai(body: dict[str, Any]) -> dict[str, Any]:
     if not any(m["role"] != "system" for m in out):
         out.append({"role": "user", "content": ""})  # llama-server answers an empty conversation too
     oai: dict[str, Any] = {"messages": out, "model": body.get("model")}
+    if len(out) > 1 and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls") and out[-1]["content"]:
+        oai["continue_final_message"] = True  # Anthropic's prefill: the reply continues it
     if "max_tokens" in body:
         oai["max_tokens"] = body["max_tokens"]
     for k in ("temperature", "top_p", "top_k", "stream"):

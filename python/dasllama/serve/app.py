@@ -130,7 +130,7 @@ KNOWN_FIELDS = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
     "logprobs", "top_logprobs", "n", "user", "ignore_eos", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "chat_template_kwargs", "enable_thinking", "reasoning_effort",
+    "chat_template_kwargs", "enable_thinking", "reasoning_effort", "verbose", "continue_final_message", "add_generation_prompt",
 }
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -184,6 +184,7 @@ class Job:
     markers: tuple[str, str] | None = None
     in_thought: bool = False
     nothink: NothinkGuard | None = None
+    verbose: bool = False  # llama-server's "verbose": the answer carries the prompt it ran (__verbose)
 
 
 def _utf8_len(text: str, param: str) -> int:
@@ -295,10 +296,16 @@ class Server:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-            if body.get("continue_final_message"):
-                if body.get("add_generation_prompt"):
-                    raise ApiError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true", param="continue_final_message")
-                raise ApiError(400, "'continue_final_message' is not supported: dasllama renders the conversation with a new assistant turn", param="continue_final_message")
+            # The reply continues the last assistant message (a prefill): on request
+            # (continue_final_message, as vLLM and transformers take it), and under dasllama-server
+            # whenever the conversation ends with one, as llama-server does.
+            prefill = bool(body.get("continue_final_message"))
+            if prefill and body.get("add_generation_prompt"):
+                raise ApiError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true", param="continue_final_message")
+            last = msgs[-1] if isinstance(msgs[-1], dict) else {}
+            if prefill and last.get("role") != "assistant":
+                raise ApiError(400, "'continue_final_message' needs the last message to be the assistant's", param="continue_final_message")
+            prefill = (prefill or self.options.llama_compat) and last.get("role") == "assistant" and not last.get("tool_calls") and len(msgs) > 1
             try:
                 tools = parse_tools(body, m.chat_template)
                 grammar, grammar_param = response_format_grammar(body), "response_format"
@@ -355,11 +362,15 @@ class Server:
                     thinking = False
             if thinking is not None:
                 extra["enable_thinking"] = thinking
+            head = ""
+            if prefill:
+                head = rendered[-1]["content"]
+                rendered = rendered[:-1]
             try:
-                text = render_chat(m, rendered, **extra)
+                text = render_chat(m, rendered, **extra) + head
                 # What closes the reply in the next turn's prompt: evaluated at the end so the
                 # whole turn goes to the prefix cache and a follow-up attaches it.
-                close = render_close(m, ChatRenderer(m, rendered, thinking=thinking))
+                close = [] if prefill else render_close(m, ChatRenderer(m, rendered, thinking=thinking))
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
             prompt = encode_prompt(m, text)
@@ -451,7 +462,10 @@ class Server:
                 check_grammar(m, grammar)
             except ValueError as e:
                 raise ApiError(400, str(e), param=grammar_param) from None
-        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage", self.options.llama_compat and chat)), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink)
+        verbose = body.get("verbose", self.options.verbose)
+        if not isinstance(verbose, bool):
+            raise ApiError(400, "'verbose' must be a boolean", param="verbose")
+        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage", self.options.llama_compat and chat)), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink, verbose=verbose)
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
         """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a

@@ -230,6 +230,7 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
         tags=sorted({t.strip() for t in ns.tags.split(",") if t.strip()}) if ns.tags else [],
         llama_cors=cors,
         llama_compat=True,
+        verbose=ns.verbose,
         notes=ns.notes,
         pooling=ns.pooling if ns.pooling != "rank" else None,
         reasoning=ns.reasoning,

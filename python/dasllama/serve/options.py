@@ -29,6 +29,7 @@ class Options:
     # llama-server's answers where they differ from OpenAI's: chat streams end with a usage chunk
     # unless stream_options says no, a context overflow is an "exceed_context_size_error".
     llama_compat: bool = False
+    verbose: bool = False  # every answer carries __verbose (llama-server's --verbose); a request's "verbose" too
     pooling: str | None = None  # --pooling for the embeddings routes (None: the model's own)
     reasoning: str | None = None  # --reasoning on/off/auto: "off" renders templates with thinking off
     chat_template: str | None = None  # --chat-template-file: used instead of the model's template  # system_fingerprint, as llama-server's "b<build>"

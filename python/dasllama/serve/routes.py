@@ -303,7 +303,10 @@ class Routes:
                 if job.logprobs is not None:
                     lp = {"tokens": [e["token"] for e in r["lps"]], "token_logprobs": [e["logprob"] for e in r["lps"]], "top_logprobs": [e["top"] for e in r["lps"]]}
                 choices.append({"index": i, "text": r["text"], "logprobs": lp, "finish_reason": r["reason"]})
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "system_fingerprint": self.server.options.build, "choices": choices, "usage": _usage(usage), "timings": _timings(usage)})
+        out = {"id": rid, "object": obj, "created": created, "model": model_name, "system_fingerprint": self.server.options.build, "choices": choices, "usage": _usage(usage), "timings": _timings(usage)}
+        if job.verbose:
+            out["__verbose"] = {"prompt": decode(m, job.prompt, special=True), "n_prompt_tokens": len(job.prompt)}
+        return JSONResponse(out)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.completions(request, True)
