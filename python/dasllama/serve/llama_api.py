@@ -86,9 +86,7 @@ def _text_of(obj: dict[str, Any], param: str) -> str:
         raise ApiError(400, "this model takes no images or audio (multimodal_data)", param=param)
     if isinstance(obj.get("prompt_string"), str):
         return obj["prompt_string"]
-    c = obj.get("content")
-    if isinstance(c, str):
-        return c
+    c = obj.get("content")  # a list of parts, as llama-server takes it (a bare string is not one)
     if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c):
         return "".join(p["text"] for p in c)
     raise ApiError(400, f"'{param}' objects take 'prompt_string' or 'content' (text parts)", param=param)

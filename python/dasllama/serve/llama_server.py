@@ -38,9 +38,8 @@ IGNORED: list[tuple[tuple[str, ...], bool]] = [
     (("-cb", "--cont-batching"), False),
     (("-nocb", "--no-cont-batching"), False),
     (("-fa", "--flash-attn"), True),
-    (("-kvu", "--kv-unified"), False),
-    (("-no-kvu", "--no-kv-unified"), False),
     (("--swa-full",), False),
+    (("--backend_sampling", "--backend-sampling"), False),
     (("--jinja",), False),
     (("--no-jinja",), False),
     (("--offline",), False),
@@ -98,7 +97,6 @@ UNSUPPORTED = {
     "--mcp-servers-config": "MCP servers",
     "--mcp-servers-json": "MCP servers",
     "--ui-mcp-proxy": "the MCP CORS proxy",
-    "--backend_sampling": "backend sampling",
     "--spec-type": "llama.cpp's speculative decoding types (dasllama's own: python -m dasllama.serve --spec)",
 }
 
@@ -141,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-ui", "--no-webui", dest="no_ui", action="store_true", help="no chat page at /")
     ap.add_argument("--chat-template", dest="chat_template", default=None, help="(accepted; the model's own template is used)")
     ap.add_argument("--chat-template-file", dest="chat_template_file", default=None, help="a Jinja chat template file used instead of the model's")
+    ap.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true", help="one cache shared by the slots: a request may use the whole -c")
+    ap.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false", help="each slot gets -c / -np (the default)")
     ap.add_argument("--pooling", default=None, choices=["none", "mean", "cls", "last", "rank"], help="embeddings pooling (default: the model's)")
     ap.add_argument("-rea", "--reasoning", default=None, choices=["on", "off", "auto"], help="off: render chat templates with thinking off")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -207,9 +207,11 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
             serve_argv += ["--alias", aliases[0]]
     if ns.model_draft:
         serve_argv += ["--model-draft", ns.model_draft]
+    unified = bool(ns.kv_unified)
     if ns.ctx_size > 0:
-        # llama-server divides -c among the slots; each request gets a slot's share.
-        serve_argv += ["--ctx", str(max(1, ns.ctx_size // ns.parallel))]
+        # llama-server divides -c among the slots; each request gets a slot's share (all of it
+        # with --kv-unified, where the slots share one cache).
+        serve_argv += ["--ctx", str(ns.ctx_size if unified else max(1, ns.ctx_size // ns.parallel))]
     if api_key:
         serve_argv += ["--api-key", api_key]
     args = parse_args(serve_argv, prog="dasllama-server")
@@ -222,7 +224,7 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
         n_predict=ns.n_predict,
         temperature=ns.temp,
         seed=ns.seed if ns.seed is not None and ns.seed >= 0 else None,
-        n_ctx_slot=ns.ctx_size // ns.parallel if ns.ctx_size > 0 else 0,
+        n_ctx_slot=(ns.ctx_size if unified else ns.ctx_size // ns.parallel) if ns.ctx_size > 0 else 0,
         slots_endpoint=ns.slots,
         metrics_endpoint=ns.metrics,
         ui=not ns.no_ui,
