@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -183,7 +184,12 @@ def load_models(server: Server, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace, setup: Callable[[Server], None] | None = None) -> int:
+    """Serve as `args` say; `setup` adjusts the Server before it answers (dasllama-server sets
+    llama-server's options there). `args.host` may list several addresses, comma-separated."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # A model that cannot exist is refused before the server starts (loading, which may download,
     # runs in the background while /health answers "loading").
@@ -194,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes, cors_origins=args.cors_origin)
+    if setup is not None:
+        setup(server)
     app = build_app(server)
     failed: list[BaseException] = []
 
@@ -213,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         def capture_signals(self):
             yield
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30)
+    hosts = [h.strip() for h in args.host.split(",") if h.strip()]
+    # dasllama-server asks for h11, which writes header names in the case given (httptools lowercases them).
+    http = getattr(args, "http", "auto")
+    config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30, http=http)
     uv = _Uvicorn(config)
+    sockets = [_listen(h, args.port) for h in hosts] if len(hosts) > 1 else None
 
     def on_signal(signum: int, frame: object) -> None:
         for eng in server.engines.values():
@@ -227,11 +239,25 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     threading.Thread(target=load, name="dasllama-load", daemon=True).start()
-    uv.run()
+    uv.run(sockets=sockets)
     server.ready = False
     for eng in server.engines.values():
         eng.shutdown()
     return 1 if failed else 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on one of several --host addresses (uvicorn binds one by itself)."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import logging
 import math
@@ -27,6 +28,8 @@ from ..grammar import marker as grammar_marker
 from ..model import encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
+from .gbnf import request_grammar
+from .options import Options
 from .status import StatusHistory
 from .tools import ToolError, Tools, call_grammar, convert_messages, parse_tools, response_format_grammar, template_format, with_tools
 
@@ -40,12 +43,15 @@ BYTES_PER_CONTEXT_TOKEN = 16
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers or {}
+        self.extra = extra or {}  # more fields for the error object (llama-server's n_prompt_tokens, n_ctx)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -95,6 +101,8 @@ class Metrics:
     ttft: dict[str, Histogram] = field(default_factory=dict)
     itl: dict[str, Histogram] = field(default_factory=dict)
     tokens_out: dict[str, int] = field(default_factory=dict)  # generated tokens as they stream, for the status page's rates
+    embedded_tokens: int = 0  # prompt tokens of embedding (and rerank) requests
+    embed_passes: int = 0  # their forward passes
 
     def outcome(self, model: str, outcome: str) -> None:
         self.requests[(model, outcome)] = self.requests.get((model, outcome), 0) + 1
@@ -123,7 +131,7 @@ KNOWN_FIELDS = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
     "logprobs", "top_logprobs", "n", "user", "ignore_eos", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "chat_template_kwargs", "enable_thinking", "reasoning_effort",
+    "chat_template_kwargs", "enable_thinking", "reasoning_effort", "verbose", "continue_final_message", "add_generation_prompt",
 }
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -177,6 +185,7 @@ class Job:
     markers: tuple[str, str] | None = None
     in_thought: bool = False
     nothink: NothinkGuard | None = None
+    verbose: bool = False  # llama-server's "verbose": the answer carries the prompt it ran (__verbose)
 
 
 def _utf8_len(text: str, param: str) -> int:
@@ -218,6 +227,7 @@ class Server:
         self.cors_origins = list(cors_origins or [])
         self.metrics = Metrics()
         self.history = StatusHistory()
+        self.options = Options()
 
     def engine(self, name: Any) -> Engine:
         if name is None or name == "":
@@ -226,6 +236,10 @@ class Server:
         if not isinstance(name, str):
             raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
         served = self.names.get(name, name)
+        if served not in self.engines and len(self.engines) == 1:
+            # One model served: any name reaches it (clients written for OpenAI send their own
+            # model names, as llama-server accepts).
+            return next(iter(self.engines.values()))
         if served not in self.engines:
             raise ApiError(404, f"the model '{name}' does not exist; this server has: {', '.join(self.engines)}", param="model", code="model_not_found")
         return self.engines[served]
@@ -233,7 +247,9 @@ class Server:
     def add(self, eng: Engine, *names: str) -> None:
         """Serve `eng` under its name and answer to `names` as well."""
         self.engines[eng.name] = eng
-        for n in (eng.name, *names):
+        if self.options.chat_template:
+            eng.m.chat_template = self.options.chat_template
+        for n in (eng.name, *names, *self.options.aliases):
             self.names.setdefault(n, eng.name)
         self.default = self.default or eng.name
 
@@ -259,7 +275,7 @@ class Server:
         if n_bytes > limit:
             raise ApiError(
                 400,
-                f"the prompt is {n_bytes} bytes; this server takes at most {limit} bytes for a context of {int(m.config['seq_len'])} tokens "
+                f"the prompt is too large: {n_bytes} bytes; this server takes at most {limit} bytes for a context of {int(m.config['seq_len'])} tokens "
                 "(start it with a larger --max-prompt-bytes to raise the limit)",
                 param=param,
                 code="context_length_exceeded",
@@ -281,11 +297,25 @@ class Server:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+            # The reply continues the last assistant message (a prefill): on request
+            # (continue_final_message, as vLLM and transformers take it), and under dasllama-server
+            # whenever the conversation ends with one, as llama-server does.
+            prefill = bool(body.get("continue_final_message"))
+            if prefill and body.get("add_generation_prompt"):
+                raise ApiError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true", param="continue_final_message")
+            last = msgs[-1] if isinstance(msgs[-1], dict) else {}
+            if prefill and last.get("role") != "assistant":
+                raise ApiError(400, "'continue_final_message' needs the last message to be the assistant's", param="continue_final_message")
+            prefill = (prefill or self.options.llama_compat) and last.get("role") == "assistant" and not last.get("tool_calls") and len(msgs) > 1
             try:
                 tools = parse_tools(body, m.chat_template)
                 grammar, grammar_param = response_format_grammar(body), "response_format"
+                if grammar is None:  # llama-server's own fields
+                    grammar, grammar_param = request_grammar(body)
             except ToolError as e:
                 raise ApiError(400, str(e), param=e.param) from None
+            except ValueError as e:
+                raise ApiError(400, str(e), param="grammar") from None
             if tools is not None and (g := call_grammar(tools, lambda text: grammar_marker(m, text))) is not None:
                 if grammar is not None:
                     raise ApiError(400, "'response_format' cannot apply when 'tool_choice' forces a call: the reply is the call", param="response_format")
@@ -310,6 +340,11 @@ class Server:
             if tools is not None:
                 rendered, extra = with_tools(rendered, tools)
             thinking = _enable_thinking(body)
+            if thinking is None and self.options.llama_compat:
+                # llama-server passes enable_thinking to every template (false under --reasoning off)
+                # and today's date as date_string (Llama 3.x templates print it).
+                thinking = self.options.reasoning != "off"
+                extra["date_string"] = datetime.date.today().strftime("%d %b %Y")
             effort = _reasoning_effort(body)
             if is_harmony(m):
                 # gpt-oss's template writes the level into its system message as given, and the
@@ -328,11 +363,15 @@ class Server:
                     thinking = False
             if thinking is not None:
                 extra["enable_thinking"] = thinking
+            head = ""
+            if prefill:
+                head = rendered[-1]["content"]
+                rendered = rendered[:-1]
             try:
-                text = render_chat(m, rendered, **extra)
+                text = render_chat(m, rendered, **extra) + head
                 # What closes the reply in the next turn's prompt: evaluated at the end so the
                 # whole turn goes to the prefix cache and a follow-up attaches it.
-                close = render_close(m, ChatRenderer(m, rendered, thinking=thinking))
+                close = [] if prefill else render_close(m, ChatRenderer(m, rendered, thinking=thinking))
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
             prompt = encode_prompt(m, text)
@@ -344,8 +383,12 @@ class Server:
             markers, in_thought, nothink = None, False, None
             try:
                 grammar, grammar_param = response_format_grammar(body), "response_format"
+                if grammar is None:  # llama-server's own fields
+                    grammar, grammar_param = request_grammar(body)
             except ToolError as e:
                 raise ApiError(400, str(e), param=e.param) from None
+            except ValueError as e:
+                raise ApiError(400, str(e), param="grammar") from None
             p = body.get("prompt")
             if isinstance(p, str):
                 self.check_prompt_bytes(m, _utf8_len(p, "prompt"), "prompt")
@@ -361,9 +404,17 @@ class Server:
             raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
         ctx = int(m.config["seq_len"])
         if len(prompt) + 1 > ctx:
-            raise ApiError(400, f"this model's maximum context length is {ctx} tokens; the prompt has {len(prompt)}", param="messages" if chat else "prompt", code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {ctx} tokens; the prompt has {len(prompt)}",
+                type_="exceed_context_size_error" if self.options.llama_compat else "invalid_request_error",
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+                extra={"n_prompt_tokens": len(prompt), "n_ctx": ctx} if self.options.llama_compat else None,
+            )
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_new = _num(body, key, int, min(256 if chat else 16, ctx - len(prompt)), 1, None)
+        default_new = self.options.n_predict if self.options.n_predict > 0 else (256 if chat else 16)
+        max_new = _num(body, key, int, min(default_new, ctx - len(prompt)), 1, None)
         max_new = min(max_new, ctx - len(prompt))
         stop = body.get("stop")
         if stop is None:
@@ -375,9 +426,9 @@ class Server:
         else:
             raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
         stops = [s for s in stops if s]
-        seed = _num(body, "seed", int, None)
+        seed = _num(body, "seed", int, self.options.seed)
         params = SamplingParams(
-            temp=float(_num(body, "temperature", (int, float), 1.0, 0, 2)),
+            temp=float(_num(body, "temperature", (int, float), 1.0 if self.options.temperature is None else self.options.temperature, 0, 2)),
             top_k=_num(body, "top_k", int, 0, 0, None),
             top_p=float(_num(body, "top_p", (int, float), 1.0, 0, 1)),
             min_p=float(_num(body, "min_p", (int, float), 0.0, 0, 1)),
@@ -412,7 +463,10 @@ class Server:
                 check_grammar(m, grammar)
             except ValueError as e:
                 raise ApiError(400, str(e), param=grammar_param) from None
-        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage")), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink)
+        verbose = body.get("verbose", self.options.verbose)
+        if not isinstance(verbose, bool):
+            raise ApiError(400, "'verbose' must be a boolean", param="verbose")
+        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage", self.options.llama_compat and chat)), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink, verbose=verbose)
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
         """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a
@@ -524,11 +578,22 @@ class _Cors(CORSMiddleware):
 
 def build_app(server: Server) -> Starlette:
     # Imported here: routes.py builds on this module's Server and ApiError.
+    from .anthropic import Anthropic
+    from .anthropic import guarded as anthropic_guarded
+    from .llama_api import Native, Rerank, native
+    from .ollama import Ollama
+    from .ollama import guarded as ollama_guarded
+    from .responses import Responses
     from .routes import STATIC, Routes, method_not_allowed, not_found, page, server_error
 
     r = Routes(server)
+    n = Native(r)
+    rr = Rerank(server)
+    a = Anthropic(r)
+    o = Ollama(r)
+    resp = Responses(r)
     routes = [
-        Route("/", page("chat.html"), methods=["GET"]),
+        *([Route("/", page("chat.html"), methods=["GET"])] if server.options.ui else []),
         Route("/status", page("status.html"), methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
         Route("/status.json", r.guarded(r.status_json), methods=["GET"]),
@@ -537,13 +602,54 @@ def build_app(server: Server) -> Starlette:
         Route("/v1/models/{name:path}", r.guarded(r.model), methods=["GET"]),
         Route("/v1/chat/completions", r.guarded(r.chat_completions), methods=["POST"]),
         Route("/v1/completions", r.guarded(r.text_completions), methods=["POST"]),
-        Route("/tokenize", r.guarded(r.tokenize), methods=["POST"]),
-        Route("/v1/embeddings", r.guarded(r.embeddings), methods=["POST"]),
-        Route("/detokenize", r.guarded(r.detokenize), methods=["POST"]),
+        Route("/tokenize", native(r, n.tokenize), methods=["POST"]),
+        Route("/v1/embeddings", r.guarded(lambda q: n.embeddings(q, oai=True)) if server.options.llama_compat else r.guarded(r.embeddings), methods=["POST"]),
+        Route("/detokenize", native(r, n.detokenize), methods=["POST"]),
         Route("/metrics", r.guarded(r.metrics), methods=["GET"]),
+        # llama-server's routes (llama_api.py): its native API, and the OpenAI ones without /v1.
+        Route("/completion", native(r, n.completion), methods=["POST"]),
+        Route("/completions", native(r, n.completion), methods=["POST"]),
+        Route("/chat/completions", r.guarded(r.chat_completions), methods=["POST"]),
+        Route("/models", r.guarded(r.models), methods=["GET"]),
+        Route("/v1/health", r.health, methods=["GET"]),
+        Route("/embedding", native(r, lambda q: n.embeddings(q, oai=False)), methods=["POST"]),
+        Route("/embeddings", native(r, lambda q: n.embeddings(q, oai=False)), methods=["POST"]),
+        Route("/infill", native(r, n.infill), methods=["POST"]),
+        Route("/predict", native(r, n.predict), methods=["POST"]),
+        Route("/apply-template", native(r, n.apply_template), methods=["POST"]),
+        Route("/props", native(r, n.props), methods=["GET", "POST"]),
+        Route("/slots", native(r, n.slots), methods=["GET"]),
+        Route("/slots/{id_slot}", native(r, n.slot_action), methods=["POST"]),
+        Route("/rerank", native(r, rr.rerank), methods=["POST"]),
+        Route("/reranking", native(r, rr.rerank), methods=["POST"]),
+        Route("/v1/rerank", native(r, rr.rerank), methods=["POST"]),
+        Route("/v1/reranking", native(r, rr.rerank), methods=["POST"]),
+        # Anthropic's Messages API (anthropic.py).
+        Route("/v1/messages", anthropic_guarded(r, a.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_guarded(r, a.count_tokens), methods=["POST"]),
+        Route("/chat/completions/input_tokens", r.guarded(a.openai_input_tokens), methods=["POST"]),
+        # OpenAI's Responses API (responses.py).
+        Route("/v1/responses", r.guarded(resp.create), methods=["POST"]),
+        Route("/responses", r.guarded(resp.create), methods=["POST"]),
+        # Ollama's API (ollama.py).
+        Route("/api/version", ollama_guarded(r, o.version), methods=["GET"]),
+        Route("/api/tags", ollama_guarded(r, o.tags), methods=["GET"]),
+        Route("/api/ps", ollama_guarded(r, o.ps), methods=["GET"]),
+        Route("/api/show", ollama_guarded(r, o.show), methods=["POST"]),
+        Route("/api/chat", ollama_guarded(r, o.chat), methods=["POST"]),
+        Route("/api/generate", ollama_guarded(r, o.generate), methods=["POST"]),
+        Route("/api/embed", ollama_guarded(r, o.embed), methods=["POST"]),
+        Route("/api/embeddings", ollama_guarded(r, o.embed), methods=["POST"]),
+        Route("/api/{op:path}", ollama_guarded(r, o.unsupported), methods=["GET", "POST", "DELETE", "HEAD"]),
+        Route("/v1/chat/completions/input_tokens", r.guarded(a.openai_input_tokens), methods=["POST"]),
     ]
     middleware = []
-    if server.cors_origins:
+    if server.options.llama_cors is not None:
+        from .cors import LlamaCors, TitleCaseHeaders
+
+        middleware.append(Middleware(TitleCaseHeaders))
+        middleware.append(Middleware(LlamaCors, allowed=server.options.llama_cors))
+    elif server.cors_origins:
         # Only the origins named: a browser page elsewhere may call the API (preflight answered,
         # the key sent as a header, never as a cookie); any other origin gets no CORS headers, so
         # its browser refuses the answer. The server's own pages are same-origin and need none.

@@ -27,6 +27,8 @@ from ..model import decode, encode
 from .app import ITL_BUCKETS, TTFT_BUCKETS, ApiError, Histogram, Job, Server, _utf8_len, internal_error
 from .callformats import CallParser, split_calls
 from .engine import Subscription
+from .llama_api import llama_metrics, timings
+from .options import FINGERPRINT
 from .status import status
 
 log = logging.getLogger("dasllama.serve")
@@ -42,6 +44,7 @@ PAGE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
+PROCESS_START = time.time()
 # OpenAI's own bound on inputs per embeddings request.
 EMBED_MAX_INPUTS = 2048
 
@@ -59,8 +62,11 @@ class Routes:
         # Starlette decodes header values as latin-1, so this recovers the bytes sent; comparing in
         # constant time keeps the answer's timing from telling how much of a guess was right.
         sent = request.headers.get("authorization", "").encode("latin-1")
-        if not hmac.compare_digest(sent, f"Bearer {self.server.api_key}".encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        # Anthropic's clients send the key as X-Api-Key.
+        x_key = request.headers.get("x-api-key", "").encode("latin-1")
+        good = hmac.compare_digest(sent, f"Bearer {self.server.api_key}".encode()) | hmac.compare_digest(x_key, self.server.api_key.encode())
+        if not good:
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", type_="authentication_error", code="invalid_api_key")
 
     def guarded(self, handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:
@@ -86,15 +92,24 @@ class Routes:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [_model_card(name) for name in self.server.engines]})
+        opts = self.server.options
+        cards = [_model_card(name) for name in self.server.engines]
+        if len(cards) == 1 and (opts.aliases or opts.tags):  # dasllama-server's --alias a,b and --tags
+            cards[0] |= {"aliases": opts.aliases or [cards[0]["id"]], "tags": opts.tags}
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["name"]
-        self.server.engine(name)  # 404 for a name no model answers to
+        if name not in self.server.names:
+            raise ApiError(404, f"the model '{name}' does not exist; this server has: {', '.join(self.server.engines)}", param="model", code="model_not_found")
         return JSONResponse(_model_card(name))
 
     async def completions(self, request: Request, chat: bool) -> Response:
-        body = await self.server.body(request)
+        return await self.complete(request, await self.server.body(request), chat)
+
+    async def complete(self, request: Request, body: dict[str, Any], chat: bool) -> Response:
+        """An OpenAI (chat) completion of `body`: the other APIs (Anthropic, Ollama) translate
+        their requests into one and its answer back."""
         # Rendering the template and tokenizing grow with the prompt: never on the event loop.
         job = await asyncio.get_running_loop().run_in_executor(None, self.server.job, body, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -143,9 +158,11 @@ class Routes:
                 parsers = [CallParser(job.tools.fmt) for _ in range(job.n)] if chat and job.tools is not None else None
                 # A leading thought goes out as `reasoning_content` deltas, before the content.
                 splitters = [thought_splitter(job.markers, job.in_thought, job.tools is not None) for _ in range(job.n)] if chat and job.markers else None
+                # OpenAI's first chunk carries content ""; llama-server's carries null.
+                first_content = None if self.server.options.llama_compat else ""
                 if chat:
                     for i in range(job.n):
-                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+                        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": first_content}, "logprobs": None, "finish_reason": None}]})
                 done = 0
                 while done < job.n:
                     getter = asyncio.ensure_future(queue.get())
@@ -168,6 +185,8 @@ class Routes:
                         usage["prompt"] = ev.n_prompt if ev else usage["prompt"]
                         usage["completion"] += ev.n_gen if ev else 0
                         usage["cached"] = max(usage["cached"], ev.n_cached if ev else 0)
+                        usage["ttft_us"] = max(usage.get("ttft_us", 0), ev.ttft_us if ev else 0)
+                        usage["gen_us"] = max(usage.get("gen_us", 0), ev.gen_us if ev else 0)
                     calls: list[dict[str, Any]] = []
                     if splitters is not None:
                         thought, text = splitters[i].feed(text)
@@ -213,7 +232,7 @@ class Routes:
                         chunk["usage"] = None
                     yield _sse(chunk)
                 if job.include_usage:
-                    yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [], "usage": _usage(usage)})
+                    yield _sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": model_name, "choices": [], "usage": _usage(usage), "timings": _timings(usage)})
                 yield b"data: [DONE]\n\n"
             except Exception as e:  # past the headers, an error event is the only way left to say it
                 log.exception("%s %s failed while streaming", request.method, request.url.path)
@@ -236,6 +255,7 @@ class Routes:
         m = job.engine.m
         async def collect(i: int) -> dict[str, Any]:
             text, reason, n_prompt, n_gen, cached, lps = "", "stop", 0, 0, 0, []
+            ttft_us = gen_us = 0
             async for t, ev, r in gens[i]:
                 text += t
                 if job.logprobs is not None and ev is not None and ev.kind == "piece" and t:
@@ -243,8 +263,8 @@ class Routes:
                 if r:
                     reason = r
                     if ev is not None:
-                        n_prompt, n_gen, cached = ev.n_prompt, ev.n_gen, ev.n_cached
-            return {"text": text, "reason": reason, "n_prompt": n_prompt or len(job.prompt), "n_gen": n_gen, "cached": cached, "lps": lps}
+                        n_prompt, n_gen, cached, ttft_us, gen_us = ev.n_prompt, ev.n_gen, ev.n_cached, ev.ttft_us, ev.gen_us
+            return {"text": text, "reason": reason, "n_prompt": n_prompt or len(job.prompt), "n_gen": n_gen, "cached": cached, "lps": lps, "ttft_us": ttft_us, "gen_us": gen_us}
 
         # A client that hangs up before the answer is cancelled like a streaming one.
         work = asyncio.ensure_future(asyncio.gather(*(collect(i) for i in range(job.n))))
@@ -262,7 +282,7 @@ class Routes:
         if hung_up:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         results = work.result()
-        usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results)}
+        usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results), "ttft_us": max(r["ttft_us"] for r in results), "gen_us": max(r["gen_us"] for r in results)}
         choices = []
         for i, r in enumerate(results):
             if chat:
@@ -284,7 +304,10 @@ class Routes:
                 if job.logprobs is not None:
                     lp = {"tokens": [e["token"] for e in r["lps"]], "token_logprobs": [e["logprob"] for e in r["lps"]], "top_logprobs": [e["top"] for e in r["lps"]]}
                 choices.append({"index": i, "text": r["text"], "logprobs": lp, "finish_reason": r["reason"]})
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, "usage": _usage(usage)})
+        out = {"id": rid, "object": obj, "created": created, "model": model_name, "system_fingerprint": self.server.options.build, "choices": choices, "usage": _usage(usage), "timings": _timings(usage)}
+        if job.verbose:
+            out["__verbose"] = {"prompt": decode(m, job.prompt, special=True), "n_prompt_tokens": len(job.prompt)}
+        return JSONResponse(out)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self.completions(request, True)
@@ -364,6 +387,8 @@ class Routes:
         return JSONResponse({"content": decode(eng.m, toks)})
 
     async def metrics(self, request: Request) -> Response:
+        if not self.server.options.metrics_endpoint:
+            raise ApiError(501, "This server does not support metrics endpoint (start it with --metrics)", type_="not_supported_error", code="not_supported")
         mt = self.server.metrics
         lines = [
             "# HELP dasllama_requests_total Requests by outcome (stop, length, cancelled, rejected, error).",
@@ -403,7 +428,8 @@ class Routes:
         lines += ["# HELP dasllama_inter_token_seconds Time between streamed tokens.", "# TYPE dasllama_inter_token_seconds histogram"]
         for name in self.server.engines:
             lines += mt.itl.get(name, Histogram(ITL_BUCKETS)).render("dasllama_inter_token_seconds", f'model="{name}"')
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        lines += llama_metrics(self.server)
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4", headers={"Process-Start-Time-Unix": str(int(PROCESS_START))})
 
     async def status_json(self, request: Request) -> Response:
         return JSONResponse(status(self.server, self.server.history), headers={"Cache-Control": "no-store"})
@@ -469,7 +495,14 @@ def _logprob_entry(m: Any, ev: sched.SchedEvent, chat: bool) -> dict[str, Any]:
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
+    if "object" in obj:
+        obj = {**obj, "system_fingerprint": FINGERPRINT}
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _timings(u: dict[str, int]) -> dict[str, Any]:
+    """llama-server's `timings` beside `usage`."""
+    return timings(u["prompt"], u["cached"], u["completion"], u.get("ttft_us", 0), u.get("gen_us", 0))
 
 
 def _usage(u: dict[str, int]) -> dict[str, Any]:

@@ -112,7 +112,12 @@ def response_format_grammar(body: dict[str, Any]) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return json_object_grammar()
+        schema = rf.get("schema")  # llama-server's extension: a schema beside json_object
+        if schema is None:
+            return json_object_grammar()
+        if not isinstance(schema, dict):
+            raise ToolError("'response_format.schema' must be a JSON schema object", "response_format.schema")
+        return json_schema_grammar(schema)
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):

@@ -1,0 +1,262 @@
+"""dasllama-server: dasllama's server behind llama-server's command line.
+
+    dasllama-server -m model.gguf -c 4096 -np 4 --host 0.0.0.0 --port 8080 --alias my-model
+
+The flags keep llama-server's names, long and short; each maps onto a `python -m dasllama.serve`
+option or a server option (options.py). Flags that only tune llama.cpp's own machinery (GPU
+layers, batch sizes, flash attention, mmap) are taken and ignored, saying so in the log; flags for
+features dasllama does not have (LoRA adapters, multimodal projectors, the model router, MCP
+tools) are refused by name, as are flags llama-server does not know either.
+
+llama-server downloads `--hf-repo`/`--model-url` models itself; dasllama-server does not. Such a
+model resolves to the file named by DASLLAMA_SERVER_HF_FALLBACK (a path or a dasllama model name)
+when that is set, and is refused otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from .._cli import HelpFormatter
+from .options import Options
+
+log = logging.getLogger("dasllama.serve")
+
+HF_FALLBACK_ENV = "DASLLAMA_SERVER_HF_FALLBACK"
+
+# llama-server's cache types -> dasllama's KV codecs (f32 and bf16 store as f16).
+KV_TYPES = {"f16": "f16", "f32": "f16", "bf16": "f16", "q8_0": "q8_0"}
+
+# Flags taken for compatibility that change nothing here: (names, takes a value).
+IGNORED: list[tuple[tuple[str, ...], bool]] = [
+    (("-ngl", "--gpu-layers", "--n-gpu-layers"), True),
+    (("-ub", "--ubatch-size"), True),
+    (("-cb", "--cont-batching"), False),
+    (("-nocb", "--no-cont-batching"), False),
+    (("-fa", "--flash-attn"), True),
+    (("--swa-full",), False),
+    (("--backend_sampling", "--backend-sampling"), False),
+    (("--jinja",), False),
+    (("--no-jinja",), False),
+    (("--offline",), False),
+    (("--context-shift",), False),
+    (("--no-context-shift",), False),
+    (("-cram", "--cache-ram"), True),
+    (("--no-cache-idle-slots",), False),
+    (("--reasoning-format",), True),
+    (("--reasoning-budget",), True),
+    (("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n"), True),
+    (("--spec-draft-n-min", "--draft-min", "--draft-n-min"), True),
+    (("--spec-synth-len",), True),
+    (("--spec-synth-rates",), True),
+    (("--no-mmproj",), False),
+    (("--mlock",), False),
+    (("--no-mmap",), False),
+    (("--mmap",), False),
+    (("--grp-attn-n", "-gan"), True),
+    (("--grp-attn-w", "-gaw"), True),
+    (("--slot-save-path",), True),
+    (("--sleep-idle-seconds",), True),
+    (("--media-path",), True),
+    (("--numa",), True),
+    (("-dev", "--device"), True),
+    (("-sm", "--split-mode"), True),
+    (("-ts", "--tensor-split"), True),
+    (("-mg", "--main-gpu"), True),
+    (("--log-disable",), False),
+    (("--log-colors",), True),
+    (("--no-warmup",), False),
+    (("--warmup",), False),
+    (("-to", "--timeout"), True),
+    (("--threads-http",), True),
+    (("-tb", "--threads-batch"), True),
+    (("--cache-reuse",), True),
+    (("--webui",), False),
+    (("--props",), False),
+    (("--keep", "-k"), True),
+]
+
+# Features dasllama does not have: the flag is refused, naming what is missing.
+UNSUPPORTED = {
+    "--lora": "LoRA adapters",
+    "--lora-scaled": "LoRA adapters",
+    "-mm": "multimodal projectors",
+    "--mmproj": "multimodal projectors",
+    "-mmu": "multimodal projectors",
+    "--mmproj-url": "multimodal projectors",
+    "--models-dir": "the model router",
+    "--models-max": "the model router",
+    "--models-preset": "the model router",
+    "--no-models-autoload": "the model router",
+    "--tools": "built-in server tools",
+    "--tools-runtime": "built-in server tools",
+    "--mcp-servers-config": "MCP servers",
+    "--mcp-servers-json": "MCP servers",
+    "--ui-mcp-proxy": "the MCP CORS proxy",
+    "--spec-type": "llama.cpp's speculative decoding types (dasllama's own: python -m dasllama.serve --spec)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="dasllama-server",
+        description="dasllama's server with llama-server's command line (see docs/server-compat.md).",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+        add_help=False,
+    )
+    ap.add_argument("-h", "--help", action="help", help="show this help and exit")
+    ap.add_argument("-m", "--model", default=None, help="a .gguf path or dasllama model name")
+    ap.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", default=None, help=f"a Hugging Face repo (not downloaded: resolves to ${HF_FALLBACK_ENV})")
+    ap.add_argument("-hff", "--hf-file", dest="hf_file", default=None, help="a file in --hf-repo (as --hf-repo)")
+    ap.add_argument("-mu", "--model-url", dest="model_url", default=None, help="a model URL (as --hf-repo)")
+    ap.add_argument("-md", "--model-draft", dest="model_draft", default=None, help="a draft model for speculative decoding")
+    ap.add_argument("-a", "--alias", default=None, help="the model's names, comma-separated (the first in sorted order is its id)")
+    ap.add_argument("--tags", default=None, help="the model's tags, comma-separated (listed by /models)")
+    ap.add_argument("--host", default="127.0.0.1", help="address(es) to listen on, comma-separated")
+    ap.add_argument("--port", type=int, default=8080, help="port to listen on")
+    ap.add_argument("-c", "--ctx-size", dest="ctx_size", type=int, default=0, help="context size, shared by the slots (0: the model's)")
+    ap.add_argument("-np", "--parallel", dest="parallel", type=int, default=4, help="slots: concurrent streams")
+    ap.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (DASLLAMA_THREADS)")
+    ap.add_argument("-b", "--batch-size", dest="batch_size", type=int, default=512, help="most prompt tokens per step")
+    ap.add_argument("-ctk", "--cache-type-k", dest="cache_type_k", default="f16", help="K cache type: f16, f32, bf16, q8_0")
+    ap.add_argument("-ctv", "--cache-type-v", dest="cache_type_v", default=None, help="V cache type (must match -ctk: dasllama stores K and V alike)")
+    ap.add_argument("-n", "--n-predict", "--predict", dest="n_predict", type=int, default=-1, help="default tokens to predict (-1: unlimited)")
+    ap.add_argument("--temp", type=float, default=None, help="default temperature")
+    ap.add_argument("-s", "--seed", type=int, default=None, help="default seed (-1: random)")
+    ap.add_argument("--api-key", dest="api_key", default=None, help="require this key (comma-separated: the first is used)")
+    ap.add_argument("--api-key-file", dest="api_key_file", default=None, help="read the key from this file's first line")
+    ap.add_argument("--cors-origins", dest="cors_origins", default=None, help="origins allowed from a browser, comma-separated; 'localhost' is any loopback origin")
+    ap.add_argument("--metrics", action="store_true", help="serve /metrics")
+    ap.add_argument("--slots", dest="slots", action="store_true", default=True, help="serve /slots (the default)")
+    ap.add_argument("--no-slots", dest="slots", action="store_false", help="answer /slots with 501")
+    ap.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true", help="(embeddings are always served)")
+    ap.add_argument("--reranking", "--rerank", dest="reranking", action="store_true", help="(accepted; /rerank needs a reranker model)")
+    ap.add_argument("--no-ui", "--no-webui", dest="no_ui", action="store_true", help="no chat page at /")
+    ap.add_argument("--chat-template", dest="chat_template", default=None, help="(accepted; the model's own template is used)")
+    ap.add_argument("--chat-template-file", dest="chat_template_file", default=None, help="a Jinja chat template file used instead of the model's")
+    ap.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true", help="one cache shared by the slots: a request may use the whole -c")
+    ap.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false", help="each slot gets -c / -np (the default)")
+    ap.add_argument("--pooling", default=None, choices=["none", "mean", "cls", "last", "rank"], help="embeddings pooling (default: the model's)")
+    ap.add_argument("-rea", "--reasoning", default=None, choices=["on", "off", "auto"], help="off: render chat templates with thinking off")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    ap.add_argument("--log-verbosity", "-lv", dest="log_verbosity", type=int, default=None, help="(accepted)")
+    for names, takes_value in IGNORED:
+        if takes_value:
+            ap.add_argument(*names, dest="ignored_" + names[-1].lstrip("-").replace("-", "_"), default=None, help=argparse.SUPPRESS)
+        else:
+            ap.add_argument(*names, dest="ignored_" + names[-1].lstrip("-").replace("-", "_"), action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def resolve_model(ns: argparse.Namespace, ap: argparse.ArgumentParser) -> str | None:
+    """The --model to serve: -m as given; a Hugging Face repo or URL resolves to the fallback
+    file; none at all serves dasllama's default model."""
+    if ns.model:
+        return ns.model
+    remote = ns.hf_repo or ns.model_url
+    if remote is None:
+        return None
+    fallback = os.environ.get(HF_FALLBACK_ENV)
+    if not fallback:
+        ap.error(
+            f"dasllama-server does not download models ({'--hf-repo ' + ns.hf_repo if ns.hf_repo else '--model-url ' + ns.model_url}); "
+            f"pass -m PATH, or set {HF_FALLBACK_ENV} to the local file to serve in its place"
+        )
+    ns.notes.append(f"serving {fallback} in place of {remote}{'/' + ns.hf_file if ns.hf_file else ''} ({HF_FALLBACK_ENV})")
+    return fallback
+
+
+def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
+    """llama-server's flags -> (`python -m dasllama.serve`'s namespace, the server options)."""
+    from .__main__ import parse_args
+
+    for a in argv:
+        flag = a.split("=", 1)[0]
+        if flag in UNSUPPORTED:
+            raise SystemExit(f"dasllama-server: {flag} is not supported: dasllama has no {UNSUPPORTED[flag]}")
+    ap = build_parser()
+    ns, unknown = ap.parse_known_args(argv)
+    ns.notes = []
+    if unknown:
+        ap.error(f"unknown arguments: {' '.join(unknown)} (llama-server flags dasllama-server takes: dasllama-server --help)")
+    if ns.threads > 0:
+        os.environ["DASLLAMA_THREADS"] = str(ns.threads)  # read once, when the first model loads
+    kv = KV_TYPES.get(ns.cache_type_k)
+    if kv is None:
+        ap.error(f"-ctk {ns.cache_type_k}: dasllama stores the KV cache as {', '.join(sorted(KV_TYPES))}")
+    if ns.cache_type_v is not None and KV_TYPES.get(ns.cache_type_v) != kv:
+        ap.error(f"-ctv {ns.cache_type_v} differs from -ctk {ns.cache_type_k}: dasllama stores K and V alike")
+    if ns.parallel < 1:
+        ns.parallel = 4  # llama-server's -np -1 (auto)
+    api_key = ns.api_key.split(",")[0] if ns.api_key else None
+    if ns.api_key_file:
+        with open(ns.api_key_file, encoding="utf-8") as f:
+            api_key = f.readline().strip() or api_key
+    aliases = sorted({a.strip() for a in ns.alias.split(",") if a.strip()}) if ns.alias else []
+    model = resolve_model(ns, ap)
+    serve_argv = ["--host", ns.host, "--port", str(ns.port), "--streams", str(ns.parallel), "--kv-dtype", kv, "--chunk", str(max(1, ns.batch_size))]
+    serve_argv += ["--log-level", "debug" if ns.verbose else "info"]
+    if model:
+        serve_argv += ["--model", model]
+        if aliases:
+            serve_argv += ["--alias", aliases[0]]
+    if ns.model_draft:
+        serve_argv += ["--model-draft", ns.model_draft]
+    unified = bool(ns.kv_unified)
+    if ns.ctx_size > 0:
+        # llama-server divides -c among the slots; each request gets a slot's share (all of it
+        # with --kv-unified, where the slots share one cache).
+        serve_argv += ["--ctx", str(ns.ctx_size if unified else max(1, ns.ctx_size // ns.parallel))]
+    if api_key:
+        serve_argv += ["--api-key", api_key]
+    args = parse_args(serve_argv, prog="dasllama-server")
+    args.http = "h11"  # header names as llama-server writes them (Title-Case)
+    ignored = sorted(k[len("ignored_") :] for k, v in vars(ns).items() if k.startswith("ignored_") and v not in (None, False))
+    if ignored:
+        ns.notes.append(f"ignored (no effect on dasllama): {', '.join(ignored)}")
+    cors = [o.strip() for o in ns.cors_origins.split(",") if o.strip()] if ns.cors_origins else ["*"]
+    opts = Options(
+        n_predict=ns.n_predict,
+        temperature=ns.temp,
+        seed=ns.seed if ns.seed is not None and ns.seed >= 0 else None,
+        n_ctx_slot=(ns.ctx_size if unified else ns.ctx_size // ns.parallel) if ns.ctx_size > 0 else 0,
+        slots_endpoint=ns.slots,
+        metrics_endpoint=ns.metrics,
+        ui=not ns.no_ui,
+        aliases=aliases,
+        tags=sorted({t.strip() for t in ns.tags.split(",") if t.strip()}) if ns.tags else [],
+        llama_cors=cors,
+        llama_compat=True,
+        verbose=ns.verbose,
+        notes=ns.notes,
+        pooling=ns.pooling if ns.pooling != "rank" else None,
+        reasoning=ns.reasoning,
+    )
+    if ns.chat_template_file:
+        with open(ns.chat_template_file, encoding="utf-8") as f:
+            opts.chat_template = f.read()
+    return args, opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .__main__ import run
+
+    args, opts = translate(list(sys.argv[1:] if argv is None else argv))
+
+    def setup(server: Any) -> None:
+        server.options = opts
+        for note in opts.notes:
+            log.warning("%s", note)
+        if opts.chat_template:
+            log.info("chat template from --chat-template-file")
+
+    return run(args, setup)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
