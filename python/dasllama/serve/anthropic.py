@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat import encode_prompt, render_chat
 from ..errors import TemplateError
 from .app import ApiError
-from .tools import ToolError, convert_messages, parse_tools, with_tools
+from .tools import ToolError, convert_messages, parse_tools, template_format, with_tools
 
 if TYPE_CHECKING:
     from .routes import Handler, Routes
@@ -290,7 +290,7 @@ class Anthropic:
         try:
             tools = parse_tools(oai, m.chat_template)
             msgs = [{**x, "content": x.get("content") or ""} for x in oai["messages"]]
-            msgs = convert_messages(msgs, tools.fmt if tools is not None else ("hermes" if "<tool_call>" in m.chat_template else "list"))
+            msgs = convert_messages(msgs, tools.fmt if tools is not None else template_format(m.chat_template))
             extra: dict[str, Any] = {}
             if tools is not None:
                 msgs, extra = with_tools(msgs, tools)

@@ -27,7 +27,7 @@ from ..model import decode, encode, token_piece
 from ..session import SamplingParams
 from .app import ApiError, Job, Server, _num, _utf8_len
 from .gbnf import request_grammar
-from .tools import ToolError, convert_messages, parse_tools, with_tools
+from .tools import ToolError, convert_messages, parse_tools, template_format, with_tools
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -637,7 +637,7 @@ def render_request(server: Server, eng: Engine, body: dict[str, Any]) -> str:
         if isinstance(c, list):
             c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
         rendered.append({**msg, "content": c if isinstance(c, str) else ""})
-    fmt = tools.fmt if tools is not None else ("hermes" if "<tool_call>" in (m.chat_template or "") else "list")
+    fmt = tools.fmt if tools is not None else template_format(m.chat_template)
     try:
         rendered = convert_messages(rendered, fmt)
     except ToolError as e:
