@@ -193,10 +193,10 @@ def load_model(
         nm = Numerics(numerics)
     except ValueError:
         raise ValueError(f"unknown numerics {numerics!r} (use {', '.join(n.value for n in Numerics)})") from None
-    t0 = time.perf_counter()
     p = Path(path).expanduser()
     if not p.exists() and not str(path).endswith(".gguf") and os.sep not in str(path):
-        p = fetch(str(path))
+        p = fetch(str(path))  # a download logs its own time: the load below is timed apart
+    t0 = time.perf_counter()
     hdr = read_header(p)
     meta = hdr.metadata
     arch = meta.get("general.architecture")

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,7 @@ def fetch(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, progress: boo
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dasllama-fetch-") as tmpd:
         tmp = Path(tmpd)
         expected = _expected_sha(spec, tmp)
@@ -144,5 +146,5 @@ def fetch(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, progress: boo
                 part.unlink()
                 raise FetchError(f"{spec.file}: sha256 {got} does not match the published {expected}; the download was deleted, run the fetch again")
         os.replace(part, target)
-    log.info("cached %s", target)
+    log.info("downloaded %s (%.0f MB) in %.1fs; cached at %s", spec.file, target.stat().st_size / 1e6, time.perf_counter() - t0, target)
     return target

@@ -26,7 +26,7 @@ from ..embeddings import embed
 from ..model import decode, encode
 from .app import ITL_BUCKETS, TTFT_BUCKETS, ApiError, Histogram, Job, Server, _utf8_len, internal_error
 from .callformats import CallParser, split_calls
-from .engine import Subscription
+from .engine import Engine, Subscription
 from .status import status
 
 log = logging.getLogger("dasllama.serve")
@@ -86,12 +86,12 @@ class Routes:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [_model_card(name) for name in self.server.engines]})
+        return JSONResponse({"object": "list", "data": [_model_card(name, eng) for name, eng in self.server.engines.items()]})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["name"]
-        self.server.engine(name)  # 404 for a name no model answers to
-        return JSONResponse(_model_card(name))
+        eng = self.server.engine(name)  # 404 for a name no model answers to
+        return JSONResponse(_model_card(name, eng))
 
     async def completions(self, request: Request, chat: bool) -> Response:
         body = await self.server.body(request)
@@ -393,8 +393,12 @@ class Routes:
             lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
         st = gpu.gpu_tier_status()
         lines += ["# HELP dasllama_gpu_memory_bytes Device memory dasllama holds (weights, K/V regions, activations).", "# TYPE dasllama_gpu_memory_bytes gauge"]
-        lines += [f'dasllama_gpu_memory_bytes{{device="{st.device}"}} {st.vram_bytes}']
-        lines += ["# HELP dasllama_gpu_budget_bytes The device's memory budget.", "# TYPE dasllama_gpu_budget_bytes gauge", f'dasllama_gpu_budget_bytes{{device="{st.device}"}} {st.budget_bytes}']
+        # Samples only for a device that is there (on a CPU-only server, none: no `device=""`).
+        if st.device:
+            lines += [f'dasllama_gpu_memory_bytes{{device="{st.device}"}} {st.vram_bytes}']
+        lines += ["# HELP dasllama_gpu_budget_bytes The device's memory budget.", "# TYPE dasllama_gpu_budget_bytes gauge"]
+        if st.device:
+            lines += [f'dasllama_gpu_budget_bytes{{device="{st.device}"}} {st.budget_bytes}']
         lines += ["# HELP dasllama_gpu_cpu_passes_total Calls that ran on the CPU while a model was on the device, by reason.", "# TYPE dasllama_gpu_cpu_passes_total counter"]
         lines += [f'dasllama_gpu_cpu_passes_total{{reason="{p.words}"}} {p.count}' for p in gpu.gpu_cpu_passes()]
         lines += ["# HELP dasllama_ttft_seconds Time to first token.", "# TYPE dasllama_ttft_seconds histogram"]
@@ -423,8 +427,29 @@ class Routes:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "dasllama"}
+def _model_card(name: str, eng: Engine) -> dict[str, Any]:
+    """OpenAI's model object, with the context length (as OpenRouter's `context_length` and vLLM's
+    `max_model_len` name it) and, under `meta` (as llama-server's /v1/models has one), what a
+    request that sets nothing gets: the generation cap and the sampling defaults, with where each
+    came from."""
+    m = eng.m
+    ctx = int(m.config["seq_len"])
+    train = m.metadata.get(f"{m.arch}.context_length")
+    meta = {
+        "arch": m.arch,
+        "file": m.path.name,
+        "n_ctx": ctx,
+        "n_ctx_train": int(train) if isinstance(train, int) else ctx,
+        "n_vocab": m.n_vocab,
+        "n_predict": eng.n_predict if eng.n_predict > 0 else ctx,
+        "sampling": eng.sampling.as_dict(),
+    }
+    return {"id": name, "object": "model", "created": eng.created, "owned_by": "dasllama", "context_length": ctx, "max_model_len": ctx, "meta": meta}
+
+
+async def favicon(request: Request) -> Response:
+    """The browser asks every page for it; a small icon instead of a 404 in the log."""
+    return FileResponse(STATIC / "favicon.ico", media_type="image/x-icon", headers={"Cache-Control": "max-age=86400"})
 
 
 async def _disconnected(request: Request) -> None:
