@@ -81,7 +81,8 @@ def from_metadata(metadata: Mapping[str, Any]) -> dict[str, float | int]:
         if not ok:
             log.warning("ignoring %s = %r in the model file: not a %s in [%g, %g]", key, v, kind.__name__, lo, hi)
             continue
-        out[name] = kind(v)
+        # float32 in the file: 0.95 reads back as 0.949999988; six digits are what was meant.
+        out[name] = int(v) if kind is int else float(f"{v:.6g}")
     return out
 
 
