@@ -19,6 +19,7 @@ from pathlib import Path
 from .. import _native, gpu
 from .._cli import HelpFormatter
 from ..fetch import DEFAULT_MODEL, known_names
+from ..fetch.hub import is_hub_ref
 from ..model import load_model
 from ..sampling_defaults import LLAMA_SERVER, describe, sampling_defaults
 from ..session import KVDtype
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     """The server's flags; `extra` adds a front end's own (python -m dasllama.serve.ray takes these
     same flags and its replica count)."""
     ap = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for GGUF models.", formatter_class=HelpFormatter)
-    ap.add_argument("--model", action="append", help=f"a .gguf path or known model name; repeat to serve several (default: {DEFAULT_MODEL})")
+    ap.add_argument("--model", action="append", help=f"a .gguf path, a known model name, or a Hugging Face model (hf://owner/repo/file.gguf, owner/repo[:quant]); repeat to serve several (default: {DEFAULT_MODEL})")
     ap.add_argument("--alias", action="append", help="the name clients use for the matching --model (default: the model's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8080, help="port to listen on")
@@ -131,10 +132,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
 
 
 def unknown_model(args: argparse.Namespace) -> str | None:
-    """Why a --model cannot be served (no such file and not a known name), or None."""
+    """Why a --model cannot be served (no such file, not a known name, not a Hugging Face
+    reference), or None."""
     for spec in args.model:
+        if is_hub_ref(spec):
+            continue  # fetched (or refused, saying why) while /health answers "loading"
         if not Path(spec).expanduser().exists() and (spec.endswith(".gguf") or os.sep in spec or spec not in known_names()):
-            return f"cannot serve '{spec}': no such file, and not a known model name (known: {', '.join(known_names())})"
+            return f"cannot serve '{spec}': no such file, not a Hugging Face model (hf://owner/repo/file.gguf, owner/repo[:quant]), and not a known model name (known: {', '.join(known_names())})"
     return None
 
 
