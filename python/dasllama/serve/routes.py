@@ -441,7 +441,7 @@ def _model_card(name: str, eng: Engine) -> dict[str, Any]:
         "n_ctx": ctx,
         "n_ctx_train": int(train) if isinstance(train, int) else ctx,
         "n_vocab": m.n_vocab,
-        "n_predict": eng.n_predict if eng.n_predict > 0 else ctx,
+        "n_predict": min(eng.n_predict, ctx) if eng.n_predict > 0 else ctx,  # a request never runs past the context
         "sampling": eng.sampling.as_dict(),
     }
     return {"id": name, "object": "model", "created": eng.created, "owned_by": "dasllama", "context_length": ctx, "max_model_len": ctx, "meta": meta}
