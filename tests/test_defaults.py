@@ -140,12 +140,11 @@ def test_help_shows_the_defaults() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm_server(smollm: dl.Model, monkeypatch_module: pytest.MonkeyPatch) -> Iterator[tuple[str, object]]:
+def smollm_server(smollm: dl.Model, monkeypatch_module: pytest.MonkeyPatch) -> Iterator[tuple[str, subprocess.Popen]]:
     # As on a machine with no usable GPU: lavapipe (the tests' CPU Vulkan device) not allowed.
     monkeypatch_module.delenv("DASLLAMA_VK_ALLOW_CPU", raising=False)
-    t0 = time.time()
     proc, base = start("--model", str(smollm.path), "--alias", "smollm", "--n-predict", "24", "--log-level", "info")
-    yield base, (proc, t0)
+    yield base, proc
     assert stop(proc) == 0
 
 
@@ -156,7 +155,7 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
     mp.undo()
 
 
-def test_the_cap_ends_a_huge_max_tokens_request(smollm_server: tuple[str, object]) -> None:
+def test_the_cap_ends_a_huge_max_tokens_request(smollm_server: tuple[str, subprocess.Popen]) -> None:
     base, _ = smollm_server
     for body in ({"max_tokens": 10**11}, {"max_tokens": 1e11}, {"max_completion_tokens": 10**9}, {}):
         r = httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Count to a million."}], "ignore_eos": True, **body}, timeout=120).json()
@@ -174,10 +173,10 @@ def test_the_cap_ends_a_huge_max_tokens_request(smollm_server: tuple[str, object
     assert chunks[-1]["usage"]["completion_tokens"] == 24
 
 
-def test_models_card_favicon_metrics_and_a_quiet_cpu_start(smollm_server: tuple[str, object], smollm: dl.Model) -> None:
-    base, (proc, t0) = smollm_server
+def test_models_card_favicon_metrics_and_a_quiet_cpu_start(smollm_server: tuple[str, subprocess.Popen], smollm: dl.Model) -> None:
+    base, proc = smollm_server
     card = httpx.get(base + "/v1/models").json()["data"][0]
-    assert card["id"] == "smollm" and t0 - 5 <= card["created"] <= time.time()
+    assert card["id"] == "smollm" and card["created"] == int(smollm.path.stat().st_mtime) > 0
     assert card["context_length"] == card["max_model_len"] == int(smollm.config["seq_len"]) == 8192
     assert card["meta"]["n_predict"] == 24 and card["meta"]["sampling"]["temperature"] == 0.8
     assert httpx.get(base + "/v1/models/smollm").json()["created"] == card["created"]
@@ -187,7 +186,7 @@ def test_models_card_favicon_metrics_and_a_quiet_cpu_start(smollm_server: tuple[
     assert 'device=""' not in metrics and "dasllama_gpu_memory_bytes{" not in metrics
     tier = httpx.get(base + "/status.json").json()["tier"]
     assert tier["backend"] == "cpu" and tier["detail"].startswith("no GPU: running on the CPU") and "install" not in tier["detail"]
-    log = log_text(proc)  # type: ignore[arg-type]
+    log = log_text(proc)
     assert "no GPU: running on the CPU" in log and "libvulkan1" not in log and "Vulkan device" not in log, log[-2000:]
     assert "defaults: temp 0.8, top_k 40, top_p 0.95, min_p 0.05" in log and "at most 24 tokens a request" in log
 

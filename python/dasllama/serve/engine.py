@@ -79,7 +79,9 @@ class Engine:
         # sampling settings, and the most tokens one request may generate (0: the context only).
         self.sampling: SamplingDefaults = LLAMA_SERVER
         self.n_predict = DEFAULT_N_PREDICT
-        self.created = int(time.time())  # /v1/models' `created`: when it was loaded
+        # /v1/models' `created` (OpenAI: when the model was made): the file's modification time,
+        # the same for every server and replica that serves that file.
+        self.created = int(m.path.stat().st_mtime)
         self.max_streams = streams
         # The prefix cache keeps what finished streams leave behind: bounded, or a long-running
         # server's memory would grow with every new conversation until the pool is full.
