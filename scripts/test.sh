@@ -3,8 +3,27 @@
 # against the built module, then pytest against the real models (fetched through dasllama's own
 # fetcher on first use), and the golden subset once more on the scalar kernels. Works on a fresh
 # machine with Rust and Python 3.11+; everything else it installs into .venv.
+#
+# With arguments it runs only pytest with them (`bash scripts/test.sh tests/test_sampling_chain.py`,
+# `bash scripts/test.sh tests/test_server.py -k models -x`): no apt, no lints, no cargo, no second
+# pass; it builds the extension into .venv first only when .venv cannot import it yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ $# -gt 0 ]; then
+    if [ ! -x .venv/bin/python ]; then
+        python3 -m venv .venv
+    fi
+    . .venv/bin/activate
+    if ! python -c "import dasllama._native, pytest" >/dev/null 2>&1; then
+        echo "building dasllama into .venv (a Rust build: about 6 minutes on 2 cores)"
+        python -m pip install -q --upgrade pip
+        MATURIN_PEP517_ARGS="--features fault-injection" python -m pip install -q -e '.[test]'
+    fi
+    # The Vulkan tests may use lavapipe, a CPU Vulkan device, which dasllama otherwise never picks.
+    export DASLLAMA_VK_ALLOW_CPU=1
+    exec python -m pytest -q "$@"
+fi
 
 # Installed once, quietly, when missing and we may install (Debian): Debian's chromium for the
 # web pages' Playwright tests (Playwright's own browser download is not reachable from CI); Mesa's
@@ -46,7 +65,7 @@ python -m mypy.stubtest dasllama._native --allowlist scripts/stubtest-allowlist.
 export DASLLAMA_VK_ALLOW_CPU=1
 cargo test --release -p dasllama --features fault-injection
 DASLLAMA_NO_SIMD=1 cargo test --release -p dasllama --features fault-injection  # the scalar twins under the same tests
-python -m pytest -q tests "$@"
+python -m pytest -q tests
 # The scalar twins end to end: every SIMD kernel off (read once per process, hence a process of
 # its own), the golden comparisons must still hold.
 DASLLAMA_NO_SIMD=1 DASLLAMA_GOLDEN_STEPS=6 python -m pytest -q tests/test_golden.py -k "first_step_matches or all_steps_close"

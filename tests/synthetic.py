@@ -72,10 +72,18 @@ def _add_keys(w: GGUFWriter, arch: str, keys: dict[str, Any]) -> None:
 
 
 def write_model(
-    path: Path, qt: QT = QT.F32, arch: str = "llama", drop: str | None = None, ctx: int = 64, meta: dict[str, Any] | None = None, extra: dict[str, np.ndarray] | None = None
+    path: Path,
+    qt: QT = QT.F32,
+    arch: str = "llama",
+    drop: str | None = None,
+    ctx: int = 64,
+    meta: dict[str, Any] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
+    general: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny model; return the exact weights (numpy order: rows x cols) it holds. ``meta``
-    overrides ``<arch>.`` keys (None drops one); ``extra`` adds tensors as given."""
+    overrides ``<arch>.`` keys (None drops one); ``extra`` adds tensors as given; ``general`` adds
+    keys under their full names (``{"general.sampling.temp": 0.6}``)."""
     rng = np.random.default_rng(1234)
     w = GGUFWriter(str(path), arch)
     keys: dict[str, Any] = {
@@ -94,6 +102,9 @@ def write_model(
         keys["attention.sliding_window"] = 4
     keys.update(meta or {})
     _add_keys(w, arch, keys)
+    for k, v in (general or {}).items():
+        prefix, _, rest = k.partition(".")
+        _add_keys(w, prefix, {rest: v})
     _write_vocab(w)
     weights: dict[str, np.ndarray] = {}
 

@@ -34,6 +34,7 @@ from .errors import ContextOverflowError, DasllamaError, DeviceError, EngineErro
 from .fetch import DEFAULT_MODEL, fetch
 from .grammar import check_grammar, json_object_grammar, json_schema_grammar
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
+from .sampling_defaults import SamplingDefaults, sampling_defaults
 from .scheduler import PendingReq, SchedEvent, Scheduler, clear_prefix_cache, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, set_step_budget, step_budget, submit
 from .session import (
     BatchWorkspace,
@@ -80,6 +81,7 @@ __all__ = [
     "PendingReq",
     "PlacementStatus",
     "QuantMode",
+    "SamplingDefaults",
     "SamplingParams",
     "SchedEvent",
     "Scheduler",
@@ -132,6 +134,7 @@ __all__ = [
     "render_close",
     "render_turn",
     "sample",
+    "sampling_defaults",
     "scheduler_stats",
     "scheduler_step",
     "set_step_budget",

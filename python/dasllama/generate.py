@@ -20,7 +20,7 @@ from .session import SamplingParams, create_session, generate
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dasllama.generate", description="Generate text from a prompt and stream it.", formatter_class=HelpFormatter)
     ap.add_argument("prompt")
-    ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="path to a .gguf or a known model name (fetched on first use)")
+    ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="path to a .gguf, a known model name or a Hugging Face model (hf://owner/repo/file.gguf, owner/repo[:quant]), fetched on first use")
     ap.add_argument("-n", "--max-new", type=int, default=128, help="tokens to generate at most")
     ap.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy")
     ap.add_argument("--top-k", type=int, default=0)

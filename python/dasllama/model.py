@@ -16,6 +16,7 @@ from .devices import CPU, Device, PlacementStatus, PlaceOptions, default_device,
 from .devices import device as resolve_device
 from .errors import DeviceError, GgufError, UnsupportedModelError
 from .fetch import fetch
+from .fetch.hub import is_hub_ref
 from .gguf_file import read_header
 
 log = logging.getLogger("dasllama")
@@ -176,7 +177,8 @@ def load_model(
     numerics: Numerics | str = Numerics.fast,
     device: str | Device | None = None,
 ) -> Model:
-    """Load a GGUF model (a path, or a known name fetched on first use).
+    """Load a GGUF model: a path, a known name, or a Hugging Face model (``hf://owner/repo/file.gguf``
+    or ``owner/repo[:quant]``, through ``huggingface_hub``), the last two fetched on first use.
 
     ``numerics=Numerics.ggml`` adds every dot product up in the order of llama.cpp's x86 AVX2 CPU
     build, so logits equal that build's bit for bit (every format but BF16; f16 KV cache); the
@@ -195,10 +197,10 @@ def load_model(
         nm = Numerics(numerics)
     except ValueError:
         raise ValueError(f"unknown numerics {numerics!r} (use {', '.join(n.value for n in Numerics)})") from None
-    t0 = time.perf_counter()
     p = Path(path).expanduser()
-    if not p.exists() and not str(path).endswith(".gguf") and os.sep not in str(path):
-        p = fetch(str(path))
+    if not p.exists() and (is_hub_ref(str(path)) or (not str(path).endswith(".gguf") and os.sep not in str(path))):
+        p = fetch(str(path))  # a download logs its own time: the load below is timed apart
+    t0 = time.perf_counter()
     hdr = read_header(p)
     meta = hdr.metadata
     arch = meta.get("general.architecture")

@@ -6,22 +6,27 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 
 from .._cli import HelpFormatter
 from ..errors import TemplateError
 from ..fetch import DEFAULT_MODEL
 from ..model import decode, encode, load_model
-from ..session import SamplingParams, create_session, generate
+from ..sampling_defaults import sampling_defaults
+from ..session import create_session, generate
 from . import Message, render_chat
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dasllama.chat", description="Chat with a model through its own chat template.", formatter_class=HelpFormatter)
-    ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="path to a .gguf or a known model name")
+    ap.add_argument("-m", "--model", default=DEFAULT_MODEL, help="path to a .gguf, a known model name, or a Hugging Face model (hf://owner/repo/file.gguf, owner/repo[:quant])")
     ap.add_argument("--system", default="", help="system prompt")
     ap.add_argument("--max-new", type=int, default=256)
-    ap.add_argument("--temp", type=float, default=0.7)
-    ap.add_argument("--top-p", type=float, default=0.95)
+    # As the server's: the model file's general.sampling.* where it has them, else llama-server's.
+    ap.add_argument("--temp", type=float, default=None, help="temperature; 0 is greedy (default: the model file's, else 0.8)")
+    ap.add_argument("--top-k", type=int, default=None, help="default: the model file's, else 40")
+    ap.add_argument("--top-p", type=float, default=None, help="default: the model file's, else 0.95")
+    ap.add_argument("--min-p", type=float, default=None, help="default: the model file's, else 0.05")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -34,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    params = SamplingParams(temp=args.temp, top_p=args.top_p, seed=args.seed)
+    params = replace(sampling_defaults(m.metadata, {"temp": args.temp, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}).params(), seed=args.seed)
     messages: list[Message] = [{"role": "system", "content": args.system}] if args.system else []
     s = create_session(m)
     fed: list[int] = []  # tokens already in the session's KV

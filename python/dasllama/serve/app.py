@@ -413,9 +413,13 @@ class Server:
                 extra={"n_prompt_tokens": len(prompt), "n_ctx": ctx} if self.options.llama_compat else None,
             )
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        default_new = self.options.n_predict if self.options.n_predict > 0 else (256 if chat else 16)
-        max_new = _num(body, key, int, min(default_new, ctx - len(prompt)), 1, None)
-        max_new = min(max_new, ctx - len(prompt))
+        # The server's cap (--n-predict, or dasllama-server's -n) bounds every request, as
+        # llama-server's does; a request that names no bound gets the cap (a text completion
+        # OpenAI's 16, except under dasllama-server).
+        cap = self.options.n_predict if self.options.n_predict > 0 else eng.n_predict if eng.n_predict > 0 else ctx
+        default_new = cap if chat or self.options.n_predict > 0 else 16
+        max_new = _num(body, key, int, default_new, 1, None)
+        max_new = min(max_new, cap, ctx - len(prompt))
         stop = body.get("stop")
         if stop is None:
             stops: list[str] = []
@@ -427,14 +431,18 @@ class Server:
             raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
         stops = [s for s in stops if s]
         seed = _num(body, "seed", int, self.options.seed)
+        # What the request leaves out comes from the engine's defaults: the server's flags, else
+        # the model file's general.sampling.*, else llama-server's (dasllama.sampling_defaults).
+        d = eng.sampling
         params = SamplingParams(
-            temp=float(_num(body, "temperature", (int, float), 1.0 if self.options.temperature is None else self.options.temperature, 0, 2)),
-            top_k=_num(body, "top_k", int, 0, 0, None),
-            top_p=float(_num(body, "top_p", (int, float), 1.0, 0, 1)),
-            min_p=float(_num(body, "min_p", (int, float), 0.0, 0, 1)),
-            penalty=float(_num(body, "repetition_penalty", (int, float), 1.0, 0, None)),
+            temp=float(_num(body, "temperature", (int, float), d.temp if self.options.temperature is None else self.options.temperature, 0, 2)),
+            top_k=_num(body, "top_k", int, d.top_k, 0, None),
+            top_p=float(_num(body, "top_p", (int, float), d.top_p, 0, 1)),
+            min_p=float(_num(body, "min_p", (int, float), d.min_p, 0, 1)),
+            penalty=float(_num(body, "repetition_penalty", (int, float), d.repeat_penalty, 0, None)),
             presence_penalty=float(_num(body, "presence_penalty", (int, float), 0.0, -2, 2)),
             frequency_penalty=float(_num(body, "frequency_penalty", (int, float), 0.0, -2, 2)),
+            penalty_last_n=d.penalty_last_n,
         )
         n = _num(body, "n", int, 1, 1, 8)
         lp = body.get("logprobs")
@@ -584,7 +592,7 @@ def build_app(server: Server) -> Starlette:
     from .ollama import Ollama
     from .ollama import guarded as ollama_guarded
     from .responses import Responses
-    from .routes import STATIC, Routes, method_not_allowed, not_found, page, server_error
+    from .routes import STATIC, Routes, favicon, method_not_allowed, not_found, page, server_error
 
     r = Routes(server)
     n = Native(r)
@@ -595,6 +603,7 @@ def build_app(server: Server) -> Starlette:
     routes = [
         *([Route("/", page("chat.html"), methods=["GET"])] if server.options.ui else []),
         Route("/status", page("status.html"), methods=["GET"]),
+        Route("/favicon.ico", favicon, methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
         Route("/status.json", r.guarded(r.status_json), methods=["GET"]),
         Route("/health", r.health, methods=["GET"]),

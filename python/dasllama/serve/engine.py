@@ -17,9 +17,17 @@ from typing import Any
 from .. import gpu
 from .. import scheduler as sched
 from ..model import Model
+from ..sampling_defaults import LLAMA_SERVER, SamplingDefaults
 from ..speculative import drafter_kind
 
 log = logging.getLogger("dasllama.serve")
+
+# The most tokens one request generates unless the server says otherwise (--n-predict): a request
+# asking for more (max_tokens 1e11) ends there with finish_reason "length". llama-server's default
+# is the context alone, which let one request hold a stream for 12 minutes (8,160 tokens on
+# SmolLM2's 8k context); 4096 is longer than any ordinary answer or a small model's reasoning,
+# half a typical 8k context, and a couple of minutes of decoding on two CPU cores.
+DEFAULT_N_PREDICT = 4096
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,13 @@ class Engine:
     ) -> None:
         self.m = m
         self.name = name
+        # What a request that names none gets (set by whoever serves it; see serve/__main__.py):
+        # sampling settings, and the most tokens one request may generate (0: the context only).
+        self.sampling: SamplingDefaults = LLAMA_SERVER
+        self.n_predict = DEFAULT_N_PREDICT
+        # /v1/models' `created` (OpenAI: when the model was made): the file's modification time,
+        # the same for every server and replica that serves that file.
+        self.created = int(m.path.stat().st_mtime)
         self.max_streams = streams
         # The prefix cache keeps what finished streams leave behind: bounded, or a long-running
         # server's memory would grow with every new conversation until the pool is full.

@@ -26,7 +26,7 @@ from ..embeddings import embed
 from ..model import decode, encode
 from .app import ITL_BUCKETS, TTFT_BUCKETS, ApiError, Histogram, Job, Server, _utf8_len, internal_error
 from .callformats import CallParser, split_calls
-from .engine import Subscription
+from .engine import Engine, Subscription
 from .llama_api import llama_metrics, timings
 from .options import FINGERPRINT
 from .status import status
@@ -93,7 +93,7 @@ class Routes:
 
     async def models(self, request: Request) -> Response:
         opts = self.server.options
-        cards = [_model_card(name) for name in self.server.engines]
+        cards = [_model_card(name, eng) for name, eng in self.server.engines.items()]
         if len(cards) == 1 and (opts.aliases or opts.tags):  # dasllama-server's --alias a,b and --tags
             cards[0] |= {"aliases": opts.aliases or [cards[0]["id"]], "tags": opts.tags}
         return JSONResponse({"object": "list", "data": cards})
@@ -102,7 +102,7 @@ class Routes:
         name = request.path_params["name"]
         if name not in self.server.names:
             raise ApiError(404, f"the model '{name}' does not exist; this server has: {', '.join(self.server.engines)}", param="model", code="model_not_found")
-        return JSONResponse(_model_card(name))
+        return JSONResponse(_model_card(name, self.server.engine(name)))
 
     async def completions(self, request: Request, chat: bool) -> Response:
         return await self.complete(request, await self.server.body(request), chat)
@@ -418,8 +418,12 @@ class Routes:
             lines += [f'{metric}{{model="{n}"}} {int(s.get(key, 0))}' for n, (_, s) in stats.items()]
         st = gpu.gpu_tier_status()
         lines += ["# HELP dasllama_gpu_memory_bytes Device memory dasllama holds (weights, K/V regions, activations).", "# TYPE dasllama_gpu_memory_bytes gauge"]
-        lines += [f'dasllama_gpu_memory_bytes{{device="{st.device}"}} {st.vram_bytes}']
-        lines += ["# HELP dasllama_gpu_budget_bytes The device's memory budget.", "# TYPE dasllama_gpu_budget_bytes gauge", f'dasllama_gpu_budget_bytes{{device="{st.device}"}} {st.budget_bytes}']
+        # Samples only for a device that is there (on a CPU-only server, none: no `device=""`).
+        if st.device:
+            lines += [f'dasllama_gpu_memory_bytes{{device="{st.device}"}} {st.vram_bytes}']
+        lines += ["# HELP dasllama_gpu_budget_bytes The device's memory budget.", "# TYPE dasllama_gpu_budget_bytes gauge"]
+        if st.device:
+            lines += [f'dasllama_gpu_budget_bytes{{device="{st.device}"}} {st.budget_bytes}']
         lines += ["# HELP dasllama_gpu_cpu_passes_total Calls that ran on the CPU while a model was on the device, by reason.", "# TYPE dasllama_gpu_cpu_passes_total counter"]
         lines += [f'dasllama_gpu_cpu_passes_total{{reason="{p.words}"}} {p.count}' for p in gpu.gpu_cpu_passes()]
         lines += ["# HELP dasllama_ttft_seconds Time to first token.", "# TYPE dasllama_ttft_seconds histogram"]
@@ -449,8 +453,29 @@ class Routes:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "dasllama"}
+def _model_card(name: str, eng: Engine) -> dict[str, Any]:
+    """OpenAI's model object, with the context length (as OpenRouter's `context_length` and vLLM's
+    `max_model_len` name it) and, under `meta` (as llama-server's /v1/models has one), what a
+    request that sets nothing gets: the generation cap and the sampling defaults, with where each
+    came from."""
+    m = eng.m
+    ctx = int(m.config["seq_len"])
+    train = m.metadata.get(f"{m.arch}.context_length")
+    meta = {
+        "arch": m.arch,
+        "file": m.path.name,
+        "n_ctx": ctx,
+        "n_ctx_train": int(train) if isinstance(train, int) else ctx,
+        "n_vocab": m.n_vocab,
+        "n_predict": min(eng.n_predict, ctx) if eng.n_predict > 0 else ctx,  # a request never runs past the context
+        "sampling": eng.sampling.as_dict(),
+    }
+    return {"id": name, "object": "model", "created": eng.created, "owned_by": "dasllama", "context_length": ctx, "max_model_len": ctx, "meta": meta}
+
+
+async def favicon(request: Request) -> Response:
+    """The browser asks every page for it; a small icon instead of a 404 in the log."""
+    return FileResponse(STATIC / "favicon.ico", media_type="image/x-icon", headers={"Cache-Control": "max-age=86400"})
 
 
 async def _disconnected(request: Request) -> None:
