@@ -3,7 +3,7 @@
 use crate::backend::DevKv;
 pub use crate::kv::KvCache;
 use crate::kv::{KvCodec, KvPool, PRIVATE_PAGE_ROWS};
-use crate::model::forward::{forward_batch, LogitRows, Scratch};
+use crate::model::forward::{forward_batch, forward_batch_with, Injected, LogitRows, Scratch};
 use crate::model::Model;
 use crate::record::TokenRecord;
 use crate::{Error, Result};
@@ -97,6 +97,31 @@ impl Session {
     /// time gives after token i. The session keeps the last row, as after `eval`.
     pub fn eval_all(&mut self, m: &Model, tokens: &[u32], rows: &mut Vec<f32>) -> Result<()> {
         run(m, &mut [self], &[tokens.len()], tokens, LogitRows::All, &mut shared_scratch(), rows)?;
+        self.logits.clear();
+        self.logits.extend_from_slice(&rows[rows.len() - m.config.vocab_size..]);
+        Ok(())
+    }
+
+    /// Run `tokens` with some rows' inputs given (`Injected`: an image's embeddings in place of
+    /// its placeholder tokens, its rows seeing each other). Logits after every row land in
+    /// `rows` where `all`, else after the last only; the session keeps the last row's either way.
+    /// Host K/V only: a device-home session is refused, nothing run.
+    pub fn eval_injected(&mut self, m: &Model, tokens: &[u32], inj: Injected<'_>, all: bool, rows: &mut Vec<f32>) -> Result<()> {
+        if self.dev.is_some() {
+            return Err(Error::InvalidArgument("image rows run over host K/V only for now; use a host session for a prompt with images".into()));
+        }
+        let want = if all { LogitRows::All } else { LogitRows::Last };
+        let counts = [tokens.len()];
+        let mut kvs = [&mut self.kv];
+        let mut scratch = shared_scratch();
+        match m.placement() {
+            None => forward_batch_with(m, &mut kvs, &counts, tokens, Some(inj), want, &mut scratch, rows, None)?,
+            Some(p) => {
+                let mut out = Ok(());
+                p.host_pass(&mut |offload| out = forward_batch_with(m, &mut kvs, &counts, tokens, Some(inj), want, &mut scratch, rows, offload));
+                out?
+            }
+        }
         self.logits.clear();
         self.logits.extend_from_slice(&rows[rows.len() - m.config.vocab_size..]);
         Ok(())
