@@ -224,3 +224,61 @@ def test_image_prompt_errors(files: dict) -> None:
     with pytest.raises(ValueError, match="one session's"):
         _native.eval_embeds(m._native, s, [1, 2, 3], [1, 2], vals, [(2, 5)])
     assert s.n_past == 0
+
+
+# --- through the scheduler ---------------------------------------------------------------------
+
+
+def _greedy(m: dl.Model, p: vision.ImagePrompt, n: int) -> list[int]:
+    s = dl.create_session(m)
+    logits = vision.eval_image_prompt(m, s, p)
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(logits))
+        out.append(t)
+        logits = dl.eval(m, s, [t])
+    return out
+
+
+def _run(m: dl.Model, sch: dl.Scheduler) -> dict[int, list[dl.SchedEvent]]:
+    by_id: dict[int, list[dl.SchedEvent]] = {}
+    evs: list[dl.SchedEvent] = []
+    more = True
+    while more:
+        more = dl.scheduler_step(m, sch, evs)
+        for e in evs:
+            by_id.setdefault(e.id, []).append(e)
+        evs.clear()
+    return by_id
+
+
+def test_scheduler_serves_image_prompts_and_caches_their_pages(files: dict) -> None:
+    m = dl.load_model(files["text"], mmproj=files["mmproj"])
+    rng = np.random.default_rng(11)
+    imgs = [Image.fromarray(rng.integers(0, 256, size=(32, 32, 3), dtype=np.uint8)) for _ in range(2)]
+    prompts = [vision.tokenize_with_images(m, "the cat <__media__> at", [im]) for im in imgs]
+    # Another picture, other placeholder ids: its pages never stand in for the first one's.
+    assert prompts[0].ids[prompts[0].rows[0] : prompts[0].rows[-1] + 1] != prompts[1].ids[prompts[1].rows[0] : prompts[1].rows[-1] + 1]
+    want = [_greedy(m, p, 6) for p in prompts]
+    # Chunks of 5 would cut the 16 image rows; each image still goes into one pass.
+    sch = dl.create_scheduler(m, max_streams=2, chunk_tokens=5, page_rows=8)
+    for i, p in enumerate(prompts):
+        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p.ids, max_new=6, ignore_eos=True, images=p.images()))
+    got = _run(m, sch)
+    for i in range(2):
+        assert [e.token for e in got[i] if e.kind == "piece"] == want[i]
+    # A second turn about the first picture attaches its pages, image rows included.
+    dl.submit(m, sch, dl.PendingReq(id=5, prompt=prompts[0].ids, max_new=6, ignore_eos=True, images=prompts[0].images()))
+    again = _run(m, sch)[5]
+    fin = again[-1]
+    assert fin.kind == "finished" and fin.n_cached >= prompts[0].rows[-1] + 1 - 8, fin.n_cached
+    assert [e.token for e in again if e.kind == "piece"] == want[0]
+
+
+def test_scheduler_refuses_bad_image_rows(files: dict) -> None:
+    m = dl.load_model(files["text"], mmproj=files["mmproj"])
+    sch = dl.create_scheduler(m)
+    with pytest.raises(ValueError, match="image's rows must be"):
+        dl.submit(m, sch, dl.PendingReq(id=1, prompt=[1, 2, 3], images=[(2, np.zeros((4, 256), np.float32))]))
+    with pytest.raises(ValueError, match="image's rows must be"):
+        dl.submit(m, sch, dl.PendingReq(id=2, prompt=[1, 2, 3], images=[(0, np.zeros((2, 128), np.float32))]))

@@ -5,6 +5,7 @@ Projector types: ``gemma3`` (SigLIP, 2-D average pooling, soft-embedding norm, p
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import math
@@ -179,6 +180,29 @@ class ImagePrompt:
     values: np.ndarray
     spans: list[tuple[int, int]]
 
+    def images(self) -> list[tuple[int, np.ndarray]]:
+        """Per image, (its first row, its rows' values): what ``PendingReq.images`` takes."""
+        out, at = [], 0
+        for first, n in self.spans:
+            out.append((first, self.values[at : at + n]))
+            at += n
+        return out
+
+
+def placeholder_ids(values: np.ndarray, n_vocab: int) -> list[int]:
+    """The token ids an image's rows hold: derived from a hash of its embeddings (a function of
+    its pixels), so that the prefix cache, which keys pages by tokens, keys an image's pages by
+    the image: a later turn about the same picture attaches them, another picture never does."""
+    raw = np.ascontiguousarray(values, dtype=np.float32).tobytes()
+    seed = hashlib.sha256(raw).digest()
+    out: list[int] = []
+    block = 0
+    while len(out) < len(values):
+        h = hashlib.sha256(seed + block.to_bytes(8, "little")).digest()
+        out += [int.from_bytes(h[i : i + 4], "little") % n_vocab for i in range(0, 32, 4)]
+        block += 1
+    return out[: len(values)]
+
 
 def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | None = None, marker: str = MEDIA_MARKER) -> ImagePrompt:
     """Tokenize ``text`` (control tokens parsed, as mtmd does) with ``images`` (encoded bytes or
@@ -208,7 +232,7 @@ def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | N
             e = embedded[i]
             spans.append((len(ids), len(e)))
             rows += range(len(ids), len(ids) + len(e))
-            ids += [0] * len(e)
+            ids += placeholder_ids(e, m.n_vocab)
             values.append(e)
             ids += encode(m, end, add_bos=False, special=True)
     dim = proj.text_dim if proj is not None else 0

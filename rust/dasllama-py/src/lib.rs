@@ -10,7 +10,7 @@ use dasllama::kv::{KvCodec, KvPool, PoolStats};
 use dasllama::model::forward::LogitRows;
 use dasllama::model::{Assistant, Attention, MetaValue, Metadata, Mixer, Model, MtpHead, Numerics, QuantMode, TensorInfo};
 use dasllama::sampling::SamplingParams;
-use dasllama::sched::{EventKind, Finish, Nothink, PendingReq, SchedEvent, Scheduler};
+use dasllama::sched::{EventKind, Finish, Nothink, PendingReq, PromptImage, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
 use dasllama::spec::Drafter;
 use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
@@ -836,7 +836,7 @@ fn create_scheduler(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None))]
+#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None, images=Vec::new()))]
 fn submit(
     py: Python<'_>,
     m: &PyModel,
@@ -852,14 +852,35 @@ fn submit(
     ignore_eos: bool,
     grammar: Option<String>,
     nothink: Option<(Vec<u32>, Vec<u32>)>,
+    images: Vec<(usize, PyReadonlyArray2<'_, f32>)>,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
+    // (first prompt row, (rows, width) float32 embeddings) per image.
+    let images = images
+        .into_iter()
+        .map(|(at, v)| {
+            let n = v.as_array().nrows();
+            Ok(PromptImage { at, n, values: Arc::new(v.as_slice()?.to_vec()) })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
     if max_new < 1 {
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
     let nothink = nothink.map(|(open, close)| Nothink { open, close });
-    let req =
-        PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar, nothink };
+    let req = PendingReq {
+        id,
+        prompt,
+        close_toks,
+        stop_ids,
+        params: params.0.clone(),
+        max_new: max_new as usize,
+        seed,
+        logprobs,
+        ignore_eos,
+        grammar,
+        nothink,
+        images,
+    };
     let inner = &mut sch.inner;
     // Compiling a grammar takes milliseconds (the first one indexes the vocabulary: more).
     native(py, "submit", || inner.submit(req))

@@ -15,12 +15,13 @@
 mod budget;
 
 use crate::backend::Numerics;
+use crate::backend::RowEmbeds;
 use crate::constrain::{self, Constraint};
 use crate::kv::{KvCodec, KvPool};
-use crate::model::forward::LogitRows;
+use crate::model::forward::{Injected, LogitRows};
 use crate::model::{Ffn, Model};
 use crate::sampling::{self, SamplingParams};
-use crate::session::{eval_rows, BatchWorkspace, Session};
+use crate::session::{eval_rows_with, BatchWorkspace, Session};
 use crate::spec::policy::{self, Candidate, CostModel, Guard};
 use crate::spec::{assistant, draft, mtp, ngram, Drafter, StreamSpec};
 use crate::{error, Error, Result};
@@ -52,6 +53,34 @@ pub struct PendingReq {
     /// The thinking-off guard of a non-thinking turn (`make_nothink_guard`): None for a turn
     /// that may think, or a template that cannot.
     pub nothink: Option<Nothink>,
+    /// Images in the prompt, in order: their rows take the images' embeddings instead of the
+    /// placeholder tokens there, and each image's rows go into one pass and see each other.
+    pub images: Vec<PromptImage>,
+}
+
+/// An image's rows in a prompt (`PendingReq::images`): prompt rows `at..at + n` take `values`
+/// (n rows of the model's width). The placeholder tokens at those rows key the prefix cache, so
+/// the caller derives them from the image (a hash of it), and a later turn about the same image
+/// attaches its pages.
+#[derive(Clone, Debug)]
+pub struct PromptImage {
+    pub at: usize,
+    pub n: usize,
+    pub values: std::sync::Arc<Vec<f32>>,
+}
+
+/// Where a prefill piece of `k` prompt rows from `fed` may end: never inside an image (its rows
+/// see each other, so they run in one pass): before the image where the piece reaches into it,
+/// or at its end where the piece starts inside it.
+fn image_cut(images: &[PromptImage], fed: usize, k: usize) -> usize {
+    let end = fed + k;
+    for im in images {
+        let (a, e) = (im.at, im.at + im.n);
+        if a < end && end < e {
+            return if a > fed { a - fed } else { e - fed };
+        }
+    }
+    k
 }
 
 /// The channel markers of a thinking template (Qwen3's `<think>` and `</think>`), for a turn
@@ -465,6 +494,20 @@ impl Scheduler {
             return bad(format!("token id {t} is out of range for a vocabulary of {}", m.config.vocab_size));
         }
         req.params.validate()?;
+        let mut after = 0;
+        for im in &req.images {
+            if im.n == 0 || im.at < after || im.at + im.n > req.prompt.len() || im.values.len() != im.n * m.config.dim {
+                return bad(format!(
+                    "an image's rows must be non-empty, in order, inside the prompt's {} rows, with {} values a row",
+                    req.prompt.len(),
+                    m.config.dim
+                ));
+            }
+            after = im.at + im.n;
+        }
+        if !req.images.is_empty() && self.device_kv {
+            return bad("image rows run over host K/V only for now; this scheduler keeps its K/V on the device".into());
+        }
         if self.known(req.id) {
             return bad("this id is already queued or running; ids must be unique".into());
         }
@@ -727,12 +770,14 @@ impl Scheduler {
                 .filter(|&b| s.fed < b && b < s.fed + k)
                 .map(|b| b - s.fed)
                 .fold(k, usize::min);
+            // An image goes into one pass whole.
+            let k = image_cut(&s.req.images, s.fed, k);
             if k == 0 {
                 break;
             }
             plan.push((i, k));
             let (r, kk) = size(k);
-            (rows, keys, left) = (rows + r, keys + kk, left - k);
+            (rows, keys, left) = (rows + r, keys + kk, left.saturating_sub(k));
             if k < rest {
                 break;
             }
@@ -778,6 +823,9 @@ impl Scheduler {
     fn eval_plan(&mut self, m: &Model, plan: &[(usize, usize)]) -> Result<()> {
         let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
         let mut tails = Vec::with_capacity(plan.len());
+        // Image rows of the prefill pieces: pass rows, their values, and each image's span.
+        let (mut rows, mut values, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+        let d = m.config.dim;
         for &(i, k) in plan {
             let s = self.slots[i].as_ref().expect("planned stream");
             match s.next {
@@ -787,6 +835,15 @@ impl Scheduler {
                     tails.push(k);
                 }
                 None => {
+                    let r0 = tokens.len();
+                    for im in &s.req.images {
+                        let (a, e) = (im.at.max(s.fed), (im.at + im.n).min(s.fed + k));
+                        if a < e {
+                            spans.push((r0 + a - s.fed, e - a));
+                            rows.extend((a..e).map(|p| r0 + p - s.fed));
+                            values.extend_from_slice(&im.values[(a - im.at) * d..(e - im.at) * d]);
+                        }
+                    }
                     tokens.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
                     tails.push(1);
                 }
@@ -796,7 +853,8 @@ impl Scheduler {
         let mut sessions: Vec<&mut Session> = plan.iter().map(|&(i, _)| by_slot[i].take().expect("each slot planned once")).collect();
         let counts: Vec<usize> = plan.iter().map(|p| p.1).collect();
         let ws = &mut self.ws;
-        error::catch("a scheduler step", || eval_rows(m, ws, &mut sessions, &counts, &tokens, LogitRows::Tail(&tails)))
+        let injected = (!rows.is_empty()).then(|| Injected { embeds: RowEmbeds { rows: &rows, values: &values }, spans: &spans });
+        error::catch("a scheduler step", || eval_rows_with(m, ws, &mut sessions, &counts, &tokens, injected, LogitRows::Tail(&tails)))
     }
 
     /// The batched pass failed: find the streams at fault by running each alone (rows compute the
