@@ -80,6 +80,7 @@ def write_model(
     meta: dict[str, Any] | None = None,
     extra: dict[str, np.ndarray] | None = None,
     specials: tuple[str, ...] = (),
+    template: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny model; return the exact weights (numpy order: rows x cols) it holds. ``meta``
     overrides ``<arch>.`` keys (None drops one); ``extra`` adds tensors as given; ``specials``
@@ -103,6 +104,8 @@ def write_model(
     keys.update(meta or {})
     _add_keys(w, arch, keys)
     _write_vocab(w, specials)
+    if template is not None:
+        w.add_chat_template(template)
     weights: dict[str, np.ndarray] = {}
 
     def mat(name: str, rows: int, cols: int, kind: QT, scale: float = 0.08) -> None:
