@@ -369,6 +369,14 @@ impl Placeable for Model {
 /// the model's width each, a span that is empty, leaves the pass or crosses a session.
 fn check_injected(m: &Model, counts: &[usize], inj: &Injected<'_>) -> Result<()> {
     let n: usize = counts.iter().sum();
+    if m.ple.is_some() {
+        // Its per-layer inputs are looked up by token too (Gemma 4): what an image row's are is
+        // not defined here yet.
+        return Err(Error::InvalidArgument(format!(
+            "rows given as values (an image's) are not supported for {} yet: its per-layer inputs are read by token",
+            m.config.arch
+        )));
+    }
     let e = &inj.embeds;
     if e.rows.windows(2).any(|w| w[0] >= w[1]) || e.rows.last().is_some_and(|&r| r >= n) {
         return Err(Error::InvalidArgument(format!("embedding rows must be increasing row numbers below {n}")));
