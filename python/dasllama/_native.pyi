@@ -82,6 +82,7 @@ def eval_embeds(
     m: Model, s: Session, ids: list[int], rows: list[int], values: npt.NDArray[np.float32], spans: list[tuple[int, int]], all: bool = False
 ) -> npt.NDArray[np.float32]: ...
 
+@final
 class Vision:
     path: str
     @property
