@@ -44,11 +44,11 @@ def encode_weight(w: np.ndarray, qt: QT, rng: np.random.Generator) -> tuple[np.n
     return raw, dequantize(raw, qt).reshape(w.shape).astype(np.float32)
 
 
-def _write_vocab(w: GGUFWriter) -> None:
+def _write_vocab(w: GGUFWriter, specials: tuple[str, ...] = ()) -> None:
     w.add_tokenizer_model("llama")
-    w.add_token_list(VOCAB)
-    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))])
-    w.add_token_types(TYPES)
+    w.add_token_list(VOCAB + list(specials))
+    w.add_token_scores([0.0] * 3 + [0.0] * 256 + [-float(i) for i in range(len(PIECES))] + [0.0] * len(specials))
+    w.add_token_types(TYPES + [3] * len(specials))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
@@ -80,10 +80,13 @@ def write_model(
     meta: dict[str, Any] | None = None,
     extra: dict[str, np.ndarray] | None = None,
     general: dict[str, Any] | None = None,
+    specials: tuple[str, ...] = (),
+    template: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny model; return the exact weights (numpy order: rows x cols) it holds. ``meta``
     overrides ``<arch>.`` keys (None drops one); ``extra`` adds tensors as given; ``general`` adds
-    keys under their full names (``{"general.sampling.temp": 0.6}``)."""
+    keys under their full names (``{"general.sampling.temp": 0.6}``); ``specials`` adds control
+    tokens after the vocabulary."""
     rng = np.random.default_rng(1234)
     w = GGUFWriter(str(path), arch)
     keys: dict[str, Any] = {
@@ -105,7 +108,9 @@ def write_model(
     for k, v in (general or {}).items():
         prefix, _, rest = k.partition(".")
         _add_keys(w, prefix, {rest: v})
-    _write_vocab(w)
+    _write_vocab(w, specials)
+    if template is not None:
+        w.add_chat_template(template)
     weights: dict[str, np.ndarray] = {}
 
     def mat(name: str, rows: int, cols: int, kind: QT, scale: float = 0.08) -> None:
@@ -123,7 +128,7 @@ def write_model(
         if name != drop:
             w.add_tensor(name, v)
 
-    mat("token_embd.weight", len(VOCAB), DIM, qt if qt not in K_QUANTS else QT.Q8_0, 0.5)
+    mat("token_embd.weight", len(VOCAB) + len(specials), DIM, qt if qt not in K_QUANTS else QT.Q8_0, 0.5)
     for i in range(LAYERS):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", DIM)
@@ -168,12 +173,21 @@ def _rope(x: np.ndarray, pos: int, base: float, neox: bool) -> np.ndarray:
     return out
 
 
-def reference_logits(wt: dict[str, np.ndarray], ids: list[int], arch: str = "llama") -> np.ndarray:
-    """Float64 forward pass; logits after each position (tied output embedding)."""
+def reference_logits(
+    wt: dict[str, np.ndarray], ids: list[int], arch: str = "llama", embeds: dict[int, np.ndarray] | None = None, spans: tuple[tuple[int, int], ...] = ()
+) -> np.ndarray:
+    """Float64 forward pass; logits after each position (tied output embedding). ``embeds`` gives
+    rows' inputs instead of their tokens' (unscaled); the rows of each (first, count) of ``spans``
+    attend each other (an image's rows, non-causal as llama.cpp decodes Gemma 3's)."""
     gemma = arch == "gemma3"
     W = {k: v.astype(np.float64) for k, v in wt.items()}
     x = W["token_embd.weight"][ids] * (np.sqrt(DIM) if gemma else 1.0)
+    for r, v in (embeds or {}).items():
+        x[r] = v
     T = len(ids)
+    ends = list(range(1, T + 1))
+    for first, n in spans:
+        ends[first : first + n] = [first + n] * n
     for i in range(LAYERS):
         p = f"blk.{i}."
         h = _rms(x, W[p + "attn_norm.weight"])
@@ -191,10 +205,10 @@ def reference_logits(wt: dict[str, np.ndarray], ids: list[int], arch: str = "lla
             lo = max(0, t - 4 + 1) if swa else 0
             for hh in range(HEADS):
                 kv = hh // (HEADS // KV_HEADS)
-                sc = k[lo : t + 1, kv] @ q[t, hh] / np.sqrt(HEAD_DIM)
+                sc = k[lo : ends[t], kv] @ q[t, hh] / np.sqrt(HEAD_DIM)
                 pr = np.exp(sc - sc.max())
                 pr /= pr.sum()
-                att[t, hh] = pr @ v[lo : t + 1, kv]
+                att[t, hh] = pr @ v[lo : ends[t], kv]
         o = att.reshape(T, -1) @ W[p + "attn_output.weight"].T
         if gemma:
             o = _rms(o, W[p + "post_attention_norm.weight"])

@@ -18,6 +18,7 @@ from .errors import DeviceError, GgufError, UnsupportedModelError
 from .fetch import fetch
 from .fetch.hub import is_hub_ref
 from .gguf_file import read_header
+from .vision import Projector, find_sidecar, load_mmproj
 
 log = logging.getLogger("dasllama")
 
@@ -59,6 +60,8 @@ class Model:
         # What schedulers created with mtp=True draft with (dasllama.speculative).
         self._drafter: _native.Drafter | None = None
         self._device: Device = CPU
+        # The vision tower loaded beside it (load_model's mmproj), if any (dasllama.vision).
+        self.projector: Projector | None = None
 
     @property
     def device(self) -> Device:
@@ -176,9 +179,16 @@ def load_model(
     quant: QuantMode | str = QuantMode.native,
     numerics: Numerics | str = Numerics.fast,
     device: str | Device | None = None,
+    mmproj: str | os.PathLike[str] | bool | None = None,
 ) -> Model:
     """Load a GGUF model: a path, a known name, or a Hugging Face model (``hf://owner/repo/file.gguf``
     or ``owner/repo[:quant]``, through ``huggingface_hub``), the last two fetched on first use.
+
+    ``mmproj``: the vision projector file (llama.cpp's ``mmproj-*.gguf``) that lets the model
+    take images (``Model.projector``, ``dasllama.vision``). None loads the ``mmproj*.gguf``
+    beside the model when there is one (the one in its folder, or the one named after it) and
+    its width fits the model; False loads none. A file given that is not an mmproj, or does not
+    fit the model, raises.
 
     ``numerics=Numerics.ggml`` adds every dot product up in the order of llama.cpp's x86 AVX2 CPU
     build, so logits equal that build's bit for bit (every format but BF16; f16 KV cache); the
@@ -212,6 +222,7 @@ def load_model(
     native = _native.load_model(str(p), arch, _arch_meta(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
     log.info("loaded %s (%s, %s, %s numerics) in %.2fs", p.name, arch, qm.value, nm.value, time.perf_counter() - t0)
     model = Model(native, meta, p)
+    _attach_projector(model, mmproj)
     if device is None:
         from . import gpu
 
@@ -221,6 +232,28 @@ def load_model(
     if str(device).strip().lower() != "cpu":
         model.to(device)
     return model
+
+
+def _attach_projector(model: Model, mmproj: str | os.PathLike[str] | bool | None) -> None:
+    """Load ``mmproj`` (or the sidecar found beside the model, for None) into ``model.projector``."""
+    if mmproj is False:
+        return
+    explicit = mmproj is not None and mmproj is not True
+    path = Path(mmproj).expanduser() if explicit else find_sidecar(model.path)  # type: ignore[arg-type]
+    if path is None:
+        if mmproj is True:
+            raise GgufError(f"{model.path}: no mmproj*.gguf beside the model (pass its path as mmproj=)")
+        return
+    proj = load_mmproj(path)
+    dim = int(model.config["dim"])
+    if proj.text_dim != dim:
+        msg = f"{path}: the projector writes rows of {proj.text_dim} values but {model.path.name} embeds {dim}: it belongs to another model"
+        if explicit or mmproj is True:
+            raise UnsupportedModelError(msg)
+        log.warning("not loading the sidecar %s", msg)
+        return
+    model.projector = proj
+    log.info("loaded %s (%s projector, %d tokens an image)", path.name, proj.projector_type, proj.n_tokens)
 
 
 def encode(m: Model, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:

@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     ap = argparse.ArgumentParser(prog=prog, description="OpenAI-compatible server for GGUF models.", formatter_class=HelpFormatter)
     ap.add_argument("--model", action="append", help=f"a .gguf path, a known model name, or a Hugging Face model (hf://owner/repo/file.gguf, owner/repo[:quant]); repeat to serve several (default: {DEFAULT_MODEL})")
     ap.add_argument("--alias", action="append", help="the name clients use for the matching --model (default: the model's name)")
+    ap.add_argument("--mmproj", action="append", help="the vision projector (mmproj-*.gguf) for the matching --model, so it takes images (default: the mmproj*.gguf beside the model, if any)")
+    ap.add_argument("--no-mmproj", action="store_true", help="load no vision projector, not even one found beside a model")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8080, help="port to listen on")
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams per model")
@@ -89,6 +91,10 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     args.model = args.model or [DEFAULT_MODEL]
     if args.alias and len(args.alias) != len(args.model):
         ap.error("give one --alias per --model")
+    if args.mmproj and len(args.mmproj) != len(args.model):
+        ap.error("give one --mmproj per --model")
+    if args.mmproj and args.no_mmproj:
+        ap.error("--mmproj and --no-mmproj contradict each other")
     for name in ("streams", "queue", "chunk"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
@@ -196,7 +202,7 @@ def load_models(server: Server, args: argparse.Namespace) -> None:
     apply_threads(args)
     armed = arm_gpu(args)
     for i, spec in enumerate(args.model):
-        m = load_model(spec, numerics=args.numerics)
+        m = load_model(spec, numerics=args.numerics, mmproj=False if args.no_mmproj else args.mmproj[i] if args.mmproj else None)
         on_device = False
         if armed:
             slot = gpu.gpu_model_marks_init()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import datetime
 import json
 import logging
@@ -21,6 +23,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .. import scheduler as sched
+from .. import vision
 from ..chat import HARMONY_EFFORTS, ChatRenderer, NothinkGuard, encode_prompt, is_harmony, make_nothink_guard, render_chat, render_close, thought_markers
 from ..errors import ContextOverflowError, DasllamaError, TemplateError
 from ..grammar import check_grammar
@@ -186,6 +189,8 @@ class Job:
     in_thought: bool = False
     nothink: NothinkGuard | None = None
     verbose: bool = False  # llama-server's "verbose": the answer carries the prompt it ran (__verbose)
+    # Images in the prompt: (first prompt row, embeddings) each (sched.PendingReq.images).
+    images: list[tuple[int, Any]] = field(default_factory=list)
 
 
 def _utf8_len(text: str, param: str) -> int:
@@ -195,7 +200,43 @@ def _utf8_len(text: str, param: str) -> int:
         raise ApiError(400, f"'{param}' holds a lone surrogate (\\ud800-\\udfff), which is not text", param=param, code="invalid_encoding") from None
 
 
-def _content(msg: dict[str, Any], i: int) -> str:
+def _strip_bos(m: Any, text: str) -> str:
+    """The rendered text without a leading BOS text where the tokenizer adds one (as
+    ``encode_prompt``)."""
+    bos = m.bos_id
+    if bos is not None and encode(m, "") == [bos]:
+        return text.removeprefix(m._native.token_text(bos))
+    return text
+
+
+def _image_part(p: dict[str, Any], where: str, m: Any, images: list[Any]) -> str:
+    """An ``image_url`` part: its picture decoded into ``images``; its place in the text is the
+    media marker. Data URLs only (remote URLs are not fetched); 400 naming the problem."""
+    if m.projector is None:
+        raise ApiError(400, f"{where}: '{m.path.name}' takes no images (serve it with its --mmproj file)", param=where, code="images_not_supported")
+    iu = p.get("image_url")
+    url = iu.get("url") if isinstance(iu, dict) else iu
+    if not isinstance(url, str):
+        raise ApiError(400, f"{where}.image_url must be {{'url': 'data:image/...;base64,...'}}", param=where)
+    if not url.startswith("data:"):
+        raise ApiError(400, f"{where}: only data: URLs are taken (this server fetches no remote images)", param=where, code="invalid_image_url")
+    head, sep, payload = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise ApiError(400, f"{where}: a data URL must be base64 (data:image/png;base64,...)", param=where, code="invalid_image_url")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{where}: the data URL's base64 does not decode", param=where, code="invalid_image_url") from None
+    try:
+        images.append(vision.decode_image(raw))
+    except vision.ImageError as e:
+        raise ApiError(400, f"{where}: {e}", param=where, code="invalid_image") from None
+    return vision.MEDIA_MARKER
+
+
+def _content(msg: dict[str, Any], i: int, m: Any = None, images: list[Any] | None = None) -> str:
+    """A message's text; its ``image_url`` parts (for a model that takes images) become media
+    markers, their pictures appended to ``images``."""
     c = msg.get("content")
     if c is None:
         return ""
@@ -203,12 +244,15 @@ def _content(msg: dict[str, Any], i: int) -> str:
         return c
     if isinstance(c, list):
         parts = []
-        for p in c:
+        for j, p in enumerate(c):
+            if isinstance(p, dict) and p.get("type") == "image_url" and images is not None:
+                parts.append(_image_part(p, f"messages[{i}].content[{j}]", m, images))
+                continue
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ApiError(400, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}", param=f"messages[{i}].content")
+                raise ApiError(400, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}} or {{'type': 'image_url', ...}}", param=f"messages[{i}].content")
             parts.append(p["text"])
         return "".join(parts)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text and image parts", param=f"messages[{i}].content")
 
 
 # ---- the app -----------------------------------------------------------------------------------
@@ -321,11 +365,12 @@ class Server:
                     raise ApiError(400, "'response_format' cannot apply when 'tool_choice' forces a call: the reply is the call", param="response_format")
                 grammar, grammar_param = g, "tools"
             rendered = []
+            images: list[Any] = []
             for i, msg in enumerate(msgs):
                 if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "developer", "tool"):
                     raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", param=f"messages[{i}].role")
                 role = "system" if msg["role"] == "developer" else msg["role"]
-                r = {**msg, "role": role, "content": _content(msg, i)}
+                r = {**msg, "role": role, "content": _content(msg, i, m, images)}
                 if role == "tool" and not isinstance(msg.get("tool_call_id", ""), str):
                     raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
                 rendered.append(r)
@@ -374,13 +419,21 @@ class Server:
                 close = [] if prefill else render_close(m, ChatRenderer(m, rendered, thinking=thinking))
             except TemplateError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            prompt = encode_prompt(m, text)
+            if images:
+                try:
+                    ip = vision.tokenize_with_images(m, _strip_bos(m, text), images, add_bos=None)
+                except ValueError as e:
+                    raise ApiError(400, str(e), param="messages") from None
+                prompt, prompt_images = ip.ids, ip.images()
+            else:
+                prompt, prompt_images = encode_prompt(m, text), []
             markers = thought_markers(m)
             in_thought = markers is not None and text.rstrip().endswith(markers[0])
             nothink = make_nothink_guard(ChatRenderer(m, rendered, thinking=thinking))
         else:
             tools = None
             markers, in_thought, nothink = None, False, None
+            prompt_images = []
             try:
                 grammar, grammar_param = response_format_grammar(body), "response_format"
                 if grammar is None:  # llama-server's own fields
@@ -474,7 +527,29 @@ class Server:
         verbose = body.get("verbose", self.options.verbose)
         if not isinstance(verbose, bool):
             raise ApiError(400, "'verbose' must be a boolean", param="verbose")
-        return Job(eng, prompt, params, max_new, stops, stop_ids, close, n, seed, logprobs, stream, bool(so.get("include_usage", self.options.llama_compat and chat)), ignore_eos, grammar, grammar_param, tools, markers, in_thought, nothink, verbose=verbose)
+        return Job(
+            eng,
+            prompt,
+            params,
+            max_new,
+            stops,
+            stop_ids,
+            close,
+            n,
+            seed,
+            logprobs,
+            stream,
+            bool(so.get("include_usage", self.options.llama_compat and chat)),
+            ignore_eos,
+            grammar,
+            grammar_param,
+            tools,
+            markers,
+            in_thought,
+            nothink,
+            verbose=verbose,
+            images=prompt_images,
+        )
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
         """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a
@@ -484,7 +559,7 @@ class Server:
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
         req = sched.PendingReq(
             id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs, ignore_eos=job.ignore_eos,
-            grammar=job.grammar, nothink=job.nothink,
+            grammar=job.grammar, nothink=job.nothink, images=job.images,
         )
         sub = Subscription(asyncio.get_running_loop())
         try:

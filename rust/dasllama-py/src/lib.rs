@@ -10,12 +10,12 @@ use dasllama::kv::{KvCodec, KvPool, PoolStats};
 use dasllama::model::forward::LogitRows;
 use dasllama::model::{Assistant, Attention, MetaValue, Metadata, Mixer, Model, MtpHead, Numerics, QuantMode, TensorInfo};
 use dasllama::sampling::SamplingParams;
-use dasllama::sched::{EventKind, Finish, Nothink, PendingReq, SchedEvent, Scheduler};
+use dasllama::sched::{EventKind, Finish, Nothink, PendingReq, PromptImage, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
 use dasllama::spec::Drafter;
 use dasllama::tokenizer::{Tokenizer, Utf8Stream, Vocab};
 use dasllama::Error;
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
@@ -380,6 +380,40 @@ fn eval_all<'py>(py: Python<'py>, m: &PyModel, s: &mut PySession, ids: Vec<u32>)
     let mut rows = Vec::new();
     native(py, "eval_all", || sess.eval_all(model, &ids, &mut rows))?;
     PyArray1::from_vec_bound(py, rows).reshape([ids.len(), model.config.vocab_size])
+}
+
+/// Run `ids` at the session's position with the rows `rows` taking `values` (a (len(rows), dim)
+/// float32 array) instead of their tokens' embeddings, and each (first, count) of `spans` seeing
+/// each other (an image's rows). Returns the logits after every row ((len(ids), vocab)) where
+/// `all`, else after the last ((vocab,)).
+#[allow(clippy::too_many_arguments)]
+#[pyfunction]
+#[pyo3(signature = (m, s, ids, rows, values, spans, all=false))]
+fn eval_embeds<'py>(
+    py: Python<'py>,
+    m: &PyModel,
+    s: &mut PySession,
+    ids: Vec<u32>,
+    rows: Vec<usize>,
+    values: PyReadonlyArray2<'py, f32>,
+    spans: Vec<(usize, usize)>,
+    all: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    same_model(m, s)?;
+    let model = &m.inner;
+    let sess = &mut s.inner;
+    let vals = values.as_slice()?.to_vec();
+    let mut out = Vec::new();
+    native(py, "eval_embeds", || {
+        let inj = dasllama::model::forward::Injected { embeds: dasllama::backend::RowEmbeds { rows: &rows, values: &vals }, spans: &spans };
+        sess.eval_injected(model, &ids, inj, all, &mut out)
+    })?;
+    let v = model.config.vocab_size;
+    if all {
+        Ok(PyArray1::from_vec_bound(py, out).reshape([ids.len(), v])?.into_any())
+    } else {
+        Ok(PyArray1::from_vec_bound(py, out[out.len() - v..].to_vec()).into_any())
+    }
 }
 
 /// One pooled vector per input (each its own sequence; all in one weight pass): (n, dim) float32.
@@ -802,7 +836,7 @@ fn create_scheduler(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None))]
+#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None, images=Vec::new()))]
 fn submit(
     py: Python<'_>,
     m: &PyModel,
@@ -818,14 +852,35 @@ fn submit(
     ignore_eos: bool,
     grammar: Option<String>,
     nothink: Option<(Vec<u32>, Vec<u32>)>,
+    images: Vec<(usize, PyReadonlyArray2<'_, f32>)>,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
+    // (first prompt row, (rows, width) float32 embeddings) per image.
+    let images = images
+        .into_iter()
+        .map(|(at, v)| {
+            let n = v.as_array().nrows();
+            Ok(PromptImage { at, n, values: Arc::new(v.as_slice()?.to_vec()) })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
     if max_new < 1 {
         return Err(PyValueError::new_err(format!("request {id}: max_new must be at least 1")));
     }
     let nothink = nothink.map(|(open, close)| Nothink { open, close });
-    let req =
-        PendingReq { id, prompt, close_toks, stop_ids, params: params.0.clone(), max_new: max_new as usize, seed, logprobs, ignore_eos, grammar, nothink };
+    let req = PendingReq {
+        id,
+        prompt,
+        close_toks,
+        stop_ids,
+        params: params.0.clone(),
+        max_new: max_new as usize,
+        seed,
+        logprobs,
+        ignore_eos,
+        grammar,
+        nothink,
+        images,
+    };
     let inner = &mut sch.inner;
     // Compiling a grammar takes milliseconds (the first one indexes the vocabulary: more).
     native(py, "submit", || inner.submit(req))
@@ -947,6 +1002,79 @@ fn amx_status() -> (bool, String) {
     (*on, why.clone())
 }
 
+/// A vision tower and projector loaded from an mmproj file (`dasllama::vision`).
+#[pyclass(module = "dasllama._native", name = "Vision", frozen)]
+struct PyVision {
+    inner: Arc<dasllama::vision::Vision>,
+    #[pyo3(get)]
+    path: String,
+}
+
+#[pymethods]
+impl PyVision {
+    #[getter]
+    fn projector_type(&self) -> String {
+        self.inner.projector_type.clone()
+    }
+
+    #[getter]
+    fn image_size(&self) -> usize {
+        self.inner.config.image_size
+    }
+
+    #[getter]
+    fn n_tokens(&self) -> usize {
+        self.inner.n_tokens()
+    }
+
+    #[getter]
+    fn text_dim(&self) -> usize {
+        self.inner.text_dim()
+    }
+
+    #[getter]
+    fn image_mean(&self) -> Vec<f32> {
+        self.inner.config.image_mean.to_vec()
+    }
+
+    #[getter]
+    fn image_std(&self) -> Vec<f32> {
+        self.inner.config.image_std.to_vec()
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.inner.config;
+        format!(
+            "Vision(projector={:?}, image_size={}, layers={}, dim={}, tokens={}, path={:?})",
+            self.inner.projector_type,
+            c.image_size,
+            c.n_layers,
+            c.dim,
+            self.inner.n_tokens(),
+            self.path
+        )
+    }
+}
+
+/// Load an mmproj file's vision tower: `meta` holds its `clip.*` keys without the prefix.
+#[pyfunction]
+fn load_vision(py: Python<'_>, path: String, meta: HashMap<String, PyMeta>, tensors: Vec<(String, u32, Vec<u64>, u64)>) -> PyResult<PyVision> {
+    let meta = Metadata::new("clip", meta.into_iter().map(|(k, v)| (k, v.into())).collect());
+    let tensors: Vec<TensorInfo> = tensors.into_iter().map(|(name, ty, shape, offset)| TensorInfo { name, ty, shape, offset }).collect();
+    let v = native(py, "loading the vision tower", || dasllama::vision::Vision::load(std::path::Path::new(&path), &meta, &tensors))?;
+    Ok(PyVision { inner: Arc::new(v), path })
+}
+
+/// One image's embeddings from its preprocessed pixels (3 x size x size float32, planar):
+/// a (n_tokens, text_dim) float32 array.
+#[pyfunction]
+fn encode_image<'py>(py: Python<'py>, v: &PyVision, pixels: PyReadonlyArray1<'py, f32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let px = pixels.as_slice()?.to_vec();
+    let vision = v.inner.clone();
+    let out = native(py, "encoding an image", || vision.encode(&px))?;
+    PyArray1::from_vec_bound(py, out).reshape([v.inner.n_tokens(), v.inner.text_dim()])
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -966,6 +1094,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySession>()?;
     m.add_class::<Params>()?;
     m.add_function(wrap_pyfunction!(load_model, m)?)?;
+    m.add_class::<PyVision>()?;
+    m.add_function(wrap_pyfunction!(load_vision, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_image, m)?)?;
     m.add_function(wrap_pyfunction!(encode, m)?)?;
     m.add_function(wrap_pyfunction!(decode, m)?)?;
     m.add_function(wrap_pyfunction!(token_piece_bytes, m)?)?;
@@ -978,6 +1109,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scheduler_pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(eval, m)?)?;
     m.add_function(wrap_pyfunction!(eval_all, m)?)?;
+    m.add_function(wrap_pyfunction!(eval_embeds, m)?)?;
     m.add_class::<PyBatchWorkspace>()?;
     m.add_function(wrap_pyfunction!(create_batch_workspace, m)?)?;
     m.add_function(wrap_pyfunction!(eval_batch, m)?)?;

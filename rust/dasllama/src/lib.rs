@@ -37,6 +37,7 @@ pub mod sched;
 pub mod session;
 pub mod spec;
 pub mod tokenizer;
+pub mod vision;
 pub mod vulkan;
 
 pub use error::{Error, Result};

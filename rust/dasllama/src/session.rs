@@ -3,7 +3,7 @@
 use crate::backend::DevKv;
 pub use crate::kv::KvCache;
 use crate::kv::{KvCodec, KvPool, PRIVATE_PAGE_ROWS};
-use crate::model::forward::{forward_batch, forward_batch_span, LogitRows, Scratch};
+use crate::model::forward::{forward_batch_with, Injected, LogitRows, Scratch, Span};
 use crate::model::Model;
 use crate::record::TokenRecord;
 use crate::{Error, Result};
@@ -98,7 +98,19 @@ impl Session {
     /// what a speculative verify chunk needs. Row i equals what evaluating the tokens one at a
     /// time gives after token i. The session keeps the last row, as after `eval`.
     pub fn eval_all(&mut self, m: &Model, tokens: &[u32], rows: &mut Vec<f32>) -> Result<()> {
-        run(m, &mut [self], &[tokens.len()], tokens, LogitRows::All, &mut shared_scratch(), rows)?;
+        run(m, &mut [self], &[tokens.len()], tokens, None, LogitRows::All, &mut shared_scratch(), rows)?;
+        self.logits.clear();
+        self.logits.extend_from_slice(&rows[rows.len() - m.config.vocab_size..]);
+        Ok(())
+    }
+
+    /// Run `tokens` with some rows' inputs given (`Injected`: an image's embeddings in place of
+    /// its placeholder tokens, its rows seeing each other). Logits after every row land in
+    /// `rows` where `all`, else after the last only; the session keeps the last row's either way.
+    /// Host K/V only: a device-home session is refused, nothing run.
+    pub fn eval_injected(&mut self, m: &Model, tokens: &[u32], inj: Injected<'_>, all: bool, rows: &mut Vec<f32>) -> Result<()> {
+        let want = if all { LogitRows::All } else { LogitRows::Last };
+        run(m, &mut [self], &[tokens.len()], tokens, Some(inj), want, &mut shared_scratch(), rows)?;
         self.logits.clear();
         self.logits.extend_from_slice(&rows[rows.len() - m.config.vocab_size..]);
         Ok(())
@@ -106,7 +118,7 @@ impl Session {
 
     fn eval_rows(&mut self, m: &Model, tokens: &[u32], want: LogitRows<'_>) -> Result<()> {
         let mut logits = std::mem::take(&mut self.logits);
-        let r = run(m, &mut [self], &[tokens.len()], tokens, want, &mut shared_scratch(), &mut logits);
+        let r = run(m, &mut [self], &[tokens.len()], tokens, None, want, &mut shared_scratch(), &mut logits);
         self.logits = logits;
         r
     }
@@ -170,6 +182,19 @@ pub fn eval_batch(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessi
 /// `eval_multi` with the logits of the rows `want` names left in `ws.logits` only, in order:
 /// the scheduler samples from there without a copy per stream.
 pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Session], counts: &[usize], tokens: &[u32], want: LogitRows<'_>) -> Result<()> {
+    eval_rows_with(m, ws, sessions, counts, tokens, None, want)
+}
+
+/// `eval_rows` with some rows' inputs given (`Injected`, rows and spans in the pass's rows).
+pub fn eval_rows_with(
+    m: &Model,
+    ws: &mut BatchWorkspace,
+    sessions: &mut [&mut Session],
+    counts: &[usize],
+    tokens: &[u32],
+    injected: Option<Injected<'_>>,
+    want: LogitRows<'_>,
+) -> Result<()> {
     if sessions.is_empty() || sessions.len() != counts.len() {
         return Err(Error::InvalidArgument("eval_batch needs at least one session, and one count per session".into()));
     }
@@ -177,17 +202,19 @@ pub fn eval_rows(m: &Model, ws: &mut BatchWorkspace, sessions: &mut [&mut Sessio
     if sessions.iter().any(|s| s.fault) {
         crate::backend::host().panic_in_task("injected fault in a session's evaluation");
     }
-    run(m, sessions, counts, tokens, want, &mut ws.scratch, &mut ws.logits)
+    run(m, sessions, counts, tokens, injected, want, &mut ws.scratch, &mut ws.logits)
 }
 
 /// One forward pass where the sessions' K/V lives: all on the device, or all on the host (the
 /// model's placement takes the host pass's matrix products where it holds them, and counts a
 /// host pass of a model it holds whole).
+#[allow(clippy::too_many_arguments)]
 fn run(
     m: &Model,
     sessions: &mut [&mut Session],
     counts: &[usize],
     tokens: &[u32],
+    injected: Option<Injected<'_>>,
     want: LogitRows<'_>,
     scratch: &mut Scratch,
     logits: &mut Vec<f32>,
@@ -196,11 +223,14 @@ fn run(
     if on_device == 0 {
         let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
         let Some(p) = m.placement() else {
-            return forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits, None);
+            return forward_batch_with(m, &mut kvs, counts, tokens, Span::whole(m), injected, want, scratch, logits, None);
         };
         let mut out = Ok(());
-        p.host_pass(&mut |offload| out = forward_batch(m, &mut kvs, counts, tokens, want, scratch, logits, offload));
+        p.host_pass(&mut |offload| out = forward_batch_with(m, &mut kvs, counts, tokens, Span::whole(m), injected, want, scratch, logits, offload));
         return out;
+    }
+    if injected.is_some() {
+        return Err(Error::InvalidArgument("image rows run over host K/V only for now; use a host session for a prompt with images".into()));
     }
     if on_device != sessions.len() {
         return Err(Error::InvalidArgument("a batch mixes device-home and host sessions; evaluate them in separate batches".into()));
@@ -223,8 +253,8 @@ fn run(
     let mut x = std::mem::take(&mut scratch.split);
     let mut done = crate::model::forward::forward_device(m, &*p, &mut devs, counts, tokens, LogitRows::All, &mut x);
     if done.is_ok() {
-        let span = crate::model::forward::Span { layers: layers..m.layers.len(), x: Some(&x) };
-        done = forward_batch_span(m, &mut hosts, counts, tokens, span, want, scratch, logits, None);
+        let span = Span { layers: layers..m.layers.len(), x: Some(&x) };
+        done = forward_batch_with(m, &mut hosts, counts, tokens, span, None, want, scratch, logits, None);
     }
     scratch.split = x;
     if done.is_err() {

@@ -12,7 +12,7 @@ mod pass;
 mod placement;
 mod recurrent;
 
-pub use pass::{Act, Buf, ExpertSet, HostActs, Ops, PassIn};
+pub use pass::{Act, Buf, ExpertSet, HostActs, Ops, PassIn, RowEmbeds};
 
 pub use placement::{DevKv, KvHome, Placeable, Placement, PlacementStatus};
 pub use recurrent::{DeltaNet, DnParams, HeadMap};
@@ -305,9 +305,20 @@ pub trait HostOps {
     );
 
     /// Causal attention of each query row over its session's K/V in page slot `slot` (which
-    /// already holds the row's own position). `rows[t]` = (session, position) of batch row t.
+    /// already holds the row's own position). `rows[t]` = (session, position) of batch row t;
+    /// `ends[t]`, where given (`PassIn::key_ends`), ends row t's keys instead of its position + 1.
     #[allow(clippy::too_many_arguments)]
-    fn attention(&mut self, a: &AttnShape, slot: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]);
+    fn attention(
+        &mut self,
+        a: &AttnShape,
+        slot: usize,
+        kvs: &[&mut KvCache],
+        rows: &[(usize, usize)],
+        ends: &[usize],
+        counts: &[usize],
+        q: &[f32],
+        out: &mut [f32],
+    );
 }
 
 /// The host: the CPU backend every model has, whatever device it is also placed on. The loader

@@ -84,6 +84,19 @@ pub struct PassIn<'a> {
     pub row_scale_keys: Vec<(f32, usize)>,
     /// Sessions whose recurrent layers record their raw inputs (`kv::Journal`).
     pub journal: Vec<bool>,
+    /// Rows whose input is given instead of their token's embedding (an image's rows).
+    pub embeds: Option<RowEmbeds<'a>>,
+    /// Per batch row, the end (exclusive) of the positions it attends, where some row attends
+    /// past its own (the rows of one image see each other); empty: causal, each row up to its own.
+    pub key_ends: Vec<usize>,
+}
+
+/// Input rows given as values (`PassIn::embeds`): batch row `rows[i]` takes
+/// `values[i * dim..(i + 1) * dim]` as it stands (no embedding scale).
+#[derive(Clone, Copy, Debug)]
+pub struct RowEmbeds<'a> {
+    pub rows: &'a [usize],
+    pub values: &'a [f32],
 }
 
 /// The routed experts of one layer as `Ops::experts` takes them.
@@ -107,7 +120,8 @@ pub trait Ops {
     /// The first `len` values of `buf` (contents unspecified until an op writes them).
     fn alloc(&mut self, buf: Buf, len: usize) -> Act;
 
-    /// Row t of `out` = row `tokens[t]` of `w`, times `scale`.
+    /// Row t of `out` = row `tokens[t]` of `w`, times `scale`; the rows `PassIn::embeds` names
+    /// take their given values instead.
     fn embed(&mut self, w: &Weight, scale: f32, out: Act);
 
     /// out_j = x · W_jᵀ for several weights of one input (Q/K/V, gate/up) in one pass over the

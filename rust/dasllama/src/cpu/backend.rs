@@ -190,10 +190,20 @@ impl HostOps for CpuOps<'_> {
         deltanet::delta_net(dn, p, states, counts, qkv, beta, alpha, out, Some(self.team));
     }
 
-    fn attention(&mut self, a: &AttnShape, slot: usize, kvs: &[&mut KvCache], rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32]) {
+    fn attention(
+        &mut self,
+        a: &AttnShape,
+        slot: usize,
+        kvs: &[&mut KvCache],
+        rows: &[(usize, usize)],
+        ends: &[usize],
+        counts: &[usize],
+        q: &[f32],
+        out: &mut [f32],
+    ) {
         match self.numerics {
-            Numerics::Fast => attention(a, kvs, slot, rows, q, out, self.team),
-            Numerics::Ggml => attention_ggml(a, kvs, slot, rows, counts, q, out, self.team),
+            Numerics::Fast => attention(a, kvs, slot, rows, ends, q, out, self.team),
+            Numerics::Ggml => attention_ggml(a, kvs, slot, rows, ends, counts, q, out, self.team),
         }
     }
 }
@@ -247,7 +257,7 @@ struct AttnTask<'o> {
 /// sum a head's values over keys in order, split into runs or not), so a row's result does not
 /// depend on the rows beside it.
 #[allow(clippy::too_many_arguments)]
-fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)], q: &[f32], out: &mut [f32], team: &Team) {
+fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)], ends: &[usize], q: &[f32], out: &mut [f32], team: &Team) {
     let window = a.window;
     let (hdim, qd) = (a.head_dim, a.q_dim());
     let group = a.n_heads / a.n_kv_heads;
@@ -282,7 +292,7 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
         let codec = lv.codec();
         let span = |t: usize| {
             let pos = rows[t].1;
-            (if window > 0 { (pos + 1).saturating_sub(window) } else { 0 }, pos + 1)
+            (if window > 0 { (pos + 1).saturating_sub(window) } else { 0 }, ends.get(t).copied().unwrap_or(pos + 1))
         };
         // Keys the block reads (kb..ke), and those every row of it attends (cs..ce).
         let (mut kb, mut ke, mut cs, mut ce) = (usize::MAX, 0, 0, usize::MAX);
@@ -359,7 +369,7 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             }
         });
     };
-    let work: usize = rows.iter().map(|r| r.1 + 1).sum::<usize>() * a.n_heads;
+    let work: usize = rows.iter().enumerate().map(|(t, r)| ends.get(t).copied().unwrap_or(r.1 + 1)).sum::<usize>() * a.n_heads;
     if work * hdim > 1 << 16 && tasks.len() > 1 {
         team.for_each_chunk_mut(&mut tasks, 1, &one);
     } else {
@@ -373,7 +383,17 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
 /// `ggml_vec_dot_f16`; softmax over whole groups of eight cells with the masked ones at -inf.
 /// Plain loops over decoded rows: this is the conformance path, not the fast one.
 #[allow(clippy::too_many_arguments)]
-fn attention_ggml(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usize)], counts: &[usize], q: &[f32], out: &mut [f32], team: &Team) {
+fn attention_ggml(
+    a: &AttnShape,
+    kvs: &[&mut KvCache],
+    il: usize,
+    rows: &[(usize, usize)],
+    ends: &[usize],
+    counts: &[usize],
+    q: &[f32],
+    out: &mut [f32],
+    team: &Team,
+) {
     use crate::quant::ggml::{lane_dot, vec_dot_f16};
     let window = a.window;
     let (hdim, qd) = (a.head_dim, a.q_dim());
@@ -385,12 +405,14 @@ fn attention_ggml(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize
         let lv = kvs[si].layer(il);
         assert_eq!(lv.codec(), crate::kv::KvCodec::F16, "ggml numerics run on an f16 cache (checked at pool creation)");
         let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        // Keys end after the row's own position, or where `ends` says (an image's rows).
+        let end = ends.get(t).copied().unwrap_or(pos + 1);
         // K and V of cells 0..=pos as f32 (cells before the window stay zero: their weight is 0).
-        let cells = (pos + 1).next_multiple_of(32);
+        let cells = end.next_multiple_of(32);
         let mut kf = vec![0.0f32; cells * hdim];
         let mut vt = vec![0.0f32; hdim * cells]; // transposed, as llama.cpp stores V
         for (v, dst) in [(false, &mut kf), (true, &mut vt)] {
-            for (first, run) in lv.rows(v, kvh, start, pos + 1) {
+            for (first, run) in lv.rows(v, kvh, start, end) {
                 for (r, row) in run.chunks_exact(2 * hdim).enumerate() {
                     for i in 0..hdim {
                         let x = crate::quant::rd_f16(row, 2 * i);
@@ -410,12 +432,12 @@ fn attention_ggml(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize
             let mut qs = Vec::new();
             f16_queries(a, &q[base..base + hdim], &mut qs);
             sc.fill(f32::NEG_INFINITY);
-            for j in start..=pos {
+            for j in start..end {
                 let s = dot(&kf[j * hdim..(j + 1) * hdim], &qs);
                 let s = a.softcap.map_or(s, |cap| cap * (s * (1.0 / cap)).tanh());
                 sc[j] = s * a.score_scale();
             }
-            let live = (pos + 1).next_multiple_of(8);
+            let live = end.next_multiple_of(8);
             ops::softmax_sink(&mut sc[..live], a.sinks.map(|sk| sk[kvh * group + g]));
             sc[live..].fill(0.0);
             ops::round_f16_slice(&mut sc);
@@ -494,7 +516,7 @@ mod tests {
             let shape =
                 AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, window, scale: 1.0 / (hd as f32).sqrt(), scale_query: false, softcap: None, sinks };
             let mut out = vec![0.0f32; n * nh * hd];
-            Cpu.run(numerics, &mut Vec::new(), &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[n], &q, &mut out));
+            Cpu.run(numerics, &mut Vec::new(), &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[], &[n], &q, &mut out));
             out
         };
         let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;

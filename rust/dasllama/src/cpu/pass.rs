@@ -46,12 +46,17 @@ impl Ops for HostPass<'_, '_> {
     }
 
     fn embed(&mut self, w: &Weight, scale: f32, out: Act) {
-        let tokens = self.inp.tokens;
+        let (tokens, embeds) = (self.inp.tokens, self.inp.embeds);
         self.with(out, |_, x| {
             for (row, &tok) in x.chunks_exact_mut(w.cols).zip(tokens) {
                 w.dequantize_row(tok as usize, row);
                 if scale != 1.0 {
                     row.iter_mut().for_each(|v| *v *= scale);
+                }
+            }
+            if let Some(e) = embeds {
+                for (i, &r) in e.rows.iter().enumerate() {
+                    x[r * w.cols..(r + 1) * w.cols].copy_from_slice(&e.values[i * w.cols..(i + 1) * w.cols]);
                 }
             }
         });
@@ -176,7 +181,7 @@ impl Ops for HostPass<'_, '_> {
 
     fn attention(&mut self, a: &AttnShape, slot: usize, q: Act, out: Act) {
         let inp = self.inp;
-        self.with(out, |s, o| s.ops.attention(a, slot, s.kvs, &inp.rows, inp.counts, s.acts.get(q), o));
+        self.with(out, |s, o| s.ops.attention(a, slot, s.kvs, &inp.rows, &inp.key_ends, inp.counts, s.acts.get(q), o));
     }
 
     /// Route every row, then run each chosen expert once over the rows that chose it (gathered

@@ -7,7 +7,7 @@ use super::{AttnTemp, BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, Mix
 use crate::backend::Gating;
 pub use crate::backend::LogitRows;
 use crate::backend::{
-    host, rope_cache, Act, Activation, Buf, DevKv, DnParams, ExpertSet, HostActs, MatmulOffload, Numerics, Ops, PassIn, Placeable, Placement, Route,
+    host, rope_cache, Act, Activation, Buf, DevKv, DnParams, ExpertSet, HostActs, MatmulOffload, Numerics, Ops, PassIn, Placeable, Placement, Route, RowEmbeds,
 };
 use crate::kv::KvCache;
 use crate::quant::Weight;
@@ -136,30 +136,56 @@ pub fn forward_batch(
     logits: &mut Vec<f32>,
     offload: Option<&mut dyn MatmulOffload>,
 ) -> Result<()> {
-    forward_batch_span(m, kvs, counts, tokens, Span::whole(m), want, s, logits, offload)
+    forward_batch_with(m, kvs, counts, tokens, Span::whole(m), None, want, s, logits, offload)
+}
+
+/// Rows of a pass given as values instead of tokens (`PassIn::embeds`), with the spans of
+/// rows that see each other (an image's rows, non-causal among themselves as llama.cpp's mtmd
+/// decodes Gemma 3's images): `spans` holds (first row, rows) in the pass's rows, each span
+/// inside one session's rows.
+#[derive(Clone, Copy, Debug)]
+pub struct Injected<'a> {
+    pub embeds: RowEmbeds<'a>,
+    pub spans: &'a [(usize, usize)],
 }
 
 /// `forward_batch` over `span` of the model's layers (the host's share of a split model: the
-/// sessions' host K/V holds rows for those layers only).
+/// sessions' host K/V holds rows for those layers only), with some rows' inputs given
+/// (`Injected`; host K/V only).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_batch_span(
+pub fn forward_batch_with(
     m: &Model,
     kvs: &mut [&mut KvCache],
     counts: &[usize],
     tokens: &[u32],
     span: Span<'_>,
+    injected: Option<Injected<'_>>,
     want: LogitRows<'_>,
     s: &mut Scratch,
     logits: &mut Vec<f32>,
     offload: Option<&mut dyn MatmulOffload>,
 ) -> Result<()> {
     check(m, kvs.iter().map(|kv| kv.len()), counts, tokens, want)?;
+    if let Some(inj) = injected {
+        check_injected(m, counts, &inj)?;
+    }
     for (kv, &cnt) in kvs.iter_mut().zip(counts) {
         let want = kv.len() + cnt;
         kv.reserve(want)?;
     }
     let lens: Vec<usize> = kvs.iter().map(|kv| kv.len()).collect();
-    let inp = pass_inputs(m, &m.config.layers, &lens, counts, tokens, want);
+    let mut inp = pass_inputs(m, &m.config.layers, &lens, counts, tokens, want);
+    if let Some(inj) = injected {
+        inp.embeds = Some(inj.embeds);
+        if !inj.spans.is_empty() {
+            let mut ends: Vec<usize> = inp.rows.iter().map(|&(_, pos)| pos + 1).collect();
+            for &(first, n) in inj.spans {
+                let end = inp.rows[first + n - 1].1 + 1;
+                ends[first..first + n].iter_mut().for_each(|e| *e = end);
+            }
+            inp.key_ends = ends;
+        }
+    }
     let keep = s.keep_hidden;
     let mut out = None;
     host().pass(m.numerics, &mut s.acts, kvs, &inp, offload, &mut |b| out = Some(forward_span(m, b, &inp, span.clone(), want, keep)));
@@ -218,6 +244,8 @@ pub fn pass_inputs<'a>(m: &Model, descs: &[LayerDesc], lens: &[usize], counts: &
         row_scale_keys: temps.iter().map(|t| (t.scale, t.floor)).collect(),
         journal: counts.iter().enumerate().map(|(i, &cnt)| want != LogitRows::Hidden && want.tail(i, cnt) > 1).collect(),
         rows,
+        embeds: None,
+        key_ends: Vec::new(),
     }
 }
 
@@ -354,6 +382,39 @@ impl Placeable for Model {
     fn layer_matrices(&self, il: usize) -> Vec<&Weight> {
         Model::layer_matrices(self, il)
     }
+}
+
+/// What a pass with given rows refuses: rows out of the pass or out of order, values not a row of
+/// the model's width each, a span that is empty, leaves the pass or crosses a session.
+fn check_injected(m: &Model, counts: &[usize], inj: &Injected<'_>) -> Result<()> {
+    let n: usize = counts.iter().sum();
+    if m.ple.is_some() {
+        // Its per-layer inputs are looked up by token too (Gemma 4): what an image row's are is
+        // not defined here yet.
+        return Err(Error::InvalidArgument(format!(
+            "rows given as values (an image's) are not supported for {} yet: its per-layer inputs are read by token",
+            m.config.arch
+        )));
+    }
+    let e = &inj.embeds;
+    if e.rows.windows(2).any(|w| w[0] >= w[1]) || e.rows.last().is_some_and(|&r| r >= n) {
+        return Err(Error::InvalidArgument(format!("embedding rows must be increasing row numbers below {n}")));
+    }
+    if e.values.len() != e.rows.len() * m.config.dim {
+        return Err(Error::InvalidArgument(format!(
+            "{} embedding rows need {} values ({} each), got {}",
+            e.rows.len(),
+            e.rows.len() * m.config.dim,
+            m.config.dim,
+            e.values.len()
+        )));
+    }
+    // The session of each row, to keep a span inside one.
+    let owner: Vec<usize> = counts.iter().enumerate().flat_map(|(i, &c)| std::iter::repeat_n(i, c)).collect();
+    if inj.spans.iter().any(|&(first, len)| len == 0 || first + len > n || owner[first] != owner[first + len - 1]) {
+        return Err(Error::InvalidArgument(format!("a span of rows that see each other must be non-empty, inside the pass's {n} rows and one session's")));
+    }
+    Ok(())
 }
 
 /// What every forward pass refuses, before anything runs: session `i` is at position `lens[i]`.

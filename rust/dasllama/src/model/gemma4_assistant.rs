@@ -272,7 +272,7 @@ pub fn step(
             };
             att.clear();
             att.resize(n * qd, 0.0);
-            b.attention(&shape, if l.swa { a.slot_swa } else { a.slot_full }, kvs, &att_rows, &counts, q, att);
+            b.attention(&shape, if l.swa { a.slot_swa } else { a.slot_full }, kvs, &att_rows, &[], &counts, q, att);
             o.clear();
             o.resize(n * w, 0.0);
             b.matmul(&mut [(&l.wo, &mut o[..])], att, &counts);

@@ -284,7 +284,7 @@ impl<'a> TensorTable<'a> {
         self.by_name.keys().filter_map(|n| n.strip_prefix("blk.")?.split('.').next()?.parse::<usize>().ok()).map(|i| i + 1).max().unwrap_or(0)
     }
 
-    fn raw(&self, name: &str) -> Result<Weight> {
+    pub(crate) fn raw(&self, name: &str) -> Result<Weight> {
         let w = self.raw_any(name)?;
         let t = self.by_name[name];
         if t.shape.iter().skip(2).any(|&d| d > 1) {
@@ -296,7 +296,7 @@ impl<'a> TensorTable<'a> {
 
     /// A tensor of any rank as one matrix of rows of `shape[0]` values (an expert stack's
     /// matrices one after another).
-    fn raw_any(&self, name: &str) -> Result<Weight> {
+    pub(crate) fn raw_any(&self, name: &str) -> Result<Weight> {
         let t = self
             .by_name
             .get(name)
@@ -329,12 +329,12 @@ impl<'a> TensorTable<'a> {
         self.by_name.get(name).and_then(|t| GgmlType::from_id(t.ty).ok()).map_or("?", |t| t.name())
     }
 
-    fn has(&self, name: &str) -> bool {
+    pub(crate) fn has(&self, name: &str) -> bool {
         self.by_name.contains_key(name)
     }
 
     /// A matrix, converted per QuantMode, checked against the shape the config implies.
-    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+    pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
         let mut parts = self.matrix_parts(name, &[rows], cols)?;
         Ok(parts.remove(0))
     }
@@ -381,7 +381,7 @@ impl<'a> TensorTable<'a> {
     }
 
     /// A matrix as the kernels read it: converted per QuantMode, laid out for `numerics`.
-    fn prepare(&self, w: Weight, name: &str) -> Result<Weight> {
+    pub(crate) fn prepare(&self, w: Weight, name: &str) -> Result<Weight> {
         let to = match self.quant {
             QuantMode::Q8 if w.cols.is_multiple_of(32) && w.ty != GgmlType::Q8_0 => Some(GgmlType::Q8_0),
             QuantMode::Fp32 if w.ty != GgmlType::F32 => Some(GgmlType::F32),
@@ -396,7 +396,7 @@ impl<'a> TensorTable<'a> {
         })
     }
 
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let w = self.raw(name)?;
         if w.rows * w.cols != len {
             return Err(Error::Gguf(format!("{}: tensor '{name}' has {} values, expected {len}", self.file, w.rows * w.cols)));
@@ -404,7 +404,7 @@ impl<'a> TensorTable<'a> {
         Ok(w.to_f32())
     }
 
-    fn opt_vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
+    pub(crate) fn opt_vector(&self, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
         if self.has(name) {
             self.vector(name, len).map(Some)
         } else {

@@ -53,6 +53,20 @@ impl Scheduler {
             return bad(format!("token id {t} is out of range for a vocabulary of {}", m.config.vocab_size));
         }
         req.params.validate()?;
+        let mut after = 0;
+        for im in &req.images {
+            if im.n == 0 || im.at < after || im.at + im.n > req.prompt.len() || im.values.len() != im.n * m.config.dim {
+                return bad(format!(
+                    "an image's rows must be non-empty, in order, inside the prompt's {} rows, with {} values a row",
+                    req.prompt.len(),
+                    m.config.dim
+                ));
+            }
+            after = im.at + im.n;
+        }
+        if !req.images.is_empty() && self.device_kv {
+            return bad("image rows run over host K/V only for now; this scheduler keeps its K/V on the device".into());
+        }
         if self.known(req.id) {
             return bad("this id is already queued or running; ids must be unique".into());
         }

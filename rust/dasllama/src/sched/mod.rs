@@ -60,6 +60,34 @@ pub struct PendingReq {
     /// The thinking-off guard of a non-thinking turn (`make_nothink_guard`): None for a turn
     /// that may think, or a template that cannot.
     pub nothink: Option<Nothink>,
+    /// Images in the prompt, in order: their rows take the images' embeddings instead of the
+    /// placeholder tokens there, and each image's rows go into one pass and see each other.
+    pub images: Vec<PromptImage>,
+}
+
+/// An image's rows in a prompt (`PendingReq::images`): prompt rows `at..at + n` take `values`
+/// (n rows of the model's width). The placeholder tokens at those rows key the prefix cache, so
+/// the caller derives them from the image (a hash of it), and a later turn about the same image
+/// attaches its pages.
+#[derive(Clone, Debug)]
+pub struct PromptImage {
+    pub at: usize,
+    pub n: usize,
+    pub values: std::sync::Arc<Vec<f32>>,
+}
+
+/// Where a prefill piece of `k` prompt rows from `fed` may end: never inside an image (its rows
+/// see each other, so they run in one pass): before the image where the piece reaches into it,
+/// or at its end where the piece starts inside it.
+fn image_cut(images: &[PromptImage], fed: usize, k: usize) -> usize {
+    let end = fed + k;
+    for im in images {
+        let (a, e) = (im.at, im.at + im.n);
+        if a < end && end < e {
+            return if a > fed { a - fed } else { e - fed };
+        }
+    }
+    k
 }
 
 /// The channel markers of a thinking template (Qwen3's `<think>` and `</think>`), for a turn

@@ -2,9 +2,10 @@
 //! the planned rows in one pass (or each stream alone, to find the one at fault).
 
 use super::{budget, SchedEvent, Scheduler, Stream, FIRST_CHUNK, MIN_CHUNK};
-use crate::model::forward::LogitRows;
+use crate::backend::RowEmbeds;
+use crate::model::forward::{Injected, LogitRows};
 use crate::model::Model;
-use crate::session::{eval_rows, Session};
+use crate::session::{eval_rows_with, Session};
 use crate::{error, Error, Result};
 
 impl Scheduler {
@@ -61,12 +62,14 @@ impl Scheduler {
                 .filter(|&b| s.fed < b && b < s.fed + k)
                 .map(|b| b - s.fed)
                 .fold(k, usize::min);
+            // An image goes into one pass whole.
+            let k = super::image_cut(&s.req.images, s.fed, k);
             if k == 0 {
                 break;
             }
             plan.push((i, k));
             let (r, kk) = size(k);
-            (rows, keys, left) = (rows + r, keys + kk, left - k);
+            (rows, keys, left) = (rows + r, keys + kk, left.saturating_sub(k));
             if k < rest {
                 break;
             }
@@ -104,6 +107,9 @@ impl Scheduler {
     pub(super) fn eval_plan(&mut self, m: &Model, streams: &mut [Stream], plan: &[(usize, usize)]) -> Result<()> {
         let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
         let mut tails = Vec::with_capacity(plan.len());
+        // Image rows of the prefill pieces: pass rows, their values, and each image's span.
+        let (mut rows, mut values, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+        let d = m.config.dim;
         for &(i, k) in plan {
             let s = &streams[i];
             match s.next {
@@ -113,6 +119,15 @@ impl Scheduler {
                     tails.push(k);
                 }
                 None => {
+                    let r0 = tokens.len();
+                    for im in &s.req.images {
+                        let (a, e) = (im.at.max(s.fed), (im.at + im.n).min(s.fed + k));
+                        if a < e {
+                            spans.push((r0 + a - s.fed, e - a));
+                            rows.extend((a..e).map(|p| r0 + p - s.fed));
+                            values.extend_from_slice(&im.values[(a - im.at) * d..(e - im.at) * d]);
+                        }
+                    }
                     tokens.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
                     tails.push(1);
                 }
@@ -124,7 +139,8 @@ impl Scheduler {
         }
         let counts: Vec<usize> = plan.iter().map(|p| p.1).collect();
         let ws = &mut self.ws;
-        error::catch("a scheduler step", || eval_rows(m, ws, &mut sessions, &counts, &tokens, LogitRows::Tail(&tails)))
+        let injected = (!rows.is_empty()).then(|| Injected { embeds: RowEmbeds { rows: &rows, values: &values }, spans: &spans });
+        error::catch("a scheduler step", || eval_rows_with(m, ws, &mut sessions, &counts, &tokens, injected, LogitRows::Tail(&tails)))
     }
 
     /// The batched pass failed: find the streams at fault by running each alone (rows compute the

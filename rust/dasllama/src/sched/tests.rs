@@ -101,6 +101,7 @@ fn req(id: i64, prompt: Vec<u32>, max_new: usize) -> PendingReq {
         ignore_eos: true,
         grammar: None,
         nothink: None,
+        images: vec![],
     }
 }
 

@@ -1,0 +1,312 @@
+//! The vision transformer of a `clip` file, as llama.cpp's `clip_graph::build_vit` builds it for
+//! SigLIP: patch embedding (a strided convolution, run as one matrix over the patches), learned
+//! position embeddings, pre-norm layers of LayerNorm (with bias), full (non-causal) multi-head
+//! attention and an MLP, then the post LayerNorm. Matrices go through the host's kernels; norms,
+//! the softmax and the activation are plain f32 here (an image's few thousand rows).
+
+use super::{f32_weight, tensor_f32};
+use crate::backend::HostOps;
+use crate::model::{Metadata, TensorTable};
+use crate::quant::Weight;
+use crate::{Error, Result};
+
+/// The MLP's activation (`clip.use_gelu` / `clip.use_silu`, else GELU-quick, as llama.cpp).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VitAct {
+    /// GELU, tanh form.
+    Gelu,
+    /// x * sigmoid(1.702 x).
+    GeluQuick,
+    Silu,
+}
+
+/// The tower's shape, from `clip.vision.*`.
+#[derive(Clone, Debug)]
+pub struct VitConfig {
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub dim: usize,
+    pub ff: usize,
+    pub n_heads: usize,
+    pub n_layers: usize,
+    pub eps: f32,
+    pub act: VitAct,
+    pub image_mean: [f32; 3],
+    pub image_std: [f32; 3],
+}
+
+impl VitConfig {
+    pub(crate) fn from_meta(m: &Metadata) -> Result<VitConfig> {
+        let image_size = m.req_positive("vision.image_size")?;
+        let patch_size = m.req_positive("vision.patch_size")?;
+        if !image_size.is_multiple_of(patch_size) {
+            return Err(Error::Gguf(format!("clip.vision.image_size {image_size} is not a multiple of clip.vision.patch_size {patch_size}")));
+        }
+        let dim = m.req_positive("vision.embedding_length")?;
+        let n_heads = m.req_positive("vision.attention.head_count")?;
+        if !dim.is_multiple_of(n_heads) {
+            return Err(Error::Gguf(format!("clip.vision.embedding_length {dim} is not a multiple of clip.vision.attention.head_count {n_heads}")));
+        }
+        let (gelu, silu) = (m.flag("use_gelu")?.unwrap_or(false), m.flag("use_silu")?.unwrap_or(false));
+        let act = match (gelu, silu) {
+            (true, true) => return Err(Error::Gguf("clip.use_gelu and clip.use_silu are both true".into())),
+            (true, false) => VitAct::Gelu,
+            (false, true) => VitAct::Silu,
+            (false, false) => VitAct::GeluQuick,
+        };
+        let triple = |key: &str| -> Result<[f32; 3]> {
+            match m.get(key) {
+                Some(crate::model::MetaValue::Array(a)) if a.len() >= 3 => {
+                    let mut out = [0.0f32; 3];
+                    for (o, v) in out.iter_mut().zip(a) {
+                        *o = match v {
+                            crate::model::MetaValue::Float(f) => *f as f32,
+                            crate::model::MetaValue::Int(i) => *i as f32,
+                            _ => return Err(Error::Gguf(format!("metadata key 'clip.{key}' must hold numbers"))),
+                        };
+                    }
+                    Ok(out)
+                }
+                _ => Err(Error::Gguf(format!("metadata key 'clip.{key}' must be an array of at least 3 numbers"))),
+            }
+        };
+        let image_std = triple("vision.image_std")?;
+        if image_std.contains(&0.0) {
+            return Err(Error::Gguf("clip.vision.image_std holds a 0".into()));
+        }
+        Ok(VitConfig {
+            image_size,
+            patch_size,
+            dim,
+            ff: m.req_positive("vision.feed_forward_length")?,
+            n_heads,
+            n_layers: m.req_positive("vision.block_count")?,
+            eps: m.positive_or("vision.attention.layer_norm_epsilon", 1e-6)? as f32,
+            act,
+            image_mean: triple("vision.image_mean")?,
+            image_std,
+        })
+    }
+
+    /// Patches per side.
+    pub fn grid(&self) -> usize {
+        self.image_size / self.patch_size
+    }
+}
+
+/// A LayerNorm's weight and optional bias.
+pub(crate) struct Norm {
+    w: Vec<f32>,
+    b: Option<Vec<f32>>,
+}
+
+pub(crate) struct VitLayer {
+    ln1: Norm,
+    q: Weight,
+    k: Weight,
+    v: Weight,
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    o: Weight,
+    bo: Option<Vec<f32>>,
+    ln2: Norm,
+    up: Weight,
+    b_up: Option<Vec<f32>>,
+    down: Weight,
+    b_down: Option<Vec<f32>>,
+}
+
+pub(crate) struct Vit {
+    /// dim x (3 * patch * patch): each output channel's kernel, channel, row, column.
+    patch: Weight,
+    patch_bias: Option<Vec<f32>>,
+    /// n_patches x dim.
+    pos: Vec<f32>,
+    pre_ln: Option<Norm>,
+    layers: Vec<VitLayer>,
+    post_ln: Option<Norm>,
+}
+
+fn norm(t: &TensorTable<'_>, prefix: &str, d: usize) -> Result<Norm> {
+    Ok(Norm { w: t.vector(&format!("{prefix}.weight"), d)?, b: t.opt_vector(&format!("{prefix}.bias"), d)? })
+}
+
+fn opt_norm(t: &TensorTable<'_>, prefix: &str, d: usize) -> Result<Option<Norm>> {
+    if t.has(&format!("{prefix}.weight")) {
+        norm(t, prefix, d).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+impl Vit {
+    pub(crate) fn load(t: &TensorTable<'_>, c: &VitConfig) -> Result<Vit> {
+        let (d, p, g) = (c.dim, c.patch_size, c.grid());
+        let patch = tensor_f32(t, "v.patch_embd.weight", &[p, p, 3, d])?;
+        let pos = tensor_f32(t, "v.position_embd.weight", &[d, g * g])?;
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for il in 0..c.n_layers {
+            let n = |s: &str| format!("v.blk.{il}.{s}");
+            let bias = |s: &str, len: usize| t.opt_vector(&n(s), len);
+            // Older conversions swapped the MLP's up and down (llama.cpp swaps them back where
+            // ffn_down reads the embedding width).
+            let (mut up, mut down) = ("ffn_up", "ffn_down");
+            if c.ff != d && t.raw(&n("ffn_down.weight")).is_ok_and(|w| w.cols == d) {
+                (up, down) = (down, up);
+            }
+            layers.push(VitLayer {
+                ln1: norm(t, &n("ln1"), d)?,
+                q: t.matrix(&n("attn_q.weight"), d, d)?,
+                k: t.matrix(&n("attn_k.weight"), d, d)?,
+                v: t.matrix(&n("attn_v.weight"), d, d)?,
+                bq: bias("attn_q.bias", d)?,
+                bk: bias("attn_k.bias", d)?,
+                bv: bias("attn_v.bias", d)?,
+                o: t.matrix(&n("attn_out.weight"), d, d)?,
+                bo: bias("attn_out.bias", d)?,
+                ln2: norm(t, &n("ln2"), d)?,
+                up: t.matrix(&n(&format!("{up}.weight")), c.ff, d)?,
+                b_up: bias(&format!("{up}.bias"), c.ff)?,
+                down: t.matrix(&n(&format!("{down}.weight")), d, c.ff)?,
+                b_down: bias(&format!("{down}.bias"), d)?,
+            });
+        }
+        Ok(Vit {
+            patch: f32_weight(&patch, d, 3 * p * p),
+            patch_bias: t.opt_vector("v.patch_embd.bias", d)?,
+            pos,
+            pre_ln: opt_norm(t, "v.pre_ln", d)?,
+            layers,
+            post_ln: opt_norm(t, "v.post_ln", d)?,
+        })
+    }
+
+    /// Patch features after the post norm: n_patches rows of `dim`, patches row by row.
+    pub(crate) fn forward(&self, ops: &mut dyn HostOps, c: &VitConfig, pixels: &[f32]) -> Vec<f32> {
+        let (d, p, g, s) = (c.dim, c.patch_size, c.grid(), c.image_size);
+        let n = g * g;
+        // Each patch as a row of channel, row, column: the convolution's kernel order.
+        let mut cols = vec![0.0f32; n * 3 * p * p];
+        for (pi, row) in cols.chunks_exact_mut(3 * p * p).enumerate() {
+            let (py, px) = (pi / g, pi % g);
+            for ch in 0..3 {
+                for ky in 0..p {
+                    let src = ch * s * s + (py * p + ky) * s + px * p;
+                    row[(ch * p + ky) * p..(ch * p + ky + 1) * p].copy_from_slice(&pixels[src..src + p]);
+                }
+            }
+        }
+        let one = [n];
+        let mut x = vec![0.0f32; n * d];
+        ops.matmul(&mut [(&self.patch, &mut x)], &cols, &one);
+        if let Some(b) = &self.patch_bias {
+            ops.add_bias(&mut x, b);
+        }
+        ops.add(&mut x, &self.pos);
+        if let Some(ln) = &self.pre_ln {
+            layer_norm(&mut x, ln, c.eps);
+        }
+        let mut h = vec![0.0f32; n * d];
+        let (mut q, mut k, mut v, mut att, mut o) = (vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d]);
+        let mut up = vec![0.0f32; n * c.ff];
+        for l in &self.layers {
+            h.copy_from_slice(&x);
+            layer_norm(&mut h, &l.ln1, c.eps);
+            ops.matmul(&mut [(&l.q, &mut q), (&l.k, &mut k), (&l.v, &mut v)], &h, &one);
+            for (bias, out) in [(&l.bq, &mut q), (&l.bk, &mut k), (&l.bv, &mut v)] {
+                if let Some(b) = bias {
+                    ops.add_bias(out, b);
+                }
+            }
+            full_attention(ops, &q, &k, &v, n, c.n_heads, d / c.n_heads, &mut att);
+            ops.matmul(&mut [(&l.o, &mut o)], &att, &one);
+            if let Some(b) = &l.bo {
+                ops.add_bias(&mut o, b);
+            }
+            ops.add(&mut x, &o);
+            h.copy_from_slice(&x);
+            layer_norm(&mut h, &l.ln2, c.eps);
+            ops.matmul(&mut [(&l.up, &mut up)], &h, &one);
+            if let Some(b) = &l.b_up {
+                ops.add_bias(&mut up, b);
+            }
+            activate(&mut up, c.act);
+            ops.matmul(&mut [(&l.down, &mut o)], &up, &one);
+            if let Some(b) = &l.b_down {
+                ops.add_bias(&mut o, b);
+            }
+            ops.add(&mut x, &o);
+        }
+        if let Some(ln) = &self.post_ln {
+            layer_norm(&mut x, ln, c.eps);
+        }
+        x
+    }
+}
+
+/// LayerNorm of each row (rows of the weight's length): mean and variance in f64, as ggml_norm's
+/// f32 sums to within rounding.
+fn layer_norm(x: &mut [f32], n: &Norm, eps: f32) {
+    let d = n.w.len();
+    for row in x.chunks_exact_mut(d) {
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
+        let inv = 1.0 / (var + eps as f64).sqrt();
+        for (i, v) in row.iter_mut().enumerate() {
+            let y = ((*v as f64 - mean) * inv) as f32 * n.w[i];
+            *v = match &n.b {
+                Some(b) => y + b[i],
+                None => y,
+            };
+        }
+    }
+}
+
+fn activate(x: &mut [f32], act: VitAct) {
+    match act {
+        VitAct::Gelu => x.iter_mut().for_each(|v| {
+            let u = *v;
+            *v = 0.5 * u * (1.0 + (0.797_884_6 * (u + 0.044_715 * u * u * u)).tanh());
+        }),
+        VitAct::GeluQuick => x.iter_mut().for_each(|v| *v /= 1.0 + (-1.702 * *v).exp()),
+        VitAct::Silu => x.iter_mut().for_each(|v| *v /= 1.0 + (-*v).exp()),
+    }
+}
+
+/// Every row attends every row (an image's patches see each other), per head: scores and the
+/// weighted sum as matrices over the host's kernels, the softmax in f32 with an f64 total.
+#[allow(clippy::too_many_arguments)]
+fn full_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) {
+    let d = heads * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let one = [n];
+    let (mut qh, mut kh, mut vt) = (vec![0.0f32; n * hd], vec![0.0f32; n * hd], vec![0.0f32; hd * n]);
+    let (mut sc, mut oh) = (vec![0.0f32; n * n], vec![0.0f32; n * hd]);
+    for h in 0..heads {
+        for t in 0..n {
+            qh[t * hd..(t + 1) * hd].copy_from_slice(&q[t * d + h * hd..t * d + (h + 1) * hd]);
+            kh[t * hd..(t + 1) * hd].copy_from_slice(&k[t * d + h * hd..t * d + (h + 1) * hd]);
+            for j in 0..hd {
+                vt[j * n + t] = v[t * d + h * hd + j];
+            }
+        }
+        let kw = f32_weight(&kh, n, hd);
+        ops.matmul(&mut [(&kw, &mut sc)], &qh, &one);
+        for row in sc.chunks_exact_mut(n) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+            let mut total = 0.0f64;
+            for s in row.iter_mut() {
+                *s = (*s * scale - max).exp();
+                total += *s as f64;
+            }
+            let inv = (1.0 / total) as f32;
+            row.iter_mut().for_each(|s| *s *= inv);
+        }
+        let vw = f32_weight(&vt, hd, n);
+        ops.matmul(&mut [(&vw, &mut oh)], &sc, &one);
+        for t in 0..n {
+            out[t * d + h * hd..t * d + (h + 1) * hd].copy_from_slice(&oh[t * hd..(t + 1) * hd]);
+        }
+    }
+}

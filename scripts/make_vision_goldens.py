@@ -1,0 +1,84 @@
+"""Write tests/golden/vision/gemma3-tiny.json: llama.cpp's own multimodal path (tools/mtmd) on
+the tiny synthetic Gemma 3 text model and mmproj of tests/synthetic_vision.py, for
+tests/test_vision_golden.py: the prompt's text chunks as mtmd tokenizes them, the image's
+embeddings (its preprocessing included: a 48 x 40 picture fitted on black into 32 x 32), and
+greedy steps after the prompt with every step's logits.
+
+Needs the harness scripts/mtmd_golden.cpp built against a static build of llama-cpp-python
+0.3.36's vendored llama.cpp (the sdist, as scripts/build_llama_cpp.py fetches it):
+
+    V=/path/to/llama_cpp_python-0.3.36/vendor/llama.cpp B=/tmp/llama-build
+    cmake -S $V -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \\
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON
+    cmake --build $B --target mtmd llama-mtmd-cli
+    g++ -std=c++17 -O2 -I$V/include -I$V/ggml/include -I$V/tools/mtmd scripts/mtmd_golden.cpp \\
+        $B/tools/mtmd/libmtmd.a $B/src/libllama.a $B/ggml/src/libggml.a $B/ggml/src/libggml-cpu.a \\
+        $B/ggml/src/libggml-base.a -fopenmp -lpthread -ldl -o /tmp/mtmd_golden
+    python scripts/make_vision_goldens.py --harness /tmp/mtmd_golden
+
+The files are written deterministically (fixed seeds); the golden records their sha256, which the
+test checks before comparing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from synthetic import write_model  # noqa: E402
+from synthetic_vision import write_gemma3_mmproj  # noqa: E402
+
+SPECIALS = ("<start_of_image>", "<end_of_image>")
+PROMPT = "the cat <__media__> at"
+IMAGE = dict(seed=7, width=48, height=40)
+STEPS = 6
+
+
+def image_rgb() -> np.ndarray:
+    return np.random.default_rng(IMAGE["seed"]).integers(0, 256, size=(IMAGE["height"], IMAGE["width"], 3), dtype=np.uint8)
+
+
+def write_files(d: Path) -> tuple[Path, Path]:
+    text, proj = d / "gemma3-tiny.gguf", d / "mmproj-gemma3-tiny.gguf"
+    write_model(text, arch="gemma3", specials=SPECIALS, ctx=128)
+    write_gemma3_mmproj(proj)
+    return text, proj
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--harness", required=True, help="the built scripts/mtmd_golden.cpp")
+    ap.add_argument("--out", default=str(ROOT / "tests" / "golden" / "vision" / "gemma3-tiny.json"))
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        text, proj = write_files(d)
+        raw = d / "image.rgb"
+        raw.write_bytes(image_rgb().tobytes())
+        cmd = [args.harness, str(text), str(proj), str(raw), str(IMAGE["width"]), str(IMAGE["height"]), PROMPT, str(STEPS)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        g = json.loads(out)
+        g["origin"] = "llama-cpp-python 0.3.36's vendored llama.cpp, tools/mtmd (scripts/mtmd_golden.cpp), CPU, 1 thread"
+        g["files"] = {"text": sha(text), "mmproj": sha(proj)}
+        g["prompt"], g["image"] = PROMPT, IMAGE
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(g) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

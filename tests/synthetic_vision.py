@@ -1,0 +1,131 @@
+"""Tiny random-weight mmproj files (llama.cpp's ``clip`` architecture) written with
+gguf.GGUFWriter, with a NumPy float64 reference of the tower and projector to check the engine
+against. Gemma 3 only so far: SigLIP (LayerNorm with bias, full attention, GELU MLP, post norm),
+then average pooling, the soft-embedding RMS norm and the projection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+
+from synthetic import DIM as TEXT_DIM
+from synthetic import encode_weight
+
+# The tower's shape: 32 x 32 pixels in patches of 4 (an 8 x 8 grid), pooled by 2 per side into
+# 16 tokens of the text model's width.
+GEMMA3_VISION: dict[str, Any] = dict(image_size=32, patch=4, dim=64, ff=128, heads=4, layers=2, merge=2, eps=1e-6, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
+
+
+def write_gemma3_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, projector: str = "gemma3", swapped_ffn: bool = False, **over: Any) -> dict[str, np.ndarray]:
+    """Write a tiny Gemma 3 mmproj; return its exact weights (numpy order) and ``"_cfg"``'s values
+    under their keys. ``swapped_ffn`` stores the MLP's up and down under each other's names, as
+    older conversions did."""
+    c = {**GEMMA3_VISION, **over}
+    rng = np.random.default_rng(4321)
+    w = GGUFWriter(str(path), "clip")
+    w.add_string("clip.projector_type", projector)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("clip.vision.image_size", c["image_size"])
+    w.add_uint32("clip.vision.patch_size", c["patch"])
+    w.add_uint32("clip.vision.embedding_length", c["dim"])
+    w.add_uint32("clip.vision.feed_forward_length", c["ff"])
+    w.add_uint32("clip.vision.block_count", c["layers"])
+    w.add_uint32("clip.vision.projection_dim", text_dim)
+    w.add_uint32("clip.vision.attention.head_count", c["heads"])
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", c["eps"])
+    w.add_array("clip.vision.image_mean", c["mean"])
+    w.add_array("clip.vision.image_std", c["std"])
+    if c["merge"] != 4:
+        w.add_uint32("clip.vision.projector.scale_factor", c["merge"])
+    weights: dict[str, np.ndarray] = {}
+    d, p, g = c["dim"], c["patch"], c["image_size"] // c["patch"]
+
+    def put(name: str, arr: np.ndarray, kind: QT = QT.F32, as_name: str | None = None) -> None:
+        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
+        weights[name] = exact
+        if data.dtype == np.uint8:
+            w.add_tensor(as_name or name, data, raw_dtype=kind)
+        else:
+            w.add_tensor(as_name or name, data)
+
+    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1, as_name: str | None = None) -> None:
+        put(name, rng.normal(0, scale, size=(rows, cols)), kind, as_name)
+
+    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
+        put(name, mean + rng.normal(0, std, size=n))
+
+    put("v.patch_embd.weight", rng.normal(0, 0.2, size=(d, 3, p, p)))
+    vec("v.patch_embd.bias", d, 0.0)
+    put("v.position_embd.weight", rng.normal(0, 0.5, size=(g * g, d)))
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        vec(b + "ln1.weight", d)
+        vec(b + "ln1.bias", d, 0.0)
+        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            mat(b + t + ".weight", d, d)
+            vec(b + t + ".bias", d, 0.0)
+        vec(b + "ln2.weight", d)
+        vec(b + "ln2.bias", d, 0.0)
+        up, down = ("ffn_down", "ffn_up") if swapped_ffn else ("ffn_up", "ffn_down")
+        mat(b + "ffn_up.weight", c["ff"], d, as_name=b + up + ".weight")
+        put(b + "ffn_up.bias", rng.normal(0, 0.1, size=c["ff"]), as_name=b + up + ".bias")
+        mat(b + "ffn_down.weight", d, c["ff"], as_name=b + down + ".weight")
+        put(b + "ffn_down.bias", rng.normal(0, 0.1, size=d), as_name=b + down + ".bias")
+    vec("v.post_ln.weight", d)
+    vec("v.post_ln.bias", d, 0.0)
+    vec("mm.soft_emb_norm.weight", d, 0.0, 0.3)
+    # ggml shape [text_dim, dim]: numpy (dim, text_dim); tokens @ it gives the text width.
+    put("mm.input_projection.weight", rng.normal(0, 0.1, size=(d, text_dim)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    weights["_cfg"] = np.array([0])
+    return weights
+
+
+def _ln(x: np.ndarray, wt: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * wt + b
+
+
+def reference_gemma3_image(W: dict[str, np.ndarray], pixels: np.ndarray, **over: Any) -> np.ndarray:
+    """Float64 tower + projector over planar normalized pixels (3, S, S): (tokens, text_dim)."""
+    c = {**GEMMA3_VISION, **over}
+    X = {k: v.astype(np.float64) for k, v in W.items()}
+    S, p, d, H = c["image_size"], c["patch"], c["dim"], c["heads"]
+    g, eps = S // p, c["eps"]
+    px = pixels.astype(np.float64)
+    # (3, g, p, g, p) -> patches (g*g) of (3, p, p)
+    patches = px.reshape(3, g, p, g, p).transpose(1, 3, 0, 2, 4).reshape(g * g, 3 * p * p)
+    x = patches @ X["v.patch_embd.weight"].reshape(d, -1).T + X["v.patch_embd.bias"]
+    x = x + X["v.position_embd.weight"]
+    n, hd = g * g, d // H
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        h = _ln(x, X[b + "ln1.weight"], X[b + "ln1.bias"], eps)
+        q, k, v = (h @ X[b + t + ".weight"].T + X[b + t + ".bias"] for t in ("attn_q", "attn_k", "attn_v"))
+        att = np.zeros((n, d))
+        for hh in range(H):
+            s = slice(hh * hd, (hh + 1) * hd)
+            sc = q[:, s] @ k[:, s].T / np.sqrt(hd)
+            pr = np.exp(sc - sc.max(-1, keepdims=True))
+            pr /= pr.sum(-1, keepdims=True)
+            att[:, s] = pr @ v[:, s]
+        x = x + att @ X[b + "attn_out.weight"].T + X[b + "attn_out.bias"]
+        h = _ln(x, X[b + "ln2.weight"], X[b + "ln2.bias"], eps)
+        u = h @ X[b + "ffn_up.weight"].T + X[b + "ffn_up.bias"]
+        u = 0.5 * u * (1 + np.tanh(0.7978845608 * (u + 0.044715 * u**3)))
+        x = x + u @ X[b + "ffn_down.weight"].T + X[b + "ffn_down.bias"]
+    x = _ln(x, X["v.post_ln.weight"], X["v.post_ln.bias"], eps)
+    k = c["merge"]
+    side = g // k
+    pooled = x.reshape(side, k, side, k, d).mean(axis=(1, 3)).reshape(side * side, d)
+    pooled = pooled / np.sqrt((pooled**2).mean(-1, keepdims=True) + eps) * X["mm.soft_emb_norm.weight"]
+    return pooled @ X["mm.input_projection.weight"]

@@ -1,0 +1,88 @@
+"""Images through the server (issue 41): OpenAI ``image_url`` parts with data URLs, through the
+official client, streamed and not, the second turn's image rows from the prefix cache, and the
+400s for what cannot be served."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from serverproc import start, stop
+from synthetic import write_model
+from synthetic_vision import write_gemma3_mmproj
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def _data_url(seed: int, fmt: str = "PNG") -> str:
+    img = Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(40, 48, 3), dtype=np.uint8))
+    b = io.BytesIO()
+    img.save(b, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(b.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    d = tmp_path_factory.mktemp("vision-serve")
+    text = d / "vis" / "gemma3-vis.gguf"
+    text.parent.mkdir()
+    write_model(text, arch="gemma3", specials=("<start_of_image>", "<end_of_image>"), template=TEMPLATE, ctx=128)
+    # The sidecar beside the model is found; the same text model elsewhere takes no images.
+    write_gemma3_mmproj(text.parent / "mmproj-gemma3-vis.gguf")
+    plain = d / "plain" / "gemma3-plain.gguf"
+    plain.parent.mkdir()
+    shutil.copy(text, plain)
+    proc, base = start("--model", str(text), "--alias", "vis", "--model", str(plain), "--alias", "plain", "--page-rows", "8")
+    yield base
+    assert stop(proc) == 0
+
+
+def _msgs(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "the cat "}, {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": " at"}]}]
+
+
+def test_chat_with_an_image_streamed_and_not_then_cached(server: str) -> None:
+    client = openai.OpenAI(base_url=server + "/v1", api_key="x")
+    msgs = _msgs(_data_url(1))
+    r = client.chat.completions.create(model="vis", messages=msgs, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    text = r.choices[0].message.content
+    assert r.usage is not None and r.usage.prompt_tokens > 16
+    chunks = list(client.chat.completions.create(model="vis", messages=msgs, max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}))  # type: ignore[arg-type]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens == r.usage.prompt_tokens
+    # The second turn about the same picture: its rows come from the prefix cache.
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= 16, usage
+    # Another picture: the cache holds none of its image rows.
+    r2 = client.chat.completions.create(model="vis", messages=_msgs(_data_url(2, "JPEG")), max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
+    assert r2.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens - 16
+
+
+@pytest.mark.parametrize(
+    "model,url,code",
+    [
+        ("plain", _data_url(1), "images_not_supported"),
+        ("vis", "https://example.com/cat.png", "invalid_image_url"),
+        ("vis", "data:image/png;base64,@@@not base64@@@", "invalid_image_url"),
+        ("vis", "data:image/png;base64," + base64.b64encode(b"not an image").decode(), "invalid_image"),
+        ("vis", "data:image/png,rawbytes", "invalid_image_url"),
+    ],
+)
+def test_bad_images_are_400s_naming_the_problem(server: str, model: str, url: str, code: str) -> None:
+    body = {"model": model, "messages": _msgs(url), "max_tokens": 2}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == "messages[0].content[1]", err
