@@ -194,6 +194,27 @@ def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch:
         assert words in slot.reason, slot.reason
 
 
+def assert_scheduler_streams_equal_solo(m: dl.Model, prompts: list[list[int]]) -> None:
+    """Greedy streams through a device-K/V scheduler (chunked prefill beside decoders) equal each
+    prompt's single device session."""
+    solo = []
+    for p in prompts:
+        one = gpu.create_device_session(m)
+        solo.append(dl.generate(m, one, p, dl.SamplingParams(temp=0.0), 6))
+        del one
+    sch = dl.create_scheduler(m, max_streams=len(prompts), chunk_tokens=2)
+    gpu.set_device_kv(sch, True)
+    for i, p in enumerate(prompts):
+        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=6))
+    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for ev in drain(m, sch):
+        assert ev.finish != "error", ev.error
+        if ev.kind == "piece" or (ev.finish == "stop" and ev.token >= 0):
+            toks[ev.id].append(ev.token)
+    for i in range(len(prompts)):
+        assert toks[i] == solo[i][: len(toks[i])] and toks[i], (i, toks[i], solo[i])
+
+
 # Every synthetic family the device runs whole (a model the device cannot run whole goes on the
 # per-op rails, the decline naming the limit; see the rails test below).
 # A prompt on whose rows no routed family's float64 router nearly ties before its last layers (a
@@ -247,24 +268,8 @@ def test_every_family_runs_resident(tmp_path: Path, name: str) -> None:
             np.testing.assert_array_equal(out[k], dl.eval(m, a, [t]))
         nxt = [int(np.argmax(r)) for r in out]
     del alone, batched
-    solo = []
-    for p in prompts:
-        s = gpu.create_device_session(m)
-        solo.append(dl.generate(m, s, p, dl.SamplingParams(temp=0.0), 6))
-        del s
-    sch = dl.create_scheduler(m, max_streams=3, chunk_tokens=2)
-    gpu.set_device_kv(sch, True)
-    for i, p in enumerate(prompts):
-        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=6))
-    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    for ev in drain(m, sch):
-        assert ev.finish != "error", ev.error
-        if ev.kind == "piece" or (ev.finish == "stop" and ev.token >= 0):
-            toks[ev.id].append(ev.token)
-    for i in range(len(prompts)):
-        assert toks[i] == solo[i][: len(toks[i])] and toks[i], (i, toks[i], solo[i])
+    assert_scheduler_streams_equal_solo(m, prompts)
     assert gpu.gpu_cpu_passes() == []
-    del sch
     gpu.moe_gpu_drop_model()
     assert gpu.gpu_tier_status().vram_bytes == before
 
@@ -307,23 +312,7 @@ def test_a_model_that_does_not_fit_splits_between_the_device_and_the_cpu(tmp_pat
     for k in range(len(prompts)):
         np.testing.assert_array_equal(out[k], solo_rows[k])
     del batched
-    solo = []
-    for p in prompts:
-        one = gpu.create_device_session(m)
-        solo.append(dl.generate(m, one, p, dl.SamplingParams(temp=0.0), 6))
-        del one
-    sch = dl.create_scheduler(m, max_streams=3, chunk_tokens=2)
-    gpu.set_device_kv(sch, True)
-    for i, p in enumerate(prompts):
-        dl.submit(m, sch, dl.PendingReq(id=i, prompt=p, max_new=6))
-    toks: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    for ev in drain(m, sch):
-        assert ev.finish != "error", ev.error
-        if ev.kind == "piece" or (ev.finish == "stop" and ev.token >= 0):
-            toks[ev.id].append(ev.token)
-    for i in range(len(prompts)):
-        assert toks[i] == solo[i][: len(toks[i])] and toks[i], (i, toks[i], solo[i])
-    del sch
+    assert_scheduler_streams_equal_solo(m, prompts)
     # Hydrate: the device's layer-0 rows join the host's layer-1 rows; the CPU goes on.
     h = gpu.create_device_session(m)
     dl.eval(m, h, IDS[:-1])
