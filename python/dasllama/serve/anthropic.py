@@ -33,22 +33,7 @@ def anthropic_error(status: int, message: str) -> JSONResponse:
 
 def guarded(routes: Routes, handler: Handler) -> Handler:
     """`routes.guarded`, answering errors in Anthropic's shape."""
-    inner = routes.guarded(handler)
-
-    async def wrapped(request: Request) -> Response:
-        resp = await inner(request)
-        if resp.status_code >= 400 and isinstance(resp, JSONResponse):
-            try:
-                msg = json.loads(bytes(resp.body))["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                return resp
-            out = anthropic_error(resp.status_code, msg)
-            if "retry-after" in resp.headers:
-                out.headers["retry-after"] = resp.headers["retry-after"]
-            return out
-        return resp
-
-    return wrapped
+    return routes.guarded_as(handler, anthropic_error)
 
 
 def _text(content: Any, where: str) -> str:

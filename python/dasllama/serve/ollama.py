@@ -32,19 +32,7 @@ OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "mi
 
 def guarded(routes: Routes, handler: Handler) -> Handler:
     """`routes.guarded`, answering errors in Ollama's shape."""
-    inner = routes.guarded(handler)
-
-    async def wrapped(request: Request) -> Response:
-        resp = await inner(request)
-        if resp.status_code >= 400 and isinstance(resp, JSONResponse):
-            try:
-                msg = json.loads(bytes(resp.body))["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                return resp
-            return JSONResponse({"error": msg}, status_code=resp.status_code)
-        return resp
-
-    return wrapped
+    return routes.guarded_as(handler, lambda status, msg: JSONResponse({"error": msg}, status_code=status))
 
 
 def _now() -> str:

@@ -68,6 +68,26 @@ class Routes:
         if not good:
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", type_="authentication_error", code="invalid_api_key")
 
+    def guarded_as(self, handler: Handler, shape: Callable[[int, str], JSONResponse]) -> Handler:
+        """`guarded`, its errors answered in another API's shape: `shape(status, message)`
+        (a `Retry-After` kept)."""
+        inner = self.guarded(handler)
+
+        async def wrapped(request: Request) -> Response:
+            resp = await inner(request)
+            if resp.status_code >= 400 and isinstance(resp, JSONResponse):
+                try:
+                    msg = json.loads(bytes(resp.body))["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    return resp
+                out = shape(resp.status_code, msg)
+                if "retry-after" in resp.headers:
+                    out.headers["retry-after"] = resp.headers["retry-after"]
+                return out
+            return resp
+
+        return wrapped
+
     def guarded(self, handler: Handler) -> Handler:
         async def wrapped(request: Request) -> Response:
             try:
