@@ -178,3 +178,21 @@ def read_header(path: str | os.PathLike[str]) -> GgufHeader:
             )
         tensors.append(TensorEntry(name, type_id, shape, start, nbytes))
     return GgufHeader(p, version, meta, tensors, data_offset)
+
+
+def _plain(v: Any) -> Any:
+    """A metadata value as plain Python (numpy arrays and scalars converted)."""
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def meta_section(meta: dict[str, Any], name: str) -> dict[str, Any]:
+    """The ``<name>.`` keys of a header's metadata without their prefix, as plain Python with
+    their types as the file stores them (``<arch>.`` for a model, ``clip.`` for a projector)."""
+    prefix = name + "."
+    return {k[len(prefix) :]: _plain(v) for k, v in meta.items() if k.startswith(prefix)}

@@ -9,15 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from . import _native
 from .devices import CPU, Device, PlacementStatus, PlaceOptions, default_device, place, placement
 from .devices import device as resolve_device
 from .errors import DeviceError, GgufError, UnsupportedModelError
 from .fetch import fetch
 from .fetch.hub import is_hub_ref
-from .gguf_file import read_header
+from .gguf_file import meta_section, read_header
 from .vision import Projector, find_sidecar, load_mmproj
 
 log = logging.getLogger("dasllama")
@@ -115,23 +113,6 @@ class Model:
         return repr(self._native)
 
 
-def _plain(v: Any) -> Any:
-    """A metadata value as plain Python (numpy arrays and scalars converted)."""
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    return v
-
-
-def _arch_meta(meta: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The ``<arch>.`` keys without their prefix, with their types as the file stores them."""
-    prefix = arch + "."
-    return {k[len(prefix) :]: _plain(v) for k, v in meta.items() if k.startswith(prefix)}
-
-
 def _tokenizer_args(meta: dict[str, Any], path: Path) -> dict[str, Any]:
     tokens = meta.get("tokenizer.ggml.tokens")
     if tokens is None:
@@ -219,7 +200,7 @@ def load_model(
     if arch not in _native.arch_names():
         raise UnsupportedModelError(f"{p}: architecture '{arch}' is not supported (supported: {', '.join(_native.arch_names())})")
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
-    native = _native.load_model(str(p), arch, _arch_meta(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
+    native = _native.load_model(str(p), arch, meta_section(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
     log.info("loaded %s (%s, %s, %s numerics) in %.2fs", p.name, arch, qm.value, nm.value, time.perf_counter() - t0)
     model = Model(native, meta, p)
     _attach_projector(model, mmproj)

@@ -126,10 +126,10 @@ def attach_mtp_drafter(m: Model, path: str | os.PathLike[str] | None = None, max
     if arch == ASSISTANT_ARCH:
         why = assistant_mismatch(m, hdr)
         if why is None:
-            from .model import _arch_meta
+            from .gguf_file import meta_section
 
             tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
-            drafter, why = _native.sidecar_mtp_drafter(m._native, str(path), arch, _arch_meta(meta, arch), tensors, max_draft)
+            drafter, why = _native.sidecar_mtp_drafter(m._native, str(path), arch, meta_section(meta, arch), tensors, max_draft)
             if drafter is not None:
                 m._drafter = drafter
                 return True
@@ -140,10 +140,10 @@ def attach_mtp_drafter(m: Model, path: str | os.PathLike[str] | None = None, max
     elif tokens is not None and len(tokens) != m.n_vocab:
         why = f"its vocabulary has {len(tokens)} tokens, and {m.path.name}'s has {m.n_vocab}"
     else:
-        from .model import _arch_meta
+        from .gguf_file import meta_section
 
         tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
-        drafter, reason = _native.sidecar_mtp_drafter(m._native, str(path), arch, _arch_meta(meta, arch), tensors, max_draft)
+        drafter, reason = _native.sidecar_mtp_drafter(m._native, str(path), arch, meta_section(meta, arch), tensors, max_draft)
         if drafter is not None:
             m._drafter = drafter
             return True

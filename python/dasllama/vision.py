@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _native
 from .errors import GgufError, UnsupportedModelError
-from .gguf_file import read_header
+from .gguf_file import meta_section, read_header
 
 log = logging.getLogger("dasllama")
 
@@ -66,16 +66,6 @@ class Projector:
         return repr(self.native)
 
 
-def _plain(v: Any) -> Any:
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, np.generic):
-        return v.item()
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    return v
-
-
 def load_mmproj(path: str | os.PathLike[str]) -> Projector:
     """Load an mmproj GGUF. Raises GgufError for a file that is not one (not the ``clip``
     architecture, no projector type) and UnsupportedModelError for a projector type this build
@@ -91,7 +81,7 @@ def load_mmproj(path: str | os.PathLike[str]) -> Projector:
         raise GgufError(f"{p}: clip.projector_type is missing; this is not an mmproj file")
     if ptype not in _MARKERS:
         raise UnsupportedModelError(f"{p}: projector type '{ptype}' is not supported (supported: {', '.join(sorted(_MARKERS))})")
-    clip = {k[len("clip.") :]: _plain(v) for k, v in meta.items() if k.startswith("clip.")}
+    clip = meta_section(meta, "clip")
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
     return Projector(_native.load_vision(str(p), clip, tensors), p, meta)
 
