@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat import encode_prompt, render_chat
 from ..errors import TemplateError
 from .app import ApiError
-from .tools import ToolError, convert_messages, parse_tools, template_format, with_tools
+from .tools import ToolError, parse_tools, prepare_messages
 
 if TYPE_CHECKING:
     from .routes import Handler, Routes
@@ -275,10 +275,7 @@ class Anthropic:
         try:
             tools = parse_tools(oai, m.chat_template)
             msgs = [{**x, "content": x.get("content") or ""} for x in oai["messages"]]
-            msgs = convert_messages(msgs, tools.fmt if tools is not None else template_format(m.chat_template))
-            extra: dict[str, Any] = {}
-            if tools is not None:
-                msgs, extra = with_tools(msgs, tools)
+            msgs, extra = prepare_messages(msgs, tools, m.chat_template)
             text = render_chat(m, msgs, **extra)
         except ToolError as e:
             raise ApiError(400, str(e), param=e.param) from None

@@ -34,7 +34,7 @@ from .engine import Engine, EngineDead, EngineFailure, Subscription
 from .gbnf import request_grammar
 from .options import Options
 from .status import StatusHistory
-from .tools import ToolError, Tools, call_grammar, convert_messages, parse_tools, response_format_grammar, template_format, with_tools
+from .tools import ToolError, Tools, call_grammar, parse_tools, prepare_messages, response_format_grammar
 
 log = logging.getLogger("dasllama.serve")
 
@@ -376,14 +376,10 @@ class Server:
                 rendered.append(r)
             # Bounded before the template and the tokenizer see it: their cost grows with it.
             self.check_prompt_bytes(m, sum(_utf8_len(r["content"], "messages") for r in rendered) + len(json.dumps(body.get("tools") or [])), "messages")
-            fmt = tools.fmt if tools is not None else template_format(m.chat_template)
             try:
-                rendered = convert_messages(rendered, fmt)
+                rendered, extra = prepare_messages(rendered, tools, m.chat_template)
             except ToolError as e:
                 raise ApiError(400, str(e), param=e.param) from None
-            extra: dict[str, Any] = {}
-            if tools is not None:
-                rendered, extra = with_tools(rendered, tools)
             thinking = _enable_thinking(body)
             if thinking is None and self.options.llama_compat:
                 # llama-server passes enable_thinking to every template (false under --reasoning off)

@@ -27,7 +27,7 @@ from ..model import decode, encode, token_piece
 from ..session import SamplingParams
 from .app import ApiError, Job, Server, _num, _utf8_len
 from .gbnf import request_grammar
-from .tools import ToolError, convert_messages, parse_tools, template_format, with_tools
+from .tools import ToolError, parse_tools, prepare_messages
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -637,14 +637,10 @@ def render_request(server: Server, eng: Engine, body: dict[str, Any]) -> str:
         if isinstance(c, list):
             c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
         rendered.append({**msg, "content": c if isinstance(c, str) else ""})
-    fmt = tools.fmt if tools is not None else template_format(m.chat_template)
     try:
-        rendered = convert_messages(rendered, fmt)
+        rendered, extra = prepare_messages(rendered, tools, m.chat_template)
     except ToolError as e:
         raise ApiError(400, str(e), param=e.param) from None
-    extra: dict[str, Any] = {}
-    if tools is not None:
-        rendered, extra = with_tools(rendered, tools)
     kw = body.get("chat_template_kwargs") or {}
     if isinstance(kw, dict):
         extra.update({k: v for k, v in kw.items() if isinstance(k, str)})

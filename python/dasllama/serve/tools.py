@@ -211,3 +211,10 @@ def with_tools(msgs: list[dict[str, Any]], t: Tools) -> tuple[list[dict[str, Any
     if msgs and msgs[0]["role"] == "system":
         return [{"role": "system", "content": msgs[0]["content"] + "\n\n" + sys}, *msgs[1:]], {}
     return [{"role": "system", "content": sys}, *msgs], {}
+
+
+def prepare_messages(msgs: list[dict[str, Any]], t: Tools | None, chat_template: str | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``msgs`` in the template's call convention, and the template variables that show ``t``
+    to the model (none without tools). ToolError names a malformed call."""
+    msgs = convert_messages(msgs, t.fmt if t is not None else template_format(chat_template))
+    return with_tools(msgs, t) if t is not None else (msgs, {})
