@@ -33,6 +33,8 @@ pub struct ResidentPlacement {
     /// None once the device failed under it (what it held is freed then).
     engine: Mutex<Option<Engine>>,
     book: Arc<Book>,
+    /// The layers the device runs where it holds only the first ones (`Placement::split`).
+    split: Option<usize>,
     serving: AtomicBool,
     status: Mutex<PlacementStatus>,
     passes: Mutex<BTreeMap<String, u64>>,
@@ -58,6 +60,7 @@ impl ResidentPlacement {
         ResidentPlacement {
             dev,
             book: Arc::new(Book::new(r.regions.count(), r.recurrent(), !r.split)),
+            split: r.split.then_some(r.layers),
             engine: Mutex::new(Some(r)),
             serving: AtomicBool::new(true),
             status: Mutex::new(status),
@@ -118,8 +121,7 @@ impl Placement for ResidentPlacement {
     }
 
     fn split(&self) -> Option<usize> {
-        let st = lock(&self.status);
-        (st.tier == "gpu:partial").then_some(st.resident_layers)
+        self.split
     }
 
     fn forward(&self, m: &dyn Placeable, regions: &[usize], inp: &PassIn<'_>, hidden: bool, out: &mut Vec<f32>) -> Result<()> {
