@@ -28,6 +28,7 @@ from ..speculative import MAX_DRAFT, SPEC_MODES
 from ..speculative import configure as configure_spec
 from .app import Server, build_app
 from .engine import DEFAULT_N_PREDICT, Engine
+from .tools_builtin import start_tools
 
 log = logging.getLogger("dasllama.serve")
 
@@ -85,6 +86,12 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
         help="let web pages from ORIGIN (e.g. http://localhost:3000; '*' for any) call the API from a browser; repeat for several (default: none, the server's own pages need none)",
     )
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    agent = ap.add_argument_group("agent tools (llama-server's, experimental)", "off by default: they act with this server's rights, so enable them only on a trusted machine")
+    agent.add_argument("--tools", default=None, metavar="T1,T2|all", help="serve built-in tools at /tools: read_file, file_glob_search, grep_search, exec_shell_command, write_file, edit_file, get_info, or all")
+    agent.add_argument("--tools-runtime", default=None, metavar="SPEC", help="run the tools in an isolate: docker:<image> or podman:<image> (a container started and stopped with the server), docker-container:<id>, podman-container:<id>, ssh:<host>")
+    agent.add_argument("--mcp-servers-config", default=None, metavar="FILE", help='MCP servers whose tools /tools serves, as <server>_<tool>: a JSON file in Cursor\'s format, {"mcpServers": {name: {command, args, env, cwd, timeout_ms}}}')
+    agent.add_argument("--mcp-servers-json", default=None, metavar="JSON", help="the same, given inline")
+    agent.add_argument("--ui-mcp-proxy", action="store_true", help="serve /cors-proxy?url=..., which fetches any http(s) URL for a browser page")
     if extra is not None:
         extra(ap)
     args = ap.parse_args(argv)
@@ -260,6 +267,14 @@ def run(args: argparse.Namespace, setup: Callable[[Server], None] | None = None)
     server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes, cors_origins=args.cors_origin)
     if setup is not None:
         setup(server)
+    try:
+        server.tools = start_tools(args.tools, args.tools_runtime, args.mcp_servers_config, args.mcp_servers_json)
+    except ValueError as e:
+        log.error("%s", e)
+        return 1
+    server.cors_proxy = args.ui_mcp_proxy
+    if server.cors_proxy:
+        log.warning("experimental /cors-proxy enabled: it fetches any URL for whoever may call this server")
     app = build_app(server)
     failed: list[BaseException] = []
 
@@ -289,6 +304,8 @@ def run(args: argparse.Namespace, setup: Callable[[Server], None] | None = None)
     def on_signal(signum: int, frame: object) -> None:
         for eng in server.engines.values():
             eng.admitting = False
+        if server.tools is not None:
+            server.tools.shutdown()  # a slow MCP call must not hold the shutdown
         uv.should_exit = True
 
     def os_kill() -> None:
@@ -299,6 +316,8 @@ def run(args: argparse.Namespace, setup: Callable[[Server], None] | None = None)
     threading.Thread(target=load, name="dasllama-load", daemon=True).start()
     uv.run(sockets=sockets)
     server.ready = False
+    if server.tools is not None:
+        server.tools.close()
     for eng in server.engines.values():
         eng.shutdown()
     return 1 if failed else 0

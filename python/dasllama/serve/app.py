@@ -35,6 +35,7 @@ from .gbnf import request_grammar
 from .options import Options
 from .status import StatusHistory
 from .tools import ToolError, Tools, call_grammar, parse_tools, prepare_messages, response_format_grammar
+from .tools_builtin import ServerTools, ToolRoutes
 
 log = logging.getLogger("dasllama.serve")
 
@@ -272,6 +273,8 @@ class Server:
         self.metrics = Metrics()
         self.history = StatusHistory()
         self.options = Options()
+        self.tools: ServerTools | None = None  # /tools: --tools and MCP servers (tools_builtin.py)
+        self.cors_proxy = False  # /cors-proxy: --ui-mcp-proxy (proxy.py)
 
     def engine(self, name: Any) -> Engine:
         if name is None or name == "":
@@ -671,6 +674,7 @@ def build_app(server: Server) -> Starlette:
     a = Anthropic(r)
     o = Ollama(r)
     resp = Responses(r)
+    tr = ToolRoutes(server)
     routes = [
         *([Route("/", page("chat.html"), methods=["GET"])] if server.options.ui else []),
         Route("/status", page("status.html"), methods=["GET"]),
@@ -722,6 +726,10 @@ def build_app(server: Server) -> Starlette:
         Route("/api/embeddings", ollama_guarded(r, o.embed), methods=["POST"]),
         Route("/api/{op:path}", ollama_guarded(r, o.unsupported), methods=["GET", "POST", "DELETE", "HEAD"]),
         Route("/v1/chat/completions/input_tokens", r.guarded(a.openai_input_tokens), methods=["POST"]),
+        # llama-server's agent routes (tools_builtin.py, mcp.py, proxy.py): 403 unless enabled.
+        Route("/tools", tr.get, methods=["GET"]),
+        Route("/tools", tr.post, methods=["POST"]),
+        Route("/cors-proxy", tr.cors_proxy, methods=["GET", "POST"]),
     ]
     middleware = []
     if server.options.llama_cors is not None:

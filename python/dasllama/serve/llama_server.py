@@ -5,8 +5,8 @@
 The flags keep llama-server's names, long and short; each maps onto a `python -m dasllama.serve`
 option or a server option (options.py). Flags that only tune llama.cpp's own machinery (GPU
 layers, batch sizes, flash attention, mmap) are taken and ignored, saying so in the log; flags for
-features dasllama does not have (LoRA adapters, multimodal projectors, the model router, MCP
-tools) are refused by name, as are flags llama-server does not know either.
+features dasllama does not have (LoRA adapters, multimodal projectors, the model router) are
+refused by name, as are flags llama-server does not know either.
 
 llama-server downloads `--hf-repo`/`--model-url` models itself; dasllama-server does not. Such a
 model resolves to the file named by DASLLAMA_SERVER_HF_FALLBACK (a path or a dasllama model name)
@@ -92,11 +92,6 @@ UNSUPPORTED = {
     "--models-max": "the model router",
     "--models-preset": "the model router",
     "--no-models-autoload": "the model router",
-    "--tools": "built-in server tools",
-    "--tools-runtime": "built-in server tools",
-    "--mcp-servers-config": "MCP servers",
-    "--mcp-servers-json": "MCP servers",
-    "--ui-mcp-proxy": "the MCP CORS proxy",
     "--spec-type": "llama.cpp's speculative decoding types (dasllama's own: python -m dasllama.serve --spec)",
 }
 
@@ -143,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false", help="each slot gets -c / -np (the default)")
     ap.add_argument("--pooling", default=None, choices=["none", "mean", "cls", "last", "rank"], help="embeddings pooling (default: the model's)")
     ap.add_argument("-rea", "--reasoning", default=None, choices=["on", "off", "auto"], help="off: render chat templates with thinking off")
+    ap.add_argument("--tools", default=None, help="experimental: built-in tools at /tools (read_file, file_glob_search, grep_search, exec_shell_command, write_file, edit_file, get_info, or all); limits --cors-origins to localhost by default")
+    ap.add_argument("--tools-runtime", dest="tools_runtime", default=None, help="experimental: run the tools in docker:<image>, podman:<image>, docker-container:<id>, podman-container:<id> or ssh:<host>")
+    ap.add_argument("--mcp-servers-config", dest="mcp_servers_config", default=None, help="experimental: a JSON file of MCP servers (Cursor's format) whose tools /tools serves; limits --cors-origins to localhost by default")
+    ap.add_argument("--mcp-servers-json", dest="mcp_servers_json", default=None, help="experimental: the same, inline")
+    ap.add_argument("--ui-mcp-proxy", "--webui-mcp-proxy", dest="ui_mcp_proxy", action="store_true", default=False, help="experimental: serve /cors-proxy (do not enable in untrusted environments)")
+    ap.add_argument("--no-ui-mcp-proxy", "--no-webui-mcp-proxy", dest="ui_mcp_proxy", action="store_false", help="no /cors-proxy (the default)")
+    ap.add_argument("-ag", "--agent", dest="agent", action="store_true", default=None, help="all built-in tools and the CORS proxy")
+    ap.add_argument("-no-ag", "--no-agent", dest="agent", action="store_false", help="neither")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     ap.add_argument("--log-verbosity", "-lv", dest="log_verbosity", type=int, default=None, help="(accepted)")
     for names, takes_value in IGNORED:
@@ -214,12 +217,23 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
         serve_argv += ["--ctx", str(ns.ctx_size if unified else max(1, ns.ctx_size // ns.parallel))]
     if api_key:
         serve_argv += ["--api-key", api_key]
+    if ns.agent is not None:  # llama-server's --agent: every tool and the proxy (or, --no-agent, neither)
+        ns.tools, ns.ui_mcp_proxy = ("all", True) if ns.agent else (None, False)
+    for flag, value in (("--tools", ns.tools), ("--tools-runtime", ns.tools_runtime), ("--mcp-servers-config", ns.mcp_servers_config), ("--mcp-servers-json", ns.mcp_servers_json)):
+        if value:
+            serve_argv += [flag, value]
+    if ns.ui_mcp_proxy:
+        serve_argv += ["--ui-mcp-proxy"]
     args = parse_args(serve_argv, prog="dasllama-server")
     args.http = "h11"  # header names as llama-server writes them (Title-Case)
     ignored = sorted(k[len("ignored_") :] for k, v in vars(ns).items() if k.startswith("ignored_") and v not in (None, False))
     if ignored:
         ns.notes.append(f"ignored (no effect on dasllama): {', '.join(ignored)}")
     cors = [o.strip() for o in ns.cors_origins.split(",") if o.strip()] if ns.cors_origins else ["*"]
+    if ns.cors_origins is None and (ns.tools or ns.mcp_servers_config or ns.mcp_servers_json):
+        # as llama-server: tools that touch this machine are not for every web page's scripts
+        cors = ["localhost"]
+        ns.notes.append("tools or MCP servers enabled: CORS allows loopback origins only (change with --cors-origins)")
     opts = Options(
         n_predict=ns.n_predict,
         temperature=ns.temp,
