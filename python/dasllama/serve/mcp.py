@@ -308,7 +308,11 @@ class McpManager:
                 log.warning("MCP server %r failed to start: %s", cfg.name, t.diagnostics())
                 continue
             deadline = time.monotonic() + WARMUP_TIMEOUT_S
-            tools = t.list_tools(lambda d=deadline: self.stopping.is_set() or time.monotonic() >= d)
+
+            def stop(deadline: float = deadline) -> bool:
+                return self.stopping.is_set() or time.monotonic() >= deadline
+
+            tools = t.list_tools(stop)
             if not tools and t.last_error:
                 log.warning("MCP server %r: %s", cfg.name, t.diagnostics())
             log.info("MCP server %r: %d tools", cfg.name, len(tools))

@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if threads < 1:
         log.error("--replica-threads must be at least 1, got %d", threads)
         return 2
+    agent = [f for f, v in (("--tools", args.tools), ("--tools-runtime", args.tools_runtime), ("--mcp-servers-config", args.mcp_servers_config), ("--mcp-servers-json", args.mcp_servers_json), ("--ui-mcp-proxy", args.ui_mcp_proxy)) if v]
+    if agent:
+        log.error("%s: the agent tools run on one machine; serve them with python -m dasllama.serve (or dasllama-server), not behind Ray", ", ".join(agent))
+        return 2
     problem = unknown_model(args)
     if problem:
         log.error("%s", problem)
