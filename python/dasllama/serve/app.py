@@ -353,6 +353,9 @@ class Server:
             last = msgs[-1] if isinstance(msgs[-1], dict) else {}
             if prefill and last.get("role") != "assistant":
                 raise ApiError(400, "'continue_final_message' needs the last message to be the assistant's", param="continue_final_message")
+            if not prefill and self.options.llama_compat and last.get("role") == "assistant" and len(msgs) > 1 and isinstance(msgs[-2], dict) and msgs[-2].get("role") == "assistant":
+                # which of the two would the reply continue? llama-server refuses to guess
+                raise ApiError(400, "Cannot have 2 or more assistant messages at the end of the list.", param="messages")
             prefill = (prefill or self.options.llama_compat) and last.get("role") == "assistant" and not last.get("tool_calls") and len(msgs) > 1
             try:
                 tools = parse_tools(body, m.chat_template)
@@ -388,7 +391,9 @@ class Server:
                 # llama-server passes enable_thinking to every template (false under --reasoning off)
                 # and today's date as date_string (Llama 3.x templates print it).
                 thinking = self.options.reasoning != "off"
-                extra["date_string"] = datetime.date.today().strftime("%d %b %Y")
+                today = datetime.date.today()
+                extra["date_string"] = today.strftime("%d %b %Y")
+                extra["datetime"] = today.strftime("%b %d %Y")  # FireFunction v2's
             effort = _reasoning_effort(body)
             if is_harmony(m):
                 # gpt-oss's template writes the level into its system message as given, and the
@@ -410,6 +415,10 @@ class Server:
             head = ""
             if prefill:
                 head = rendered[-1]["content"]
+                parts = last.get("content")
+                if isinstance(parts, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+                    # a prefill in text parts continues them joined by a blank line, as llama.cpp's
+                    head = "\n\n".join(p["text"] for p in parts)
                 rendered = rendered[:-1]
             try:
                 text = render_chat(m, rendered, **extra) + head

@@ -645,9 +645,11 @@ def render_request(server: Server, eng: Engine, body: dict[str, Any]) -> str:
     if isinstance(kw, dict):
         extra.update({k: v for k, v in kw.items() if isinstance(k, str)})
     # As llama-server renders: enable_thinking always given (false under --reasoning off), and
-    # today's date as date_string (Llama 3.x templates print it).
+    # today's date as date_string (Llama 3.x templates print it) and datetime.
     extra.setdefault("enable_thinking", server.options.reasoning != "off")
-    extra.setdefault("date_string", datetime.date.today().strftime("%d %b %Y"))
+    today = datetime.date.today()
+    extra.setdefault("date_string", today.strftime("%d %b %Y"))
+    extra.setdefault("datetime", today.strftime("%b %d %Y"))  # FireFunction v2's
     try:
         text = render_chat(m, rendered, add_generation_prompt=agp, **extra)
     except TemplateError as e:

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true", help="(embeddings are always served)")
     ap.add_argument("--reranking", "--rerank", dest="reranking", action="store_true", help="(accepted; /rerank needs a reranker model)")
     ap.add_argument("--no-ui", "--no-webui", dest="no_ui", action="store_true", help="no chat page at /")
-    ap.add_argument("--chat-template", dest="chat_template", default=None, help="(accepted; the model's own template is used)")
+    ap.add_argument("--chat-template", dest="chat_template", default=None, help="a chat template used instead of the model's: one of llama.cpp's built-in names (chatml, llama3, command-r, gemma, phi3, ...) or Jinja text")
     ap.add_argument("--chat-template-file", dest="chat_template_file", default=None, help="a Jinja chat template file used instead of the model's")
     ap.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true", help="one cache shared by the slots: a request may use the whole -c")
     ap.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false", help="each slot gets -c / -np (the default)")
@@ -254,6 +254,12 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
     if ns.chat_template_file:
         with open(ns.chat_template_file, encoding="utf-8") as f:
             opts.chat_template = f.read()
+        ns.notes.append(f"chat template from --chat-template-file {ns.chat_template_file}")
+    elif ns.chat_template:
+        from .chat_templates import resolve
+
+        opts.chat_template, how = resolve(ns.chat_template)
+        ns.notes.append(f"chat template: {how} (--chat-template)")
     return args, opts
 
 
@@ -266,8 +272,6 @@ def main(argv: list[str] | None = None) -> int:
         server.options = opts
         for note in opts.notes:
             log.warning("%s", note)
-        if opts.chat_template:
-            log.info("chat template from --chat-template-file")
 
     return run(args, setup)
 

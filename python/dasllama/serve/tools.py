@@ -213,8 +213,16 @@ def with_tools(msgs: list[dict[str, Any]], t: Tools) -> tuple[list[dict[str, Any
     return [{"role": "system", "content": sys}, *msgs], {}
 
 
+# A template that shows the tools from a `functions` JSON string (FireFunction v2's) rather than
+# a `tools` list.
+_FUNCTIONS_VAR = re.compile(r"(\+|\{\{-?)\s*functions\b")
+
+
 def prepare_messages(msgs: list[dict[str, Any]], t: Tools | None, chat_template: str | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``msgs`` in the template's call convention, and the template variables that show ``t``
     to the model (none without tools). ToolError names a malformed call."""
     msgs = convert_messages(msgs, t.fmt if t is not None else template_format(chat_template))
+    if chat_template and _FUNCTIONS_VAR.search(chat_template):
+        # it reads `functions` unconditionally: empty without tools (as llama.cpp leaves it)
+        return msgs, {"functions": json.dumps(t.tools, indent=4) if t is not None else ""}
     return with_tools(msgs, t) if t is not None else (msgs, {})
