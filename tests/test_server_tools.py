@@ -5,6 +5,7 @@ plus dasllama-server's flags in real processes."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import subprocess
@@ -208,6 +209,9 @@ def test_container_runtime_through_a_fake_engine(tmp_path: Path, monkeypatch: py
         assert (tmp_path / "o.txt").read_text() == "via container"
         tool, params, _ = st.prepare({"tool": "exec_shell_command", "params": {"command": "echo in-box"}}, {"x-tool-cwd": str(tmp_path)})
         assert "in-box" in st.invoke(tool, params)["plain_text_response"]
+        (tmp_path / "bin.dat").write_bytes(bytes(range(256)))
+        tool, params, _ = st.prepare({"tool": "read_file", "params": {"path": str(tmp_path / "bin.dat")}}, {"x-resp-type": "base64"})
+        assert base64.b64decode(st.invoke(tool, params)["base64"]) == bytes(range(256))  # bytes intact through `cat`
         calls = (tmp_path / "calls").read_text()
         assert "exec -i cafe1234 sh -c" in calls and "timeout 10s sh -c echo in-box" in calls
         proc = st.runtime.proc

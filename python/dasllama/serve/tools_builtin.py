@@ -169,6 +169,7 @@ class ExecResult:
     output: str
     exit_code: int = -1
     timed_out: bool = False
+    raw: bytes = b""  # the output's bytes as they came (a file read through an isolate)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -238,7 +239,7 @@ def run_subprocess(
     text = out.decode("utf-8", errors="replace")
     if truncated:
         text += "\n[output truncated]"
-    return ExecResult(text, code, timed_out.is_set())
+    return ExecResult(text, code, timed_out.is_set(), bytes(out))
 
 
 # ---- where a tool's I/O happens ---------------------------------------------------------------
@@ -380,7 +381,7 @@ class IsolateIO(HostIO):
     def read(self, path: str) -> bytes | None:
         # stderr kept out: it must not be spliced into the file's bytes
         r = run_subprocess(self.build_argv(["cat", "--", self.resolve(path)], False), ISOLATE_READ_MAX, ISOLATE_AUX_TIMEOUT_S, None, False)
-        return r.output.encode("utf-8", errors="surrogateescape") if r.exit_code == 0 and not r.timed_out else None
+        return r.raw if r.exit_code == 0 and not r.timed_out else None
 
     def write(self, path: str, data: bytes) -> bool:
         # the content travels on stdin: nothing for the far side to re-parse, no temporary file
