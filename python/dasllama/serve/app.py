@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from ..model import encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
 from .gbnf import request_grammar
+from .logit_bias import parse_logit_bias
 from .options import Options
 from .status import StatusHistory
 from .tools import ToolError, Tools, call_grammar, parse_tools, prepare_messages, response_format_grammar
@@ -135,6 +136,7 @@ KNOWN_FIELDS = {
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
     "logprobs", "top_logprobs", "n", "user", "ignore_eos", "response_format", "tools", "tool_choice", "parallel_tool_calls",
     "chat_template_kwargs", "enable_thinking", "reasoning_effort", "verbose", "continue_final_message", "add_generation_prompt",
+    "logit_bias",
 }
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -163,6 +165,14 @@ def _enable_thinking(body: dict[str, Any]) -> bool | None:
     if v is not None and not isinstance(v, bool):
         raise ApiError(400, "'enable_thinking' must be a boolean", param="enable_thinking")
     return v
+
+
+def request_logit_bias(m: Any, body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """The request's `logit_bias` (logit_bias.py), a 400 when malformed."""
+    try:
+        return parse_logit_bias(m, body.get("logit_bias"))
+    except ValueError as e:
+        raise ApiError(400, str(e), param="logit_bias") from None
 
 
 @dataclass
@@ -272,6 +282,11 @@ class Server:
         self.metrics = Metrics()
         self.history = StatusHistory()
         self.options = Options()
+        # Set by the model router (router.py) or sleep mode (sleep.py): every guarded request goes
+        # through gate(request, handler); background tasks run for the app's lifetime.
+        self.gate: Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]] | None = None
+        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self.extra_routes: Callable[[Any, list[Any]], list[Any]] | None = None
 
     def engine(self, name: Any) -> Engine:
         if name is None or name == "":
@@ -492,6 +507,7 @@ class Server:
             presence_penalty=float(_num(body, "presence_penalty", (int, float), 0.0, -2, 2)),
             frequency_penalty=float(_num(body, "frequency_penalty", (int, float), 0.0, -2, 2)),
             penalty_last_n=d.penalty_last_n,
+            logit_bias=request_logit_bias(m, body),
         )
         n = _num(body, "n", int, 1, 1, 8)
         lp = body.get("logprobs")
@@ -723,6 +739,8 @@ def build_app(server: Server) -> Starlette:
         Route("/api/{op:path}", ollama_guarded(r, o.unsupported), methods=["GET", "POST", "DELETE", "HEAD"]),
         Route("/v1/chat/completions/input_tokens", r.guarded(a.openai_input_tokens), methods=["POST"]),
     ]
+    if server.extra_routes is not None:  # the router's and sleep mode's (they take precedence)
+        routes = [*server.extra_routes(r, routes), *routes]
     middleware = []
     if server.options.llama_cors is not None:
         from .cors import LlamaCors, TitleCaseHeaders

@@ -94,6 +94,8 @@ class Routes:
                 if not self.server.ready:
                     raise ApiError(503, "the model is still loading; retry shortly", type_="server_error", code="loading", headers={"Retry-After": "2"})
                 self.check_auth(request)
+                if self.server.gate is not None:
+                    return await self.server.gate(request, handler)
                 return await handler(request)
             except ApiError as e:
                 return e.response()
@@ -465,12 +467,13 @@ class Routes:
                 self.server.history.take(self.server)
                 await asyncio.sleep(1.0)
 
-        task = asyncio.create_task(sample())
+        tasks = [asyncio.create_task(sample()), *(asyncio.create_task(bg()) for bg in self.server.background)]
         try:
             yield
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _model_card(name: str, eng: Engine) -> dict[str, Any]:

@@ -471,7 +471,7 @@ fn eval_batch<'py>(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed))]
+#[pyo3(signature = (temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed, logit_bias=Vec::new()))]
 fn make_params(
     temp: f32,
     top_k: i64,
@@ -482,8 +482,9 @@ fn make_params(
     frequency_penalty: f32,
     penalty_last_n: i64,
     seed: Option<u64>,
+    logit_bias: Vec<(u32, f32)>,
 ) -> PyResult<Params> {
-    let p = SamplingParams { temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed };
+    let p = SamplingParams { temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed, logit_bias };
     p.validate().map_err(map_err)?;
     Ok(Params(p))
 }
