@@ -1,8 +1,11 @@
 """dasllama-server's router mode (--models-dir, --models-preset, /models, /models/load, /models/unload,
---models-max), sleep mode (--sleep-idle-seconds) and logit_bias, black-box on SmolLM2."""
+--models-max), sleep mode (--sleep-idle-seconds), logit_bias and return_progress, black-box on
+SmolLM2."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,3 +161,25 @@ def test_logit_bias_bans_and_forces_tokens(single: str) -> None:
     assert out.choices[0].logprobs.content[0].token != tok
     bad = httpx.post(single + "/v1/chat/completions", json={"messages": msgs, "logit_bias": {"99999999": 1}}, timeout=30)
     assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"]
+
+
+def test_return_progress_reports_the_prefill(single: str) -> None:
+    prompt = "the quick brown fox jumps over the lazy dog " * 30
+    body = {"prompt": prompt, "n_predict": 2, "stream": True, "return_progress": True, "timings_per_token": True, "cache_prompt": False}
+    progress = []
+    with httpx.stream("POST", single + "/completion", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and "prompt_progress" in line:
+                progress.append(json.loads(line[6:]))
+    p = [c["prompt_progress"] for c in progress]
+    assert len(p) >= 2 and p[0]["processed"] == p[0]["cache"] and progress[0]["timings"]["prompt_ms"] == 0.0
+    assert all(b["processed"] > a["processed"] and b["total"] == a["total"] for a, b in itertools.pairwise(p))
+    assert p[-1]["processed"] == p[-1]["total"] > 200
+    # The chat route's progress rides on empty assistant deltas, before any content.
+    chunks = []
+    with httpx.stream("POST", single + "/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 2, "stream": True, "return_progress": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    marks = [i for i, c in enumerate(chunks) if "prompt_progress" in c]
+    content = [i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert marks and content and max(marks) < min(content)
+    assert chunks[marks[-1]]["prompt_progress"]["processed"] == chunks[marks[-1]]["prompt_progress"]["total"]

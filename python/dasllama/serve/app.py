@@ -136,7 +136,7 @@ KNOWN_FIELDS = {
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
     "logprobs", "top_logprobs", "n", "user", "ignore_eos", "response_format", "tools", "tool_choice", "parallel_tool_calls",
     "chat_template_kwargs", "enable_thinking", "reasoning_effort", "verbose", "continue_final_message", "add_generation_prompt",
-    "logit_bias",
+    "logit_bias", "return_progress",
 }
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -201,6 +201,9 @@ class Job:
     verbose: bool = False  # llama-server's "verbose": the answer carries the prompt it ran (__verbose)
     # Images in the prompt: (first prompt row, embeddings) each (sched.PendingReq.images).
     images: list[tuple[int, Any]] = field(default_factory=list)
+    # llama-server's return_progress: the prefill's progress comes through events() as
+    # ("", progress event, None) items, for a stream that reports them.
+    progress: bool = False
 
 
 def _utf8_len(text: str, param: str) -> int:
@@ -561,6 +564,7 @@ class Server:
             nothink,
             verbose=verbose,
             images=prompt_images,
+            progress=stream and body.get("return_progress") is True,
         )
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
@@ -571,7 +575,7 @@ class Server:
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
         req = sched.PendingReq(
             id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs, ignore_eos=job.ignore_eos,
-            grammar=job.grammar, nothink=job.nothink, images=job.images,
+            grammar=job.grammar, nothink=job.nothink, images=job.images, progress=job.progress,
         )
         sub = Subscription(asyncio.get_running_loop())
         try:
@@ -607,6 +611,9 @@ class Server:
                     finished = True
                     self.metrics.outcome(name, "error")
                     raise ApiError(500, ev.message, type_="server_error", code="engine_failure")
+                if ev.kind == "progress":
+                    yield "", ev, None
+                    continue
                 if ev.kind == "piece":
                     now = time.monotonic()
                     self.metrics.tokens_out[name] = self.metrics.tokens_out.get(name, 0) + 1
@@ -727,6 +734,8 @@ def build_app(server: Server) -> Starlette:
         # OpenAI's Responses API (responses.py).
         Route("/v1/responses", r.guarded(resp.create), methods=["POST"]),
         Route("/responses", r.guarded(resp.create), methods=["POST"]),
+        Route("/v1/responses/input_tokens", r.guarded(lambda q: resp.input_tokens(q, a.count_prompt)), methods=["POST"]),
+        Route("/responses/input_tokens", r.guarded(lambda q: resp.input_tokens(q, a.count_prompt)), methods=["POST"]),
         # Ollama's API (ollama.py).
         Route("/api/version", ollama_guarded(r, o.version), methods=["GET"]),
         Route("/api/tags", ollama_guarded(r, o.tags), methods=["GET"]),

@@ -188,6 +188,7 @@ def llama_job(server: Server, eng: Engine, body: dict[str, Any], prompt: list[in
     return Job(
         eng, prompt, params, max(1, max_new), [s for s in stop if s], [] if ignore_eos else list(m.eog_ids), [], 1, seed,
         min(n_probs, MAX_N_PROBS) if n_probs else None, stream, False, ignore_eos, grammar, gparam,
+        progress=stream and body.get("return_progress") is True,
     )
 
 
@@ -208,6 +209,11 @@ def timings(n_prompt: int, cached: int, n_gen: int, ttft_us: int, gen_us: int) -
         "predicted_per_token_ms": gen_ms / steps if steps > 0 and gen_ms > 0 else 0.0,
         "predicted_per_second": 1e3 / gen_ms * steps if steps > 0 and gen_ms > 0 else 0.0,
     }
+
+
+def prompt_progress(ev: Any) -> dict[str, Any]:
+    """llama-server's `prompt_progress` from a scheduler "progress" event."""
+    return {"total": ev.n_prompt, "cache": ev.n_cached, "processed": ev.n_gen, "time_ms": ev.ttft_us / 1000}
 
 
 def _generation_settings(server: Server, job: Job, body: dict[str, Any]) -> dict[str, Any]:
@@ -368,7 +374,16 @@ class Native:
             for index, job in enumerate(jobs):
                 content_all, tokens = "", []
                 t0 = time.monotonic()
+                first_us: int | None = None
                 async for text, ev, r in self._run(request, job):
+                    if ev is not None and ev.kind == "progress":
+                        first_us = ev.ttft_us if first_us is None else first_us
+                        chunk = {"index": index, "content": "", "tokens": [], "stop": False, "id_slot": -1, "tokens_predicted": 0, "tokens_evaluated": len(job.prompt), "prompt_progress": prompt_progress(ev)}
+                        if body.get("timings_per_token"):
+                            # The prompt's time so far, from the first report (sent before any row).
+                            chunk["timings"] = timings(ev.n_prompt, ev.n_cached, 0, 0, 0) | {"prompt_n": ev.n_gen - ev.n_cached, "prompt_ms": (ev.ttft_us - first_us) / 1000}
+                        yield _sse(chunk)
+                        continue
                     if ev is not None and ev.kind == "piece" and not r:
                         tokens.append(ev.token)
                         chunk: dict[str, Any] = {"index": index, "content": text, "tokens": [ev.token], "stop": False, "id_slot": -1, "tokens_predicted": len(tokens), "tokens_evaluated": len(job.prompt)}
