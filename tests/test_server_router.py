@@ -1,6 +1,6 @@
 """dasllama-server's router mode (--models-dir, --models-preset, /models, /models/load, /models/unload,
---models-max), sleep mode (--sleep-idle-seconds), logit_bias and return_progress, black-box on
-SmolLM2."""
+--models-max), sleep mode (--sleep-idle-seconds), slot files (--slot-save-path), logit_bias and
+return_progress, black-box on SmolLM2."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 import dasllama as dl
 from dasllama.serve.router import cached_models, preset_entries
+from dasllama.serve.slots import encode_file
 from serverproc import start, stop
 
 
@@ -183,3 +184,33 @@ def test_return_progress_reports_the_prefill(single: str) -> None:
     content = [i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert marks and content and max(marks) < min(content)
     assert chunks[marks[-1]]["prompt_progress"]["processed"] == chunks[marks[-1]]["prompt_progress"]["total"]
+
+
+def test_slot_save_restore_erase(smollm: dl.Model, tmp_path: Path) -> None:
+    proc, base = start("-m", str(smollm.path), "-c", "1024", "-np", "2", "--temp", "0", "--slot-save-path", str(tmp_path), module="dasllama.serve.llama_server")
+    try:
+        prompt = "Once upon a time, in a small village by the sea, there lived an old fisherman who " * 2
+        first = httpx.post(base + "/completion", json={"prompt": prompt, "n_predict": 8, "id_slot": 1}, timeout=60).json()
+        r = httpx.post(base + "/slots/1?action=save", json={"filename": "s1.bin"}, timeout=30)
+        n = first["tokens_evaluated"] + first["tokens_predicted"]
+        assert r.status_code == 200 and r.json()["n_saved"] == n and r.json()["n_written"] == (tmp_path / "s1.bin").stat().st_size
+        # Erased, the prompt is evaluated whole again.
+        assert httpx.post(base + "/slots/1?action=erase", timeout=30).json() == {"id_slot": 1, "n_erased": n}
+        again = httpx.post(base + "/completion", json={"prompt": prompt, "n_predict": 8, "id_slot": 1}, timeout=60).json()
+        assert again["timings"]["cache_n"] == 0 and again["content"] == first["content"]
+        httpx.post(base + "/slots/0?action=erase", timeout=30)
+        # Restored into another slot, the next request finds the prompt in the prefix cache.
+        r = httpx.post(base + "/slots/0?action=restore", json={"filename": "s1.bin"}, timeout=60)
+        assert r.status_code == 200 and r.json()["n_restored"] == n
+        after = httpx.post(base + "/completion", json={"prompt": prompt, "n_predict": 8, "id_slot": 0}, timeout=60).json()
+        assert after["timings"]["cache_n"] > 0 and after["content"] == first["content"]
+        # Refused: a path, a missing file, a file from a model with another vocabulary.
+        assert httpx.post(base + "/slots/0?action=save", json={"filename": "../x.bin"}, timeout=30).status_code == 400
+        assert httpx.post(base + "/slots/0?action=restore", json={"filename": "none.bin"}, timeout=30).status_code == 404
+        other = {"model": "other-model.gguf", "arch": "gemma3", "n_vocab": 262144, "vocab_sha256": "0" * 64}
+        (tmp_path / "other.bin").write_bytes(encode_file(other, [1, 2, 3]))
+        r = httpx.post(base + "/slots/0?action=restore", json={"filename": "other.bin"}, timeout=30)
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 400 and "other-model.gguf" in msg and smollm.path.name in msg
+    finally:
+        assert stop(proc) == 0

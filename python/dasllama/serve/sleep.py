@@ -46,7 +46,7 @@ class Sleeper:
 
     async def gate(self, request: Request, handler: Handler) -> Response:
         if request.method == "GET" and request.url.path in READ_ONLY:
-            if self.sleeping and request.url.path in self.snapshots and not request.query_params:
+            if self.sleeping and request.url.path in self.snapshots:
                 snap = self.snapshots[request.url.path]
                 return Response(snap.body, status_code=snap.status_code, media_type=snap.media_type)
             return await handler(request)  # read-only: does not count as activity
