@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -18,15 +19,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(*args: str, module: str = "dasllama.serve") -> tuple[subprocess.Popen, str]:
+def start(*args: str, module: str = "dasllama.serve", env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """Start a server with `args` and wait until /health answers 200; (process, base URL).
-    `module` "dasllama.serve.llama_server" starts dasllama-server (llama-server's flags)."""
+    `module` "dasllama.serve.llama_server" starts dasllama-server (llama-server's flags); `env`
+    adds environment variables."""
     port = free_port()
     quiet = ["--log-level", "warning"] if module == "dasllama.serve" else []
     # The log goes to a file, readable while the server runs (a pipe nobody reads would also stall
     # a chatty server once its buffer fills).
     with tempfile.NamedTemporaryFile(prefix="dasllama-serve-", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *quiet, *args], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port), *quiet, *args], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env} if env else None)
     proc.log_path = Path(log.name)  # type: ignore[attr-defined]
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120

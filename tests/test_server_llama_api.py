@@ -100,7 +100,7 @@ def test_bad_input_gets_llama_errors_and_server_lives(server: str) -> None:
         ("/completion", {"prompt": 12}),
         ("/completion", {"prompt": [10**9]}),
         ("/completion", {"prompt": "x", "n_predict": "many"}),
-        ("/completion", {"prompt": "x", "logit_bias": [[1, -100]]}),
+        ("/completion", {"prompt": "x", "logit_bias": [[1]]}),
         ("/completion", {"prompt": {"prompt_string": "x", "multimodal_data": ["AAAA"]}}),
         ("/completion", {"prompt": "x " * 1100}),
         ("/tokenize", {"content": 5}),

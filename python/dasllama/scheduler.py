@@ -57,12 +57,17 @@ class PendingReq:
     # (rows, dim) float32 embeddings) each, in order. Their rows take the embeddings instead of
     # the placeholder tokens there, run in one pass and see each other.
     images: list[tuple[int, Any]] = field(default_factory=list)
+    # Report the prefill's progress: a "progress" event before its first chunk and after each.
+    progress: bool = False
 
 
 SchedEvent = _native.SchedEvent
 """``kind`` is "piece" (one token's text; never half a UTF-8 character) or "finished" (``finish``
 is "stop", "length", "evicted" or "error"; an error names its kind in ``error_type``, e.g.
-"kv_pool_full" or "internal", and says why in ``error``). Times are microseconds."""
+"kv_pool_full" or "internal", and says why in ``error``), or, for a request that asked for it,
+"progress" (``n_prompt`` prompt rows, ``n_cached`` of them from the prefix cache, ``n_gen`` of
+them evaluated so far, cached ones included; ``ttft_us`` the time since submit). Times are
+microseconds."""
 
 
 def create_scheduler(
@@ -129,7 +134,7 @@ def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
         guard = (list(req.nothink.open_ids), list(req.nothink.close_ids))
     if not 0 <= req.seed < 2**64:
         raise ValueError(f"request {req.id}: seed must be in [0, 2**64)")
-    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos), req.grammar, guard, [(int(a), np.ascontiguousarray(v, dtype=np.float32)) for a, v in req.images])
+    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos), req.grammar, guard, [(int(a), np.ascontiguousarray(v, dtype=np.float32)) for a, v in req.images], bool(req.progress))
 
 
 def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:

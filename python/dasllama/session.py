@@ -47,6 +47,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     penalty_last_n: int = 64  # window of recent sampled tokens the penalties see (-1: all)
     seed: int | None = None  # reseed the session's RNG at the start of generate
+    # (token id, bias) pairs added to the logits before the chain (llama.cpp's and OpenAI's
+    # logit_bias); -inf bans a token. Token ids outside the vocabulary are ignored.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def _native(self) -> _native.Params:
         if self.seed is not None and not 0 <= self.seed < 2**64:
@@ -61,6 +64,7 @@ class SamplingParams:
             float(self.frequency_penalty),
             int(self.penalty_last_n),
             self.seed,
+            [(int(t), float(b)) for t, b in self.logit_bias],
         )
 
 

@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ from ..model import encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
 from .gbnf import request_grammar
+from .logit_bias import parse_logit_bias
 from .options import Options
 from .status import StatusHistory
 from .tools import ToolError, Tools, call_grammar, parse_tools, prepare_messages, response_format_grammar
@@ -136,6 +137,7 @@ KNOWN_FIELDS = {
     "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "stream", "stream_options",
     "logprobs", "top_logprobs", "n", "user", "ignore_eos", "response_format", "tools", "tool_choice", "parallel_tool_calls",
     "chat_template_kwargs", "enable_thinking", "reasoning_effort", "verbose", "continue_final_message", "add_generation_prompt",
+    "logit_bias", "return_progress",
 }
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -166,6 +168,14 @@ def _enable_thinking(body: dict[str, Any]) -> bool | None:
     return v
 
 
+def request_logit_bias(m: Any, body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """The request's `logit_bias` (logit_bias.py), a 400 when malformed."""
+    try:
+        return parse_logit_bias(m, body.get("logit_bias"))
+    except ValueError as e:
+        raise ApiError(400, str(e), param="logit_bias") from None
+
+
 @dataclass
 class Job:
     engine: Engine
@@ -192,6 +202,9 @@ class Job:
     verbose: bool = False  # llama-server's "verbose": the answer carries the prompt it ran (__verbose)
     # Images in the prompt: (first prompt row, embeddings) each (sched.PendingReq.images).
     images: list[tuple[int, Any]] = field(default_factory=list)
+    # llama-server's return_progress: the prefill's progress comes through events() as
+    # ("", progress event, None) items, for a stream that reports them.
+    progress: bool = False
 
 
 def _utf8_len(text: str, param: str) -> int:
@@ -275,6 +288,11 @@ class Server:
         self.options = Options()
         self.tools: ServerTools | None = None  # /tools: --tools and MCP servers (tools_builtin.py)
         self.cors_proxy = False  # /cors-proxy: --ui-mcp-proxy (proxy.py)
+        # Set by the model router (router.py) or sleep mode (sleep.py): every guarded request goes
+        # through gate(request, handler); background tasks run for the app's lifetime.
+        self.gate: Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]] | None = None
+        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self.extra_routes: Callable[[Any, list[Any]], list[Any]] | None = None
 
     def engine(self, name: Any) -> Engine:
         if name is None or name == "":
@@ -504,6 +522,7 @@ class Server:
             presence_penalty=float(_num(body, "presence_penalty", (int, float), 0.0, -2, 2)),
             frequency_penalty=float(_num(body, "frequency_penalty", (int, float), 0.0, -2, 2)),
             penalty_last_n=d.penalty_last_n,
+            logit_bias=request_logit_bias(m, body),
         )
         n = _num(body, "n", int, 1, 1, 8)
         lp = body.get("logprobs")
@@ -557,6 +576,7 @@ class Server:
             nothink,
             verbose=verbose,
             images=prompt_images,
+            progress=stream and body.get("return_progress") is True,
         )
 
     async def start(self, job: Job, index: int) -> tuple[int, Subscription]:
@@ -567,7 +587,7 @@ class Server:
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
         req = sched.PendingReq(
             id=rid, prompt=job.prompt, close_toks=job.close_toks, stop_ids=job.stop_ids, params=job.params, max_new=job.max_new, seed=seed, logprobs=job.logprobs, ignore_eos=job.ignore_eos,
-            grammar=job.grammar, nothink=job.nothink, images=job.images,
+            grammar=job.grammar, nothink=job.nothink, images=job.images, progress=job.progress,
         )
         sub = Subscription(asyncio.get_running_loop())
         try:
@@ -603,6 +623,9 @@ class Server:
                     finished = True
                     self.metrics.outcome(name, "error")
                     raise ApiError(500, ev.message, type_="server_error", code="engine_failure")
+                if ev.kind == "progress":
+                    yield "", ev, None
+                    continue
                 if ev.kind == "piece":
                     now = time.monotonic()
                     self.metrics.tokens_out[name] = self.metrics.tokens_out.get(name, 0) + 1
@@ -724,6 +747,8 @@ def build_app(server: Server) -> Starlette:
         # OpenAI's Responses API (responses.py).
         Route("/v1/responses", r.guarded(resp.create), methods=["POST"]),
         Route("/responses", r.guarded(resp.create), methods=["POST"]),
+        Route("/v1/responses/input_tokens", r.guarded(lambda q: resp.input_tokens(q, a.count_prompt)), methods=["POST"]),
+        Route("/responses/input_tokens", r.guarded(lambda q: resp.input_tokens(q, a.count_prompt)), methods=["POST"]),
         # Ollama's API (ollama.py).
         Route("/api/version", ollama_guarded(r, o.version), methods=["GET"]),
         Route("/api/tags", ollama_guarded(r, o.tags), methods=["GET"]),
@@ -740,6 +765,8 @@ def build_app(server: Server) -> Starlette:
         Route("/tools", tr.post, methods=["POST"]),
         Route("/cors-proxy", tr.cors_proxy, methods=["GET", "POST"]),
     ]
+    if server.extra_routes is not None:  # the router's and sleep mode's (they take precedence)
+        routes = [*server.extra_routes(r, routes), *routes]
     middleware = []
     if server.options.llama_cors is not None:
         from .cors import LlamaCors, TitleCaseHeaders

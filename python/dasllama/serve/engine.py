@@ -136,6 +136,11 @@ class Engine:
         self._inbox.append(("cancel", req_id))
         self._wake.set()
 
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached page no stream holds (between two steps); returns at once."""
+        self._inbox.append(("clear_prefix",))
+        self._wake.set()
+
     def counts(self) -> tuple[int, int]:
         s = self.snapshot
         return s.active, s.queued
@@ -165,6 +170,8 @@ class Engine:
             elif op[0] == "cancel":
                 if self._subs.pop(op[1], None) is not None:
                     sched.evict(self.m, self.sch, op[1], [])
+            elif op[0] == "clear_prefix":
+                sched.clear_prefix_cache(self.sch)
             elif op[0] == "cancel_all":
                 for rid in list(self._subs):
                     sched.evict(self.m, self.sch, rid, [])

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -25,8 +26,10 @@ from ..errors import TemplateError
 from ..grammar import check_grammar
 from ..model import decode, encode, token_piece
 from ..session import SamplingParams
-from .app import ApiError, Job, Server, _num, _utf8_len
+from .app import ApiError, Job, Server, _num, _utf8_len, request_logit_bias
 from .gbnf import request_grammar
+from .logit_bias import format_logit_bias
+from .slots import Slots
 from .tools import ToolError, parse_tools, prepare_messages
 
 if TYPE_CHECKING:
@@ -138,8 +141,6 @@ def llama_job(server: Server, eng: Engine, body: dict[str, Any], prompt: list[in
         raise ApiError(400, f"the request exceeds the available context size: the prompt has {len(prompt)} tokens, the context {ctx}; try increasing it", param="prompt", code="exceed_context_size_error")
     if body.get("lora"):
         raise ApiError(400, "dasllama has no LoRA adapters ('lora')", param="lora")
-    if body.get("logit_bias"):
-        raise ApiError(400, "'logit_bias' is not supported by dasllama's sampler", param="logit_bias")
     n_predict = _num(body, "n_predict", int, None, -1, None)
     if n_predict is None:
         n_predict = _num(body, "max_tokens", int, -1, -1, None)
@@ -162,6 +163,7 @@ def llama_job(server: Server, eng: Engine, body: dict[str, Any], prompt: list[in
         presence_penalty=float(_num(body, "presence_penalty", (int, float), 0.0, None, None)),
         frequency_penalty=float(_num(body, "frequency_penalty", (int, float), 0.0, None, None)),
         penalty_last_n=_num(body, "repeat_last_n", int, 64, -1, None),
+        logit_bias=request_logit_bias(m, body),
     )
     seed = _num(body, "seed", int, None)
     if seed is None or seed < 0:
@@ -177,12 +179,16 @@ def llama_job(server: Server, eng: Engine, body: dict[str, Any], prompt: list[in
         except ValueError as e:
             raise ApiError(400, f"failed to parse grammar: {e}", param=gparam) from None
     ignore_eos = bool(body.get("ignore_eos", False))
+    if ignore_eos:
+        # As llama-server: the end-of-generation tokens are banned, not just let through.
+        params = replace(params, logit_bias=params.logit_bias + tuple((t, -math.inf) for t in m.eog_ids))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
     return Job(
         eng, prompt, params, max(1, max_new), [s for s in stop if s], [] if ignore_eos else list(m.eog_ids), [], 1, seed,
         min(n_probs, MAX_N_PROBS) if n_probs else None, stream, False, ignore_eos, grammar, gparam,
+        progress=stream and body.get("return_progress") is True,
     )
 
 
@@ -203,6 +209,11 @@ def timings(n_prompt: int, cached: int, n_gen: int, ttft_us: int, gen_us: int) -
         "predicted_per_token_ms": gen_ms / steps if steps > 0 and gen_ms > 0 else 0.0,
         "predicted_per_second": 1e3 / gen_ms * steps if steps > 0 and gen_ms > 0 else 0.0,
     }
+
+
+def prompt_progress(ev: Any) -> dict[str, Any]:
+    """llama-server's `prompt_progress` from a scheduler "progress" event."""
+    return {"total": ev.n_prompt, "cache": ev.n_cached, "processed": ev.n_gen, "time_ms": ev.ttft_us / 1000}
 
 
 def _generation_settings(server: Server, job: Job, body: dict[str, Any]) -> dict[str, Any]:
@@ -233,7 +244,7 @@ def _generation_settings(server: Server, job: Job, body: dict[str, Any]) -> dict
         "n_ctx": int(eng.m.config["seq_len"]),
         "model": eng.name,
         "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
-        "logit_bias": [],  # with ignore_eos the EOG tokens may be sampled (and pass), not banned
+        "logit_bias": format_logit_bias(p.logit_bias),
         "speculative.n_max": 0,
         "lora": [],
     }
@@ -261,6 +272,7 @@ class Native:
     def __init__(self, routes: Routes) -> None:
         self.routes = routes
         self.server: Server = routes.server
+        self.slot_store = Slots(self.server, self.server.options.slot_save_path)
 
     # ---- /completion ---------------------------------------------------------------------------
 
@@ -325,6 +337,7 @@ class Native:
         }
         if job.logprobs:
             res["completion_probabilities"] = probs
+        self.slot_store.record(job.engine, body.get("id_slot"), [*job.prompt, *tokens])
         return res
 
     async def _collect(self, request: Request, index: int, job: Job, body: dict[str, Any]) -> dict[str, Any] | None:
@@ -361,7 +374,16 @@ class Native:
             for index, job in enumerate(jobs):
                 content_all, tokens = "", []
                 t0 = time.monotonic()
+                first_us: int | None = None
                 async for text, ev, r in self._run(request, job):
+                    if ev is not None and ev.kind == "progress":
+                        first_us = ev.ttft_us if first_us is None else first_us
+                        chunk = {"index": index, "content": "", "tokens": [], "stop": False, "id_slot": -1, "tokens_predicted": 0, "tokens_evaluated": len(job.prompt), "prompt_progress": prompt_progress(ev)}
+                        if body.get("timings_per_token"):
+                            # The prompt's time so far, from the first report (sent before any row).
+                            chunk["timings"] = timings(ev.n_prompt, ev.n_cached, 0, 0, 0) | {"prompt_n": ev.n_gen - ev.n_cached, "prompt_ms": (ev.ttft_us - first_us) / 1000}
+                        yield _sse(chunk)
+                        continue
                     if ev is not None and ev.kind == "piece" and not r:
                         tokens.append(ev.token)
                         chunk: dict[str, Any] = {"index": index, "content": text, "tokens": [ev.token], "stop": False, "id_slot": -1, "tokens_predicted": len(tokens), "tokens_evaluated": len(job.prompt)}
@@ -539,9 +561,6 @@ class Native:
         if not self.server.options.slots_endpoint:
             raise ApiError(501, "This server does not support slots endpoint (start it with --slots)", code="not_supported")
         eng = self.server.engine(request.query_params.get("model"))
-        if request.method == "POST":
-            action = request.query_params.get("action")
-            raise ApiError(501, f"slot action {action!r} is not supported: dasllama keeps KV state in its prefix cache, not in slot files", code="not_supported")
         active, _ = eng.counts()
         base = self._default_settings(eng)
         out = []
@@ -554,10 +573,20 @@ class Native:
         return JSONResponse(out)
 
     async def slot_action(self, request: Request) -> Response:
-        if not self.server.options.slots_endpoint:
-            raise ApiError(501, "This server does not support slots endpoint (start it with --slots)", code="not_supported")
-        action = request.query_params.get("action")
-        raise ApiError(501, f"slot action {action!r} is not supported: dasllama keeps KV state in its prefix cache, not in slot files", code="not_supported")
+        """POST /slots/N?action=save|restore|erase (slots.py); taken with --no-slots too, as
+        llama-server does: only --slot-save-path turns them on."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
+        body = body if isinstance(body, dict) else {}
+        eng = self.server.engine(body.get("model") or request.query_params.get("model"))
+        try:
+            id_slot = int(request.path_params["id_slot"])
+        except ValueError:
+            raise ApiError(400, "Invalid slot ID", param="id_slot") from None
+        return JSONResponse(await self.slot_store.action(eng, id_slot, request.query_params.get("action"), body))
 
     # ---- embeddings ----------------------------------------------------------------------------
 

@@ -5,8 +5,9 @@
 The flags keep llama-server's names, long and short; each maps onto a `python -m dasllama.serve`
 option or a server option (options.py). Flags that only tune llama.cpp's own machinery (GPU
 layers, batch sizes, flash attention, mmap) are taken and ignored, saying so in the log; flags for
-features dasllama does not have (LoRA adapters, multimodal projectors, the model router) are
-refused by name, as are flags llama-server does not know either.
+features dasllama does not have (LoRA adapters, multimodal projectors) are refused by
+name, as are flags llama-server does not know either. With no model, or with --models-dir or
+--models-preset, it is a router (router.py); --sleep-idle-seconds unloads an idle model (sleep.py).
 
 llama-server downloads `--hf-repo`/`--model-url` models itself; dasllama-server does not. Such a
 model resolves to the file named by DASLLAMA_SERVER_HF_FALLBACK (a path or a dasllama model name)
@@ -59,8 +60,6 @@ IGNORED: list[tuple[tuple[str, ...], bool]] = [
     (("--mmap",), False),
     (("--grp-attn-n", "-gan"), True),
     (("--grp-attn-w", "-gaw"), True),
-    (("--slot-save-path",), True),
-    (("--sleep-idle-seconds",), True),
     (("--media-path",), True),
     (("--numa",), True),
     (("-dev", "--device"), True),
@@ -88,10 +87,6 @@ UNSUPPORTED = {
     "--mmproj": "multimodal projectors",
     "-mmu": "multimodal projectors",
     "--mmproj-url": "multimodal projectors",
-    "--models-dir": "the model router",
-    "--models-max": "the model router",
-    "--models-preset": "the model router",
-    "--no-models-autoload": "the model router",
     "--spec-type": "llama.cpp's speculative decoding types (dasllama's own: python -m dasllama.serve --spec)",
 }
 
@@ -146,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-ui-mcp-proxy", "--no-webui-mcp-proxy", dest="ui_mcp_proxy", action="store_false", help="no /cors-proxy (the default)")
     ap.add_argument("-ag", "--agent", dest="agent", action="store_true", default=None, help="all built-in tools and the CORS proxy")
     ap.add_argument("-no-ag", "--no-agent", dest="agent", action="store_false", help="neither")
+    ap.add_argument("--slot-save-path", dest="slot_save_path", default=None, help="where POST /slots/N?action=save|restore writes and reads slot files")
+    ap.add_argument("--models-dir", dest="models_dir", default=None, help="router mode: serve the .gguf files (and one-model folders) of this directory, loaded on request")
+    ap.add_argument("--models-preset", dest="models_preset", default=None, help="router mode: serve the models an INI file's sections name (model = PATH or hf-repo = owner/repo)")
+    ap.add_argument("--models-max", dest="models_max", type=int, default=4, help="router mode: most models loaded at once (0: no limit); the least recently used idle one is unloaded")
+    ap.add_argument("--no-models-autoload", dest="models_autoload", action="store_false", help="router mode: load models on POST /models/load only")
+    ap.add_argument("--sleep-idle-seconds", dest="sleep_idle_seconds", type=float, default=-1, help="unload the model after this many idle seconds, reload it on the next request (-1: never)")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     ap.add_argument("--log-verbosity", "-lv", dest="log_verbosity", type=int, default=None, help="(accepted)")
     for names, takes_value in IGNORED:
@@ -225,6 +226,13 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
     if ns.ui_mcp_proxy:
         serve_argv += ["--ui-mcp-proxy"]
     args = parse_args(serve_argv, prog="dasllama-server")
+    # llama-server with no model is a router: it serves the models of its cache, --models-dir
+    # and --models-preset, loading each on request (router.py).
+    args.router = bool(ns.models_dir or ns.models_preset or not model)
+    args.router_opts = {"models_dir": ns.models_dir, "models_preset": ns.models_preset, "models_max": ns.models_max, "autoload": ns.models_autoload}
+    args.sleep_idle_seconds = ns.sleep_idle_seconds
+    if args.router:
+        args.model = []
     args.http = "h11"  # header names as llama-server writes them (Title-Case)
     ignored = sorted(k[len("ignored_") :] for k, v in vars(ns).items() if k.startswith("ignored_") and v not in (None, False))
     if ignored:
@@ -250,6 +258,7 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
         notes=ns.notes,
         pooling=ns.pooling if ns.pooling != "rank" else None,
         reasoning=ns.reasoning,
+        slot_save_path=ns.slot_save_path,
     )
     if ns.chat_template_file:
         with open(ns.chat_template_file, encoding="utf-8") as f:
@@ -272,8 +281,44 @@ def main(argv: list[str] | None = None) -> int:
         server.options = opts
         for note in opts.notes:
             log.warning("%s", note)
+        if args.router:
+            start_router(server, args)
+        elif args.sleep_idle_seconds >= 0:
+            start_sleep(server, args)
 
     return run(args, setup)
+
+
+def start_router(server: Any, args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from ..fetch import cache_dir
+    from .router import Router, engine_loader
+
+    try:
+        router = Router(server, engine_loader(args), extra_cache=Path(cache_dir()), **args.router_opts)
+    except ValueError as e:
+        raise SystemExit(f"dasllama-server: {e}") from None
+    server.gate = router.gate
+    server.extra_routes = lambda routes, existing: router.routes(routes.guarded, existing)
+    log.info("router mode: %d models listed (GET /models), at most %s loaded at once", len(router.entries), args.router_opts["models_max"] or "any number")
+    if args.sleep_idle_seconds >= 0:
+        log.warning("--sleep-idle-seconds is not applied in router mode (the router unloads idle models beyond --models-max)")
+
+
+def start_sleep(server: Any, args: argparse.Namespace) -> None:
+    from .router import engine_loader
+    from .sleep import Sleeper
+
+    sleeper = Sleeper(server, engine_loader(args), args.sleep_idle_seconds)
+    server.gate = sleeper.gate
+    server.background.append(sleeper.watch)
+
+    def attach(routes: Any, existing: list[Any]) -> list[Any]:
+        sleeper.routes = existing
+        return []
+
+    server.extra_routes = attach
 
 
 if __name__ == "__main__":

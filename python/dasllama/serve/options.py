@@ -32,6 +32,7 @@ class Options:
     verbose: bool = False  # every answer carries __verbose (llama-server's --verbose); a request's "verbose" too
     pooling: str | None = None  # --pooling for the embeddings routes (None: the model's own)
     reasoning: str | None = None  # --reasoning on/off/auto: "off" renders templates with thinking off
+    slot_save_path: str | None = None  # --slot-save-path: POST /slots/N?action=save|restore|erase (slots.py)
     chat_template: str | None = None  # --chat-template-file: used instead of the model's template  # system_fingerprint, as llama-server's "b<build>"
 
 

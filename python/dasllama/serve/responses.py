@@ -5,10 +5,11 @@ same code as /v1/chat/completions. Stateless: `previous_response_id` and `store`
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -146,6 +147,13 @@ class Responses:
     def __init__(self, routes: Routes) -> None:
         self.routes = routes
         self.server = routes.server
+
+    async def input_tokens(self, request: Request, count: Callable[[dict[str, Any]], int]) -> Response:
+        """POST /v1/responses/input_tokens: the prompt's token count for a Responses request
+        (`count` renders the chat request it translates to and tokenizes it)."""
+        chat = to_chat(await self.server.body(request))
+        n = await asyncio.get_running_loop().run_in_executor(None, count, chat)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": n})
 
     async def create(self, request: Request) -> Response:
         body = await self.server.body(request)

@@ -27,7 +27,7 @@ from ..model import decode, encode
 from .app import ITL_BUCKETS, TTFT_BUCKETS, ApiError, Histogram, Job, Server, _utf8_len, internal_error
 from .callformats import CallParser, split_calls
 from .engine import Engine, Subscription
-from .llama_api import llama_metrics, timings
+from .llama_api import llama_metrics, prompt_progress, timings
 from .options import FINGERPRINT
 from .status import status
 
@@ -94,6 +94,8 @@ class Routes:
                 if not self.server.ready:
                     raise ApiError(503, "the model is still loading; retry shortly", type_="server_error", code="loading", headers={"Retry-After": "2"})
                 self.check_auth(request)
+                if self.server.gate is not None:
+                    return await self.server.gate(request, handler)
                 return await handler(request)
             except ApiError as e:
                 return e.response()
@@ -201,6 +203,11 @@ class Routes:
                         yield _sse(item.body())
                         return
                     text, ev, reason = item
+                    if ev is not None and ev.kind == "progress":
+                        if chat:  # llama-server's: an empty assistant delta carrying the progress
+                            chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name, "choices": [{"index": i, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}]}
+                            yield _sse(chunk | {"prompt_progress": prompt_progress(ev)})
+                        continue
                     if reason:
                         usage["prompt"] = ev.n_prompt if ev else usage["prompt"]
                         usage["completion"] += ev.n_gen if ev else 0
@@ -465,12 +472,13 @@ class Routes:
                 self.server.history.take(self.server)
                 await asyncio.sleep(1.0)
 
-        task = asyncio.create_task(sample())
+        tasks = [asyncio.create_task(sample()), *(asyncio.create_task(bg()) for bg in self.server.background)]
         try:
             yield
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _model_card(name: str, eng: Engine) -> dict[str, Any]:

@@ -471,7 +471,7 @@ fn eval_batch<'py>(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed))]
+#[pyo3(signature = (temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed, logit_bias=Vec::new()))]
 fn make_params(
     temp: f32,
     top_k: i64,
@@ -482,8 +482,9 @@ fn make_params(
     frequency_penalty: f32,
     penalty_last_n: i64,
     seed: Option<u64>,
+    logit_bias: Vec<(u32, f32)>,
 ) -> PyResult<Params> {
-    let p = SamplingParams { temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed };
+    let p = SamplingParams { temp, top_k, top_p, min_p, penalty, presence_penalty, frequency_penalty, penalty_last_n, seed, logit_bias };
     p.validate().map_err(map_err)?;
     Ok(Params(p))
 }
@@ -608,6 +609,7 @@ impl PySchedEvent {
     fn __repr__(&self) -> String {
         match self.kind {
             "piece" => format!("SchedEvent(piece, id={}, slot={}, token={}, text={:?})", self.id, self.slot, self.token, self.text),
+            "progress" => format!("SchedEvent(progress, id={}, {} of {} prompt rows, {} cached)", self.id, self.n_gen, self.n_prompt, self.n_cached),
             _ => format!(
                 "SchedEvent(finished, id={}, finish={}, n_prompt={}, n_gen={}{})",
                 self.id,
@@ -625,6 +627,7 @@ impl From<SchedEvent> for PySchedEvent {
         let kind = match e.kind {
             EventKind::Piece => "piece",
             EventKind::Finished => "finished",
+            EventKind::Progress => "progress",
         };
         let finish = match e.finish {
             Finish::None => "",
@@ -836,7 +839,7 @@ fn create_scheduler(
 
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None, images=Vec::new()))]
+#[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None, images=Vec::new(), progress=false))]
 fn submit(
     py: Python<'_>,
     m: &PyModel,
@@ -853,6 +856,7 @@ fn submit(
     grammar: Option<String>,
     nothink: Option<(Vec<u32>, Vec<u32>)>,
     images: Vec<(usize, PyReadonlyArray2<'_, f32>)>,
+    progress: bool,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
     // (first prompt row, (rows, width) float32 embeddings) per image.
@@ -880,6 +884,7 @@ fn submit(
         grammar,
         nothink,
         images,
+        progress,
     };
     let inner = &mut sch.inner;
     // Compiling a grammar takes milliseconds (the first one indexes the vocabulary: more).

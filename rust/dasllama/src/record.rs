@@ -125,6 +125,7 @@ mod tests {
             frequency_penalty: 0.0,
             penalty_last_n: 64,
             seed: None,
+            logit_bias: Vec::new(),
         };
         let mut a = TokenRecord::new(7);
         let (first, _) = run(&mut a, 0, 20, &p);

@@ -17,6 +17,9 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     pub penalty_last_n: i64,
     pub seed: Option<u64>,
+    /// Added to a token's logit before anything else in the chain (llama.cpp's `logit_bias`
+    /// sampler, first in its chain); -inf bans the token.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -31,6 +34,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             penalty_last_n: 64,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -49,6 +53,9 @@ impl SamplingParams {
         }
         if !(self.penalty.is_finite() && self.presence_penalty.is_finite() && self.frequency_penalty.is_finite()) {
             return bad("penalties must be finite numbers");
+        }
+        if self.logit_bias.iter().any(|&(_, b)| b.is_nan() || b == f32::INFINITY) {
+            return bad("a logit bias must be a finite number or -inf (never this token)");
         }
         Ok(())
     }
@@ -138,7 +145,7 @@ unsafe fn argmax_avx2(x: &[f32]) -> u32 {
 
 /// Whether `sample` is a plain argmax for these settings (it then leaves the logits unchanged).
 pub fn is_plain_greedy(p: &SamplingParams) -> bool {
-    p.temp <= 0.0 && !penalties_active(p)
+    p.temp <= 0.0 && !penalties_active(p) && p.logit_bias.is_empty()
 }
 
 fn penalties_active(p: &SamplingParams) -> bool {
@@ -152,6 +159,7 @@ fn penalties_active(p: &SamplingParams) -> bool {
 /// many of the most likely tokens as it takes to reach its mass (selected in growing batches), so
 /// sampling from a 262k vocabulary costs a few linear passes over it.
 pub fn sample(logits: &mut [f32], recent: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {
+    apply_bias(logits, p);
     apply_penalties(logits, recent, p);
     if p.temp <= 0.0 {
         return argmax(logits);
@@ -178,6 +186,7 @@ pub fn sample(logits: &mut [f32], recent: &[u32], p: &SamplingParams, rng: &mut 
 /// token id otherwise, as llama.cpp leaves its array. Tokens whose logit is -inf (a grammar's mask)
 /// are left out: they have probability 0. `temp <= 0` keeps the argmax alone.
 pub fn candidates(logits: &mut [f32], recent: &[u32], p: &SamplingParams) -> Vec<(u32, f32)> {
+    apply_bias(logits, p);
     apply_penalties(logits, recent, p);
     if p.temp <= 0.0 {
         return vec![(argmax(logits), 1.0)];
@@ -292,6 +301,15 @@ fn weigh(logits: &[f32], k: Kept, temp: f32) -> (Vec<u32>, Vec<f32>, f64) {
     let weights: Vec<f32> = ids.iter().map(|&t| (scaled(t) - max).exp()).collect();
     let total = weights.iter().map(|&w| w as f64).sum();
     (ids, weights, total)
+}
+
+/// Ids outside the vocabulary are skipped (the Python edge refuses them with a message first).
+fn apply_bias(logits: &mut [f32], p: &SamplingParams) {
+    for &(t, b) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
 }
 
 fn apply_penalties(logits: &mut [f32], recent: &[u32], p: &SamplingParams) {
@@ -447,5 +465,25 @@ mod tests {
         for seed in 0..10 {
             assert_eq!(sample(&mut logits.clone(), &[], &p, &mut Rng::new(seed)), argmax(&logits));
         }
+    }
+
+    #[test]
+    fn a_banned_token_is_never_drawn_and_a_boosted_one_always() {
+        let logits = vec![3.0f32, 2.9, 1.0, 0.5];
+        let ban = SamplingParams { temp: 1.0, logit_bias: vec![(0, f32::NEG_INFINITY)], ..Default::default() };
+        let mut rng = Rng::new(9);
+        for _ in 0..200 {
+            assert_ne!(sample(&mut logits.clone(), &[], &ban, &mut rng), 0);
+        }
+        let greedy_ban = SamplingParams { logit_bias: vec![(0, f32::NEG_INFINITY)], ..Default::default() };
+        assert!(!is_plain_greedy(&greedy_ban));
+        assert_eq!(sample(&mut logits.clone(), &[], &greedy_ban, &mut rng), 1);
+        let boost = SamplingParams { temp: 1.0, logit_bias: vec![(3, 100.0), (99, 5.0)], ..Default::default() };
+        for _ in 0..200 {
+            assert_eq!(sample(&mut logits.clone(), &[], &boost, &mut rng), 3);
+        }
+        let c = candidates(&mut logits.clone(), &[], &ban);
+        assert!(c.iter().all(|&(t, _)| t != 0), "{c:?}");
+        assert!(SamplingParams { logit_bias: vec![(1, f32::NAN)], ..Default::default() }.validate().is_err());
     }
 }

@@ -11,6 +11,10 @@ use std::time::Instant;
 pub enum EventKind {
     Piece,
     Finished,
+    /// Prefill progress, for a request that asked for it (`PendingReq::progress`): `n_prompt`
+    /// the prompt's rows, `n_cached` those that came from the prefix cache, `n_gen` those whose
+    /// K/V the stream holds now (cached ones included).
+    Progress,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -243,6 +247,26 @@ pub(super) fn finished_event(stream: usize, req: &PendingReq, finish: Finish, to
         n_cached: 0,
         ttft_us,
         gen_us,
+        logprob: None,
+        top: Vec::new(),
+        error: None,
+    }
+}
+
+/// Where the prefill of `s` stands (an `EventKind::Progress` event).
+pub(super) fn progress_event(s: &Stream) -> SchedEvent {
+    SchedEvent {
+        stream: s.slot,
+        id: s.req.id,
+        kind: EventKind::Progress,
+        token: -1,
+        text: String::new(),
+        finish: Finish::None,
+        n_prompt: s.req.prompt.len(),
+        n_gen: s.fed,
+        n_cached: s.cached,
+        ttft_us: s.t_submit.elapsed().as_micros() as u64,
+        gen_us: 0,
         logprob: None,
         top: Vec::new(),
         error: None,

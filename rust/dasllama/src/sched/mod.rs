@@ -63,6 +63,8 @@ pub struct PendingReq {
     /// Images in the prompt, in order: their rows take the images' embeddings instead of the
     /// placeholder tokens there, and each image's rows go into one pass and see each other.
     pub images: Vec<PromptImage>,
+    /// Report the prefill's progress: a `Progress` event before its first chunk and after each.
+    pub progress: bool,
 }
 
 /// An image's rows in a prompt (`PendingReq::images`): prompt rows `at..at + n` take `values`

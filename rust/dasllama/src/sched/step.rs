@@ -43,6 +43,12 @@ impl Scheduler {
         if plan.is_empty() {
             return;
         }
+        for &(i, _) in plan.iter() {
+            let s = &streams[i];
+            if s.req.progress && s.next.is_none() && s.fed == s.cached {
+                events.push(super::emit::progress_event(s));
+            }
+        }
         let t_pass = Instant::now();
         let (pass_rows, pass_keys) = self.pass_size(streams, &plan);
         let logits = match self.eval_plan(m, streams, &plan) {
@@ -118,6 +124,9 @@ impl Scheduler {
             s.in_kv.extend_from_slice(&s.req.prompt[s.fed..s.fed + k]);
             s.fed += k;
             self.stats.prefill_tokens += k as u64;
+            if s.req.progress {
+                events.push(super::emit::progress_event(s));
+            }
             if s.fed == s.share_at && s.fed < s.req.prompt.len() {
                 // The pass ended where the cached pages stopped having a state: give them one.
                 s.share_at = 0;

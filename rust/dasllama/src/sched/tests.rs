@@ -102,6 +102,7 @@ fn req(id: i64, prompt: Vec<u32>, max_new: usize) -> PendingReq {
         grammar: None,
         nothink: None,
         images: vec![],
+        progress: false,
     }
 }
 
@@ -397,4 +398,22 @@ fn a_stream_that_fails_ends_alone_and_returns_its_pages() {
     assert!(matches!(finished(&events, 1), SchedEvent { finish: Finish::Error, error: Some(_), .. }));
     assert_eq!((finished(&events, 2).finish, finished(&events, 2).n_gen), (Finish::Length, 10));
     assert_pages_back(&mut s);
+}
+
+#[test]
+fn a_request_that_asks_sees_its_prefill_progress_chunk_by_chunk() {
+    let m = tiny_model(1);
+    let mut s = sched(&m, 1, 8);
+    let mut r = req(1, prompt(20, 3), 2);
+    r.progress = true;
+    assert!(s.submit(r).unwrap());
+    assert!(s.submit(req(2, prompt(20, 3), 2)).unwrap()); // did not ask: no progress events
+    let events = run(&mut s);
+    let p: Vec<(usize, usize, usize)> = events.iter().filter(|e| e.kind == EventKind::Progress).map(|e| (e.id as usize, e.n_gen, e.n_prompt)).collect();
+    // Before the first chunk, then after each of the three (8, 8, 4 rows); all before its first piece.
+    assert_eq!(p, vec![(1, 0, 20), (1, 8, 20), (1, 16, 20), (1, 20, 20)]);
+    let first_piece = events.iter().position(|e| e.id == 1 && e.kind == EventKind::Piece).unwrap();
+    let last_progress = events.iter().rposition(|e| e.kind == EventKind::Progress).unwrap();
+    assert!(last_progress < first_piece);
+    assert_eq!(tokens_by_id(&events)[&1].len(), 2);
 }
