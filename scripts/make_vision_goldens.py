@@ -12,10 +12,10 @@ Needs the harness scripts/mtmd_golden.cpp built against a static build of llama-
     V=/path/to/llama_cpp_python-0.3.36/vendor/llama.cpp B=/tmp/llama-build
     cmake -S $V -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \\
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON
-    cmake --build $B --target mtmd llama-mtmd-cli
+    cmake --build $B --target llama mtmd -j2      # tens of minutes on two cores
     g++ -std=c++17 -O2 -I$V/include -I$V/ggml/include -I$V/tools/mtmd scripts/mtmd_golden.cpp \\
-        $B/tools/mtmd/libmtmd.a $B/src/libllama.a $B/ggml/src/libggml.a $B/ggml/src/libggml-cpu.a \\
-        $B/ggml/src/libggml-base.a -fopenmp -lpthread -ldl -o /tmp/mtmd_golden
+        $B/tools/mtmd/libmtmd.a $B/vendor/hash/libvendor-hash.a $B/src/libllama.a $B/ggml/src/libggml.a \\
+        $B/ggml/src/libggml-cpu.a $B/ggml/src/libggml-base.a -fopenmp -lpthread -ldl -o /tmp/mtmd_golden
     python scripts/make_vision_goldens.py --harness /tmp/mtmd_golden [--case gemma3|pixtral]
 
 The files are written deterministically (fixed seeds); the golden records their sha256, which the
