@@ -86,3 +86,54 @@ def test_bad_images_are_400s_naming_the_problem(server: str, model: str, url: st
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == code and err["param"] == "messages[0].content[1]", err
+
+
+def test_models_say_which_take_images(server: str) -> None:
+    cards = {c["id"]: c for c in httpx.get(server + "/v1/models", timeout=30).json()["data"]}
+    assert cards["vis"]["input_modalities"] == ["text", "image"] and "multimodal" in cards["vis"]["capabilities"]
+    assert cards["vis"]["meta"]["modalities"] == {"vision": True, "audio": False}
+    assert cards["plain"]["input_modalities"] == ["text"] and cards["plain"]["capabilities"] == ["completion"]
+    assert cards["plain"]["meta"]["modalities"]["vision"] is False
+    assert httpx.get(server + "/props", params={"model": "vis"}, timeout=30).json()["modalities"]["vision"] is True
+    assert httpx.get(server + "/props", params={"model": "plain"}, timeout=30).json()["modalities"]["vision"] is False
+    assert "vision" in httpx.post(server + "/api/show", json={"model": "vis"}, timeout=30).json()["capabilities"]
+
+
+def _b64(url: str) -> str:
+    return url.partition(",")[2]
+
+
+def test_anthropic_image_blocks_take_the_same_path(server: str) -> None:
+    import anthropic
+
+    url = _data_url(3)
+    oai = openai.OpenAI(base_url=server + "/v1", api_key="x").chat.completions.create(model="vis", messages=_msgs(url), max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    client = anthropic.Anthropic(base_url=server, api_key="x")
+    blocks = [{"type": "text", "text": "the cat "}, {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(url)}}, {"type": "text", "text": " at"}]
+    r = client.messages.create(model="vis", max_tokens=6, extra_body={"temperature": 0}, messages=[{"role": "user", "content": blocks}])  # type: ignore[list-item]
+    assert r.content[0].text == oai.choices[0].message.content  # type: ignore[union-attr]
+    # The same prompt; its image rows were just cached by the OpenAI request (Anthropic counts
+    # cache reads apart from input_tokens).
+    assert oai.usage is not None and r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) == oai.usage.prompt_tokens
+    assert (r.usage.cache_read_input_tokens or 0) >= 16
+    with pytest.raises(anthropic.BadRequestError, match="takes no images"):
+        client.messages.create(model="plain", max_tokens=2, messages=[{"role": "user", "content": blocks}])  # type: ignore[list-item]
+    url_block = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+    with pytest.raises(anthropic.BadRequestError, match="only base64 image sources"):
+        client.messages.create(model="vis", max_tokens=2, messages=[{"role": "user", "content": [url_block]}])  # type: ignore[list-item]
+
+
+def test_ollama_images_take_the_same_path(server: str) -> None:
+    import ollama
+
+    client = ollama.Client(host=server)
+    png = base64.b64decode(_b64(_data_url(4)))
+    r = client.chat(model="vis", messages=[{"role": "user", "content": "the cat", "images": [png]}], options={"temperature": 0, "num_predict": 4})
+    # The image's 16 rows and its two markers are in the prompt.
+    assert r.prompt_eval_count is not None and r.prompt_eval_count > 18 and r.message.content
+    g = client.generate(model="vis", prompt="the cat", images=[png], options={"temperature": 0, "num_predict": 4})
+    assert g.prompt_eval_count == r.prompt_eval_count and g.response == r.message.content
+    with pytest.raises(ollama.ResponseError, match="takes no images"):
+        client.chat(model="plain", messages=[{"role": "user", "content": "a", "images": [png]}])
+    with pytest.raises(ollama.ResponseError, match="not a decodable image"):
+        client.generate(model="vis", prompt="a", images=[base64.b64encode(b"not a picture").decode()])
