@@ -8,6 +8,7 @@ import base64
 import io
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -137,3 +138,63 @@ def test_ollama_images_take_the_same_path(server: str) -> None:
         client.chat(model="plain", messages=[{"role": "user", "content": "a", "images": [png]}])
     with pytest.raises(ollama.ResponseError, match="not a decodable image"):
         client.generate(model="vis", prompt="a", images=[base64.b64encode(b"not a picture").decode()])
+
+
+# ---- the chat page in a browser ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("no chromium on the PATH: apt-get install chromium (scripts/test.sh installs it when missing)")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=exe, headless=True)
+        yield b
+        b.close()
+
+
+def test_chat_page_attaches_and_pastes_a_picture(browser: Any, server: str) -> None:
+    from test_webui import close, new_page
+
+    page = new_page(browser, server, key=None)
+    try:
+        page.goto("/")
+        page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
+        # The button shows for a model that takes images only.
+        page.select_option("#model", "plain")
+        assert not page.is_visible("#attach")
+        page.select_option("#model", "vis")
+        assert page.is_visible("#attach")
+        page.fill("#temperature", "0")
+        page.fill("#max_tokens", "6")
+        url = _data_url(5)
+        png = base64.b64decode(_b64(url))
+        page.set_input_files("#attach-file", files=[{"name": "cat.png", "mimeType": "image/png", "buffer": png}])
+        page.wait_for_selector("#attachments img")
+        page.fill("#input", "the cat")
+        page.press("#input", "Enter")
+        page.wait_for_selector(".msg.assistant[data-state='done']")
+        assert page.is_visible(".msg.user .images img") and not page.is_visible("#attachments img")
+        reply = page.evaluate("chatState.messages[chatState.messages.length - 1]")
+        # What the API answers for the same picture and text, streamed to the page.
+        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "the cat"}]
+        body = {"model": "vis", "messages": [{"role": "user", "content": parts}], "max_tokens": 6, "temperature": 0}
+        want = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+        assert reply["content"] == want["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] == 6
+        assert reply["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] > 16
+        assert int(page.get_attribute(".msg.assistant", "data-chunks")) > 1
+        # A picture pasted into the message is attached too.
+        page.evaluate(
+            """(b64) => {
+                const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+                const dt = new DataTransfer();
+                dt.items.add(new File([bytes], "pasted.png", { type: "image/png" }));
+                document.getElementById("input").dispatchEvent(new ClipboardEvent("paste", { clipboardData: dt, bubbles: true, cancelable: true }));
+            }""",
+            _b64(url),
+        )
+        page.wait_for_function("() => chatState.attached.length === 1")
+    finally:
+        close(page)
