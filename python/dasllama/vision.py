@@ -55,7 +55,8 @@ class Projector:
 
     @property
     def n_tokens(self) -> int:
-        """Rows one image takes in the prompt."""
+        """Rows one image takes in the prompt (for a tower that takes any size, Pixtral's: an
+        image_size square's; ``native.n_tokens_for(width, height)`` for another size)."""
         return self.native.n_tokens
 
     @property
