@@ -1,8 +1,10 @@
-"""Write tests/golden/vision/gemma3-tiny.json: llama.cpp's own multimodal path (tools/mtmd) on
-the tiny synthetic Gemma 3 text model and mmproj of tests/synthetic_vision.py, for
+"""Write tests/golden/vision/{gemma3,pixtral}-tiny.json: llama.cpp's own multimodal path
+(tools/mtmd) on the tiny synthetic text models and mmproj files of tests/synthetic_vision.py, for
 tests/test_vision_golden.py: the prompt's text chunks as mtmd tokenizes them, the image's
-embeddings (its preprocessing included: a 48 x 40 picture fitted on black into 32 x 32), and
-greedy steps after the prompt with every step's logits.
+embeddings (its preprocessing included: for Gemma 3 a 48 x 40 picture fitted on black into
+32 x 32 with bilinear resampling; for Pixtral a 45 x 37 picture resized bicubically to 48 x 40,
+its own aspect ratio in multiples of 8), and greedy steps after the prompt with every step's
+logits.
 
 Needs the harness scripts/mtmd_golden.cpp built against a static build of llama-cpp-python
 0.3.36's vendored llama.cpp (the sdist, as scripts/build_llama_cpp.py fetches it):
@@ -10,11 +12,11 @@ Needs the harness scripts/mtmd_golden.cpp built against a static build of llama-
     V=/path/to/llama_cpp_python-0.3.36/vendor/llama.cpp B=/tmp/llama-build
     cmake -S $V -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \\
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=ON
-    cmake --build $B --target mtmd llama-mtmd-cli
+    cmake --build $B --target llama mtmd -j2      # tens of minutes on two cores
     g++ -std=c++17 -O2 -I$V/include -I$V/ggml/include -I$V/tools/mtmd scripts/mtmd_golden.cpp \\
-        $B/tools/mtmd/libmtmd.a $B/src/libllama.a $B/ggml/src/libggml.a $B/ggml/src/libggml-cpu.a \\
-        $B/ggml/src/libggml-base.a -fopenmp -lpthread -ldl -o /tmp/mtmd_golden
-    python scripts/make_vision_goldens.py --harness /tmp/mtmd_golden
+        $B/tools/mtmd/libmtmd.a $B/vendor/hash/libvendor-hash.a $B/src/libllama.a $B/ggml/src/libggml.a \\
+        $B/ggml/src/libggml-cpu.a $B/ggml/src/libggml-base.a -fopenmp -lpthread -ldl -o /tmp/mtmd_golden
+    python scripts/make_vision_goldens.py --harness /tmp/mtmd_golden [--case gemma3|pixtral]
 
 The files are written deterministically (fixed seeds); the golden records their sha256, which the
 test checks before comparing.
@@ -36,22 +38,32 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from synthetic import write_model  # noqa: E402
-from synthetic_vision import write_gemma3_mmproj  # noqa: E402
+from synthetic_vision import write_gemma3_mmproj, write_pixtral_mmproj  # noqa: E402
 
-SPECIALS = ("<start_of_image>", "<end_of_image>")
 PROMPT = "the cat <__media__> at"
-IMAGE = dict(seed=7, width=48, height=40)
 STEPS = 6
+# Per projector: the text model's architecture and control tokens, the mmproj writer, the
+# picture (a seeded random RGB of this size).
+CASES = {
+    "gemma3": dict(arch="gemma3", specials=("<start_of_image>", "<end_of_image>"), write=write_gemma3_mmproj, image=dict(seed=7, width=48, height=40)),
+    "pixtral": dict(arch="llama", specials=("[IMG]", "[IMG_BREAK]", "[IMG_END]"), write=write_pixtral_mmproj, image=dict(seed=9, width=45, height=37)),
+}
 
 
-def image_rgb() -> np.ndarray:
-    return np.random.default_rng(IMAGE["seed"]).integers(0, 256, size=(IMAGE["height"], IMAGE["width"], 3), dtype=np.uint8)
+def golden_path(case: str) -> Path:
+    return ROOT / "tests" / "golden" / "vision" / f"{case}-tiny.json"
 
 
-def write_files(d: Path) -> tuple[Path, Path]:
-    text, proj = d / "gemma3-tiny.gguf", d / "mmproj-gemma3-tiny.gguf"
-    write_model(text, arch="gemma3", specials=SPECIALS, ctx=128)
-    write_gemma3_mmproj(proj)
+def image_rgb(case: str = "gemma3") -> np.ndarray:
+    im = CASES[case]["image"]
+    return np.random.default_rng(im["seed"]).integers(0, 256, size=(im["height"], im["width"], 3), dtype=np.uint8)
+
+
+def write_files(d: Path, case: str = "gemma3") -> tuple[Path, Path]:
+    c = CASES[case]
+    text, proj = d / f"{case}-tiny.gguf", d / f"mmproj-{case}-tiny.gguf"
+    write_model(text, arch=c["arch"], specials=c["specials"], ctx=128)
+    c["write"](proj)
     return text, proj
 
 
@@ -62,22 +74,25 @@ def sha(p: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--harness", required=True, help="the built scripts/mtmd_golden.cpp")
-    ap.add_argument("--out", default=str(ROOT / "tests" / "golden" / "vision" / "gemma3-tiny.json"))
+    ap.add_argument("--case", choices=sorted(CASES), action="append", help="which projector (default: all)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Path(tmp)
-        text, proj = write_files(d)
-        raw = d / "image.rgb"
-        raw.write_bytes(image_rgb().tobytes())
-        cmd = [args.harness, str(text), str(proj), str(raw), str(IMAGE["width"]), str(IMAGE["height"]), PROMPT, str(STEPS)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        g = json.loads(out)
-        g["origin"] = "llama-cpp-python 0.3.36's vendored llama.cpp, tools/mtmd (scripts/mtmd_golden.cpp), CPU, 1 thread"
-        g["files"] = {"text": sha(text), "mmproj": sha(proj)}
-        g["prompt"], g["image"] = PROMPT, IMAGE
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(g) + "\n")
-    print(f"wrote {args.out}")
+    for case in args.case or sorted(CASES):
+        im = CASES[case]["image"]
+        with tempfile.TemporaryDirectory() as tmp:
+            d = Path(tmp)
+            text, proj = write_files(d, case)
+            raw = d / "image.rgb"
+            raw.write_bytes(image_rgb(case).tobytes())
+            cmd = [args.harness, str(text), str(proj), str(raw), str(im["width"]), str(im["height"]), PROMPT, str(STEPS)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            g = json.loads(out)
+            g["origin"] = "llama-cpp-python 0.3.36's vendored llama.cpp, tools/mtmd (scripts/mtmd_golden.cpp), CPU, 1 thread"
+            g["files"] = {"text": sha(text), "mmproj": sha(proj)}
+            g["prompt"], g["image"] = PROMPT, im
+        out_path = golden_path(case)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(g) + "\n")
+        print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

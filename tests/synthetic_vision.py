@@ -129,3 +129,147 @@ def reference_gemma3_image(W: dict[str, np.ndarray], pixels: np.ndarray, **over:
     pooled = x.reshape(side, k, side, k, d).mean(axis=(1, 3)).reshape(side * side, d)
     pooled = pooled / np.sqrt((pooled**2).mean(-1, keepdims=True) + eps) * X["mm.soft_emb_norm.weight"]
     return pooled @ X["mm.input_projection.weight"]
+
+
+# Pixtral (Mistral Small 3.1's layout): RMS norms, a SiLU-gated MLP, 2-D RoPE, no learned
+# positions, then the patch merger (2 x 2 patches into one token), the GELU MLP to the text
+# width and an [IMG_BREAK] row after every row of tokens but the last. Patches of 4, so an image
+# is a multiple of 8 pixels on each side.
+PIXTRAL_VISION: dict[str, Any] = dict(image_size=64, patch=4, dim=64, ff=96, heads=4, layers=2, merge=2, eps=1e-5, hidden=128, theta=10000.0, mean=[0.48145466, 0.4578275, 0.40821073], std=[0.26862954, 0.26130258, 0.27577711])
+
+
+def write_pixtral_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, merger: bool = True, img_break: bool = True, **over: Any) -> dict[str, np.ndarray]:
+    """Write a tiny Pixtral mmproj; return its exact weights (numpy order)."""
+    c = {**PIXTRAL_VISION, **over}
+    rng = np.random.default_rng(8765)
+    w = GGUFWriter(str(path), "clip")
+    w.add_string("clip.projector_type", "pixtral")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_silu", True)
+    w.add_uint32("clip.vision.image_size", c["image_size"])
+    w.add_uint32("clip.vision.patch_size", c["patch"])
+    w.add_uint32("clip.vision.embedding_length", c["dim"])
+    w.add_uint32("clip.vision.feed_forward_length", c["ff"])
+    w.add_uint32("clip.vision.block_count", c["layers"])
+    w.add_uint32("clip.vision.projection_dim", text_dim)
+    w.add_uint32("clip.vision.attention.head_count", c["heads"])
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", c["eps"])
+    w.add_array("clip.vision.image_mean", c["mean"])
+    w.add_array("clip.vision.image_std", c["std"])
+    if merger:
+        w.add_uint32("clip.vision.spatial_merge_size", c["merge"])
+    weights: dict[str, np.ndarray] = {}
+    d, p, m = c["dim"], c["patch"], c["merge"]
+
+    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
+        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
+        weights[name] = exact
+        if data.dtype == np.uint8:
+            w.add_tensor(name, data, raw_dtype=kind)
+        else:
+            w.add_tensor(name, data)
+
+    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1) -> None:
+        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
+
+    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
+        put(name, mean + rng.normal(0, std, size=n))
+
+    put("v.patch_embd.weight", rng.normal(0, 0.2, size=(d, 3, p, p)))
+    vec("v.pre_ln.weight", d)
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        vec(b + "ln1.weight", d)
+        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            mat(b + t + ".weight", d, d, scale=0.15)
+        vec(b + "ln2.weight", d)
+        mat(b + "ffn_gate.weight", c["ff"], d)
+        mat(b + "ffn_up.weight", c["ff"], d)
+        mat(b + "ffn_down.weight", d, c["ff"])
+    if merger:
+        vec("mm.input_norm.weight", d)
+        mat("mm.patch_merger.weight", d, d * m * m, scale=0.08)
+    mat("mm.1.weight", c["hidden"], d)
+    put("mm.1.bias", rng.normal(0, 0.1, size=c["hidden"]))
+    mat("mm.2.weight", text_dim, c["hidden"])
+    put("mm.2.bias", rng.normal(0, 0.1, size=text_dim))
+    if img_break:
+        put("v.token_embd.img_break", rng.normal(0, 0.5, size=text_dim))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return weights
+
+
+def _rms(x: np.ndarray, wt: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * wt
+
+
+def _rope_2d(x: np.ndarray, gw: int, gh: int, heads: int, theta: float) -> np.ndarray:
+    """Pixtral's 2-D RoPE (clip.cpp's build_rope_2d, interleaved frequencies): in each head, the
+    first half's adjacent pairs turn by the patch's row at base^(-4i/hd), the second half's by its
+    column at base^(-(4i+2)/hd)."""
+    n, d = x.shape
+    hd = d // heads
+    q = hd // 4
+    rows, cols = np.arange(n) // gw, np.arange(n) % gw
+    out = x.reshape(n, heads, hd).copy()
+    for half, pos, off in ((0, rows, 0.0), (1, cols, 2.0)):
+        freq = theta ** (-(4 * np.arange(q) + off) / hd)
+        ang = pos[:, None] * freq[None, :]  # (n, q)
+        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        seg = out[:, :, half * hd // 2 : (half + 1) * hd // 2]
+        x0, x1 = seg[..., 0::2].copy(), seg[..., 1::2].copy()
+        seg[..., 0::2] = x0 * cos - x1 * sin
+        seg[..., 1::2] = x0 * sin + x1 * cos
+    return out.reshape(n, d)
+
+
+def reference_pixtral_image(W: dict[str, np.ndarray], pixels: np.ndarray, merger: bool = True, img_break: bool = True, **over: Any) -> np.ndarray:
+    """Float64 tower + projector over planar normalized pixels (3, H, W): (rows, text_dim)."""
+    c = {**PIXTRAL_VISION, **over}
+    X = {k: v.astype(np.float64) for k, v in W.items()}
+    p, d, H, eps = c["patch"], c["dim"], c["heads"], c["eps"]
+    _, hh, ww = pixels.shape
+    gh, gw = hh // p, ww // p
+    px = pixels.astype(np.float64)
+    patches = px.reshape(3, gh, p, gw, p).transpose(1, 3, 0, 2, 4).reshape(gh * gw, 3 * p * p)
+    x = patches @ X["v.patch_embd.weight"].reshape(d, -1).T
+    x = _rms(x, X["v.pre_ln.weight"], eps)
+    n, hd = gh * gw, d // H
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        h = _rms(x, X[b + "ln1.weight"], eps)
+        q, k, v = (h @ X[b + t + ".weight"].T for t in ("attn_q", "attn_k", "attn_v"))
+        q, k = _rope_2d(q, gw, gh, H, c["theta"]), _rope_2d(k, gw, gh, H, c["theta"])
+        att = np.zeros((n, d))
+        for j in range(H):
+            s = slice(j * hd, (j + 1) * hd)
+            sc = q[:, s] @ k[:, s].T / np.sqrt(hd)
+            pr = np.exp(sc - sc.max(-1, keepdims=True))
+            pr /= pr.sum(-1, keepdims=True)
+            att[:, s] = pr @ v[:, s]
+        x = x + att @ X[b + "attn_out.weight"].T
+        h = _rms(x, X[b + "ln2.weight"], eps)
+        g = h @ X[b + "ffn_gate.weight"].T
+        u = h @ X[b + "ffn_up.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ X[b + "ffn_down.weight"].T
+    m = c["merge"] if merger else 1
+    py, pxn = gh // m, gw // m
+    if merger:
+        x = _rms(x, X["mm.input_norm.weight"], eps)
+        # Each m x m block as channel, row, column (torch's unfold), then the merger.
+        blocks = x.reshape(py, m, pxn, m, d).transpose(0, 2, 4, 1, 3).reshape(py * pxn, d * m * m)
+        x = blocks @ X["mm.patch_merger.weight"].T
+    u = x @ X["mm.1.weight"].T + X["mm.1.bias"]
+    u = 0.5 * u * (1 + np.tanh(0.7978845608 * (u + 0.044715 * u**3)))
+    tok = u @ X["mm.2.weight"].T + X["mm.2.bias"]
+    if not img_break:
+        return tok
+    rows = []
+    for r in range(py):
+        rows.append(tok[r * pxn : (r + 1) * pxn])
+        if r + 1 < py:
+            rows.append(X["v.token_embd.img_break"][None, :])
+    return np.concatenate(rows)

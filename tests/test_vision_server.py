@@ -8,6 +8,7 @@ import base64
 import io
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -86,3 +87,114 @@ def test_bad_images_are_400s_naming_the_problem(server: str, model: str, url: st
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == code and err["param"] == "messages[0].content[1]", err
+
+
+def test_models_say_which_take_images(server: str) -> None:
+    cards = {c["id"]: c for c in httpx.get(server + "/v1/models", timeout=30).json()["data"]}
+    assert cards["vis"]["input_modalities"] == ["text", "image"] and "multimodal" in cards["vis"]["capabilities"]
+    assert cards["vis"]["meta"]["modalities"] == {"vision": True, "audio": False}
+    assert cards["plain"]["input_modalities"] == ["text"] and cards["plain"]["capabilities"] == ["completion"]
+    assert cards["plain"]["meta"]["modalities"]["vision"] is False
+    assert httpx.get(server + "/props", params={"model": "vis"}, timeout=30).json()["modalities"]["vision"] is True
+    assert httpx.get(server + "/props", params={"model": "plain"}, timeout=30).json()["modalities"]["vision"] is False
+    assert "vision" in httpx.post(server + "/api/show", json={"model": "vis"}, timeout=30).json()["capabilities"]
+
+
+def _b64(url: str) -> str:
+    return url.partition(",")[2]
+
+
+def test_anthropic_image_blocks_take_the_same_path(server: str) -> None:
+    import anthropic
+
+    url = _data_url(3)
+    oai = openai.OpenAI(base_url=server + "/v1", api_key="x").chat.completions.create(model="vis", messages=_msgs(url), max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    client = anthropic.Anthropic(base_url=server, api_key="x")
+    blocks = [{"type": "text", "text": "the cat "}, {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(url)}}, {"type": "text", "text": " at"}]
+    r = client.messages.create(model="vis", max_tokens=6, extra_body={"temperature": 0}, messages=[{"role": "user", "content": blocks}])  # type: ignore[list-item]
+    assert r.content[0].text == oai.choices[0].message.content  # type: ignore[union-attr]
+    # The same prompt; its image rows were just cached by the OpenAI request (Anthropic counts
+    # cache reads apart from input_tokens).
+    assert oai.usage is not None and r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) == oai.usage.prompt_tokens
+    assert (r.usage.cache_read_input_tokens or 0) >= 16
+    with pytest.raises(anthropic.BadRequestError, match="takes no images"):
+        client.messages.create(model="plain", max_tokens=2, messages=[{"role": "user", "content": blocks}])  # type: ignore[list-item]
+    url_block = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+    with pytest.raises(anthropic.BadRequestError, match="only base64 image sources"):
+        client.messages.create(model="vis", max_tokens=2, messages=[{"role": "user", "content": [url_block]}])  # type: ignore[list-item]
+
+
+def test_ollama_images_take_the_same_path(server: str) -> None:
+    import ollama
+
+    client = ollama.Client(host=server)
+    png = base64.b64decode(_b64(_data_url(4)))
+    r = client.chat(model="vis", messages=[{"role": "user", "content": "the cat", "images": [png]}], options={"temperature": 0, "num_predict": 4})
+    # The image's 16 rows and its two markers are in the prompt.
+    assert r.prompt_eval_count is not None and r.prompt_eval_count > 18 and r.message.content
+    g = client.generate(model="vis", prompt="the cat", images=[png], options={"temperature": 0, "num_predict": 4})
+    assert g.prompt_eval_count == r.prompt_eval_count and g.response == r.message.content
+    with pytest.raises(ollama.ResponseError, match="takes no images"):
+        client.chat(model="plain", messages=[{"role": "user", "content": "a", "images": [png]}])
+    with pytest.raises(ollama.ResponseError, match="not a decodable image"):
+        client.generate(model="vis", prompt="a", images=[base64.b64encode(b"not a picture").decode()])
+
+
+# ---- the chat page in a browser ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("no chromium on the PATH: apt-get install chromium (scripts/test.sh installs it when missing)")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=exe, headless=True)
+        yield b
+        b.close()
+
+
+def test_chat_page_attaches_and_pastes_a_picture(browser: Any, server: str) -> None:
+    from test_webui import close, new_page
+
+    page = new_page(browser, server, key=None)
+    try:
+        page.goto("/")
+        page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
+        # The button shows for a model that takes images only.
+        page.select_option("#model", "plain")
+        assert not page.is_visible("#attach")
+        page.select_option("#model", "vis")
+        assert page.is_visible("#attach")
+        page.fill("#temperature", "0")
+        page.fill("#max_tokens", "6")
+        url = _data_url(5)
+        png = base64.b64decode(_b64(url))
+        page.set_input_files("#attach-file", files=[{"name": "cat.png", "mimeType": "image/png", "buffer": png}])
+        page.wait_for_selector("#attachments img")
+        page.fill("#input", "the cat")
+        page.press("#input", "Enter")
+        page.wait_for_selector(".msg.assistant[data-state='done']")
+        assert page.is_visible(".msg.user .images img") and not page.is_visible("#attachments img")
+        reply = page.evaluate("chatState.messages[chatState.messages.length - 1]")
+        # What the API answers for the same picture and text, streamed to the page.
+        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "the cat"}]
+        body = {"model": "vis", "messages": [{"role": "user", "content": parts}], "max_tokens": 6, "temperature": 0}
+        want = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+        assert reply["content"] == want["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] == 6
+        assert reply["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] > 16
+        assert int(page.get_attribute(".msg.assistant", "data-chunks")) > 1
+        # A picture pasted into the message is attached too.
+        page.evaluate(
+            """(b64) => {
+                const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+                const dt = new DataTransfer();
+                dt.items.add(new File([bytes], "pasted.png", { type: "image/png" }));
+                document.getElementById("input").dispatchEvent(new ClipboardEvent("paste", { clipboardData: dt, bubbles: true, cancelable: true }));
+            }""",
+            _b64(url),
+        )
+        page.wait_for_function("() => chatState.attached.length === 1")
+    finally:
+        close(page)

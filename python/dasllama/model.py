@@ -234,7 +234,8 @@ def _attach_projector(model: Model, mmproj: str | os.PathLike[str] | bool | None
         log.warning("not loading the sidecar %s", msg)
         return
     model.projector = proj
-    log.info("loaded %s (%s projector, %d tokens an image)", path.name, proj.projector_type, proj.n_tokens)
+    per_image = "tokens by the image's size" if proj.native.dynamic_size else f"{proj.n_tokens} tokens an image"
+    log.info("loaded %s (%s projector, %s)", path.name, proj.projector_type, per_image)
 
 
 def encode(m: Model, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:

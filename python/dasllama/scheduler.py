@@ -54,9 +54,10 @@ class PendingReq:
     # does not compile raises ValueError at submit.
     grammar: str | None = None
     # Images in the prompt (dasllama.vision.ImagePrompt.images()): (first prompt row, its
-    # (rows, dim) float32 embeddings) each, in order. Their rows take the embeddings instead of
-    # the placeholder tokens there, run in one pass and see each other.
-    images: list[tuple[int, Any]] = field(default_factory=list)
+    # (rows, dim) float32 embeddings[, whether its rows see each other: default True]) each, in
+    # order. Their rows take the embeddings instead of the placeholder tokens there; a
+    # non-causal image's rows run in one pass and see each other.
+    images: list[tuple[Any, ...]] = field(default_factory=list)
     # Report the prefill's progress: a "progress" event before its first chunk and after each.
     progress: bool = False
 
@@ -134,7 +135,7 @@ def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
         guard = (list(req.nothink.open_ids), list(req.nothink.close_ids))
     if not 0 <= req.seed < 2**64:
         raise ValueError(f"request {req.id}: seed must be in [0, 2**64)")
-    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos), req.grammar, guard, [(int(a), np.ascontiguousarray(v, dtype=np.float32)) for a, v in req.images], bool(req.progress))
+    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos), req.grammar, guard, [(int(im[0]), np.ascontiguousarray(im[1], dtype=np.float32), bool(im[2]) if len(im) > 2 else True) for im in req.images], bool(req.progress))
 
 
 def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:

@@ -1,7 +1,10 @@
 """Images in: mmproj files (llama.cpp's ``clip`` architecture), image decoding and preprocessing
 as llama.cpp's ``tools/mtmd`` does it, and an image's embeddings from the vision tower.
 
-Projector types: ``gemma3`` (SigLIP, 2-D average pooling, soft-embedding norm, projection)."""
+Projector types: ``gemma3`` (SigLIP at a fixed size, 2-D average pooling, soft-embedding norm,
+projection; the image's rows see each other) and ``pixtral`` (Pixtral and Mistral Small 3.x: the
+image at its own aspect ratio, a 2-D RoPE tower, patch merger, GELU MLP, a ``[IMG_BREAK]`` row
+after each row of tokens, causal)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ from .gguf_file import meta_section, read_header
 log = logging.getLogger("dasllama")
 
 # How each projector's image is marked in the prompt (mtmd.cpp's img_beg / img_end).
-_MARKERS: dict[str, tuple[str, str]] = {"gemma3": ("<start_of_image>", "<end_of_image>")}
+_MARKERS: dict[str, tuple[str, str]] = {"gemma3": ("<start_of_image>", "<end_of_image>"), "pixtral": ("", "[IMG_END]")}
+# Pixtral's token budget per image (clip.cpp: set_limit_image_tokens(8, 1024)), in merged tokens.
+_PIXTRAL_TOKENS = (8, 1024)
 # Images past this many pixels are refused before decoding (a decompression bomb's guard).
 MAX_PIXELS = 64_000_000
 
@@ -50,12 +55,18 @@ class Projector:
 
     @property
     def n_tokens(self) -> int:
-        """Rows one image takes in the prompt."""
+        """Rows one image takes in the prompt (for a tower that takes any size, Pixtral's: an
+        image_size square's; ``native.n_tokens_for(width, height)`` for another size)."""
         return self.native.n_tokens
 
     @property
     def text_dim(self) -> int:
         return self.native.text_dim
+
+    @property
+    def non_causal(self) -> bool:
+        """Whether an image's rows see each other in the text model (mtmd_decode_use_non_causal)."""
+        return self.native.non_causal
 
     @property
     def markers(self) -> tuple[str, str]:
@@ -117,26 +128,66 @@ def decode_image(data: bytes) -> Any:
         raise ImageError(f"not a decodable image: {e}") from None
 
 
-def preprocess(img: Any, proj: Projector) -> np.ndarray:
-    """An RGB Pillow image as the tower takes it: (3 * size * size,) float32, planar, normalized.
+def target_size(proj: Projector, width: int, height: int) -> tuple[int, int]:
+    """The size (width, height) an image of ``width`` x ``height`` is preprocessed to: the tower's
+    square for a fixed-size projector; for Pixtral, clip.cpp's ``calc_size_preserved_ratio``:
+    each side rounded to a multiple of patch x merge, then scaled (keeping the aspect ratio) into
+    the projector's budget of 8 to 1024 tokens, f32 arithmetic as there."""
+    nat = proj.native
+    if not nat.dynamic_size:
+        return proj.image_size, proj.image_size
+    f = nat.patch_size * nat.merge
+    lo, hi = (n * f * f for n in _PIXTRAL_TOKENS)
+    f32 = np.float32
 
-    As mtmd's fixed-size preprocessor with llama.cpp's default padding: scaled to fit the square
-    keeping its aspect ratio (Pillow-compatible bilinear resampling, sizes rounded up), centered
-    on black, then x / 255, minus the file's mean, over its std."""
+    def by(x: Any, how: Any) -> int:
+        return int(how(f32(x) / f32(f))) * f
+
+    def half_up(x: Any) -> float:  # std::round: halves away from zero
+        return math.floor(x + 0.5)
+
+    w_bar, h_bar = max(f, by(width, half_up)), max(f, by(height, half_up))
+    if w_bar * h_bar > hi:
+        beta = np.sqrt(f32(height) * f32(width) / f32(hi), dtype=np.float32)
+        h_bar, w_bar = max(f, by(f32(height) / beta, math.floor)), max(f, by(f32(width) / beta, math.floor))
+    elif w_bar * h_bar < lo:
+        beta = np.sqrt(f32(lo) / (f32(height) * f32(width)), dtype=np.float32)
+        h_bar, w_bar = by(f32(height) * beta, math.ceil), by(f32(width) * beta, math.ceil)
+    return w_bar, h_bar
+
+
+def preprocess_sized(img: Any, proj: Projector) -> tuple[np.ndarray, int, int]:
+    """An RGB Pillow image as the tower takes it: ((3 * height * width,) float32 planar and
+    normalized, width, height).
+
+    As mtmd's preprocessors with llama.cpp's default padding: scaled to fit ``target_size``
+    keeping its aspect ratio (Pillow's resampling, which clip.cpp reproduces: bilinear for
+    Gemma 3, bicubic for Pixtral; sizes rounded up), centered on black, then x / 255, minus the
+    file's mean, over its std."""
     from PIL import Image
 
-    size = proj.image_size
     if img.mode != "RGB":
         img = img.convert("RGB")
     w, h = img.size
-    if (w, h) != (size, size):
-        scale = min(np.float32(size) / np.float32(w), np.float32(size) / np.float32(h))
-        nw = min(math.ceil(np.float32(w) * scale), size)
-        nh = min(math.ceil(np.float32(h) * scale), size)
-        resized = img if (nw, nh) == (w, h) else img.resize((nw, nh), Image.Resampling.BILINEAR)
-        canvas = Image.new("RGB", (size, size), (0, 0, 0))
-        canvas.paste(resized, ((size - nw) // 2, (size - nh) // 2))
+    tw, th = target_size(proj, w, h)
+    if (w, h) != (tw, th):
+        resample = Image.Resampling.BICUBIC if proj.native.dynamic_size else Image.Resampling.BILINEAR
+        scale = min(np.float32(tw) / np.float32(w), np.float32(th) / np.float32(h))
+        nw = min(math.ceil(np.float32(w) * scale), tw)
+        nh = min(math.ceil(np.float32(h) * scale), th)
+        resized = img if (nw, nh) == (w, h) else img.resize((nw, nh), resample)
+        canvas = Image.new("RGB", (tw, th), (0, 0, 0))
+        canvas.paste(resized, ((tw - nw) // 2, (th - nh) // 2))
         img = canvas
+    return _normalize(img, proj), tw, th
+
+
+def preprocess(img: Any, proj: Projector) -> np.ndarray:
+    """``preprocess_sized``'s pixels alone (for a fixed-size tower: 3 x image_size x image_size)."""
+    return preprocess_sized(img, proj)[0]
+
+
+def _normalize(img: Any, proj: Projector) -> np.ndarray:
     x = np.asarray(img, dtype=np.float32) / np.float32(255.0)
     mean = np.asarray(proj.native.image_mean, dtype=np.float32)
     std = np.asarray(proj.native.image_std, dtype=np.float32)
@@ -144,15 +195,16 @@ def preprocess(img: Any, proj: Projector) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(2, 0, 1), dtype=np.float32).reshape(-1)
 
 
-def encode_pixels(proj: Projector, pixels: np.ndarray) -> np.ndarray:
-    """The tower and projector over preprocessed pixels: (n_tokens, text_dim) float32."""
-    return _native.encode_image(proj.native, np.ascontiguousarray(pixels, dtype=np.float32).reshape(-1))
+def encode_pixels(proj: Projector, pixels: np.ndarray, width: int | None = None, height: int | None = None) -> np.ndarray:
+    """The tower and projector over preprocessed pixels (``width`` x ``height``, by default the
+    tower's own size): (n_tokens, text_dim) float32."""
+    return _native.encode_image(proj.native, np.ascontiguousarray(pixels, dtype=np.float32).reshape(-1), width, height)
 
 
 def encode_image(proj: Projector, image: bytes | Any) -> np.ndarray:
     """One image (encoded bytes or a Pillow image) to its prompt rows: (n_tokens, text_dim)."""
     img = decode_image(bytes(image)) if isinstance(image, (bytes, bytearray, memoryview)) else image
-    return encode_pixels(proj, preprocess(img, proj))
+    return encode_pixels(proj, *preprocess_sized(img, proj))
 
 
 # Where an image goes in a prompt's text (llama.cpp's mtmd_default_marker).
@@ -163,18 +215,21 @@ MEDIA_MARKER = "<__media__>"
 class ImagePrompt:
     """A prompt with images as the text model takes it: token ids (an image's rows hold a
     placeholder id), the rows that take given values instead (``values``: one row of the model's
-    width each) and the spans of rows that see each other (each image's: first row, rows)."""
+    width each), each image's span of rows (first row, rows), and whether an image's rows see
+    each other (``non_causal``: Gemma 3's do) or are causal as text."""
 
     ids: list[int]
     rows: list[int]
     values: np.ndarray
     spans: list[tuple[int, int]]
+    non_causal: bool = True
 
-    def images(self) -> list[tuple[int, np.ndarray]]:
-        """Per image, (its first row, its rows' values): what ``PendingReq.images`` takes."""
+    def images(self) -> list[tuple[int, np.ndarray, bool]]:
+        """Per image, (its first row, its rows' values, whether they see each other): what
+        ``PendingReq.images`` takes."""
         out, at = [], 0
         for first, n in self.spans:
-            out.append((first, self.values[at : at + n]))
+            out.append((first, self.values[at : at + n], self.non_causal))
             at += n
         return out
 
@@ -218,20 +273,24 @@ def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | N
             ids += encode(m, piece, add_bos=add_bos if i == 0 else False, special=True)
         if i < len(embedded):
             beg, end = proj.markers  # type: ignore[union-attr]
-            ids += encode(m, beg, add_bos=False, special=True)
+            if beg:  # an empty marker is no text at all (Pixtral has none before the image)
+                ids += encode(m, beg, add_bos=False, special=True)
             e = embedded[i]
             spans.append((len(ids), len(e)))
             rows += range(len(ids), len(ids) + len(e))
             ids += placeholder_ids(e, m.n_vocab)
             values.append(e)
-            ids += encode(m, end, add_bos=False, special=True)
+            if end:
+                ids += encode(m, end, add_bos=False, special=True)
     dim = proj.text_dim if proj is not None else 0
-    return ImagePrompt(ids, rows, np.concatenate(values) if values else np.zeros((0, dim), np.float32), spans)
+    non_causal = proj.non_causal if proj is not None else True
+    return ImagePrompt(ids, rows, np.concatenate(values) if values else np.zeros((0, dim), np.float32), spans, non_causal)
 
 
 def eval_image_prompt(m: Any, s: Any, p: ImagePrompt, all: bool = False) -> np.ndarray:
     """Run ``p`` at the session's position (``_native.eval_embeds``): logits after the last row,
-    or after every row where ``all``. The image rows see each other (llama.cpp decodes Gemma 3's
-    images non-causally)."""
+    or after every row where ``all``. A non-causal image's rows see each other (llama.cpp
+    decodes Gemma 3's images so); a causal one's are causal as text (Pixtral's)."""
     values = np.ascontiguousarray(p.values, dtype=np.float32).reshape(len(p.rows), -1)
-    return _native.eval_embeds(m._native, s, list(p.ids), list(p.rows), values, [(a, n) for a, n in p.spans], all)
+    spans = [(a, n) for a, n in p.spans] if p.non_causal else []
+    return _native.eval_embeds(m._native, s, list(p.ids), list(p.rows), values, spans, all)

@@ -57,6 +57,18 @@ def _text(content: Any, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or a list of content blocks", param=where)
 
 
+def _image(b: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block (``source``: base64 with its media type) as an OpenAI ``image_url`` part
+    with a data URL; the chat route decodes it (or refuses it for a model without a projector)."""
+    src = b.get("source")
+    if not isinstance(src, dict) or src.get("type") != "base64":
+        raise ApiError(400, f"{where}: only base64 image sources are taken (this server fetches no remote images)", param=where)
+    media, data = src.get("media_type"), src.get("data")
+    if not isinstance(media, str) or not media.startswith("image/") or not isinstance(data, str):
+        raise ApiError(400, f"{where}: an image source needs 'media_type' (image/png, image/jpeg, image/webp, image/gif) and base64 'data'", param=where)
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+
+
 def to_openai(body: dict[str, Any]) -> dict[str, Any]:
     """An Anthropic Messages request as an OpenAI chat completions request."""
     msgs = body.get("messages")
@@ -77,6 +89,7 @@ def to_openai(body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(content, list):
             raise ApiError(400, f"{where}.content must be a string or a list of content blocks", param=f"{where}.content")
         texts: list[str] = []
+        images: list[tuple[int, dict[str, Any]]] = []  # (texts before it, its image_url part)
         calls: list[dict[str, Any]] = []
         results: list[dict[str, Any]] = []
         thinking = ""
@@ -96,8 +109,10 @@ def to_openai(body: dict[str, Any]) -> dict[str, Any]:
                 results.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": text})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 thinking += str(b.get("thinking", ""))
+            elif kind == "image" and role == "user":
+                images.append((len(texts), _image(b, bw)))
             elif kind in ("image", "document"):
-                raise ApiError(400, f"{bw}: image input is not supported by this model", param=bw)
+                raise ApiError(400, f"{bw}: {kind} input is not supported here", param=bw)
             else:
                 raise ApiError(400, f"{bw}: unsupported content block type {kind!r}", param=bw)
         out.extend(results)
@@ -108,6 +123,13 @@ def to_openai(body: dict[str, Any]) -> dict[str, Any]:
             if thinking:
                 m["reasoning_content"] = thinking
             out.append(m)
+        elif images:
+            parts: list[dict[str, Any]] = []
+            for k, t in enumerate(texts + [""]):
+                parts += [im for at, im in images if at == k]
+                if t:
+                    parts.append({"type": "text", "text": t})
+            out.append({"role": "user", "content": parts})
         elif texts or not results:
             out.append({"role": "user", "content": "".join(texts)})
     if not any(m["role"] != "system" for m in out):

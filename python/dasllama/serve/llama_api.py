@@ -546,7 +546,7 @@ class Native:
                 "total_slots": eng.max_streams,
                 "model_alias": eng.name,
                 "model_path": str(m.path),
-                "modalities": {"vision": False, "audio": False},
+                "modalities": {"vision": m.projector is not None, "audio": False},
                 "chat_template": m.chat_template or "",
                 "chat_template_caps": {},
                 "bos_token": m._native.token_text(m.bos_id) if m.bos_id is not None else "",

@@ -63,6 +63,14 @@ def _options(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _images(images: Any, where: str) -> list[dict[str, Any]]:
+    """Ollama's ``images`` (base64 strings, no media type) as OpenAI ``image_url`` parts; the
+    chat route decodes them whatever their format."""
+    if not isinstance(images, list) or not all(isinstance(b, str) for b in images):
+        raise ApiError(400, f"'{where}' must be a list of base64 strings", param=where)
+    return [{"type": "image_url", "image_url": {"url": "data:image/*;base64," + b}} for b in images]
+
+
 def _messages(msgs: Any) -> list[dict[str, Any]]:
     if not isinstance(msgs, list):
         raise ApiError(400, "'messages' must be a list", param="messages")
@@ -70,9 +78,9 @@ def _messages(msgs: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
             raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", param=f"messages[{i}].role")
-        if m.get("images"):
-            raise ApiError(400, f"messages[{i}]: image input is not supported by this model", param=f"messages[{i}].images")
         msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("images"):
+            msg["content"] = [{"type": "text", "text": msg["content"]}, *_images(m["images"], f"messages[{i}].images")]
         calls = m.get("tool_calls")
         if calls:
             msg["tool_calls"] = [
@@ -153,7 +161,7 @@ class Ollama:
         eng = self.server.engine(name)
         m = eng.m
         info = {k: v for k, v in m.metadata.items() if isinstance(v, (int, float, str)) and not k.startswith("tokenizer.ggml.") and k != "tokenizer.chat_template"}
-        caps = ["completion"] + (["tools"] if m.chat_template and "tool" in m.chat_template else []) + ["embedding"]
+        caps = ["completion"] + (["tools"] if m.chat_template and "tool" in m.chat_template else []) + ["embedding"] + (["vision"] if m.projector is not None else [])
         return JSONResponse({"modelfile": f"FROM {m.path}\n", "parameters": "", "template": m.chat_template or "", "details": _details(eng), "model_info": info, "capabilities": caps, "modified_at": self._card(name, eng)["modified_at"]})
 
     async def chat(self, request: Request) -> Response:
@@ -173,17 +181,19 @@ class Ollama:
         prompt = body.get("prompt", "")
         if not isinstance(prompt, str):
             raise ApiError(400, "'prompt' must be a string", param="prompt")
-        if body.get("images"):
-            raise ApiError(400, "image input is not supported by this model", param="images")
-        if not prompt:
+        images = _images(body["images"], "images") if body.get("images") else []
+        if not prompt and not images:
             return JSONResponse({"model": body.get("model"), "created_at": _now(), "response": "", "done": True, "done_reason": "load"})
         oai = _options(body)
         eng = self.server.engine(body.get("model"))
         if body.get("raw") or not eng.m.chat_template:
+            if images:
+                raise ApiError(400, "images go through the model's chat template: send them without 'raw' to a model that has one", param="images")
             oai["prompt"] = prompt
             return await self._run(request, body, oai, chat=False, shape="generate")
         system = body.get("system")
-        msgs = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + [{"role": "user", "content": prompt}]
+        user: Any = [{"type": "text", "text": prompt}, *images] if images else prompt
+        msgs = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + [{"role": "user", "content": user}]
         oai["messages"] = msgs
         if isinstance(body.get("think"), bool):
             oai["enable_thinking"] = body["think"]

@@ -497,8 +497,16 @@ def _model_card(name: str, eng: Engine) -> dict[str, Any]:
         "n_vocab": m.n_vocab,
         "n_predict": min(eng.n_predict, ctx) if eng.n_predict > 0 else ctx,  # a request never runs past the context
         "sampling": eng.sampling.as_dict(),
+        # What the model takes (llama-server's /props names them so): images with an mmproj.
+        "modalities": {"vision": m.projector is not None, "audio": False},
     }
-    return {"id": name, "object": "model", "created": eng.created, "owned_by": "dasllama", "context_length": ctx, "max_model_len": ctx, "meta": meta}
+    # OpenRouter's names for the same, and llama-server's capabilities list.
+    inputs = ["text", "image"] if m.projector is not None else ["text"]
+    caps = ["completion", "multimodal"] if m.projector is not None else ["completion"]
+    return {
+        "id": name, "object": "model", "created": eng.created, "owned_by": "dasllama", "context_length": ctx, "max_model_len": ctx,
+        "input_modalities": inputs, "capabilities": caps, "meta": meta,
+    }
 
 
 async def favicon(request: Request) -> Response:

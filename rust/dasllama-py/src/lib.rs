@@ -855,16 +855,16 @@ fn submit(
     ignore_eos: bool,
     grammar: Option<String>,
     nothink: Option<(Vec<u32>, Vec<u32>)>,
-    images: Vec<(usize, PyReadonlyArray2<'_, f32>)>,
+    images: Vec<(usize, PyReadonlyArray2<'_, f32>, bool)>,
     progress: bool,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
-    // (first prompt row, (rows, width) float32 embeddings) per image.
+    // (first prompt row, (rows, width) float32 embeddings, whether its rows see each other) per image.
     let images = images
         .into_iter()
-        .map(|(at, v)| {
+        .map(|(at, v, non_causal)| {
             let n = v.as_array().nrows();
-            Ok(PromptImage { at, n, values: Arc::new(v.as_slice()?.to_vec()) })
+            Ok(PromptImage { at, n, values: Arc::new(v.as_slice()?.to_vec()), non_causal })
         })
         .collect::<PyResult<Vec<_>>>()?;
     if max_new < 1 {
@@ -1038,6 +1038,34 @@ impl PyVision {
     }
 
     #[getter]
+    fn patch_size(&self) -> usize {
+        self.inner.config.patch_size
+    }
+
+    /// Patches per side of one output token.
+    #[getter]
+    fn merge(&self) -> usize {
+        self.inner.merge()
+    }
+
+    /// Whether the tower takes any size (multiples of patch_size * merge) rather than image_size.
+    #[getter]
+    fn dynamic_size(&self) -> bool {
+        self.inner.dynamic_size()
+    }
+
+    /// Whether an image's rows see each other in the text model.
+    #[getter]
+    fn non_causal(&self) -> bool {
+        self.inner.non_causal()
+    }
+
+    /// Rows an image preprocessed to `width` x `height` pixels becomes.
+    fn n_tokens_for(&self, width: usize, height: usize) -> usize {
+        self.inner.n_tokens_for(width, height)
+    }
+
+    #[getter]
     fn image_mean(&self) -> Vec<f32> {
         self.inner.config.image_mean.to_vec()
     }
@@ -1070,14 +1098,23 @@ fn load_vision(py: Python<'_>, path: String, meta: HashMap<String, PyMeta>, tens
     Ok(PyVision { inner: Arc::new(v), path })
 }
 
-/// One image's embeddings from its preprocessed pixels (3 x size x size float32, planar):
-/// a (n_tokens, text_dim) float32 array.
+/// One image's embeddings from its preprocessed pixels (3 x height x width float32, planar;
+/// both default to the tower's image_size): a (n_tokens, text_dim) float32 array.
 #[pyfunction]
-fn encode_image<'py>(py: Python<'py>, v: &PyVision, pixels: PyReadonlyArray1<'py, f32>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+#[pyo3(signature = (v, pixels, width=None, height=None))]
+fn encode_image<'py>(
+    py: Python<'py>,
+    v: &PyVision,
+    pixels: PyReadonlyArray1<'py, f32>,
+    width: Option<usize>,
+    height: Option<usize>,
+) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let px = pixels.as_slice()?.to_vec();
     let vision = v.inner.clone();
-    let out = native(py, "encoding an image", || vision.encode(&px))?;
-    PyArray1::from_vec_bound(py, out).reshape([v.inner.n_tokens(), v.inner.text_dim()])
+    let s = vision.config.image_size;
+    let (w, h) = (width.unwrap_or(s), height.unwrap_or(s));
+    let out = native(py, "encoding an image", || vision.encode(&px, w, h))?;
+    PyArray1::from_vec_bound(py, out).reshape([v.inner.n_tokens_for(w, h), v.inner.text_dim()])
 }
 
 #[pymodule]

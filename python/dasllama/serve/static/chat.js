@@ -9,8 +9,9 @@ const MAX_CONVERSATIONS = 50; // the oldest go first: localStorage holds a few M
 const $ = (id) => document.getElementById(id);
 
 // convs: [{id, title, messages, updated}], newest first; messages: the current one's messages,
-// each {role, content, reasoning, state: "streaming"|"done"|"stopped"|"error", error, finish, usage, chunks, tokPerS}
-const state = { convs: [], current: null, messages: [], controller: null };
+// each {role, content, images (a user's: data URLs), reasoning, state: "streaming"|"done"|"stopped"|"error", error, finish, usage, chunks, tokPerS}
+// attached: the pictures (data URLs) the next message takes; vision: the models that take them.
+const state = { convs: [], current: null, messages: [], controller: null, attached: [], vision: {} };
 window.chatState = state; // for the browser tests and for a curious user's console
 
 function readJSON(key, fallback) {
@@ -54,7 +55,13 @@ function save() {
   }
   // Empty conversations other than the one on screen are not worth keeping.
   state.convs = state.convs.filter((c) => c.messages.length || c.id === state.current).slice(0, MAX_CONVERSATIONS);
-  localStorage.setItem(CONV_STORE, JSON.stringify(state.convs));
+  try {
+    localStorage.setItem(CONV_STORE, JSON.stringify(state.convs));
+  } catch (e) {
+    // Pictures fill localStorage quickly: keep the conversations without them rather than none.
+    const bare = state.convs.map((c) => ({ ...c, messages: c.messages.map((m) => ({ ...m, images: undefined })) }));
+    try { localStorage.setItem(CONV_STORE, JSON.stringify(bare)); } catch (e2) { /* full even so: keep what was there */ }
+  }
   localStorage.setItem(CURRENT_STORE, state.current);
   const s = { model: $("model").value || state.wantModel };
   for (const id of ["system", "temperature", "top_p", "max_tokens"]) s[id] = $(id).value;
@@ -113,11 +120,14 @@ async function loadModels() {
       note.className = "note error";
       return;
     }
-    const ids = (await resp.json()).data.map((d) => d.id);
+    const data = (await resp.json()).data;
+    const ids = data.map((d) => d.id);
+    state.vision = Object.fromEntries(data.map((d) => [d.id, (d.input_modalities || []).includes("image")]));
     sel.replaceChildren(...ids.map((id) => new Option(id, id)));
     if (ids.includes(state.wantModel)) sel.value = state.wantModel;
     note.textContent = ids.length + (ids.length === 1 ? " model" : " models") + " on this server";
     note.className = "note";
+    showAttach();
   } catch (e) {
     note.textContent = "Cannot reach the server: " + e.message;
     note.className = "note error";
@@ -141,7 +151,10 @@ function messageNode(m, i) {
   div.className = "msg " + m.role;
   div.dataset.index = i;
   if (m.role === "user") {
-    div.innerHTML = '<div class="content plain"></div>';
+    div.innerHTML = '<div class="images"></div><div class="content plain"></div>';
+    const imgs = div.querySelector(".images");
+    for (const url of m.images || []) imgs.append(Object.assign(document.createElement("img"), { src: url, alt: "attached picture" }));
+    imgs.hidden = !imgs.children.length;
     div.querySelector(".content").textContent = m.content;
     return div;
   }
@@ -232,8 +245,46 @@ function handleEvent(block, reply, t0) {
   }
 }
 
+// The pictures the next message takes: attached with the button, dropped, or pasted.
+function showAttach() {
+  const can = !!state.vision[$("model").value];
+  $("attach").hidden = !can;
+  if (!can) state.attached = [];
+  renderAttached();
+}
+
+function renderAttached() {
+  const box = $("attachments");
+  box.replaceChildren(...state.attached.map((url, i) => {
+    const fig = document.createElement("figure");
+    const del = Object.assign(document.createElement("button"), { type: "button", textContent: "×", title: "remove" });
+    del.addEventListener("click", () => { state.attached.splice(i, 1); renderAttached(); });
+    fig.append(Object.assign(document.createElement("img"), { src: url, alt: "picture to send" }), del);
+    return fig;
+  }));
+  box.hidden = !state.attached.length;
+}
+
+function attachFiles(files) {
+  for (const f of files) {
+    if (!f.type.startsWith("image/")) continue;
+    const r = new FileReader();
+    r.onload = () => { state.attached.push(r.result); renderAttached(); };
+    r.readAsDataURL(f);
+  }
+}
+
+// A user message as the API takes it: text, or text and image_url parts.
+function userContent(m) {
+  if (!m.images || !m.images.length) return m.content;
+  return [...m.images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text: m.content }];
+}
+
 async function send(text) {
-  state.messages.push({ role: "user", content: text });
+  const images = state.attached;
+  state.attached = [];
+  renderAttached();
+  state.messages.push(images.length ? { role: "user", content: text, images } : { role: "user", content: text });
   const reply = { role: "assistant", content: "", reasoning: "", state: "streaming", chunks: 0 };
   state.messages.push(reply);
   renderAll();
@@ -245,7 +296,7 @@ async function send(text) {
     // A turn whose reply failed or was stopped before any text is left out whole, so the roles
     // still alternate as chat templates require.
     if (reply && reply.role === "assistant" && !split(reply).content) return;
-    messages.push({ role: m.role, content: m.role === "assistant" ? split(m).content : m.content });
+    messages.push({ role: m.role, content: m.role === "assistant" ? split(m).content : userContent(m) });
   });
   const system = $("system").value.trim();
   if (system) messages.unshift({ role: "system", content: system });
@@ -309,7 +360,7 @@ function init() {
   $("composer").addEventListener("submit", (ev) => {
     ev.preventDefault();
     const text = $("input").value.trim();
-    if (!text || state.controller) return;
+    if ((!text && !state.attached.length) || state.controller) return;
     $("input").value = "";
     send(text);
   });
@@ -332,6 +383,17 @@ function init() {
     loadModels();
   });
   for (const id of ["model", "system", "temperature", "top_p", "max_tokens"]) $(id).addEventListener("change", save);
+  $("model").addEventListener("change", showAttach);
+  $("attach").addEventListener("click", () => $("attach-file").click());
+  $("attach-file").addEventListener("change", (ev) => { attachFiles(ev.target.files); ev.target.value = ""; });
+  $("input").addEventListener("paste", (ev) => {
+    if (!state.vision[$("model").value]) return;
+    const files = [...(ev.clipboardData ? ev.clipboardData.files : [])].filter((f) => f.type.startsWith("image/"));
+    if (files.length) {
+      ev.preventDefault();
+      attachFiles(files);
+    }
+  });
 }
 
 init();

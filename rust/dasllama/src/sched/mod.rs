@@ -61,7 +61,7 @@ pub struct PendingReq {
     /// that may think, or a template that cannot.
     pub nothink: Option<Nothink>,
     /// Images in the prompt, in order: their rows take the images' embeddings instead of the
-    /// placeholder tokens there, and each image's rows go into one pass and see each other.
+    /// placeholder tokens there; a non-causal image's rows go into one pass and see each other.
     pub images: Vec<PromptImage>,
     /// Report the prefill's progress: a `Progress` event before its first chunk and after each.
     pub progress: bool,
@@ -76,14 +76,16 @@ pub struct PromptImage {
     pub at: usize,
     pub n: usize,
     pub values: std::sync::Arc<Vec<f32>>,
+    /// The rows see each other (Gemma 3's images); otherwise they are causal as text (Pixtral's).
+    pub non_causal: bool,
 }
 
-/// Where a prefill piece of `k` prompt rows from `fed` may end: never inside an image (its rows
-/// see each other, so they run in one pass): before the image where the piece reaches into it,
-/// or at its end where the piece starts inside it.
+/// Where a prefill piece of `k` prompt rows from `fed` may end: never inside a non-causal image
+/// (its rows see each other, so they run in one pass): before the image where the piece reaches
+/// into it, or at its end where the piece starts inside it.
 fn image_cut(images: &[PromptImage], fed: usize, k: usize) -> usize {
     let end = fed + k;
-    for im in images {
+    for im in images.iter().filter(|im| im.non_causal) {
         let (a, e) = (im.at, im.at + im.n);
         if a < end && end < e {
             return if a > fed { a - fed } else { e - fed };

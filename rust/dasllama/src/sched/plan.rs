@@ -123,7 +123,9 @@ impl Scheduler {
                     for im in &s.req.images {
                         let (a, e) = (im.at.max(s.fed), (im.at + im.n).min(s.fed + k));
                         if a < e {
-                            spans.push((r0 + a - s.fed, e - a));
+                            if im.non_causal {
+                                spans.push((r0 + a - s.fed, e - a));
+                            }
                             rows.extend((a..e).map(|p| r0 + p - s.fed));
                             values.extend_from_slice(&im.values[(a - im.at) * d..(e - im.at) * d]);
                         }

@@ -1,12 +1,14 @@
 //! Vision towers from llama.cpp's `mmproj` files (its `clip` architecture): the ViT that turns
 //! a preprocessed image into patch features (`vit`), and the projector that turns those into rows
-//! of the text model's embedding width (`gemma3`). The result enters the text model's input in
-//! place of token embeddings (`backend::PassIn::embeds`).
+//! of the text model's embedding width (one module each: `gemma3`, `pixtral`). The result enters
+//! the text model's input in place of token embeddings (`backend::PassIn::embeds`).
 //!
 //! Preprocessing (decode, resize, normalize) is the Python side's: the tower takes planar f32
-//! pixels, channel by channel, `image_size` square.
+//! pixels, channel by channel, `image_size` square (Gemma 3) or any multiple of
+//! `patch_size * merge` on each side (Pixtral).
 
 mod gemma3;
+mod pixtral;
 mod vit;
 
 use crate::model::{MetaValue, Metadata, Numerics, QuantMode, TensorInfo, TensorTable};
@@ -18,13 +20,16 @@ use std::sync::Arc;
 pub use vit::{VitAct, VitConfig};
 
 /// The projector types this build runs (llama.cpp's `clip.projector_type`).
-pub const PROJECTORS: &[&str] = &["gemma3"];
+pub const PROJECTORS: &[&str] = &["gemma3", "pixtral"];
 
 /// What follows the ViT.
 pub(crate) enum Projector {
     /// Average pooling of the patch grid by `merge` per side, an RMS norm (`soft_emb_norm`),
     /// then the projection to the text width.
     Gemma3(gemma3::Gemma3),
+    /// The tower at the image's own size, a patch merger where the file has one, a GELU MLP,
+    /// and a break row after each row of tokens.
+    Pixtral(Box<pixtral::Pixtral>),
 }
 
 /// A loaded vision tower and its projector.
@@ -61,18 +66,54 @@ impl Vision {
         // SAFETY: read-only map, never written through (as `Model::load`).
         let map = Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Gguf(format!("{file}: cannot map: {e}")))?);
         let table = TensorTable::new(&file, map, tensors, QuantMode::Native, Numerics::Fast)?;
-        let vit = vit::Vit::load(&table, &config)?;
+        // llama.cpp's graph per projector: SigLIP's LayerNorms and learned positions for Gemma 3,
+        // RMS norms and a 2-D RoPE of base 10000 (clip.cpp sets it) for Pixtral.
+        let style = match ptype.as_str() {
+            "pixtral" => vit::VitStyle { rms: true, rope_2d: Some(10000.0) },
+            _ => vit::VitStyle { rms: false, rope_2d: None },
+        };
+        let vit = vit::Vit::load(&table, &config, style).map_err(in_file)?;
         let projector = match ptype.as_str() {
             "gemma3" => Projector::Gemma3(gemma3::Gemma3::load(&table, meta, &config).map_err(in_file)?),
+            "pixtral" => Projector::Pixtral(Box::new(pixtral::Pixtral::load(&table, meta, &config).map_err(in_file)?)),
             _ => unreachable!("checked against PROJECTORS above"),
         };
         Ok(Vision { config, projector_type: ptype, vit, projector })
     }
 
-    /// How many rows one image becomes in the text model's input.
+    /// Whether the tower takes an image of any size (a multiple of `patch_size * merge()` on each
+    /// side) rather than its fixed `image_size` square.
+    pub fn dynamic_size(&self) -> bool {
+        matches!(self.projector, Projector::Pixtral(_))
+    }
+
+    /// Patches per side of one output token (the size an image's sides are a multiple of, in
+    /// patches).
+    pub fn merge(&self) -> usize {
+        match &self.projector {
+            Projector::Gemma3(_) => 1,
+            Projector::Pixtral(p) => p.merge(),
+        }
+    }
+
+    /// Whether an image's rows see each other in the text model (llama.cpp's
+    /// `mtmd_decode_use_non_causal`: Gemma 3's do; Pixtral's are causal as text).
+    pub fn non_causal(&self) -> bool {
+        matches!(self.projector, Projector::Gemma3(_))
+    }
+
+    /// How many rows one image of the tower's own size becomes in the text model's input.
     pub fn n_tokens(&self) -> usize {
+        let s = self.config.image_size;
+        self.n_tokens_for(s, s)
+    }
+
+    /// How many rows an image of `width` x `height` pixels (as preprocessed) becomes.
+    pub fn n_tokens_for(&self, width: usize, height: usize) -> usize {
+        let p = self.config.patch_size;
         match &self.projector {
             Projector::Gemma3(g) => g.n_tokens(&self.config),
+            Projector::Pixtral(x) => x.n_tokens(width / p, height / p),
         }
     }
 
@@ -80,21 +121,32 @@ impl Vision {
     pub fn text_dim(&self) -> usize {
         match &self.projector {
             Projector::Gemma3(g) => g.text_dim(),
+            Projector::Pixtral(p) => p.text_dim(),
         }
     }
 
-    /// One image's embeddings (`n_tokens()` rows of `text_dim()`), from planar normalized pixels
-    /// (3 x image_size x image_size, channel by channel).
-    pub fn encode(&self, pixels: &[f32]) -> Result<Vec<f32>> {
-        let s = self.config.image_size;
-        if pixels.len() != 3 * s * s {
-            return Err(Error::InvalidArgument(format!("the vision tower takes 3 x {s} x {s} pixels, got {} values", pixels.len())));
+    /// One image's embeddings (`n_tokens_for(width, height)` rows of `text_dim()`), from planar
+    /// normalized pixels (3 x height x width, channel by channel). A fixed-size tower takes
+    /// `image_size` square only; a dynamic one sides that are multiples of patch x merge.
+    pub fn encode(&self, pixels: &[f32], width: usize, height: usize) -> Result<Vec<f32>> {
+        let (s, p) = (self.config.image_size, self.config.patch_size);
+        if !self.dynamic_size() && (width, height) != (s, s) {
+            return Err(Error::InvalidArgument(format!("this vision tower takes {s} x {s} pixels, got {width} x {height}")));
         }
+        let unit = p * self.merge();
+        if width == 0 || height == 0 || !width.is_multiple_of(unit) || !height.is_multiple_of(unit) {
+            return Err(Error::InvalidArgument(format!("an image's sides must be positive multiples of {unit} pixels, got {width} x {height}")));
+        }
+        if pixels.len() != 3 * width * height {
+            return Err(Error::InvalidArgument(format!("a {width} x {height} image takes 3 x {height} x {width} values, got {}", pixels.len())));
+        }
+        let (gw, gh) = (width / p, height / p);
         let mut out = Vec::new();
         crate::backend::host().run(Numerics::Fast, &mut Vec::new(), &mut |ops| {
-            let feats = self.vit.forward(ops, &self.config, pixels);
+            let feats = self.vit.forward(ops, &self.config, pixels, gw, gh);
             out = match &self.projector {
                 Projector::Gemma3(g) => g.forward(ops, &self.config, &feats),
+                Projector::Pixtral(x) => x.forward(ops, &self.config, &feats, gw, gh),
             };
         });
         Ok(out)

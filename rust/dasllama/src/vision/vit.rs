@@ -1,8 +1,10 @@
-//! The vision transformer of a `clip` file, as llama.cpp's `clip_graph::build_vit` builds it for
-//! SigLIP: patch embedding (a strided convolution, run as one matrix over the patches), learned
-//! position embeddings, pre-norm layers of LayerNorm (with bias), full (non-causal) multi-head
-//! attention and an MLP, then the post LayerNorm. Matrices go through the host's kernels; norms,
-//! the softmax and the activation are plain f32 here (an image's few thousand rows).
+//! The vision transformer of a `clip` file, as llama.cpp's `clip_graph::build_vit` builds it:
+//! patch embedding (a strided convolution, run as one matrix over the patches), then position
+//! information (SigLIP's learned embeddings, or Pixtral's 2-D RoPE on Q and K), pre-norm layers
+//! (LayerNorm with bias or RMS norm, as the projector's graph says), full (non-causal) multi-head
+//! attention and an MLP (gated where the file has `ffn_gate`), then the post norm where there is
+//! one. Matrices go through the host's kernels; norms, the softmax and the activation are plain
+//! f32 here (an image's few thousand rows).
 
 use super::{f32_weight, tensor_f32};
 use crate::backend::HostOps;
@@ -94,10 +96,21 @@ impl VitConfig {
     }
 }
 
-/// A LayerNorm's weight and optional bias.
+/// How a projector's graph builds its tower (what the file's tensors do not say).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct VitStyle {
+    /// RMS norms (Pixtral) instead of LayerNorms (SigLIP).
+    pub rms: bool,
+    /// 2-D RoPE of this base on Q and K (`clip_graph::build_rope_2d`), instead of learned
+    /// position embeddings.
+    pub rope_2d: Option<f32>,
+}
+
+/// A norm's weight and optional bias; RMS or LayerNorm as the tower's style says.
 pub(crate) struct Norm {
     w: Vec<f32>,
     b: Option<Vec<f32>>,
+    rms: bool,
 }
 
 pub(crate) struct VitLayer {
@@ -111,6 +124,8 @@ pub(crate) struct VitLayer {
     o: Weight,
     bo: Option<Vec<f32>>,
     ln2: Norm,
+    gate: Option<Weight>,
+    b_gate: Option<Vec<f32>>,
     up: Weight,
     b_up: Option<Vec<f32>>,
     down: Weight,
@@ -121,42 +136,47 @@ pub(crate) struct Vit {
     /// dim x (3 * patch * patch): each output channel's kernel, channel, row, column.
     patch: Weight,
     patch_bias: Option<Vec<f32>>,
-    /// n_patches x dim.
-    pos: Vec<f32>,
+    /// n_patches x dim (a fixed grid), where the tower learned its positions.
+    pos: Option<Vec<f32>>,
+    rope_2d: Option<f32>,
     pre_ln: Option<Norm>,
     layers: Vec<VitLayer>,
     post_ln: Option<Norm>,
 }
 
-fn norm(t: &TensorTable<'_>, prefix: &str, d: usize) -> Result<Norm> {
-    Ok(Norm { w: t.vector(&format!("{prefix}.weight"), d)?, b: t.opt_vector(&format!("{prefix}.bias"), d)? })
+fn norm(t: &TensorTable<'_>, prefix: &str, d: usize, rms: bool) -> Result<Norm> {
+    Ok(Norm { w: t.vector(&format!("{prefix}.weight"), d)?, b: t.opt_vector(&format!("{prefix}.bias"), d)?, rms })
 }
 
-fn opt_norm(t: &TensorTable<'_>, prefix: &str, d: usize) -> Result<Option<Norm>> {
+fn opt_norm(t: &TensorTable<'_>, prefix: &str, d: usize, rms: bool) -> Result<Option<Norm>> {
     if t.has(&format!("{prefix}.weight")) {
-        norm(t, prefix, d).map(Some)
+        norm(t, prefix, d, rms).map(Some)
     } else {
         Ok(None)
     }
 }
 
 impl Vit {
-    pub(crate) fn load(t: &TensorTable<'_>, c: &VitConfig) -> Result<Vit> {
-        let (d, p, g) = (c.dim, c.patch_size, c.grid());
+    pub(crate) fn load(t: &TensorTable<'_>, c: &VitConfig, style: VitStyle) -> Result<Vit> {
+        let (d, p, g, rms) = (c.dim, c.patch_size, c.grid(), style.rms);
         let patch = tensor_f32(t, "v.patch_embd.weight", &[p, p, 3, d])?;
-        let pos = tensor_f32(t, "v.position_embd.weight", &[d, g * g])?;
+        let pos = match style.rope_2d {
+            None => Some(tensor_f32(t, "v.position_embd.weight", &[d, g * g])?),
+            Some(_) => None,
+        };
         let mut layers = Vec::with_capacity(c.n_layers);
         for il in 0..c.n_layers {
             let n = |s: &str| format!("v.blk.{il}.{s}");
             let bias = |s: &str, len: usize| t.opt_vector(&n(s), len);
             // Older conversions swapped the MLP's up and down (llama.cpp swaps them back where
-            // ffn_down reads the embedding width).
+            // ffn_down reads the embedding width); a gated MLP never was.
+            let gated = t.has(&n("ffn_gate.weight"));
             let (mut up, mut down) = ("ffn_up", "ffn_down");
-            if c.ff != d && t.raw(&n("ffn_down.weight")).is_ok_and(|w| w.cols == d) {
+            if !gated && c.ff != d && t.raw(&n("ffn_down.weight")).is_ok_and(|w| w.cols == d) {
                 (up, down) = (down, up);
             }
             layers.push(VitLayer {
-                ln1: norm(t, &n("ln1"), d)?,
+                ln1: norm(t, &n("ln1"), d, rms)?,
                 q: t.matrix(&n("attn_q.weight"), d, d)?,
                 k: t.matrix(&n("attn_k.weight"), d, d)?,
                 v: t.matrix(&n("attn_v.weight"), d, d)?,
@@ -165,7 +185,9 @@ impl Vit {
                 bv: bias("attn_v.bias", d)?,
                 o: t.matrix(&n("attn_out.weight"), d, d)?,
                 bo: bias("attn_out.bias", d)?,
-                ln2: norm(t, &n("ln2"), d)?,
+                ln2: norm(t, &n("ln2"), d, rms)?,
+                gate: if gated { Some(t.matrix(&n("ffn_gate.weight"), c.ff, d)?) } else { None },
+                b_gate: bias("ffn_gate.bias", c.ff)?,
                 up: t.matrix(&n(&format!("{up}.weight")), c.ff, d)?,
                 b_up: bias(&format!("{up}.bias"), c.ff)?,
                 down: t.matrix(&n(&format!("{down}.weight")), d, c.ff)?,
@@ -176,23 +198,26 @@ impl Vit {
             patch: f32_weight(&patch, d, 3 * p * p),
             patch_bias: t.opt_vector("v.patch_embd.bias", d)?,
             pos,
-            pre_ln: opt_norm(t, "v.pre_ln", d)?,
+            rope_2d: style.rope_2d,
+            pre_ln: opt_norm(t, "v.pre_ln", d, rms)?,
             layers,
-            post_ln: opt_norm(t, "v.post_ln", d)?,
+            post_ln: opt_norm(t, "v.post_ln", d, rms)?,
         })
     }
 
-    /// Patch features after the post norm: n_patches rows of `dim`, patches row by row.
-    pub(crate) fn forward(&self, ops: &mut dyn HostOps, c: &VitConfig, pixels: &[f32]) -> Vec<f32> {
-        let (d, p, g, s) = (c.dim, c.patch_size, c.grid(), c.image_size);
-        let n = g * g;
+    /// Patch features after the post norm: gw x gh rows of `dim`, patches row by row, from
+    /// planar pixels of gw x gh patches. A tower with learned positions takes its own grid only.
+    pub(crate) fn forward(&self, ops: &mut dyn HostOps, c: &VitConfig, pixels: &[f32], gw: usize, gh: usize) -> Vec<f32> {
+        let (d, p) = (c.dim, c.patch_size);
+        let (n, w, h) = (gw * gh, gw * p, gh * p);
+        debug_assert_eq!(pixels.len(), 3 * w * h);
         // Each patch as a row of channel, row, column: the convolution's kernel order.
         let mut cols = vec![0.0f32; n * 3 * p * p];
         for (pi, row) in cols.chunks_exact_mut(3 * p * p).enumerate() {
-            let (py, px) = (pi / g, pi % g);
+            let (py, px) = (pi / gw, pi % gw);
             for ch in 0..3 {
                 for ky in 0..p {
-                    let src = ch * s * s + (py * p + ky) * s + px * p;
+                    let src = ch * w * h + (py * p + ky) * w + px * p;
                     row[(ch * p + ky) * p..(ch * p + ky + 1) * p].copy_from_slice(&pixels[src..src + p]);
                 }
             }
@@ -203,13 +228,19 @@ impl Vit {
         if let Some(b) = &self.patch_bias {
             ops.add_bias(&mut x, b);
         }
-        ops.add(&mut x, &self.pos);
+        if let Some(pos) = &self.pos {
+            debug_assert_eq!(pos.len(), n * d, "learned positions are for the tower's own grid");
+            ops.add(&mut x, pos);
+        }
+        let hd = d / c.n_heads;
+        let rope = self.rope_2d.map(|base| rope_2d_table(base, hd, gw, gh));
         if let Some(ln) = &self.pre_ln {
             layer_norm(&mut x, ln, c.eps);
         }
         let mut h = vec![0.0f32; n * d];
         let (mut q, mut k, mut v, mut att, mut o) = (vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d]);
         let mut up = vec![0.0f32; n * c.ff];
+        let mut gate = vec![0.0f32; if self.layers.iter().any(|l| l.gate.is_some()) { n * c.ff } else { 0 }];
         for l in &self.layers {
             h.copy_from_slice(&x);
             layer_norm(&mut h, &l.ln1, c.eps);
@@ -218,6 +249,10 @@ impl Vit {
                 if let Some(b) = bias {
                     ops.add_bias(out, b);
                 }
+            }
+            if let Some(r) = &rope {
+                apply_rope_2d(&mut q, r, hd);
+                apply_rope_2d(&mut k, r, hd);
             }
             full_attention(ops, &q, &k, &v, n, c.n_heads, d / c.n_heads, &mut att);
             ops.matmul(&mut [(&l.o, &mut o)], &att, &one);
@@ -231,8 +266,23 @@ impl Vit {
             if let Some(b) = &l.b_up {
                 ops.add_bias(&mut up, b);
             }
-            activate(&mut up, c.act);
-            ops.matmul(&mut [(&l.down, &mut o)], &up, &one);
+            let hidden = match &l.gate {
+                // act(gate) * up (ggml's swiglu_split / geglu_split).
+                Some(gate_w) => {
+                    ops.matmul(&mut [(gate_w, &mut gate)], &h, &one);
+                    if let Some(b) = &l.b_gate {
+                        ops.add_bias(&mut gate, b);
+                    }
+                    activate(&mut gate, c.act);
+                    gate.iter_mut().zip(&up).for_each(|(g_, u)| *g_ *= u);
+                    &gate
+                }
+                None => {
+                    activate(&mut up, c.act);
+                    &up
+                }
+            };
+            ops.matmul(&mut [(&l.down, &mut o)], hidden, &one);
             if let Some(b) = &l.b_down {
                 ops.add_bias(&mut o, b);
             }
@@ -245,10 +295,20 @@ impl Vit {
     }
 }
 
-/// LayerNorm of each row (rows of the weight's length): mean and variance in f64, as ggml_norm's
-/// f32 sums to within rounding.
-fn layer_norm(x: &mut [f32], n: &Norm, eps: f32) {
+/// LayerNorm (or RMS norm) of each row (rows of the weight's length): mean and variance in f64,
+/// as ggml_norm's f32 sums to within rounding.
+pub(crate) fn layer_norm(x: &mut [f32], n: &Norm, eps: f32) {
     let d = n.w.len();
+    if n.rms {
+        for row in x.chunks_exact_mut(d) {
+            let ms = row.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
+            let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+            for (i, v) in row.iter_mut().enumerate() {
+                *v = *v * inv * n.w[i] + n.b.as_ref().map_or(0.0, |b| b[i]);
+            }
+        }
+        return;
+    }
     for row in x.chunks_exact_mut(d) {
         let mean = row.iter().map(|&v| v as f64).sum::<f64>() / d as f64;
         let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / d as f64;
@@ -263,7 +323,52 @@ fn layer_norm(x: &mut [f32], n: &Norm, eps: f32) {
     }
 }
 
-fn activate(x: &mut [f32], act: VitAct) {
+/// Each patch's (cos, sin) per rotated pair of a head: `hd / 4` pairs turned by the patch's row,
+/// then `hd / 4` by its column (a patch's position on each axis, row by row over the grid).
+pub(crate) struct Rope2d {
+    cs: Vec<(f32, f32)>,
+}
+
+/// `clip_graph::build_rope_2d` with interleaved frequencies (Pixtral): two adjacent-pair RoPEs of
+/// hd/2 dimensions each, the first half of a head over the row index with frequencies
+/// base^(-4i/hd), the second over the column with base^(-(4i+2)/hd), the angles as ggml's cache
+/// builds them (f32, each frequency the previous times the step).
+fn rope_2d_table(base: f32, hd: usize, gw: usize, gh: usize) -> Rope2d {
+    let half = hd / 2;
+    let step = base.powf(-2.0 / half as f32);
+    let odd = base.powf(-2.0 / hd as f32);
+    let mut cs = Vec::with_capacity(gw * gh * half);
+    for pi in 0..gw * gh {
+        for (axis, pos) in [(0, pi / gw), (1, pi % gw)] {
+            let mut theta = pos as f32;
+            for _ in 0..half / 2 {
+                let a = if axis == 0 { theta } else { odd * theta };
+                cs.push((a.cos(), a.sin()));
+                theta *= step;
+            }
+        }
+    }
+    Rope2d { cs }
+}
+
+/// Rotate each head's adjacent pairs of every row by the row's (cos, sin) pairs.
+fn apply_rope_2d(x: &mut [f32], r: &Rope2d, hd: usize) {
+    let pairs = hd / 2;
+    let n = r.cs.len() / pairs;
+    let width = x.len() / n;
+    for (t, row) in x.chunks_exact_mut(width).enumerate() {
+        let cs = &r.cs[t * pairs..(t + 1) * pairs];
+        for head in row.chunks_exact_mut(hd) {
+            for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(cs) {
+                let (x0, x1) = (pair[0], pair[1]);
+                pair[0] = x0 * c - x1 * s;
+                pair[1] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+pub(crate) fn activate(x: &mut [f32], act: VitAct) {
     match act {
         VitAct::Gelu => x.iter_mut().for_each(|v| {
             let u = *v;
