@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -20,6 +21,8 @@ import time
 from itertools import pairwise
 
 import httpx
+from bench_decode import read_bandwidth
+from machine import cpu_name
 from tqdm import tqdm
 
 import dasllama as dl
@@ -109,6 +112,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     path = str(dl.fetch(args.model))
+    load0 = os.getloadavg()[0]
+    bw = read_bandwidth([args.threads])[args.threads]
     rows = []
     port = free_port()
     cmd = [sys.executable, "-m", "dasllama.serve", "--model", path, "--alias", "m", "--port", str(port), "--streams", "16", "--log-level", "warning"]
@@ -125,7 +130,8 @@ def main() -> None:
             rows += run_server(cmd, f"http://127.0.0.1:{port}", "llama-cpp-python", args.concurrency, args.requests, args.max_tokens)
         except ImportError:
             print("no llama-server on the PATH and no llama_cpp.server: dasllama only")
-    print(f"\n{args.max_tokens}-token replies, {args.requests} requests per level (at least the concurrency)")
+    print(f"\n{cpu_name()}; {args.max_tokens}-token replies, {args.requests} requests per level (at least the concurrency); load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    print(f"read bandwidth (read_bw): {args.threads} threads {bw:.1f} GB/s")
     print("| server | concurrency | completed req/s | cut off | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, c, r in rows:
