@@ -644,15 +644,42 @@ mod x86 {
 
     /// The K-quant kernel's tile configuration: tmm0, tmm1 the C tiles of two sub-blocks (`rows` x
     /// 16 i32), tmm2, tmm3 their B tiles (`ka` / 4 rows of 64 bytes), tmm4, tmm5 their A tiles
-    /// (`rows` x `ka` activation bytes; `ka` is a sub-block's length, 32 or Q6_K's 16).
+    /// (`rows` x `ka` activation bytes; `ka` is a sub-block's length, 32 or Q6_K's 16), tmm6,
+    /// tmm7 a second pair of C tiles (every other A tile's, so one's sums are stored while the
+    /// next one's are formed).
     fn config_k(rows: usize, ka: usize) -> Aligned<64> {
         let mut c = [0u8; 64];
         c[0] = 1;
-        for (tmm, r, colsb) in [(0, rows, 64u16), (1, rows, 64), (2, ka / 4, 64), (3, ka / 4, 64), (4, rows, ka as u16), (5, rows, ka as u16)] {
+        let ct = (rows, 64u16);
+        for (tmm, (r, colsb)) in [ct, ct, (ka / 4, 64), (ka / 4, 64), (rows, ka as u16), (rows, ka as u16), ct, ct].into_iter().enumerate() {
             c[16 + 2 * tmm..18 + 2 * tmm].copy_from_slice(&colsb.to_le_bytes());
             c[48 + tmm] = r as u8;
         }
         Aligned(c)
+    }
+
+    /// Bytes of one buffer of the sums of two sub-blocks (two C tiles).
+    const C_SLOT: usize = 2 * 64 * A_ROWS;
+
+    /// An A tile's two C tiles stored in `slot`, not yet weighed into `total`.
+    #[derive(Clone, Copy)]
+    struct Pending {
+        slot: usize,
+        r0: usize,
+        sc0: __m512i,
+        sc1: __m512i,
+    }
+
+    /// Weighs the sums of `p`'s `mr` rows by their sub-blocks' scales into `total`.
+    #[inline(always)]
+    unsafe fn weigh(total: &mut [__m512i; MAX_ROWS], c: &Aligned<{ 2 * C_SLOT }>, p: Pending, mr: usize) {
+        let cb = c.0.as_ptr().add(p.slot * C_SLOT);
+        for m in 0..mr {
+            let i0 = _mm512_load_si512(cb.add(64 * m) as *const __m512i);
+            let i1 = _mm512_load_si512(cb.add(64 * (A_ROWS + m)) as *const __m512i);
+            let both = _mm512_add_epi32(_mm512_mullo_epi32(i0, p.sc0), _mm512_mullo_epi32(i1, p.sc1));
+            total[p.r0 + m] = _mm512_add_epi32(total[p.r0 + m], both);
+        }
     }
 
     /// `gemm` of a K-quant on a checked call. Per superblock, two sub-blocks a step: their B tiles
@@ -667,7 +694,8 @@ mod x86 {
         let mut acc = [_mm512_setzero_ps(); MAX_ROWS];
         let mut total = [_mm512_setzero_si512(); MAX_ROWS];
         let mut b = Aligned([0u8; 2 * B_TILE_BYTES]);
-        let mut c = Aligned([0u8; 2 * 64 * A_ROWS]);
+        let mut c = Aligned([0u8; 2 * C_SLOT]);
+        let (mut slot, mut pending) = (0, None);
         let full = rows / A_ROWS * A_ROWS;
         for (lo, hi) in [(0, full), (full, rows)] {
             if lo == hi {
@@ -710,34 +738,51 @@ mod x86 {
                     );
                     for r0 in (lo..hi).step_by(A_ROWS) {
                         let a = act.add(r0 * arb + i * K_BYTES + a0);
-                        asm!(
-                            "tilezero tmm0",
-                            "tilezero tmm1",
-                            "tileloadd tmm4, [{a0} + {arb}*1]",
-                            "tileloadd tmm5, [{a1} + {arb}*1]",
-                            "tdpbssd tmm0, tmm4, tmm2",
-                            "tdpbssd tmm1, tmm5, tmm3",
-                            "tilestored [{c0} + {cstride}*1], tmm0",
-                            "tilestored [{c1} + {cstride}*1], tmm1",
-                            a0 = in(reg) a,
-                            a1 = in(reg) a.add(ka),
-                            arb = in(reg) arb,
-                            c0 = in(reg) c.0.as_mut_ptr(),
-                            c1 = in(reg) c.0.as_mut_ptr().add(64 * A_ROWS),
-                            cstride = in(reg) 64usize,
-                            out("tmm0") _,
-                            out("tmm1") _,
-                            out("tmm4") _,
-                            out("tmm5") _,
-                            options(nostack),
-                        );
-                        for m in 0..mr {
-                            let i0 = _mm512_load_si512(c.0.as_ptr().add(64 * m) as *const __m512i);
-                            let i1 = _mm512_load_si512(c.0.as_ptr().add(64 * (A_ROWS + m)) as *const __m512i);
-                            let both = _mm512_add_epi32(_mm512_mullo_epi32(i0, sc0), _mm512_mullo_epi32(i1, sc1));
-                            total[r0 + m] = _mm512_add_epi32(total[r0 + m], both);
+                        let cb = c.0.as_mut_ptr().add(slot * C_SLOT);
+                        // Alternate C tile pairs and buffers, and weigh the previous A tile's
+                        // sums after this one's are under way: the tile unit and the vector
+                        // units overlap instead of each waiting for the other.
+                        macro_rules! amx_step {
+                            ($c0:literal, $c1:literal) => {
+                                asm!(
+                                    concat!("tilezero ", $c0),
+                                    concat!("tilezero ", $c1),
+                                    "tileloadd tmm4, [{a0} + {arb}*1]",
+                                    "tileloadd tmm5, [{a1} + {arb}*1]",
+                                    concat!("tdpbssd ", $c0, ", tmm4, tmm2"),
+                                    concat!("tdpbssd ", $c1, ", tmm5, tmm3"),
+                                    concat!("tilestored [{c0} + {cstride}*1], ", $c0),
+                                    concat!("tilestored [{c1} + {cstride}*1], ", $c1),
+                                    a0 = in(reg) a,
+                                    a1 = in(reg) a.add(ka),
+                                    arb = in(reg) arb,
+                                    c0 = in(reg) cb,
+                                    c1 = in(reg) cb.add(64 * A_ROWS),
+                                    cstride = in(reg) 64usize,
+                                    out("tmm0") _,
+                                    out("tmm1") _,
+                                    out("tmm4") _,
+                                    out("tmm5") _,
+                                    out("tmm6") _,
+                                    out("tmm7") _,
+                                    options(nostack),
+                                )
+                            };
                         }
+                        if slot == 0 {
+                            amx_step!("tmm0", "tmm1");
+                        } else {
+                            amx_step!("tmm6", "tmm7");
+                        }
+                        if let Some(p) = pending.take() {
+                            weigh(&mut total, &c, p, mr);
+                        }
+                        pending = Some(Pending { slot, r0, sc0, sc1 });
+                        slot ^= 1;
                     }
+                }
+                if let Some(p) = pending.take() {
+                    weigh(&mut total, &c, p, mr);
                 }
                 let dw = pair_f16(sb, gap);
                 // Mins: i16 pairs (m_2p, m_2p+1) of each weight row against the activations'
