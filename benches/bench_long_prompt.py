@@ -24,7 +24,7 @@ from itertools import pairwise
 
 import httpx
 from bench_decode import read_bandwidth
-from bench_server import free_port, wait_healthy
+from bench_server import free_port, llama_cpu_flags, wait_healthy
 from machine import cpu_name
 
 import dasllama as dl
@@ -104,7 +104,7 @@ def main() -> None:
     if shutil.which("llama-server"):
         port = free_port()
         ctx = (args.streams + 1) * (args.prompt_tokens + 2048)
-        servers.append(("llama-server", ["llama-server", "-m", path, "--port", str(port), "-np", str(args.streams + 1), "-t", str(args.threads), "-c", str(ctx), "-a", "m"], port))
+        servers.append(("llama-server", ["llama-server", "-m", path, "--port", str(port), "-np", str(args.streams + 1), "-t", str(args.threads), "-c", str(ctx), "-a", "m", *llama_cpu_flags()], port))
     else:
         print("no llama-server on the PATH: dasllama only")
     procs = {}

@@ -6,7 +6,8 @@ time) and S_TG (the decoded tokens over the decode time) are the columns beside 
 
 Where the CPU has AMX, dasllama runs with it (the default) and without (`DASLLAMA_AMX=0`), and
 llama.cpp as built (its repacked weights: AMX or its own VNNI kernels) and with `--repack 0`
-(ggml's plain kernels). The read-bandwidth probe (`bench_decode.read_bandwidth`) is printed with
+(ggml's plain kernels; on the AMX Xeon of docs/benchmarks.md llama.cpp's repacking segfaults on
+prompts, so only this column has figures there). The read-bandwidth probe (`bench_decode.read_bandwidth`) is printed with
 the table, and the batched decode's weight reads as a share of it.
 
     python benches/bench_prefill.py [--models q4_k_m q4_0 smollm2] [--threads 2] [--runs 2] [--streams 16]
@@ -22,7 +23,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -93,7 +93,7 @@ def llama_pp(path: Path, n: int, threads: int, runs: int, repack: bool) -> float
     cmd = [str(llama_tool("llama-bench")), "-m", str(path), "-t", str(threads), "-p", str(n), "-n", "0", "-r", str(runs), "--repack", str(int(repack)), "-o", "json"]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
-        log.warning("llama-bench failed on %s: %s", path.name, r.stderr.strip()[-300:])
+        log.warning("llama-bench --repack %d failed on %s (exit %d): %s", repack, path.name, r.returncode, r.stderr.strip()[-300:])
         return None
     return float(json.loads(r.stdout)[0]["avg_ts"])
 
@@ -105,7 +105,7 @@ def llama_streams(path: Path, what: dict, threads: int, repack: bool) -> dict[st
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{") and '"speed"' in ln]
     if r.returncode != 0 or not rows:
-        log.warning("llama-batched-bench failed on %s: %s", path.name, (r.stderr or r.stdout).strip()[-300:])
+        log.warning("llama-batched-bench failed on %s (exit %d, repack %s): %s", path.name, r.returncode, repack, (r.stderr or r.stdout).strip()[-300:])
         return None
     return {"s": float(rows[-1]["speed"]), "s_tg": float(rows[-1]["speed_tg"])}
 
@@ -162,8 +162,8 @@ def main() -> None:
     print(f"\n{cpu_name()}; {args.threads} threads; tokens/s, median of {args.runs} runs; load average {load0:.1f} at the start, {load1:.1f} at the end")
     print(f"dasllama amx: {amx_why}")
     print(f"read bandwidth (read_bw): {args.threads} threads {bw:.1f} GB/s; streams: {args.npp}-token prompts, then {args.ntg} tokens each (llama-batched-bench -npp {args.npp} -ntg {args.ntg})")
-    fmt = lambda v: f"{v:.1f}" if v else "n/a"  # noqa: E731
-    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+    fmt = lambda v: f"{v:.1f}" if v else "n/a"
+    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
     print("| model | figure | dasllama | dasllama AMX off | llama.cpp | llama.cpp --repack 0 | ratio | ratio to --repack 0 | weights read (decode) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, name, a, a0, ref, ref0, is_tg in rows:

@@ -30,6 +30,17 @@ import dasllama as dl
 PROMPTS = [f"Write a short paragraph about {t}." for t in ["the sea", "robots", "autumn", "lighthouses", "coffee", "mountains", "rain", "libraries"]]
 
 
+def llama_cpu_flags() -> list[str]:
+    """llama-server's flags for this CPU: on one with AMX, `--no-repack`, since llama.cpp's AMX
+    weight repacking (on by default) segfaults here on prompts (seen with the 0.3.36 sources on a
+    Xeon with amx_int8: `llama-bench -p 16` exits with SIGSEGV, `--repack 0` runs)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return ["--no-repack"] if "amx_int8" in f.read() else []
+    except OSError:
+        return []
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,7 +131,7 @@ def main() -> None:
     rows += run_server(cmd, f"http://127.0.0.1:{port}", "dasllama", args.concurrency, args.requests, args.max_tokens)
     port = free_port()
     if shutil.which("llama-server"):
-        cmd = ["llama-server", "-m", path, "--port", str(port), "-np", "16", "-t", str(args.threads), "-c", str(16 * 1024), "-a", "m"]
+        cmd = ["llama-server", "-m", path, "--port", str(port), "-np", "16", "-t", str(args.threads), "-c", str(16 * 1024), "-a", "m", *llama_cpu_flags()]
         rows += run_server(cmd, f"http://127.0.0.1:{port}", "llama-server", args.concurrency, args.requests, args.max_tokens)
     else:
         try:
