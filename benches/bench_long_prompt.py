@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import statistics
@@ -22,7 +23,9 @@ import time
 from itertools import pairwise
 
 import httpx
-from bench_server import free_port, wait_healthy
+from bench_decode import read_bandwidth
+from bench_server import free_port, llama_cpu_flags, wait_healthy
+from machine import cpu_name
 
 import dasllama as dl
 
@@ -94,13 +97,14 @@ def main() -> None:
     args = ap.parse_args()
     path = str(dl.fetch(args.model))
     m = dl.load_model(path)
+    bw = read_bandwidth([args.threads])[args.threads]
     servers: list[tuple[str, list[str], int]] = []
     port = free_port()
     servers.append(("dasllama", [sys.executable, "-m", "dasllama.serve", "--model", path, "--alias", "m", "--port", str(port), "--streams", str(args.streams + 1), "--log-level", "warning", *args.server_arg], port))
     if shutil.which("llama-server"):
         port = free_port()
         ctx = (args.streams + 1) * (args.prompt_tokens + 2048)
-        servers.append(("llama-server", ["llama-server", "-m", path, "--port", str(port), "-np", str(args.streams + 1), "-t", str(args.threads), "-c", str(ctx), "-a", "m"], port))
+        servers.append(("llama-server", ["llama-server", "-m", path, "--port", str(port), "-np", str(args.streams + 1), "-t", str(args.threads), "-c", str(ctx), "-a", "m", *llama_cpu_flags()], port))
     else:
         print("no llama-server on the PATH: dasllama only")
     procs = {}
@@ -109,7 +113,8 @@ def main() -> None:
             procs[label] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wait_healthy(f"http://127.0.0.1:{port}", procs[label])
         results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in servers}
-        print(f"\n{m.path.name}: {args.streams} decoding streams, a {args.prompt_tokens}-token prompt arrives")
+        print(f"\n{cpu_name()}; {m.path.name}: {args.streams} decoding streams, a {args.prompt_tokens}-token prompt arrives; load average {os.getloadavg()[0]:.1f}")
+        print(f"read bandwidth (read_bw): {args.threads} threads {bw:.1f} GB/s")
         print("| server | run | long prompt TTFT s | gap before p50 ms | gap during p50 ms | p99 ms | max ms | gaps |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for k in range(args.repeat):

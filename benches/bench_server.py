@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -20,11 +21,24 @@ import time
 from itertools import pairwise
 
 import httpx
+from bench_decode import read_bandwidth
+from machine import cpu_name
 from tqdm import tqdm
 
 import dasllama as dl
 
 PROMPTS = [f"Write a short paragraph about {t}." for t in ["the sea", "robots", "autumn", "lighthouses", "coffee", "mountains", "rain", "libraries"]]
+
+
+def llama_cpu_flags() -> list[str]:
+    """llama-server's flags for this CPU: on one with AMX, `--no-repack`, since llama.cpp's AMX
+    weight repacking (on by default) segfaults here on prompts (seen with the 0.3.36 sources on a
+    Xeon with amx_int8: `llama-bench -p 16` exits with SIGSEGV, `--repack 0` runs)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return ["--no-repack"] if "amx_int8" in f.read() else []
+    except OSError:
+        return []
 
 
 def free_port() -> int:
@@ -109,13 +123,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     path = str(dl.fetch(args.model))
+    load0 = os.getloadavg()[0]
+    bw = read_bandwidth([args.threads])[args.threads]
     rows = []
     port = free_port()
     cmd = [sys.executable, "-m", "dasllama.serve", "--model", path, "--alias", "m", "--port", str(port), "--streams", "16", "--log-level", "warning"]
     rows += run_server(cmd, f"http://127.0.0.1:{port}", "dasllama", args.concurrency, args.requests, args.max_tokens)
     port = free_port()
     if shutil.which("llama-server"):
-        cmd = ["llama-server", "-m", path, "--port", str(port), "-np", "16", "-t", str(args.threads), "-c", str(16 * 1024), "-a", "m"]
+        cmd = ["llama-server", "-m", path, "--port", str(port), "-np", "16", "-t", str(args.threads), "-c", str(16 * 1024), "-a", "m", *llama_cpu_flags()]
         rows += run_server(cmd, f"http://127.0.0.1:{port}", "llama-server", args.concurrency, args.requests, args.max_tokens)
     else:
         try:
@@ -125,7 +141,8 @@ def main() -> None:
             rows += run_server(cmd, f"http://127.0.0.1:{port}", "llama-cpp-python", args.concurrency, args.requests, args.max_tokens)
         except ImportError:
             print("no llama-server on the PATH and no llama_cpp.server: dasllama only")
-    print(f"\n{args.max_tokens}-token replies, {args.requests} requests per level (at least the concurrency)")
+    print(f"\n{cpu_name()}; {args.max_tokens}-token replies, {args.requests} requests per level (at least the concurrency); load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    print(f"read bandwidth (read_bw): {args.threads} threads {bw:.1f} GB/s")
     print("| server | concurrency | completed req/s | cut off | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, c, r in rows:

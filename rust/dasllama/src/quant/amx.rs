@@ -1,5 +1,6 @@
 //! Intel AMX (Advanced Matrix Extensions, Xeon 4th generation on) for the GEMM of the 32-value
-//! formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against two or more activation rows.
+//! formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants (Q4_K, Q5_K, Q6_K) against two or
+//! more activation rows.
 //!
 //! The weights stay in the CPU's tiles of eight interleaved rows (`tile`); nothing is stored
 //! twice and one-row decode keeps its vector kernels. Per 32-value block, a pair of consecutive
@@ -24,12 +25,20 @@
 //! twin: the same unpacking, the same dot product per k-group as `tdpbssd` defines it, the same
 //! f32 steps (`mul_add` is the fused multiply-add).
 //!
+//! The K-quants take the same route per sub-block (32 values; Q6_K's are 16, so its A tiles are
+//! 16 bytes wide and its B tiles four rows): two sub-blocks a step, each with its own C tile, the
+//! exact sums weighed by the rows' sub-block scales (`vpmulld`) into one i32 per superblock, row
+//! and weight row, which is the integer the vector kernels form; Q6_K's values are unpacked with
+//! the 32 taken off (signed bytes), where the vector kernels take 32 x the activations' sums
+//! instead: the same integer. The mins and the f32 steps are `avx512::kquant_pair`'s.
+//! `gemm_k_twin` is their scalar twin, reading the GGUF superblocks back out of the tiles.
+//!
 //! Using AMX takes, once per process: CPUID leaf 7 (AMX-TILE, AMX-INT8), the OS enabling the
 //! tile state (XCR0 bits 17 and 18), and on Linux the permission to use tile data
-//! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`). `DASLLAMA_NO_AMX=1` (or
-//! `DASLLAMA_NO_SIMD=1`) turns it off; `status()` says which and why, and `DASLLAMA_AMX_LOG=1`
-//! prints that once to stderr. Stable Rust has no AMX intrinsics, so the tile instructions are
-//! inline assembly.
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`). It is then on; `DASLLAMA_AMX=0` (or
+//! `DASLLAMA_NO_AMX=1`, or `DASLLAMA_NO_SIMD=1`) turns it off; `status()` says which and why, and
+//! `DASLLAMA_AMX_LOG=1` prints that once to stderr. Stable Rust has no AMX intrinsics, so the
+//! tile instructions are inline assembly.
 
 use super::tile::{tile_bytes, TILE_ROWS};
 use super::GgmlType;
@@ -96,7 +105,40 @@ impl Fmt {
 
 /// Whether `ty` has an AMX kernel (whatever this CPU has).
 pub fn supports(ty: GgmlType) -> bool {
-    Fmt::of(ty).is_some()
+    Fmt::of(ty).is_some() || KQuant::of(ty).is_some()
+}
+
+/// A K-quant as these kernels see it (superblocks of 256 values, `tile`'s K-quant layout).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum KQuant {
+    /// Eight 32-value sub-blocks, unsigned nibbles, 6-bit scales and mins.
+    Q4K,
+    /// Q4_K plus a fifth bit per value.
+    Q5K,
+    /// Sixteen 16-value sub-blocks, six bits less 32 (signed), i8 scales, no mins.
+    Q6K,
+}
+
+impl KQuant {
+    fn of(ty: GgmlType) -> Option<KQuant> {
+        match ty {
+            GgmlType::Q4K => Some(KQuant::Q4K),
+            GgmlType::Q5K => Some(KQuant::Q5K),
+            GgmlType::Q6K => Some(KQuant::Q6K),
+            _ => None,
+        }
+    }
+    fn ty(self) -> GgmlType {
+        match self {
+            KQuant::Q4K => GgmlType::Q4K,
+            KQuant::Q5K => GgmlType::Q5K,
+            KQuant::Q6K => GgmlType::Q6K,
+        }
+    }
+    /// Bytes of one superblock of a tile (eight rows).
+    fn sb_bytes(self) -> usize {
+        tile_bytes(self.ty(), 256)
+    }
 }
 
 /// Whether `matmul` runs `ty` on AMX here: the CPU and OS allow it and the format has a kernel.
@@ -112,21 +154,43 @@ pub fn has_amx() -> bool {
 pub fn status() -> &'static (bool, String) {
     static S: OnceLock<(bool, String)> = OnceLock::new();
     S.get_or_init(|| {
-        let s = detect();
-        if std::env::var("DASLLAMA_AMX_LOG").is_ok_and(|v| v == "1") {
+        let env = env_switches();
+        let s = match env.off {
+            Some(why) => (false, format!("off: {why}")),
+            None => detect(),
+        };
+        if env.log {
             eprintln!("dasllama amx: {}", s.1);
         }
         s
     })
 }
 
+/// What the environment asks of AMX.
+struct EnvSwitches {
+    /// Turned off, and by which switch.
+    off: Option<&'static str>,
+    /// `DASLLAMA_AMX_LOG=1`: say once on stderr whether AMX runs and why.
+    log: bool,
+}
+
+/// The one place the AMX switches are read: `DASLLAMA_AMX=0` (or the older `DASLLAMA_NO_AMX`,
+/// or `DASLLAMA_NO_SIMD`) turns AMX off; it is on wherever the CPU and OS allow it otherwise.
+fn env_switches() -> EnvSwitches {
+    let var = |k: &str| std::env::var_os(k).is_some();
+    let off = if std::env::var("DASLLAMA_AMX").is_ok_and(|v| v == "0") {
+        Some("DASLLAMA_AMX=0")
+    } else if var("DASLLAMA_NO_AMX") {
+        Some("DASLLAMA_NO_AMX is set")
+    } else if var("DASLLAMA_NO_SIMD") {
+        Some("DASLLAMA_NO_SIMD is set")
+    } else {
+        None
+    };
+    EnvSwitches { off, log: std::env::var("DASLLAMA_AMX_LOG").is_ok_and(|v| v == "1") }
+}
+
 fn detect() -> (bool, String) {
-    if std::env::var_os("DASLLAMA_NO_AMX").is_some() {
-        return (false, "off: DASLLAMA_NO_AMX is set".into());
-    }
-    if std::env::var_os("DASLLAMA_NO_SIMD").is_some() {
-        return (false, "off: DASLLAMA_NO_SIMD is set".into());
-    }
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     return detect_x86_linux();
     #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
@@ -169,13 +233,7 @@ fn detect_x86_linux() -> (bool, String) {
         return (false, format!("off: Linux refused the tile data (arch_prctl ARCH_REQ_XCOMP_PERM: {e})"));
     }
     let bf16 = if bf16 { ", amx_bf16" } else { "" };
-    // The tile kernel has not yet run on an AMX machine in this project's tests (none was at
-    // hand); until it has, it runs only when asked for, so a wrong tile sequence cannot reach a
-    // user or CI unasked. Its scalar twin is checked bit for bit against the vector kernels.
-    if !std::env::var("DASLLAMA_AMX").is_ok_and(|v| v == "1") {
-        return (false, format!("off: amx_tile, amx_int8{bf16} are here, but the tile kernel is opt-in until verified on an AMX machine (DASLLAMA_AMX=1)"));
-    }
-    (true, format!("on: amx_tile, amx_int8{bf16}; tile data permitted; GEMM of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 from two activation rows on"))
+    (true, format!("on: amx_tile, amx_int8{bf16}; tile data permitted; GEMM of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K from two activation rows on (DASLLAMA_AMX=0 turns it off)"))
 }
 
 /// XCR0, the state components the OS saves and restores.
@@ -236,14 +294,109 @@ fn check<'a>(ty: GgmlType, tiles: &'a [u8], ntiles: usize, acts: Acts, k: usize,
     assert!((1..=MAX_ROWS).contains(&rows) && out.len() >= rows, "1 to {MAX_ROWS} activation rows, an output for each");
     // Quants, then the tail: d[nb] f32 and q8_1's s[nb] f32 (q8_0's block sums, unread here).
     assert!(arb >= nb * (f.abytes() + 8) && act.len() >= (rows - 1) * arb + nb * (f.abytes() + 8), "activation rows too short (size them with act_row_bytes)");
-    let pair = if ntiles == 2 {
+    Call { f, pair: pair_of(tiles, ntiles, tb), gap: tb, nb }
+}
+
+/// Two tiles `tb` bytes each: borrowed, or the one there is and a zero one after it.
+fn pair_of(tiles: &[u8], ntiles: usize, tb: usize) -> Cow<'_, [u8]> {
+    if ntiles == 2 {
         Cow::Borrowed(&tiles[..2 * tb])
     } else {
         let mut p = vec![0u8; 2 * tb];
         p[..tb].copy_from_slice(&tiles[..tb]);
         Cow::Owned(p)
-    };
-    Call { f, pair, gap: tb, nb }
+    }
+}
+
+/// A q8_K activation block: d (f32), 256 quants, then 16 i16 sums of sixteen quants each.
+const K_QS: usize = 4;
+const K_BSUMS: usize = 260;
+const K_BYTES: usize = 292;
+
+/// A checked K-quant call: the format, the pair of tiles, the distance of the second tile from
+/// the first, superblocks per row.
+struct KCall<'a> {
+    kq: KQuant,
+    pair: Cow<'a, [u8]>,
+    gap: usize,
+    nsb: usize,
+}
+
+/// `check` for the K-quants: activation rows of q8_K blocks.
+fn check_k<'a>(kq: KQuant, tiles: &'a [u8], ntiles: usize, acts: Acts, k: usize, out: &[[f32; COLS]]) -> KCall<'a> {
+    let Acts { bytes: act, stride: arb, rows } = acts;
+    assert!(k.is_multiple_of(256), "rows of whole superblocks");
+    let (nsb, tb) = (k / 256, tile_bytes(kq.ty(), k));
+    assert!(matches!(ntiles, 1 | 2) && tiles.len() >= ntiles * tb, "one or two whole tiles");
+    assert!((1..=MAX_ROWS).contains(&rows) && out.len() >= rows, "1 to {MAX_ROWS} activation rows, an output for each");
+    assert!(arb >= nsb * K_BYTES && act.len() >= (rows - 1) * arb + nsb * K_BYTES, "activation rows too short (size them with act_row_bytes)");
+    KCall { kq, pair: pair_of(tiles, ntiles, tb), gap: tb, nsb }
+}
+
+/// One GGUF superblock of a K-quant as integers: the 256 values (Q6_K's less 32), the
+/// sub-blocks' scales (8 of 32 values, or Q6_K's 16 of 16), the mins (Q4_K, Q5_K), d and dmin.
+fn kq_ints(kq: KQuant, b: &[u8]) -> ([i32; 256], Vec<i32>, [i32; 8], f32, f32) {
+    let f16 = |at: usize| super::rd_f16(b, at);
+    let mut w = [0i32; 256];
+    match kq {
+        KQuant::Q4K | KQuant::Q5K => {
+            let (qh, qs) = if kq == KQuant::Q5K { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
+            for (v, w) in w.iter_mut().enumerate() {
+                // Bytes 32j..32j+32 hold values 64j.. in their low nibbles, 64j+32.. in their high.
+                let (j, high, l) = (v / 64, v % 64 >= 32, v % 32);
+                let byte = qs[32 * j + l];
+                *w = if high { byte >> 4 } else { byte & 0xF } as i32;
+                if let Some(qh) = qh {
+                    *w += 16 * ((qh[l] >> (v / 32)) & 1) as i32;
+                }
+            }
+            let (sc, m): (Vec<i32>, Vec<i32>) = (0..8).map(|s| super::scale_min_k4(s, &b[4..16])).map(|(s, m)| (s as i32, m as i32)).unzip();
+            (w, sc, m.try_into().unwrap(), f16(0), f16(2))
+        }
+        KQuant::Q6K => {
+            let (ql, qh) = (&b[..128], &b[128..192]);
+            for (v, w) in w.iter_mut().enumerate() {
+                // ggml's order: half n, quarter q of 32 values, l within it.
+                let (n, q, l) = (v / 128, v % 128 / 32, v % 32);
+                let byte = ql[64 * n + l + 32 * (q % 2)];
+                let low = if q < 2 { byte & 0xF } else { byte >> 4 };
+                *w = (low | ((qh[32 * n + l] >> (2 * q)) & 3) << 4) as i32 - 32;
+            }
+            (w, b[192..208].iter().map(|&s| s as i8 as i32).collect(), [0; 8], f16(208), 0.0)
+        }
+    }
+}
+
+/// The scalar twin of the K-quant kernel: the vector kernels' integers per superblock (the
+/// scales times the sub-blocks' exact sums, the mins times the activations' sub-block sums) and
+/// their f32 steps, `fma(d_w * d_a, total, acc)` then `fnmadd(dmin_w * d_a, mins, acc)`.
+fn gemm_k_twin(call: KCall, acts: Acts, out: &mut [[f32; COLS]]) {
+    let KCall { kq, pair, gap, nsb } = call;
+    let Acts { bytes: act, stride: arb, rows } = acts;
+    let (ty, sub) = (kq.ty(), if kq == KQuant::Q6K { 16 } else { 32 });
+    let bb = ty.block_bytes();
+    let mut acc = [[0.0f32; COLS]; MAX_ROWS];
+    let mut g = vec![0u8; ty.row_bytes(256 * nsb)];
+    for j in 0..COLS {
+        let (base, row) = if j < TILE_ROWS { (0, j) } else { (gap, j - TILE_ROWS) };
+        super::tile::untile_row(ty, &pair[base..base + gap], row, &mut g);
+        for i in 0..nsb {
+            let (w, sc, m, d, dmin) = kq_ints(kq, &g[i * bb..(i + 1) * bb]);
+            for (r, acc) in acc[..rows].iter_mut().enumerate() {
+                let a = &act[r * arb + i * K_BYTES..][..K_BYTES];
+                let q = |v: usize| a[K_QS + v] as i8 as i32;
+                let bsum = |s: usize| i16::from_le_bytes([a[K_BSUMS + 2 * s], a[K_BSUMS + 2 * s + 1]]) as i32;
+                let total: i32 = sc.iter().enumerate().map(|(s, &sc)| sc * (s * sub..(s + 1) * sub).map(|v| w[v] * q(v)).sum::<i32>()).sum();
+                let da = super::rd_f32(a, 0);
+                acc[j] = (d * da).mul_add(total as f32, acc[j]);
+                if kq != KQuant::Q6K {
+                    let mins: i32 = (0..8).map(|s| m[s] * (bsum(2 * s) + bsum(2 * s + 1))).sum();
+                    acc[j] = (-(dmin * da)).mul_add(mins as f32, acc[j]);
+                }
+            }
+        }
+    }
+    out[..rows].copy_from_slice(&acc[..rows]);
 }
 
 /// Block `i`'s B tile of a pair of tiles: byte `64g + 4j + e` is value `4g + e` of weight row `j`
@@ -276,6 +429,9 @@ fn b_tile_scalar(f: Fmt, pair: &[u8], gap: usize, nb: usize, i: usize, out: &mut
 
 /// The scalar twin of `gemm`: what its instruction sequence computes, step by step.
 pub fn gemm_twin(ty: GgmlType, tiles: &[u8], ntiles: usize, acts: Acts, k: usize, out: &mut [[f32; COLS]]) {
+    if let Some(kq) = KQuant::of(ty) {
+        return gemm_k_twin(check_k(kq, tiles, ntiles, acts, k, out), acts, out);
+    }
     let Call { f, pair, gap, nb } = check(ty, tiles, ntiles, acts, k, out);
     let Acts { bytes: act, stride: arb, rows } = acts;
     let f16 = |at: usize| super::rd_f16(&pair, at);
@@ -306,6 +462,17 @@ pub fn gemm_twin(ty: GgmlType, tiles: &[u8], ntiles: usize, acts: Acts, k: usize
 /// The AMX kernel (see the module notes). Only where `has_amx()`; panics elsewhere.
 pub fn gemm(ty: GgmlType, tiles: &[u8], ntiles: usize, acts: Acts, k: usize, out: &mut [[f32; COLS]]) {
     assert!(has_amx(), "the AMX kernel called on a CPU or process without AMX ({})", status().1);
+    if let Some(kq) = KQuant::of(ty) {
+        let call = check_k(kq, tiles, ntiles, acts, k, out);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as below; `check_k` bounds every load of the K-quant kernel.
+        unsafe {
+            x86::kernel_k(&call, acts.bytes.as_ptr(), acts.stride, acts.rows, out.as_mut_ptr())
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no AMX off x86_64 ({:?})", call.nsb);
+        return;
+    }
     let call = check(ty, tiles, ntiles, acts, k, out);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `has_amx` found AMX-TILE/INT8, AVX-512 F/BW/VL, F16C and FMA, the OS's tile state
@@ -320,8 +487,9 @@ pub fn gemm(ty: GgmlType, tiles: &[u8], ntiles: usize, acts: Acts, k: usize, out
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::avx512::{pair_f16, pair_load};
-    use super::{Call, Fmt, A_ROWS, B_TILE_BYTES, COLS, MAX_ROWS};
+    use super::super::avx512::{pair_bytes, pair_f16, pair_load, q8k_sub_sums};
+    use super::super::tile::{K45_DMIN, K45_M, K45_SC, Q4K_QS, Q5K_QH, Q5K_QS, Q6K_QH, Q6K_QL, Q6K_SC};
+    use super::{Call, Fmt, KCall, KQuant, A_ROWS, B_TILE_BYTES, COLS, K_BYTES, K_QS, MAX_ROWS};
     use std::arch::asm;
     use std::arch::x86_64::*;
 
@@ -425,6 +593,216 @@ mod x86 {
                         if f.min {
                             acc[row] = _mm512_fmadd_ps(mw, _mm512_set1_ps(tail.add(nb + i).read_unaligned()), acc[row]);
                         }
+                    }
+                }
+            }
+            asm!("tilerelease", options(nostack));
+        }
+        for (r, a) in acc[..rows].iter().enumerate() {
+            _mm512_storeu_ps(out.add(r) as *mut f32, *a);
+        }
+    }
+    /// Q4_K, Q5_K (`five`): the B tiles of sub-blocks 2j (at `out`) and 2j + 1 (at `out + 512`)
+    /// of a pair of superblocks, from the same 32-byte chunks (low nibbles, high nibbles), the
+    /// fifth bits added as `avx512::q45k_one` adds them.
+    #[inline(always)]
+    unsafe fn b_tiles_q45k(five: bool, sb: *const u8, gap: usize, j: usize, out: *mut u8) {
+        let (m4, b16) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x10));
+        let qs = if five { Q5K_QS } else { Q4K_QS };
+        for c in 0..8 {
+            let raw = pair_load(sb.add(qs + 256 * j + 32 * c), gap);
+            let (mut lo, mut hi) = (_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4));
+            if five {
+                let qh = pair_load(sb.add(Q5K_QH + 32 * c), gap);
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(1 << (2 * j))), lo, b16);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(2 << (2 * j))), hi, b16);
+            }
+            _mm512_store_si512(out.add(64 * c) as *mut __m512i, lo);
+            _mm512_store_si512(out.add(B_TILE_BYTES + 64 * c) as *mut __m512i, hi);
+        }
+    }
+
+    /// Q6_K: quarter `q` of half `h` (values 128h + 32q ..+32) of a pair of superblocks as eight
+    /// B tile rows of signed bytes (q - 32), chunk c in row c: rows 0..4 are sub-block
+    /// 8h + 2q, rows 4..8 the next, each its own 4-row B tile (`avx512::q6k_quarter`'s unpacking).
+    #[inline(always)]
+    unsafe fn b_tile_q6k(sb: *const u8, gap: usize, h: usize, q: usize, out: *mut u8) {
+        let (m4, m30, z) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x30), _mm512_set1_epi8(32));
+        for c in 0..8 {
+            let qh = pair_load(sb.add(Q6K_QH + 256 * h + 32 * c), gap);
+            let ql = pair_load(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (q % 2))), gap);
+            let lo = if q < 2 { _mm512_and_si512(ql, m4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4) };
+            let hi = match q {
+                0 => _mm512_slli_epi16::<4>(qh),
+                1 => _mm512_slli_epi16::<2>(qh),
+                2 => qh,
+                _ => _mm512_srli_epi16::<2>(qh),
+            };
+            _mm512_store_si512(out.add(64 * c) as *mut __m512i, _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_and_si512(hi, m30)), z));
+        }
+    }
+
+    /// The K-quant kernel's tile configuration: tmm0, tmm1 the C tiles of two sub-blocks (`rows` x
+    /// 16 i32), tmm2, tmm3 their B tiles (`ka` / 4 rows of 64 bytes), tmm4, tmm5 their A tiles
+    /// (`rows` x `ka` activation bytes; `ka` is a sub-block's length, 32 or Q6_K's 16), tmm6,
+    /// tmm7 a second pair of C tiles (every other A tile's, so one's sums are stored while the
+    /// next one's are formed).
+    fn config_k(rows: usize, ka: usize) -> Aligned<64> {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        let ct = (rows, 64u16);
+        for (tmm, (r, colsb)) in [ct, ct, (ka / 4, 64), (ka / 4, 64), (rows, ka as u16), (rows, ka as u16), ct, ct].into_iter().enumerate() {
+            c[16 + 2 * tmm..18 + 2 * tmm].copy_from_slice(&colsb.to_le_bytes());
+            c[48 + tmm] = r as u8;
+        }
+        Aligned(c)
+    }
+
+    /// Bytes of one buffer of the sums of two sub-blocks (two C tiles).
+    const C_SLOT: usize = 2 * 64 * A_ROWS;
+
+    /// An A tile's two C tiles stored in `slot`, not yet weighed into `total`.
+    #[derive(Clone, Copy)]
+    struct Pending {
+        slot: usize,
+        r0: usize,
+        sc0: __m512i,
+        sc1: __m512i,
+    }
+
+    /// Weighs the sums of `p`'s `mr` rows by their sub-blocks' scales into `total`.
+    #[inline(always)]
+    unsafe fn weigh(total: &mut [__m512i; MAX_ROWS], c: &Aligned<{ 2 * C_SLOT }>, p: Pending, mr: usize) {
+        let cb = c.0.as_ptr().add(p.slot * C_SLOT);
+        for m in 0..mr {
+            let i0 = _mm512_load_si512(cb.add(64 * m) as *const __m512i);
+            let i1 = _mm512_load_si512(cb.add(64 * (A_ROWS + m)) as *const __m512i);
+            let both = _mm512_add_epi32(_mm512_mullo_epi32(i0, p.sc0), _mm512_mullo_epi32(i1, p.sc1));
+            total[p.r0 + m] = _mm512_add_epi32(total[p.r0 + m], both);
+        }
+    }
+
+    /// `gemm` of a K-quant on a checked call. Per superblock, two sub-blocks a step: their B tiles
+    /// are unpacked once for all the activation rows, each A tile loads straight from the q8_K
+    /// quants, and each row's exact sub-block sums are weighed by the scales into one i32 total
+    /// (the vector kernels' integer); the mins and f32 steps then follow `avx512::kquant_pair`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    pub(super) unsafe fn kernel_k(call: &KCall, act: *const u8, arb: usize, rows: usize, out: *mut [f32; COLS]) {
+        let (kq, t, gap, nsb) = (call.kq, call.pair.as_ptr(), call.gap, call.nsb);
+        let (sbb, six) = (kq.sb_bytes(), kq == KQuant::Q6K);
+        let (ka, steps, b1) = if six { (16, 8, 256) } else { (32, 4, B_TILE_BYTES) };
+        let mut acc = [_mm512_setzero_ps(); MAX_ROWS];
+        let mut total = [_mm512_setzero_si512(); MAX_ROWS];
+        let mut b = Aligned([0u8; 2 * B_TILE_BYTES]);
+        let mut c = Aligned([0u8; 2 * C_SLOT]);
+        let (mut slot, mut pending) = (0, None);
+        let full = rows / A_ROWS * A_ROWS;
+        for (lo, hi) in [(0, full), (full, rows)] {
+            if lo == hi {
+                continue;
+            }
+            let mr = (hi - lo).min(A_ROWS);
+            let cfg = config_k(mr, ka);
+            // SAFETY (this and every asm block below): AMX is enabled and permitted (`has_amx`);
+            // the configuration is 64 bytes; tileloadd reads `mr` rows of `ka` activation bytes
+            // `arb` apart inside the rows `check_k` bounded, or `ka` / 4 rows of 64 bytes of `b`;
+            // tilestored writes `mr` x 64 bytes into each half of `c`. Only tile registers and
+            // that memory are touched.
+            asm!("ldtilecfg [{cfg}]", cfg = in(reg) cfg.0.as_ptr(), options(nostack));
+            for i in 0..nsb {
+                let sb = t.add(i * sbb);
+                total[lo..hi].fill(_mm512_setzero_si512());
+                for step in 0..steps {
+                    // The step's two sub-blocks: their scales (one per weight row) and where
+                    // their activation quants start in a q8_K block.
+                    let (sc0, sc1, a0) = if six {
+                        let (h, q) = (step / 4, step % 4);
+                        b_tile_q6k(sb, gap, h, q, b.0.as_mut_ptr());
+                        let s = 8 * h + 2 * q;
+                        let sc = |s: usize| _mm512_cvtepi8_epi32(pair_bytes(sb.add(Q6K_SC + 8 * s), gap));
+                        (sc(s), sc(s + 1), K_QS + 128 * h + 32 * q)
+                    } else {
+                        b_tiles_q45k(kq == KQuant::Q5K, sb, gap, step, b.0.as_mut_ptr());
+                        let sc = |s: usize| _mm512_cvtepu8_epi32(pair_bytes(sb.add(K45_SC + 8 * s), gap));
+                        (sc(2 * step), sc(2 * step + 1), K_QS + 64 * step)
+                    };
+                    asm!(
+                        "tileloadd tmm2, [{b0} + {stride}*1]",
+                        "tileloadd tmm3, [{b1} + {stride}*1]",
+                        b0 = in(reg) b.0.as_ptr(),
+                        b1 = in(reg) b.0.as_ptr().add(b1),
+                        stride = in(reg) 64usize,
+                        out("tmm2") _,
+                        out("tmm3") _,
+                        options(nostack),
+                    );
+                    for r0 in (lo..hi).step_by(A_ROWS) {
+                        let a = act.add(r0 * arb + i * K_BYTES + a0);
+                        let cb = c.0.as_mut_ptr().add(slot * C_SLOT);
+                        // Alternate C tile pairs and buffers, and weigh the previous A tile's
+                        // sums after this one's are under way: the tile unit and the vector
+                        // units overlap instead of each waiting for the other.
+                        macro_rules! amx_step {
+                            ($c0:literal, $c1:literal) => {
+                                asm!(
+                                    concat!("tilezero ", $c0),
+                                    concat!("tilezero ", $c1),
+                                    "tileloadd tmm4, [{a0} + {arb}*1]",
+                                    "tileloadd tmm5, [{a1} + {arb}*1]",
+                                    concat!("tdpbssd ", $c0, ", tmm4, tmm2"),
+                                    concat!("tdpbssd ", $c1, ", tmm5, tmm3"),
+                                    concat!("tilestored [{c0} + {cstride}*1], ", $c0),
+                                    concat!("tilestored [{c1} + {cstride}*1], ", $c1),
+                                    a0 = in(reg) a,
+                                    a1 = in(reg) a.add(ka),
+                                    arb = in(reg) arb,
+                                    c0 = in(reg) cb,
+                                    c1 = in(reg) cb.add(64 * A_ROWS),
+                                    cstride = in(reg) 64usize,
+                                    out("tmm0") _,
+                                    out("tmm1") _,
+                                    out("tmm4") _,
+                                    out("tmm5") _,
+                                    out("tmm6") _,
+                                    out("tmm7") _,
+                                    options(nostack),
+                                )
+                            };
+                        }
+                        if slot == 0 {
+                            amx_step!("tmm0", "tmm1");
+                        } else {
+                            amx_step!("tmm6", "tmm7");
+                        }
+                        if let Some(p) = pending.take() {
+                            weigh(&mut total, &c, p, mr);
+                        }
+                        pending = Some(Pending { slot, r0, sc0, sc1 });
+                        slot ^= 1;
+                    }
+                }
+                if let Some(p) = pending.take() {
+                    weigh(&mut total, &c, p, mr);
+                }
+                let dw = pair_f16(sb, gap);
+                // Mins: i16 pairs (m_2p, m_2p+1) of each weight row against the activations'
+                // sub-block sums (`avx512::q45k_one`).
+                let mm: [__m512i; 4] = std::array::from_fn(|p| {
+                    let m = |at: usize| _mm_unpacklo_epi8(_mm_loadl_epi64(sb.add(at) as *const __m128i), _mm_loadl_epi64(sb.add(at + 8) as *const __m128i));
+                    _mm512_cvtepu8_epi16(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(m(K45_M + 16 * p)), m(gap + K45_M + 16 * p)))
+                });
+                let dmin = if six { _mm512_setzero_ps() } else { pair_f16(sb.add(K45_DMIN), gap) };
+                for row in lo..hi {
+                    let ab = act.add(row * arb + i * K_BYTES);
+                    let da = _mm512_set1_ps((ab as *const f32).read_unaligned());
+                    acc[row] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da), _mm512_cvtepi32_ps(total[row]), acc[row]);
+                    if !six {
+                        let sums = _mm512_castsi256_si512(q8k_sub_sums(ab));
+                        let mut mins = _mm512_setzero_si512();
+                        for (p, mm) in mm.iter().enumerate() {
+                            mins = _mm512_add_epi32(mins, _mm512_madd_epi16(*mm, _mm512_permutexvar_epi32(_mm512_set1_epi32(p as i32), sums)));
+                        }
+                        acc[row] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(mins), acc[row]);
                     }
                 }
             }

@@ -34,7 +34,7 @@ pub(super) unsafe fn pair_f16(p: *const u8, gap: usize) -> __m512 {
 
 /// Eight bytes per tile (one per row), as sixteen bytes in lane order.
 #[inline(always)]
-unsafe fn pair_bytes(p: *const u8, gap: usize) -> __m128i {
+pub(super) unsafe fn pair_bytes(p: *const u8, gap: usize) -> __m128i {
     _mm_unpacklo_epi64(_mm_loadl_epi64(p as *const __m128i), _mm_loadl_epi64(p.add(gap) as *const __m128i))
 }
 
@@ -222,7 +222,7 @@ unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, gap: usize,
 /// The activation sums of a q8_K block's eight 32-value sub-blocks as i16 pairs: dword p holds
 /// (sum_2p, sum_2p+1), the operand `vpmaddwd` takes against a row's mins (m_2p, m_2p+1).
 #[inline(always)]
-unsafe fn q8k_sub_sums(a: *const u8) -> __m256i {
+pub(super) unsafe fn q8k_sub_sums(a: *const u8) -> __m256i {
     let s32 = _mm256_madd_epi16(_mm256_loadu_si256(a.add(K_BSUMS) as *const __m256i), _mm256_set1_epi16(1));
     _mm256_castsi128_si256(_mm_packs_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256::<1>(s32)))
 }
