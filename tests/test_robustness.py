@@ -234,7 +234,8 @@ def test_full_pool_error_leaves_the_session_intact(smollm: dl.Model) -> None:
 
 def test_engine_death_is_reported_not_hung(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch) -> None:
     from dasllama.serve import engine as engine_mod
-    from dasllama.serve.app import Server, build_app
+    from dasllama.serve.app import Server
+    from dasllama.serve.asgi import build_app
     from dasllama.serve.engine import Engine
 
     def boom(*_a: Any, **_k: Any) -> bool:

@@ -200,7 +200,10 @@ def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | N
     projector's begin marker, its rows, and its end marker (Gemma 3: ``<start_of_image>``, 256
     rows, ``<end_of_image>``). Raises ValueError for a model without a projector, or markers and
     images that do not pair up; ImageError for an image that does not decode."""
-    from .model import encode
+    def encode(m: Any, text: str, add_bos: bool | None, special: bool) -> list[int]:
+        # The native call itself: dasllama.model builds on this module (a model holds its
+        # projector), so this one does not import it back.
+        return _native.encode(m._native, text, add_bos, special)
 
     proj: Projector | None = m.projector
     pieces = text.split(marker)

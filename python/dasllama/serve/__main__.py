@@ -26,7 +26,8 @@ from ..sampling_defaults import LLAMA_SERVER, describe, sampling_defaults
 from ..session import KVDtype
 from ..speculative import MAX_DRAFT, SPEC_MODES
 from ..speculative import configure as configure_spec
-from .app import Server, build_app
+from .app import Server
+from .asgi import build_app
 from .engine import DEFAULT_N_PREDICT, Engine
 
 log = logging.getLogger("dasllama.serve")
