@@ -19,6 +19,7 @@ import numpy as np
 from . import _native
 from .errors import GgufError, UnsupportedModelError
 from .gguf_file import meta_section, read_header
+from .runtime import Runtime, default_runtime
 
 log = logging.getLogger("dasllama")
 
@@ -66,10 +67,10 @@ class Projector:
         return repr(self.native)
 
 
-def load_mmproj(path: str | os.PathLike[str]) -> Projector:
-    """Load an mmproj GGUF. Raises GgufError for a file that is not one (not the ``clip``
-    architecture, no projector type) and UnsupportedModelError for a projector type this build
-    does not run."""
+def load_mmproj(path: str | os.PathLike[str], runtime: Runtime | None = None) -> Projector:
+    """Load an mmproj GGUF (its passes run on ``runtime``, else the default runtime). Raises
+    GgufError for a file that is not one (not the ``clip`` architecture, no projector type) and
+    UnsupportedModelError for a projector type this build does not run."""
     p = Path(path).expanduser()
     hdr = read_header(p)
     meta = hdr.metadata
@@ -83,7 +84,8 @@ def load_mmproj(path: str | os.PathLike[str]) -> Projector:
         raise UnsupportedModelError(f"{p}: projector type '{ptype}' is not supported (supported: {', '.join(sorted(_MARKERS))})")
     clip = meta_section(meta, "clip")
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
-    return Projector(_native.load_vision(str(p), clip, tensors), p, meta)
+    rt = runtime if runtime is not None else default_runtime()
+    return Projector(_native.load_vision(rt._native, str(p), clip, tensors), p, meta)
 
 
 def find_sidecar(model_path: Path) -> Path | None:

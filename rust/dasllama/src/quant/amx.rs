@@ -113,7 +113,7 @@ pub fn status() -> &'static (bool, String) {
     static S: OnceLock<(bool, String)> = OnceLock::new();
     S.get_or_init(|| {
         let s = detect();
-        if std::env::var("DASLLAMA_AMX_LOG").is_ok_and(|v| v == "1") {
+        if super::switches::get().amx_log {
             eprintln!("dasllama amx: {}", s.1);
         }
         s
@@ -121,10 +121,10 @@ pub fn status() -> &'static (bool, String) {
 }
 
 fn detect() -> (bool, String) {
-    if std::env::var_os("DASLLAMA_NO_AMX").is_some() {
+    if super::switches::get().no_amx {
         return (false, "off: DASLLAMA_NO_AMX is set".into());
     }
-    if std::env::var_os("DASLLAMA_NO_SIMD").is_some() {
+    if super::switches::get().no_simd {
         return (false, "off: DASLLAMA_NO_SIMD is set".into());
     }
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -172,7 +172,7 @@ fn detect_x86_linux() -> (bool, String) {
     // The tile kernel has not yet run on an AMX machine in this project's tests (none was at
     // hand); until it has, it runs only when asked for, so a wrong tile sequence cannot reach a
     // user or CI unasked. Its scalar twin is checked bit for bit against the vector kernels.
-    if !std::env::var("DASLLAMA_AMX").is_ok_and(|v| v == "1") {
+    if super::switches::get().amx != Some(true) {
         return (false, format!("off: amx_tile, amx_int8{bf16} are here, but the tile kernel is opt-in until verified on an AMX machine (DASLLAMA_AMX=1)"));
     }
     (true, format!("on: amx_tile, amx_int8{bf16}; tile data permitted; GEMM of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 from two activation rows on"))
