@@ -25,7 +25,7 @@ from serverproc import start, stop
 # The engine's fault hooks exist only in a build with the `fault-injection` feature (scripts/test.sh
 # builds one; a release wheel has none).
 needs_fault_hooks = pytest.mark.skipif(
-    not all(hasattr(_native, f) for f in ("_inject_kernel_fault", "_inject_stream_fault")), reason="built without the fault-injection feature"
+    not (hasattr(_native.Runtime, "_inject_kernel_fault") and hasattr(_native, "_inject_stream_fault")), reason="built without the fault-injection feature"
 )
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_kernel_fault_in_eval(smollm: dl.Model) -> None:
         s = dl.create_session(smollm)
         dl.eval(smollm, s, ids[:split])
         before = s.n_past
-        _native._inject_kernel_fault()
+        smollm.runtime._native._inject_kernel_fault()
         with pytest.raises(dl.EngineError, match=r"eval failed inside the engine") as exc:
             dl.eval(smollm, s, ids[split:])
         assert isinstance(exc.value, dl.DasllamaError)
@@ -115,7 +115,7 @@ def test_kernel_fault_in_eval_batch(smollm: dl.Model) -> None:
     dl.eval(smollm, b, pb)
     ws = dl.create_batch_workspace(smollm)
     toks = [11, 42]
-    _native._inject_kernel_fault()
+    smollm.runtime._native._inject_kernel_fault()
     with pytest.raises(dl.EngineError, match=r"eval_batch failed inside the engine"):
         dl.eval_batch(smollm, ws, [a, b], toks)
     assert (a.n_past, b.n_past) == (len(pa), len(pb)), "a failed batch must not advance any session"
@@ -133,7 +133,7 @@ def test_kernel_fault_in_eval_batch(smollm: dl.Model) -> None:
 @pytest.mark.parametrize("fault_step", [0, 2, 6])  # the first prefill chunk, prefill beside decoding, decoding only
 def test_transient_kernel_fault_in_a_scheduler_step(smollm: dl.Model, sched_prompts: list[list[int]], fault_step: int) -> None:
     clean, _ = run_sched(smollm, sched_prompts, max_new=10)
-    got, sch = run_sched(smollm, sched_prompts, max_new=10, before_step={fault_step: lambda _s: _native._inject_kernel_fault()})
+    got, sch = run_sched(smollm, sched_prompts, max_new=10, before_step={fault_step: lambda _s: smollm.runtime._native._inject_kernel_fault()})
     for i in range(len(sched_prompts)):
         fin = got[i][-1]
         assert fin.kind == "finished" and fin.finish in ("stop", "length"), (i, fin)
@@ -234,7 +234,8 @@ def test_full_pool_error_leaves_the_session_intact(smollm: dl.Model) -> None:
 
 def test_engine_death_is_reported_not_hung(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch) -> None:
     from dasllama.serve import engine as engine_mod
-    from dasllama.serve.app import Server, build_app
+    from dasllama.serve.app import Server
+    from dasllama.serve.asgi import build_app
     from dasllama.serve.engine import Engine
 
     def boom(*_a: Any, **_k: Any) -> bool:

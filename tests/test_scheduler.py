@@ -240,13 +240,14 @@ def test_prefix_cache_hits_give_the_same_output(smollm: dl.Model) -> None:
 @pytest.mark.parametrize(("step_ms", "how"), [("1", "env"), ("0", "env"), ("1", "api"), ("0", "api")])
 def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch, step_ms: str, how: str) -> None:
     """A long prompt arriving while a stream decodes is prefilled in chunks sized by the step's
-    time budget (DASLLAMA_STEP_MS, or set_step_budget over a contrary DASLLAMA_STEP_MS; a 1 ms
-    budget leaves the least chunk, 16 tokens, per step) or in fixed chunks of chunk_tokens (0 /
-    None); either way every token is what it is alone."""
+    time budget (DASLLAMA_STEP_MS, read when the runtime is made, or set_step_budget over a
+    contrary DASLLAMA_STEP_MS; a 1 ms budget leaves the least chunk, 16 tokens, per step) or in
+    fixed chunks of chunk_tokens (0 / None); either way every token is what it is alone."""
     if how == "env":
         monkeypatch.setenv("DASLLAMA_STEP_MS", step_ms)
     else:
         monkeypatch.setenv("DASLLAMA_STEP_MS", "0" if step_ms == "1" else "1")
+    smollm = dl.load_model(smollm.path, runtime=dl.Runtime())
     long = dl.encode(smollm, "The history of the lighthouse keepers of the northern coast. " * 30)[:300]
     short = dl.encode(smollm, "Tell me a story.")
     news = (40, 4)
@@ -280,8 +281,8 @@ def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch
 
 def test_step_budget_setter(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """set_step_budget takes milliseconds or None and refuses anything else, leaving the budget as
-    it was; the default comes from DASLLAMA_STEP_MS (60 ms without it); under ggml numerics
-    chunks stay fixed whatever is asked."""
+    it was; the default is the model's runtime's (DASLLAMA_STEP_MS when the runtime was made, 60 ms
+    without it; Runtime(step_ms=...)); under ggml numerics chunks stay fixed whatever is asked."""
     monkeypatch.delenv("DASLLAMA_STEP_MS", raising=False)
     sch = dl.create_scheduler(smollm, max_streams=2, page_rows=16)
     assert dl.step_budget(sch) == pytest.approx(60.0)
@@ -292,7 +293,9 @@ def test_step_budget_setter(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch) -
         assert dl.step_budget(sch) == pytest.approx(25.0)
     assert dl.set_step_budget(sch, None) is None and dl.step_budget(sch) is None
     monkeypatch.setenv("DASLLAMA_STEP_MS", "0")
-    assert dl.step_budget(dl.create_scheduler(smollm, max_streams=2)) is None
+    assert dl.step_budget(dl.create_scheduler(smollm, max_streams=2)) == pytest.approx(60.0), "the environment is read when a runtime is made"
+    assert dl.step_budget(dl.create_scheduler(dl.load_model(smollm.path, runtime=dl.Runtime()), max_streams=2)) is None
+    assert dl.step_budget(dl.create_scheduler(dl.load_model(smollm.path, runtime=dl.Runtime(step_ms=25)), max_streams=2)) == pytest.approx(25.0)
     ggml = dl.load_model(dl.fetch("smollm2-135m-instruct"), numerics=dl.Numerics.ggml)
     sch = dl.create_scheduler(ggml, max_streams=2)
     assert dl.set_step_budget(sch, 30.0) is None and dl.step_budget(sch) is None

@@ -39,7 +39,7 @@ def device() -> None:
     pass as "no device"."""
     if HAVE:
         return
-    why = dl._native.vk_witness()[1]
+    why = dl.default_runtime().vk_witness()[1]
     if EXPECTED:
         pytest.fail(f"no Vulkan device although {EXPECTED}: {why}")
     pytest.skip(f"no Vulkan device (no lavapipe installed, DASLLAMA_VK_REQUIRE unset): {why}")
@@ -174,24 +174,25 @@ def test_device_kv_codecs_track_the_cpu_codecs(tmp_path: Path, dt: str) -> None:
 @needs_device
 def test_device_kv_codec_that_does_not_fit_declines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """tq4 needs power-of-two heads: 48-value heads keep the model on the CPU, saying why; so
-    does a DASLLAMA_GPU_KV that names no codec."""
+    does a DASLLAMA_GPU_KV that names no codec (when a runtime is made from it)."""
     import synthetic
 
     path = tmp_path / "m.gguf"
     with monkeypatch.context() as mp:
         mp.setattr(synthetic, "HEAD_DIM", 48)
         write_model(path, QT.F32)
-    for pin, env, words in [("tq4", None, "power of two"), (None, "q4", "DASLLAMA_GPU_KV")]:
-        if env:
-            monkeypatch.setenv("DASLLAMA_GPU_KV", env)
-        gpu.reset_gpu_kv_dtype()
-        if pin:
-            gpu.set_gpu_kv_dtype(pin)
-        arm()
-        dl.load_model(path)
-        slot = gpu.gpu_model_marks_init()
-        assert gpu.gpu_slot_capture(slot) == "cpu"
-        assert words in slot.reason, slot.reason
+    gpu.reset_gpu_kv_dtype()
+    gpu.set_gpu_kv_dtype("tq4")
+    arm()
+    dl.load_model(path)
+    slot = gpu.gpu_model_marks_init()
+    assert gpu.gpu_slot_capture(slot) == "cpu"
+    assert "power of two" in slot.reason, slot.reason
+    gpu.reset_gpu_kv_dtype()
+    # The environment is read when a runtime is made, and a codec it does not name fails there.
+    monkeypatch.setenv("DASLLAMA_GPU_KV", "q4")
+    with pytest.raises(ValueError, match="DASLLAMA_GPU_KV='q4' is not a K/V codec"):
+        dl.Runtime()
 
 
 def assert_scheduler_streams_equal_solo(m: dl.Model, prompts: list[list[int]]) -> None:
@@ -809,7 +810,7 @@ def test_device_choice_and_bad_devices(tmp_path: Path) -> None:
     with pytest.raises(dl.DeviceError, match="budget"):
         dl.load_model(big).to("vulkan", vram_mb=1)
     # "auto" never picks a CPU-type Vulkan device; it falls back to the CPU quietly.
-    ok, _, kind = dl._native.vk_witness()
+    ok, _, kind = dl.default_runtime().vk_witness()
     auto = dl.load_model(path, device="auto")
     assert auto.device.kind == ("vulkan" if ok and kind != "cpu" else "cpu")
 

@@ -10,7 +10,7 @@
 
 import logging
 
-from ._native import amx_status, arch_names, n_threads
+from ._native import amx_status, arch_names
 from .chat import (
     ChatRenderer,
     HarmonySplitter,
@@ -34,6 +34,7 @@ from .errors import ContextOverflowError, DasllamaError, DeviceError, EngineErro
 from .fetch import DEFAULT_MODEL, fetch
 from .grammar import check_grammar, json_object_grammar, json_schema_grammar
 from .model import Model, Numerics, QuantMode, decode, encode, load_model, token_piece
+from .runtime import Runtime, RuntimeConfig, default_runtime, n_threads
 from .sampling_defaults import SamplingDefaults, sampling_defaults
 from .scheduler import PendingReq, SchedEvent, Scheduler, clear_prefix_cache, create_scheduler, evict, n_active, n_queued, scheduler_stats, scheduler_step, set_step_budget, step_budget, submit
 from .session import (
@@ -81,6 +82,8 @@ __all__ = [
     "PendingReq",
     "PlacementStatus",
     "QuantMode",
+    "Runtime",
+    "RuntimeConfig",
     "SamplingDefaults",
     "SamplingParams",
     "SchedEvent",
@@ -105,6 +108,7 @@ __all__ = [
     "create_session",
     "decode",
     "default_pooling",
+    "default_runtime",
     "detach_drafter",
     "device",
     "devices",

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _native
 from .errors import DeviceError
+from .runtime import GpuTier, Runtime, default_runtime
 
 if TYPE_CHECKING:
     from .model import Model
@@ -89,18 +91,19 @@ def _open(d: Device) -> _native.VulkanDevice:
     with _lock:
         dev = _opened.get(d.index)
         if dev is None or dev.lost():
-            dev = _opened[d.index] = _native.VulkanDevice(str(d.index))
+            dev = _opened[d.index] = _native.VulkanDevice(str(d.index), default_runtime().config.vk_allow_cpu)
         return dev
 
 
-def _open_default() -> tuple[Device, _native.VulkanDevice]:
+def _open_default(rt: Runtime | None = None) -> tuple[Device, _native.VulkanDevice]:
     """The Vulkan device DASLLAMA_VK_DEVICE names, else the best one (a CPU-type one only with
-    DASLLAMA_VK_ALLOW_CPU=1), opened once."""
-    ok, why, _ = _native.vk_witness()
+    DASLLAMA_VK_ALLOW_CPU=1), opened once: as ``rt`` (the default runtime) is configured."""
+    rt = rt or default_runtime()
+    ok, why, _ = rt.vk_witness()
     if not ok:
         raise DeviceError(f"no usable Vulkan device: {why}")
     with _lock:
-        dev = _native.VulkanDevice(None)
+        dev = _native.VulkanDevice(rt.config.vk_device, rt.config.vk_allow_cpu)
         d = _describe(dev.info())
         assert d.index is not None
         held = _opened.get(d.index)
@@ -129,7 +132,7 @@ def device(spec: str | Device) -> Device:
     if s == "cpu":
         return CPU
     if s == "auto":
-        ok, _, kind = _native.vk_witness()
+        ok, _, kind = default_runtime().vk_witness()
         if not ok or kind == "cpu":
             # A CPU-type Vulkan device (lavapipe) is slower than the CPU path: only on request.
             return CPU
@@ -191,7 +194,8 @@ def place(m: Model, d: Device, opts: PlaceOptions) -> tuple[str, str]:
         _native.unplace_model(m._native)
         m._device = CPU
         return "cpu", "placed on the CPU"
-    tier, why = _native.place_model(m._native, _open(d), opts.regions, opts.ctx_max, opts.ctx_strict, opts.kv_dtype, opts.vram())
+    cfg = m.runtime.config
+    tier, why = _native.place_model(m._native, _open(d), opts.regions, opts.ctx_max, opts.ctx_strict, opts.kv_dtype or cfg.gpu_kv, opts.vram(), cfg.vk_log)
     m._device = d if tier != "cpu" else CPU
     return tier, why
 
@@ -199,3 +203,23 @@ def place(m: Model, d: Device, opts: PlaceOptions) -> tuple[str, str]:
 def placement(m: Model) -> PlacementStatus | None:
     st = _native.placement_status(m._native)
     return None if st is None else PlacementStatus(**st)
+
+
+def tier_options(t: GpuTier) -> PlaceOptions:
+    """How the tier ``t`` places a model: its pins, and its want's cap."""
+    return PlaceOptions(t.regions, t.ctx_max, t.ctx_strict, t.kv_pin, t.want.with_env().vram_mb)
+
+
+def tier_install(t: GpuTier, m: Model) -> str:
+    """Put ``m`` on the device the tier ``t`` armed, recording the outcome for gpu_slot_capture."""
+    if t.armed is None:
+        t.outcome, t.install_reason = "cpu", t.reason or "the GPU tier was not armed before the load"
+    elif t.model() not in (None, m):
+        t.outcome, t.install_reason = "cpu", "the device still holds another model: hydrate its sessions and drop it first (the switch order)"
+    else:
+        t.outcome, t.install_reason = place(m, t.armed, tier_options(t))
+        if t.outcome == "gpu:resident":
+            t.install_reason = ""
+        if t.outcome != "cpu":
+            t.held = weakref.ref(m)
+    return t.outcome

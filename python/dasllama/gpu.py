@@ -38,14 +38,13 @@ every session's matmuls over them run there, while the rest stays on the CPU ove
 
 from __future__ import annotations
 
-import os
-import weakref
 from dataclasses import dataclass, field
 
 from . import _native
-from .devices import CPU, Device, PlaceOptions, _open_default, place
+from .devices import CPU, PlaceOptions, _open_default, place, tier_install
 from .errors import DeviceError
 from .model import Model
+from .runtime import GpuTier, GpuTierWant, default_runtime
 from .scheduler import Scheduler
 from .session import KVDtype, Session, check_kv_dtype
 
@@ -102,7 +101,7 @@ def kernel_backend_available(name: str) -> bool:
     if name == "cpu":
         return True
     if name == "vulkan":
-        return _native.vk_witness()[0]
+        return default_runtime().vk_witness()[0]
     raise ValueError(f"unknown kernel backend '{name}' (cpu or vulkan)")
 
 
@@ -110,25 +109,6 @@ def vulkan_devices() -> list[dict[str, object]]:
     """Every Vulkan device the loader reports: index, name, kind ("discrete", "integrated",
     "virtual", "cpu"), api_version, vram_bytes. Raises DeviceError where there is no loader."""
     return _native.vk_devices()
-
-
-@dataclass
-class GpuTierWant:
-    """What the next load should put on the device. A zero want (``auto_tier=False``) keeps the
-    load off it. ``DASLLAMA_GPU`` overrides ``auto_tier``, ``DASLLAMA_GPU_VRAM_MB`` the cap."""
-
-    auto_tier: bool = False
-    vram_mb: int = 0  # cap on the device memory the model may take (0: the device's budget)
-
-    def with_env(self) -> GpuTierWant:
-        auto, vram = self.auto_tier, self.vram_mb
-        if "DASLLAMA_GPU" in os.environ:
-            auto = os.environ["DASLLAMA_GPU"].strip().lower() not in ("0", "off", "false", "cpu", "")
-        try:
-            vram = int(os.environ.get("DASLLAMA_GPU_VRAM_MB", vram))
-        except ValueError:
-            pass
-        return GpuTierWant(auto, vram)
 
 
 @dataclass
@@ -146,58 +126,9 @@ class GpuTierStatus:
     chains_replayed: int = 0  # device steps that replayed a chain kept from an earlier step of that shape
 
 
-class _Tier:
-    """The tutorial's per-process tier: the want and pins, the armed device, and the model the
-    last install put there (weakly: dropping the model frees its device memory)."""
-
-    def __init__(self) -> None:
-        self.want = GpuTierWant()
-        self.armed: Device | None = None
-        self.reason = ""
-        self.held: weakref.ref[Model] | None = None
-        self.outcome = ""
-        self.install_reason = ""
-        self.regions = 4
-        self.ctx_max = 4096
-        self.ctx_strict = False
-        self.kv_pin: str | None = None
-        self.prefill_allowed = True
-
-    def model(self) -> Model | None:
-        m = self.held() if self.held is not None else None
-        if m is not None and m.device.kind == "cpu":
-            self.held = None
-            return None
-        return m
-
-    def options(self) -> PlaceOptions:
-        return PlaceOptions(self.regions, self.ctx_max, self.ctx_strict, self.kv_pin, self.want.with_env().vram_mb)
-
-    def install(self, m: Model) -> str:
-        """Put ``m`` on the armed device, recording the outcome for gpu_slot_capture."""
-        if self.armed is None:
-            self.outcome, self.install_reason = "cpu", self.reason or "the GPU tier was not armed before the load"
-        elif self.model() not in (None, m):
-            self.outcome, self.install_reason = "cpu", "the device still holds another model: hydrate its sessions and drop it first (the switch order)"
-        else:
-            self.outcome, self.install_reason = place(m, self.armed, self.options())
-            if self.outcome == "gpu:resident":
-                self.install_reason = ""
-            if self.outcome != "cpu":
-                self.held = weakref.ref(m)
-        return self.outcome
-
-
-_TIER = _Tier()
-
-
-def _install_armed(m: Model) -> bool:
-    """A load with no device named: an armed tier takes the model (or records why not). False
-    when the tier is not armed, so the load follows its defaults."""
-    if _TIER.armed is None:
-        return False
-    _TIER.install(m)
-    return True
+def _tier() -> GpuTier:
+    """The default runtime's tier: the one these tutorial calls drive."""
+    return default_runtime().tier
 
 
 def _placement(m: Model | None) -> dict[str, object] | None:
@@ -208,13 +139,13 @@ def set_gpu_tier_want(want: GpuTierWant) -> None:
     """Record the tier request the next :func:`moe_gpu_tier_arm` / load honours."""
     if want.vram_mb < 0:
         raise ValueError(f"vram_mb must be >= 0, got {want.vram_mb}")
-    _TIER.want = GpuTierWant(bool(want.auto_tier), int(want.vram_mb))
+    _tier().want = GpuTierWant(bool(want.auto_tier), int(want.vram_mb))
 
 
 def moe_gpu_tier_arm() -> bool:
     """Arm the recorded want: open the device so the next load can go there. False when the want
     is zero or no device answers (:func:`gpu_tier_status` says why)."""
-    t = _TIER
+    t = _tier()
     t.armed = None
     if not t.want.with_env().auto_tier:
         t.reason = "the GPU tier is off (zero want, --gpu off or DASLLAMA_GPU=0)"
@@ -231,7 +162,7 @@ def moe_gpu_tier_arm() -> bool:
 def moe_gpu_weight_budget() -> int:
     """Bytes the armed device will hold for a model (0 when not armed): what it has free, plus
     what the installed model holds there."""
-    t = _TIER
+    t = _tier()
     if t.armed is None:
         return 0
     st = _placement(t.model())
@@ -244,8 +175,8 @@ def moe_gpu_weight_budget() -> int:
 
 def gpu_tier_status() -> GpuTierStatus:
     """A snapshot for status pages (never waits for a device step)."""
-    t = _TIER
-    supported, why, _ = _native.vk_witness()
+    t = _tier()
+    supported, why, _ = default_runtime().vk_witness()
     s = GpuTierStatus("cpu", "", supported, "", 0, 0, 0, 0, 0)
     if t.armed is not None:
         s.device = t.armed.name
@@ -287,7 +218,7 @@ def gpu_slot_capture(st: GpuModelMarks) -> str:
 
 def gpu_outcome() -> tuple[str, str]:
     """(the last install's outcome, why it stayed on the CPU)."""
-    t = _TIER
+    t = _tier()
     if not t.outcome:
         return "cpu", gpu_resident_decline()
     return t.outcome, t.install_reason
@@ -303,7 +234,7 @@ def moe_gpu_hydrate_session(m: Model, s: Session) -> None:
 def moe_gpu_drop_model() -> None:
     """Free the installed model's whole device state (it runs on the CPU afterwards). Device
     sessions not hydrated first fail their next call with a clear error."""
-    t = _TIER
+    t = _tier()
     m = t.model()
     if m is not None:
         place(m, CPU, PlaceOptions())
@@ -331,9 +262,10 @@ def gpu_slot_rearm(want: GpuTierWant, m: Model) -> str:
     model (the switch order: hydrate, drop, save; then restore, rearm)."""
     set_gpu_tier_want(want)
     if not moe_gpu_tier_arm():
-        _TIER.outcome, _TIER.install_reason = "cpu", _TIER.reason
+        t = _tier()
+        t.outcome, t.install_reason = "cpu", t.reason
         return "cpu"
-    return _TIER.install(m)
+    return tier_install(_tier(), m)
 
 
 def gpu_install_reason() -> str:
@@ -344,11 +276,11 @@ def gpu_install_reason() -> str:
 def set_resident_prefill_allowed(allowed: bool) -> None:
     """Kept for the tutorial's order (a multi-stream scheduler pins it off). Device-home sessions
     never share a mirror here, so the pin changes nothing in this driver."""
-    _TIER.prefill_allowed = bool(allowed)
+    _tier().prefill_allowed = bool(allowed)
 
 
 def resident_prefill_allowed() -> bool:
-    return _TIER.prefill_allowed
+    return _tier().prefill_allowed
 
 
 def _resident(m: Model | None) -> dict[str, object] | None:
@@ -367,19 +299,19 @@ def set_gpu_resident_regions(n: int) -> None:
     """How many device-home streams the next load serves (one K/V region each)."""
     if n < 1:
         raise ValueError(f"the device needs at least one region, got {n}")
-    _TIER.regions = int(n)
+    _tier().regions = int(n)
 
 
 def set_gpu_ctx_max(n: int) -> None:
     """Cap the positions one region holds (0: the model's context)."""
     if n < 0:
         raise ValueError(f"ctx_max must be >= 0, got {n}")
-    _TIER.ctx_max = int(n)
+    _tier().ctx_max = int(n)
 
 
 def set_gpu_ctx_strict(strict: bool) -> None:
     """True: the cap is the context asked for, held for every region or the load declines."""
-    _TIER.ctx_strict = bool(strict)
+    _tier().ctx_strict = bool(strict)
 
 
 @dataclass
@@ -389,7 +321,7 @@ class GpuCtxPins:
 
 
 def gpu_ctx_pins() -> GpuCtxPins:
-    return GpuCtxPins(_TIER.ctx_max, _TIER.ctx_strict)
+    return GpuCtxPins(_tier().ctx_max, _tier().ctx_strict)
 
 
 def set_gpu_kv_dtype(dt: KVDtype | str) -> None:
@@ -397,7 +329,7 @@ def set_gpu_kv_dtype(dt: KVDtype | str) -> None:
     (about a quarter), stored as the CPU's codecs store them. Unpinned, ``DASLLAMA_GPU_KV``
     decides (default f16). A model whose head size the codec cannot take stays on the CPU, saying
     so."""
-    _TIER.kv_pin = check_kv_dtype(dt)
+    _tier().kv_pin = check_kv_dtype(dt)
 
 
 @dataclass
@@ -407,27 +339,27 @@ class GpuKvDtypePin:
 
 
 def gpu_kv_dtype_pin() -> GpuKvDtypePin:
-    name = _TIER.kv_pin
+    name = _tier().kv_pin
     return GpuKvDtypePin(KVDtype(name or "f16"), name is not None)
 
 
 def reset_gpu_kv_dtype() -> None:
-    _TIER.kv_pin = None
+    _tier().kv_pin = None
 
 
 def gpu_device_sessions() -> int:
     """Regions the driver serves (0 on a CPU box or when the model is not on the device)."""
-    st = _resident(_TIER.model())
+    st = _resident(_tier().model())
     return 0 if st is None else int(st["regions"])  # type: ignore[call-overload]
 
 
 def gpu_resident_decline() -> str:
     """Why the resident driver does not serve, in words a person can act on ("" while it does)."""
-    t = _TIER
+    t = _tier()
     m = t.model()
     if _resident(m) is not None:
         return ""
-    supported, why, _ = _native.vk_witness()
+    supported, why, _ = default_runtime().vk_witness()
     if not supported:
         return why
     st = _placement(m)
@@ -439,18 +371,17 @@ def gpu_resident_decline() -> str:
 
 
 def gpu_device_session_ctx() -> int:
-    st = _resident(_TIER.model())
+    st = _resident(_tier().model())
     return 0 if st is None else int(st["session_ctx"])  # type: ignore[call-overload]
 
 
 def gpu_device_session_dtype() -> KVDtype:
     """The codec device-home sessions carry: the installed model's, else what the next install
     would use."""
-    st = _resident(_TIER.model())
+    st = _resident(_tier().model())
     if st is not None and st["kv_dtype"]:
         return KVDtype(st["kv_dtype"])
-    env = os.environ.get("DASLLAMA_GPU_KV", "")
-    return KVDtype(_TIER.kv_pin or (env if env in ("f16", "q8_0", "tq4") else "f16"))
+    return KVDtype(_tier().kv_pin or default_runtime().config.gpu_kv or "f16")
 
 
 def gpu_device_prefill_window() -> int:
@@ -505,7 +436,7 @@ class GpuCpuPass:
 def gpu_cpu_passes() -> list[GpuCpuPass]:
     """The honesty counter: every kind of call that ran on the CPU while the installed model was
     on the device, with how many and why."""
-    m = _TIER.model()
+    m = _tier().model()
     return [] if m is None else [GpuCpuPass(n, w) for n, w in _native.placement_cpu_passes(m._native)]
 
 

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from . import _native
-from .devices import CPU, Device, PlacementStatus, PlaceOptions, default_device, place, placement
+from .devices import CPU, Device, PlacementStatus, PlaceOptions, default_device, place, placement, tier_install
 from .devices import device as resolve_device
 from .errors import DeviceError, GgufError, UnsupportedModelError
 from .fetch import fetch
 from .fetch.hub import is_hub_ref
 from .gguf_file import meta_section, read_header
+from .runtime import Runtime, default_runtime
 from .vision import Projector, find_sidecar, load_mmproj
 
 log = logging.getLogger("dasllama")
@@ -48,8 +49,10 @@ class Numerics(enum.Enum):
 class Model:
     """A loaded model. Read-only and shareable between sessions and threads."""
 
-    def __init__(self, native: _native.Model, metadata: dict[str, Any], path: Path) -> None:
+    def __init__(self, native: _native.Model, metadata: dict[str, Any], path: Path, runtime: Runtime) -> None:
         self._native = native
+        # What it runs with (threads, K/V page bin, GPU tier): its sessions and schedulers too.
+        self.runtime = runtime
         self.metadata = metadata
         self.path = path
         self.arch: str = native.arch
@@ -161,6 +164,7 @@ def load_model(
     numerics: Numerics | str = Numerics.fast,
     device: str | Device | None = None,
     mmproj: str | os.PathLike[str] | bool | None = None,
+    runtime: Runtime | None = None,
 ) -> Model:
     """Load a GGUF model: a path, a known name, or a Hugging Face model (``hf://owner/repo/file.gguf``
     or ``owner/repo[:quant]``, through ``huggingface_hub``), the last two fetched on first use.
@@ -179,6 +183,9 @@ def load_model(
     ``device``: "cpu", "vulkan", "vulkan:N", "auto" or a :class:`Device` (see ``Model.to``).
     None follows the tutorial's armed GPU tier when it is armed (``dasllama.gpu``), else
     ``DASLLAMA_DEVICE`` / ``DASLLAMA_GPU``, else the CPU.
+
+    ``runtime``: the :class:`~dasllama.Runtime` it runs on (its threads, K/V page bin, GPU tier);
+    None: the default runtime, made from the environment on first use.
 
     Raises GgufError for a missing, malformed or truncated file and UnsupportedModelError for an
     architecture, tokenizer or tensor type this build does not implement.
@@ -200,14 +207,15 @@ def load_model(
     if arch not in _native.arch_names():
         raise UnsupportedModelError(f"{p}: architecture '{arch}' is not supported (supported: {', '.join(_native.arch_names())})")
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
-    native = _native.load_model(str(p), arch, meta_section(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
+    rt = runtime if runtime is not None else default_runtime()
+    native = _native.load_model(rt._native, str(p), arch, meta_section(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
     log.info("loaded %s (%s, %s, %s numerics) in %.2fs", p.name, arch, qm.value, nm.value, time.perf_counter() - t0)
-    model = Model(native, meta, p)
+    model = Model(native, meta, p, rt)
     _attach_projector(model, mmproj)
     if device is None:
-        from . import gpu
-
-        if gpu._install_armed(model):
+        if rt.tier.armed is not None:
+            # The tutorial's armed tier takes the model (or records why not).
+            tier_install(rt.tier, model)
             return model
         device = default_device()
     if str(device).strip().lower() != "cpu":
@@ -225,7 +233,7 @@ def _attach_projector(model: Model, mmproj: str | os.PathLike[str] | bool | None
         if mmproj is True:
             raise GgufError(f"{model.path}: no mmproj*.gguf beside the model (pass its path as mmproj=)")
         return
-    proj = load_mmproj(path)
+    proj = load_mmproj(path, model.runtime)
     dim = int(model.config["dim"])
     if proj.text_dim != dim:
         msg = f"{path}: the projector writes rows of {proj.text_dim} values but {model.path.name} embeds {dim}: it belongs to another model"

@@ -22,6 +22,7 @@ import numpy as np
 from . import _native
 from .errors import GgufError, UnsupportedModelError
 from .gguf_file import meta_section, read_header
+from .runtime import Runtime, default_runtime
 
 log = logging.getLogger("dasllama")
 
@@ -77,10 +78,10 @@ class Projector:
         return repr(self.native)
 
 
-def load_mmproj(path: str | os.PathLike[str]) -> Projector:
-    """Load an mmproj GGUF. Raises GgufError for a file that is not one (not the ``clip``
-    architecture, no projector type) and UnsupportedModelError for a projector type this build
-    does not run."""
+def load_mmproj(path: str | os.PathLike[str], runtime: Runtime | None = None) -> Projector:
+    """Load an mmproj GGUF (its passes run on ``runtime``, else the default runtime). Raises
+    GgufError for a file that is not one (not the ``clip`` architecture, no projector type) and
+    UnsupportedModelError for a projector type this build does not run."""
     p = Path(path).expanduser()
     hdr = read_header(p)
     meta = hdr.metadata
@@ -94,7 +95,8 @@ def load_mmproj(path: str | os.PathLike[str]) -> Projector:
         raise UnsupportedModelError(f"{p}: projector type '{ptype}' is not supported (supported: {', '.join(sorted(_MARKERS))})")
     clip = meta_section(meta, "clip")
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
-    return Projector(_native.load_vision(str(p), clip, tensors), p, meta)
+    rt = runtime if runtime is not None else default_runtime()
+    return Projector(_native.load_vision(rt._native, str(p), clip, tensors), p, meta)
 
 
 def find_sidecar(model_path: Path) -> Path | None:
@@ -255,7 +257,10 @@ def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | N
     projector's begin marker, its rows, and its end marker (Gemma 3: ``<start_of_image>``, 256
     rows, ``<end_of_image>``). Raises ValueError for a model without a projector, or markers and
     images that do not pair up; ImageError for an image that does not decode."""
-    from .model import encode
+    def encode(m: Any, text: str, add_bos: bool | None, special: bool) -> list[int]:
+        # The native call itself: dasllama.model builds on this module (a model holds its
+        # projector), so this one does not import it back.
+        return _native.encode(m._native, text, add_bos, special)
 
     proj: Projector | None = m.projector
     pieces = text.split(marker)

@@ -23,6 +23,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..errors import FetchError
+from .cache import cache_dir
+from .hub import fetch_hub, parse_ref
 
 log = logging.getLogger("dasllama.fetch")
 
@@ -55,10 +57,6 @@ KNOWN: dict[str, ModelSpec] = {
     ),
 }
 ALIASES = {"smollm2": "smollm2-135m-instruct", "smollm2-135m": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "gemma-3-270m": "gemma3-270m"}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DASLLAMA_HOME", Path.home() / ".cache" / "dasllama" / "models"))
 
 
 def known_names() -> list[str]:
@@ -122,8 +120,6 @@ def fetch(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, *, progress: boo
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
-    from .hub import fetch_hub, parse_ref
-
     ref = parse_ref(str(name_or_path))
     if ref is not None:
         return fetch_hub(ref, progress=progress)

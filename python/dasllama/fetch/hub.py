@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FetchError
+from .cache import cache_dir
 
 log = logging.getLogger("dasllama.fetch")
 
@@ -72,8 +73,6 @@ def is_hub_ref(spec: str) -> bool:
 
 
 def hub_dir() -> Path:
-    from . import cache_dir
-
     return cache_dir() / "hf"
 
 

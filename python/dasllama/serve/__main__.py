@@ -17,16 +17,18 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import _native, gpu
+from .. import gpu
 from .._cli import HelpFormatter
 from ..fetch import DEFAULT_MODEL, known_names
 from ..fetch.hub import is_hub_ref
 from ..model import load_model
+from ..runtime import default_runtime
 from ..sampling_defaults import LLAMA_SERVER, describe, sampling_defaults
 from ..session import KVDtype
 from ..speculative import MAX_DRAFT, SPEC_MODES
 from ..speculative import configure as configure_spec
-from .app import Server, build_app
+from .app import Server
+from .asgi import build_app
 from .engine import DEFAULT_N_PREDICT, Engine
 from .tools_builtin import start_tools
 
@@ -163,7 +165,7 @@ def arm_gpu(args: argparse.Namespace) -> bool:
         os.environ["DASLLAMA_VK_DEVICE"] = args.gpu_device
     if args.gpu == "off":
         return False
-    available, name, kind = _native.vk_witness()
+    available, name, kind = default_runtime().vk_witness()
     if not available:
         if args.gpu == "vulkan":
             raise SystemExit(f"--gpu vulkan: no usable Vulkan device ({name})")
@@ -240,7 +242,7 @@ def load_models(server: Server, args: argparse.Namespace) -> None:
         server.add(eng, spec, m.path.stem)
         log.info("serving %s as '%s' (speculative decoding: %s)", m.path.name, name, drafting)
         cap = min(eng.n_predict, int(m.config["seq_len"])) if eng.n_predict else int(m.config["seq_len"])
-        log.info("'%s' defaults: %s; at most %d tokens a request (--n-predict); %d kernel threads", name, describe(eng.sampling), cap, _native.n_threads())
+        log.info("'%s' defaults: %s; at most %d tokens a request (--n-predict); %d kernel threads", name, describe(eng.sampling), cap, m.runtime.threads)
         if not m.chat_template:
             log.warning(
                 "'%s' (%s) has no chat template: it is a base model, so only /v1/completions works for it; /v1/chat/completions answers 400 (no_chat_template)", name, m.path.name

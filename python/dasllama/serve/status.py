@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
-from .. import _native
+from ..runtime import n_threads
 
 if TYPE_CHECKING:
     from .app import Server
@@ -24,7 +24,7 @@ def tier_status() -> dict[str, Any]:
     honesty counter, or the CPU's kernel threads."""
     from .. import gpu
 
-    threads = int(_native.n_threads())
+    threads = n_threads()
     try:
         st = gpu.gpu_tier_status()
     except Exception as e:  # noqa: BLE001 - the status page reports a broken tier query instead of failing whole

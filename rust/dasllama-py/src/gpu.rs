@@ -23,12 +23,15 @@ fn info_dict<'py>(py: Python<'py>, d: &DeviceInfo) -> PyResult<Bound<'py, PyDict
     Ok(o)
 }
 
-/// (available, device name or the reason there is none, device kind); enumerates once and caches.
+/// (available, device name or the reason there is none, device kind) for the device `pick`
+/// names, else the best one (CPU-type ones only where `allow_cpu`). It enumerates each call: the
+/// Python `Runtime` keeps the verdict.
 #[pyfunction]
-fn vk_witness(py: Python<'_>) -> (bool, String, &'static str) {
-    py.allow_threads(|| match vulkan::witness() {
-        Ok(d) => (true, d.name.clone(), d.kind),
-        Err(e) => (false, e.clone(), ""),
+#[pyo3(signature = (pick, allow_cpu))]
+fn vk_witness(py: Python<'_>, pick: Option<String>, allow_cpu: bool) -> (bool, String, &'static str) {
+    py.allow_threads(|| match vulkan::witness(pick.as_deref(), allow_cpu) {
+        Ok(d) => (true, d.name, d.kind),
+        Err(e) => (false, e, ""),
     })
 }
 
@@ -47,12 +50,12 @@ pub struct PyDevice {
 
 #[pymethods]
 impl PyDevice {
-    /// Open the device `pick` names (an index or part of its name), else the one
-    /// DASLLAMA_VK_DEVICE names, else the best kind.
+    /// Open the device `pick` names (an index or part of its name), else the best kind;
+    /// CPU-type ones only where `allow_cpu`.
     #[new]
-    #[pyo3(signature = (pick=None))]
-    fn open(py: Python<'_>, pick: Option<String>) -> PyResult<Self> {
-        let inner = native(py, "opening a Vulkan device", || vulkan::Device::open(pick.as_deref()))?;
+    #[pyo3(signature = (pick, allow_cpu))]
+    fn open(py: Python<'_>, pick: Option<String>, allow_cpu: bool) -> PyResult<Self> {
+        let inner = native(py, "opening a Vulkan device", || vulkan::Device::open(pick.as_deref(), allow_cpu))?;
         Ok(PyDevice { inner })
     }
 
@@ -91,7 +94,7 @@ impl PyDevice {
 /// Place `m` on `dev` (taking it off any device first): "gpu:resident" or "gpu:rails", and the
 /// reason it is not resident; ("cpu", reason) when it stays on the CPU.
 #[pyfunction]
-#[pyo3(signature = (m, dev, regions, ctx_max, ctx_strict, kv_dtype=None, vram_mb=0))]
+#[pyo3(signature = (m, dev, regions, ctx_max, ctx_strict, kv_dtype=None, vram_mb=0, log=false))]
 #[allow(clippy::too_many_arguments)]
 fn place_model(
     py: Python<'_>,
@@ -102,9 +105,10 @@ fn place_model(
     ctx_strict: bool,
     kv_dtype: Option<&str>,
     vram_mb: u64,
+    log: bool,
 ) -> PyResult<(String, String)> {
     let codec = kv_dtype.map(|n| KvCodec::parse(n).ok_or_else(|| PyValueError::new_err(format!("unknown K/V dtype '{n}' (f16, q8_0 or tq4)")))).transpose()?;
-    let opts = vulkan::Options { regions, ctx_max, ctx_strict, codec, vram_mb };
+    let opts = vulkan::Options { regions, ctx_max, ctx_strict, codec, vram_mb, log };
     let (model, device) = (m.inner.clone(), dev.inner.clone());
     py.allow_threads(|| {
         // What the model held counts as free for its new place.

@@ -9,6 +9,8 @@ use dasllama::embed::Pooling;
 use dasllama::kv::{KvCodec, KvPool, PoolStats};
 use dasllama::model::forward::LogitRows;
 use dasllama::model::{Assistant, Attention, MetaValue, Metadata, Mixer, Model, MtpHead, Numerics, QuantMode, TensorInfo};
+use dasllama::quant::switches::{self, Switches};
+use dasllama::runtime::{self, Runtime};
 use dasllama::sampling::SamplingParams;
 use dasllama::sched::{EventKind, Finish, Nothink, PendingReq, PromptImage, SchedEvent, Scheduler};
 use dasllama::session::{BatchWorkspace, Session};
@@ -205,11 +207,57 @@ impl PySession {
     }
 }
 
+/// A runtime: the thread team, page bin, scratch and settings its models run with (the Python
+/// `dasllama.Runtime` builds it from its arguments and the environment).
+#[pyclass(module = "dasllama._native", name = "Runtime", frozen)]
+pub struct PyRuntime {
+    inner: Arc<Runtime>,
+}
+
+#[pymethods]
+impl PyRuntime {
+    /// `threads` (0: one per physical core); `step_budget` in seconds (None: fixed chunks).
+    #[new]
+    #[pyo3(signature = (threads, step_budget))]
+    fn new(threads: usize, step_budget: Option<f64>) -> PyResult<Self> {
+        if let Some(s) = step_budget.filter(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(PyValueError::new_err(format!("step budget must be a positive, finite number of seconds (got {s}); pass None for fixed chunks")));
+        }
+        Ok(PyRuntime { inner: Runtime::new(runtime::Config { threads, step_budget }) })
+    }
+
+    #[getter]
+    fn threads(&self) -> usize {
+        self.inner.cpu().threads()
+    }
+
+    #[getter]
+    fn step_budget(&self) -> Option<f64> {
+        self.inner.config().step_budget
+    }
+
+    /// Bytes of dropped K/V page buffers waiting in this runtime's bin for reuse.
+    fn page_bin_bytes(&self) -> usize {
+        self.inner.pages().bytes()
+    }
+
+    /// Test hook: the next kernel task on this runtime's thread team panics.
+    #[cfg(feature = "fault-injection")]
+    fn _inject_kernel_fault(&self) {
+        self.inner.cpu().team().inject_fault();
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Runtime(threads={}, step_budget={:?})", self.inner.cpu().threads(), self.inner.config().step_budget)
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (path, arch, meta, tensors, tokenizer_model, tokenizer_pre, tokens, token_types, scores, merges, bos, eos, eog, add_bos, add_space_prefix, quant, numerics="fast"))]
+#[pyo3(signature = (rt, path, arch, meta, tensors, tokenizer_model, tokenizer_pre, tokens, token_types, scores, merges, bos, eos, eog, add_bos, add_space_prefix, quant, numerics="fast"))]
 fn load_model(
     py: Python<'_>,
+    rt: &PyRuntime,
     path: String,
     arch: String,
     meta: HashMap<String, PyMeta>,
@@ -247,7 +295,7 @@ fn load_model(
             Error::UnsupportedModel(m) | Error::Gguf(m) => Error::UnsupportedModel(format!("{path}: {m}")),
             other => other,
         })?;
-        Model::load(std::path::Path::new(&path), &arch, &meta, &tensors, tok, quant, numerics)
+        Model::load(&rt.inner, std::path::Path::new(&path), &arch, &meta, &tensors, tok, quant, numerics)
     })?;
     Ok(PyModel { inner: Arc::new(model), arch, path })
 }
@@ -295,7 +343,7 @@ fn create_kv_pool(py: Python<'_>, m: &PyModel, page_rows: usize, max_pages: usiz
     let model = &m.inner;
     let inner = native(py, "create_kv_pool", || {
         model.check_kv(&geo)?;
-        KvPool::new(geo, max_pages, 0)
+        KvPool::new(geo, max_pages, 0, model.rt.pages())
     })?;
     Ok(PyKvPool { model: m.inner.clone(), inner })
 }
@@ -896,7 +944,7 @@ fn submit(
 #[pyfunction]
 fn check_grammar(py: Python<'_>, m: &PyModel, grammar: &str) -> PyResult<()> {
     let model = &m.inner;
-    native(py, "check_grammar", || dasllama::constrain::env_for(model)?.compile(grammar).map(drop))
+    native(py, "check_grammar", || model.grammar_env()?.compile(grammar).map(drop))
 }
 
 /// One tick; returns (work remains, events).
@@ -923,13 +971,6 @@ fn evict(py: Python<'_>, m: &PyModel, sch: &mut PyScheduler, id: i64) -> PyResul
 #[pyfunction]
 fn _inject_stream_fault(sch: &mut PyScheduler, id: i64) -> bool {
     sch.inner.inject_fault(id)
-}
-
-/// Test hook: the next kernel task on the thread team panics.
-#[cfg(feature = "fault-injection")]
-#[pyfunction]
-fn _inject_kernel_fault() {
-    dasllama::cpu::spin::inject::arm();
 }
 
 /// Draft exactly `k` tokens per stream where the drafter can (None: adaptive).
@@ -994,10 +1035,24 @@ fn arch_names() -> Vec<&'static str> {
     dasllama::model::arch_names()
 }
 
-/// The number of threads kernels run on (DASLLAMA_THREADS, else physical cores).
+/// Fix the kernel switches for this process, before any kernel runs (`dasllama.runtime` does,
+/// from the DASLLAMA_NO_* variables, at import). Raises once a kernel has read other switches.
 #[pyfunction]
-fn n_threads() -> usize {
-    dasllama::cpu::n_threads()
+#[pyo3(signature = (no_simd, no_avx512, no_vnni, no_amx, amx, amx_log, prefetch))]
+fn configure_kernels(
+    no_simd: bool,
+    no_avx512: bool,
+    no_vnni: bool,
+    no_amx: bool,
+    amx: Option<bool>,
+    amx_log: bool,
+    prefetch: Option<(usize, Option<u8>)>,
+) -> PyResult<()> {
+    let names = [("DASLLAMA_NO_SIMD", no_simd), ("DASLLAMA_NO_AVX512", no_avx512), ("DASLLAMA_NO_VNNI", no_vnni), ("DASLLAMA_NO_AMX", no_amx)];
+    let set = names.iter().filter(|(_, on)| *on).map(|(n, _)| *n).collect();
+    switches::set(Switches { no_simd, no_avx512, no_vnni, no_amx, amx, amx_log, prefetch, set }).map_err(|now| {
+        PyValueError::new_err(format!("the kernel switches are fixed for this process once a kernel has run ({now:?}); set them before loading a model"))
+    })
 }
 
 /// Whether the GEMM runs on Intel AMX in this process, and why (or why not), in words.
@@ -1091,10 +1146,10 @@ impl PyVision {
 
 /// Load an mmproj file's vision tower: `meta` holds its `clip.*` keys without the prefix.
 #[pyfunction]
-fn load_vision(py: Python<'_>, path: String, meta: HashMap<String, PyMeta>, tensors: Vec<(String, u32, Vec<u64>, u64)>) -> PyResult<PyVision> {
+fn load_vision(py: Python<'_>, rt: &PyRuntime, path: String, meta: HashMap<String, PyMeta>, tensors: Vec<(String, u32, Vec<u64>, u64)>) -> PyResult<PyVision> {
     let meta = Metadata::new("clip", meta.into_iter().map(|(k, v)| (k, v.into())).collect());
     let tensors: Vec<TensorInfo> = tensors.into_iter().map(|(name, ty, shape, offset)| TensorInfo { name, ty, shape, offset }).collect();
-    let v = native(py, "loading the vision tower", || dasllama::vision::Vision::load(std::path::Path::new(&path), &meta, &tensors))?;
+    let v = native(py, "loading the vision tower", || dasllama::vision::Vision::load(&rt.inner, std::path::Path::new(&path), &meta, &tensors))?;
     Ok(PyVision { inner: Arc::new(v), path })
 }
 
@@ -1130,8 +1185,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "fault-injection")]
     {
         m.add_function(wrap_pyfunction!(_inject_stream_fault, m)?)?;
-        m.add_function(wrap_pyfunction!(_inject_kernel_fault, m)?)?;
     }
+    m.add_class::<PyRuntime>()?;
+    m.add_function(wrap_pyfunction!(configure_kernels, m)?)?;
     m.add_class::<PyModel>()?;
     m.add_class::<PySession>()?;
     m.add_class::<Params>()?;
@@ -1181,7 +1237,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scheduler_stats, m)?)?;
     m.add_function(wrap_pyfunction!(clear_prefix_cache, m)?)?;
     m.add_function(wrap_pyfunction!(arch_names, m)?)?;
-    m.add_function(wrap_pyfunction!(n_threads, m)?)?;
     m.add_function(wrap_pyfunction!(amx_status, m)?)?;
     m.add("DeviceError", py.get_type_bound::<DeviceError>())?;
     gpu::register(m)?;

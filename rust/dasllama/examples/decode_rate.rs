@@ -10,8 +10,7 @@
 //! process on a shared box does not stretch. Under valgrind (which has no AVX-512: the AVX2
 //! kernels run) `--toggle-collect='*matmul_many*'` with a small MIB counts the instructions.
 
-use dasllama::cpu::{matmul, team, Bytes, Weight};
-use dasllama::quant::arena;
+use dasllama::cpu::{matmul, Bytes, Cpu, Weight};
 use dasllama::quant::GgmlType;
 use std::time::Instant;
 
@@ -36,14 +35,15 @@ fn main() {
         [] => (8192, 2048, 1024),
         _ => panic!("give ROWS COLS MIB"),
     };
-    let one_thread = dasllama::cpu::n_threads() == 1;
+    let cpu = cpu();
+    let one_thread = cpu.threads() == 1;
     for ty in types {
-        let w = Weight::random_blocks(ty, rows, cols);
+        let w = Weight::random_blocks(ty, rows, cols, &cpu);
         let src = w.data.as_slice();
         let copies = ((mib << 20) / src.len()).max(1);
         let ws: Vec<Weight> = (0..copies)
             .map(|_| {
-                let mut span = arena::alloc(src.len());
+                let mut span = cpu.arena().alloc(src.len());
                 span.as_mut_slice().copy_from_slice(src);
                 Weight { data: Bytes::Arena(span.freeze()), ..w.clone() }
             })
@@ -55,7 +55,7 @@ fn main() {
         for _ in 0..7 {
             let (t0, c0) = (Instant::now(), thread_cpu_s());
             for w in &ws {
-                team().session(|t| matmul(w, &x, 1, &mut out, &mut act, t));
+                cpu.team().session(|t| matmul(w, &x, 1, &mut out, &mut act, t));
             }
             best = best.min(t0.elapsed().as_secs_f64());
             best_cpu = best_cpu.min(thread_cpu_s() - c0);
@@ -63,6 +63,11 @@ fn main() {
         let cpu = if one_thread { format!(", {:.2} GB/s of CPU time", bytes / best_cpu / 1e9) } else { String::new() };
         println!("{:<6} {rows}x{cols} x{copies}: {:.2} GB/s{cpu} (best of 7, {:.0} MB)", ty.name(), bytes / best / 1e9, bytes / 1e6);
     }
+}
+
+/// The CPU backend the example runs on: `DASLLAMA_THREADS` threads, else one per physical core.
+fn cpu() -> Cpu {
+    Cpu::new(std::env::var("DASLLAMA_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
 }
 
 /// This thread's CPU time in seconds.

@@ -10,7 +10,7 @@
 //! With `GEMM_RATE_SHAPE=ROWSxCOLS`: that shape instead of the second (one larger than the caches
 //! gives a decode row's rate from memory).
 
-use dasllama::cpu::{matmul, team, Weight};
+use dasllama::cpu::{matmul, Cpu, Weight};
 use dasllama::quant::GgmlType;
 use std::time::Instant;
 
@@ -19,6 +19,7 @@ fn parse(name: &str) -> GgmlType {
 }
 
 fn main() {
+    let cpu = cpu();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let split = args.iter().position(|a| a == "--").unwrap_or(args.len());
     let mut types: Vec<GgmlType> = args[..split].iter().map(|a| parse(a)).collect();
@@ -57,7 +58,7 @@ fn main() {
     }
     println!("{:<6} {:>5} {:>12} {:>12}", "format", "rows", "2048->8192", format!("{cols2}->{rows2}"));
     for ty in types {
-        let ws = [Weight::random_blocks(ty, 8192, 2048), Weight::random_blocks(ty, rows2, cols2)];
+        let ws = [Weight::random_blocks(ty, 8192, 2048, &cpu), Weight::random_blocks(ty, rows2, cols2, &cpu)];
         for &n in &ns {
             let mut rates = Vec::new();
             for w in &ws {
@@ -69,7 +70,7 @@ fn main() {
                 for _ in 0..3 {
                     let t0 = Instant::now();
                     for _ in 0..reps {
-                        team().session(|t| matmul(w, &x, n, &mut out, &mut act, t));
+                        cpu.team().session(|t| matmul(w, &x, n, &mut out, &mut act, t));
                     }
                     best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
                 }
@@ -87,7 +88,7 @@ fn variants(ty: GgmlType, n: usize) {
     use dasllama::quant::tile::{tile_bytes, TILE_ROWS};
     use dasllama::quant::{act_row_bytes, quantize_row};
     for (rows, cols) in [(8192, 2048), (2048, 8192), (64, 256), (256, 2048)] {
-        let w = Weight::random_blocks(ty, rows, cols);
+        let w = Weight::random_blocks(ty, rows, cols, &Cpu::new(1));
         let vt = ty.vec_dot_type();
         let arb = act_row_bytes(vt, cols);
         let mut act = vec![0u8; n * arb];
@@ -221,4 +222,9 @@ fn peak() {
         }
         println!("peak {name:<16} {:>8.1} G int8 multiply-adds/s (one thread) [{sink}]", (iters * 32 * 32) as f64 / best / 1e9);
     }
+}
+
+/// The CPU backend the example runs on: `DASLLAMA_THREADS` threads, else one per physical core.
+fn cpu() -> Cpu {
+    Cpu::new(std::env::var("DASLLAMA_THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
 }

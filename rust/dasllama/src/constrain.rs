@@ -7,29 +7,12 @@
 //! control tokens carry llguidance's special marker, so no grammar text can match them, and the
 //! end-of-generation tokens are allowed exactly where the grammar may end.
 
-use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
-use std::sync::{Arc, Mutex, Weak};
-
-/// The grammar environment of `model`, made once and shared by all its schedulers: indexing a
-/// vocabulary takes about a second, which a caller can spend ahead of time (the server does, off
-/// its engine thread) so that no scheduler step waits for it.
-pub fn env_for(model: &Arc<Model>) -> Result<Arc<GrammarEnv>> {
-    static ENVS: Mutex<Vec<(Weak<Model>, Arc<GrammarEnv>)>> = Mutex::new(Vec::new());
-    // A panic while building one left nothing half-made in the list: the lock's data is sound.
-    let mut envs = ENVS.lock().unwrap_or_else(|e| e.into_inner());
-    envs.retain(|(w, _)| w.strong_count() > 0);
-    if let Some((_, env)) = envs.iter().find(|(w, _)| std::ptr::eq(w.as_ptr(), Arc::as_ptr(model))) {
-        return Ok(env.clone());
-    }
-    let env = Arc::new(GrammarEnv::new(&model.tokenizer)?);
-    envs.push((Arc::downgrade(model), env.clone()));
-    Ok(env)
-}
+use std::sync::Arc;
 
 /// What every grammar of one model shares: its token trie and the compiled lexer slices.
 pub struct GrammarEnv {

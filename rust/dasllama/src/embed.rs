@@ -37,7 +37,7 @@ pub fn embed(m: &Model, inputs: &[&[u32]], pooling: Pooling, normalize: bool) ->
         return Err(Error::InvalidArgument(format!("input {i} has no tokens; every input needs at least one")));
     }
     let geo = m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16);
-    let mut kvs: Vec<KvCache> = inputs.iter().map(|_| KvCache::private(geo.clone())).collect();
+    let mut kvs: Vec<KvCache> = inputs.iter().map(|_| KvCache::private(geo.clone(), m.rt.pages())).collect();
     let mut refs: Vec<&mut KvCache> = kvs.iter_mut().collect();
     let counts: Vec<usize> = inputs.iter().map(|t| t.len()).collect();
     let tokens: Vec<u32> = inputs.concat();

@@ -32,6 +32,7 @@ pub mod kv;
 pub mod model;
 pub mod quant;
 pub mod record;
+pub mod runtime;
 pub mod sampling;
 pub mod sched;
 pub mod session;

@@ -23,18 +23,10 @@ pub struct Session {
     pub fault: bool,
 }
 
-/// The forward pass's scratch for single-session evals. Forward passes take turns on the thread
-/// team anyway, so one set of buffers serves every session, and a new session's first prompt
-/// does not fault in fresh memory.
-fn shared_scratch() -> std::sync::MutexGuard<'static, Scratch> {
-    static SCRATCH: std::sync::Mutex<Scratch> = std::sync::Mutex::new(Scratch::new());
-    SCRATCH.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Session {
     /// A session with a private KV store.
     pub fn new(m: &Model) -> Self {
-        Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16)))
+        Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, KvCodec::F16), m.rt.pages()))
     }
 
     /// A session whose KV pages come from `pool`.
@@ -68,7 +60,7 @@ impl Session {
         // A placement that cannot hold device K/V (the per-op rails, a lost device) says why.
         let dev = p.create_kv()?;
         let codec = p.status().codec.unwrap_or(KvCodec::F16);
-        let mut s = Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, codec)));
+        let mut s = Self::with_kv(m, KvCache::private(m.kv_geometry(PRIVATE_PAGE_ROWS, codec), m.rt.pages()));
         s.dev = Some(dev);
         Ok(s)
     }
@@ -98,7 +90,7 @@ impl Session {
     /// what a speculative verify chunk needs. Row i equals what evaluating the tokens one at a
     /// time gives after token i. The session keeps the last row, as after `eval`.
     pub fn eval_all(&mut self, m: &Model, tokens: &[u32], rows: &mut Vec<f32>) -> Result<()> {
-        run(m, &mut [self], &[tokens.len()], tokens, None, LogitRows::All, &mut shared_scratch(), rows)?;
+        run(m, &mut [self], &[tokens.len()], tokens, None, LogitRows::All, &mut m.rt.scratch(), rows)?;
         self.logits.clear();
         self.logits.extend_from_slice(&rows[rows.len() - m.config.vocab_size..]);
         Ok(())
@@ -110,7 +102,7 @@ impl Session {
     /// Host K/V only: a device-home session is refused, nothing run.
     pub fn eval_injected(&mut self, m: &Model, tokens: &[u32], inj: Injected<'_>, all: bool, rows: &mut Vec<f32>) -> Result<()> {
         let want = if all { LogitRows::All } else { LogitRows::Last };
-        run(m, &mut [self], &[tokens.len()], tokens, Some(inj), want, &mut shared_scratch(), rows)?;
+        run(m, &mut [self], &[tokens.len()], tokens, Some(inj), want, &mut m.rt.scratch(), rows)?;
         self.logits.clear();
         self.logits.extend_from_slice(&rows[rows.len() - m.config.vocab_size..]);
         Ok(())
@@ -118,7 +110,7 @@ impl Session {
 
     fn eval_rows(&mut self, m: &Model, tokens: &[u32], want: LogitRows<'_>) -> Result<()> {
         let mut logits = std::mem::take(&mut self.logits);
-        let r = run(m, &mut [self], &[tokens.len()], tokens, None, want, &mut shared_scratch(), &mut logits);
+        let r = run(m, &mut [self], &[tokens.len()], tokens, None, want, &mut m.rt.scratch(), &mut logits);
         self.logits = logits;
         r
     }
@@ -200,7 +192,7 @@ pub fn eval_rows_with(
     }
     #[cfg(feature = "fault-injection")]
     if sessions.iter().any(|s| s.fault) {
-        crate::backend::host().panic_in_task("injected fault in a session's evaluation");
+        m.rt.host().panic_in_task("injected fault in a session's evaluation");
     }
     run(m, sessions, counts, tokens, injected, want, &mut ws.scratch, &mut ws.logits)
 }

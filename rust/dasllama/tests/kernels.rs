@@ -361,7 +361,9 @@ fn tile_kernel_variants_match_the_scalar_twin() {
 /// partial one at a task's end, gives each output the bits of that row evaluated alone.
 #[test]
 fn matmul_rows_are_bit_identical_whatever_the_batch() {
-    use dasllama::cpu::{matmul, team, Weight};
+    use dasllama::cpu::{matmul, Cpu, Weight};
+    let cpu = Cpu::new(2);
+    let team = || cpu.team();
     for ty in [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
@@ -376,7 +378,7 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
         GgmlType::F32,
     ] {
         let (rows, cols) = (40, 512);
-        let w = Weight::random_blocks(ty, rows, cols);
+        let w = Weight::random_blocks(ty, rows, cols, &cpu);
         let mut rng = Lcg(ty as u64 + 5);
         let x: Vec<f32> = (0..33 * cols).map(|_| rng.f()).collect();
         let mut act = Vec::new();

@@ -26,7 +26,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..app import MAX_BODY, ApiError, Server, build_app
+from ..app import MAX_BODY, ApiError, Server
+from ..asgi import build_app
 from .routing import prefix_chain
 
 log = logging.getLogger("dasllama.serve.ray")

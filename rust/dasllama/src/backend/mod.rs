@@ -12,7 +12,7 @@ mod pass;
 mod placement;
 mod recurrent;
 
-pub use pass::{Act, Buf, ExpertSet, HostActs, Ops, PassIn, RowEmbeds};
+pub use pass::{Act, Buf, ExpertSet, HostActs, Ops, PassIn, RowEmbeds, Scratch};
 
 pub use placement::{DevKv, KvHome, Placeable, Placement, PlacementStatus};
 pub use recurrent::{DeltaNet, DnParams, HeadMap};
@@ -347,9 +347,4 @@ pub trait Host: Sync {
     /// Test hook: a task on the host's worker threads panics, as a bug in a kernel would.
     #[cfg(feature = "fault-injection")]
     fn panic_in_task(&self, why: &str);
-}
-
-/// The host backend (the CPU).
-pub fn host() -> &'static dyn Host {
-    &crate::cpu::backend::Cpu
 }

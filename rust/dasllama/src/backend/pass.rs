@@ -221,3 +221,26 @@ impl Default for HostActs {
         HostActs::new()
     }
 }
+
+/// The host's buffers of a pass, reused across calls so decode does not allocate per token.
+pub struct Scratch {
+    pub acts: HostActs,
+    /// Keep every row's hidden state after the final norm in `hidden` (rows of `dim`, in batch
+    /// order): what an MTP head reads beside the next token.
+    pub keep_hidden: bool,
+    pub hidden: Vec<f32>,
+    /// A split model's hidden states between the device's layers and the host's.
+    pub split: Vec<f32>,
+}
+
+impl Scratch {
+    pub const fn new() -> Scratch {
+        Scratch { acts: HostActs::new(), keep_hidden: false, hidden: Vec::new(), split: Vec::new() }
+    }
+}
+
+impl Default for Scratch {
+    fn default() -> Scratch {
+        Scratch::new()
+    }
+}

@@ -2,28 +2,26 @@
 //! Attention reads each session's K/V pages in place, decoding rows in the pool's codec.
 
 use super::deltanet;
-use super::{convert_weight, matmul_many, ops, team, Team, Weight};
+use super::{convert_weight, matmul_many, ops, Cpu, Team, Weight};
 use crate::backend::{Activation, AttnShape, DeltaNet, DnParams, Gating, Host, HostActs, HostOps, MatmulOffload, Numerics, Ops, PassIn, RopeTable, Route};
 use crate::kv::{KvCache, RecIo};
 use crate::quant::GgmlType;
 
-/// The CPU as the host backend (`backend::host`).
-pub struct Cpu;
-
+/// The CPU as the host backend (a runtime's `Runtime::host`).
 impl Host for Cpu {
     fn prepare(&self, w: Weight, to: Option<GgmlType>, numerics: Numerics) -> Option<Weight> {
         let w = match to {
-            Some(ty) => convert_weight(&w, ty),
+            Some(ty) => convert_weight(&w, ty, self.pool()),
             None => w,
         };
         match numerics {
-            Numerics::Fast => Some(w.for_kernels()),
+            Numerics::Fast => Some(w.for_kernels(self)),
             Numerics::Ggml => w.for_ggml_order(),
         }
     }
 
     fn run(&self, numerics: Numerics, act: &mut Vec<u8>, f: &mut dyn FnMut(&mut dyn HostOps)) {
-        team().session(|t| f(&mut CpuOps { team: t, act, numerics, offload: None }))
+        self.team().session(|t| f(&mut CpuOps { team: t, act, numerics, offload: None }))
     }
 
     fn pass(
@@ -35,7 +33,7 @@ impl Host for Cpu {
         mut offload: Option<&mut dyn MatmulOffload>,
         f: &mut dyn FnMut(&mut dyn Ops),
     ) {
-        team().session(|t| {
+        self.team().session(|t| {
             // A reborrow, so the offload's trait object may live as briefly as the team's session.
             let offload: Option<&mut dyn MatmulOffload> = match offload.as_mut() {
                 Some(o) => Some(&mut **o),
@@ -49,7 +47,7 @@ impl Host for Cpu {
 
     #[cfg(feature = "fault-injection")]
     fn panic_in_task(&self, why: &str) {
-        team().session(|t| t.parallel_for(1, &|_| panic!("{why}")))
+        self.team().session(|t| t.parallel_for(1, &|_| panic!("{why}")))
     }
 }
 
@@ -460,7 +458,7 @@ mod tests {
     fn route(logits: &[f32], r: &Route<'_>) -> Vec<(usize, f32)> {
         let mut out = Vec::new();
         let mut act = Vec::new();
-        Cpu.run(Numerics::Fast, &mut act, &mut |ops| ops.route(logits, r, &mut out));
+        Cpu::new(2).run(Numerics::Fast, &mut act, &mut |ops| ops.route(logits, r, &mut out));
         out
     }
 
@@ -494,7 +492,7 @@ mod tests {
 
     #[test]
     fn attention_with_sinks_and_a_window_in_both_orders() {
-        use crate::kv::{Geometry, KvCodec};
+        use crate::kv::{Geometry, KvCodec, PageBin};
         let (nh, nkv, hd, n) = (4usize, 2usize, 32usize, 12usize);
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut rnd = |len: usize| -> Vec<f32> {
@@ -510,13 +508,13 @@ mod tests {
         let rows: Vec<(usize, usize)> = (0..n).map(|p| (0, p)).collect();
         let run = |numerics: Numerics, window: usize, sinks: Option<&[f32]>| {
             let geo = Geometry { n_layers: 1, kv_dim: nkv * hd, head_dim: hd, page_rows: 8, codec: KvCodec::F16, slots: None };
-            let mut kv = KvCache::private(geo);
+            let mut kv = KvCache::private(geo, &PageBin::new());
             kv.reserve(n).unwrap();
             kv.append(0, &k, &v);
             let shape =
                 AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, window, scale: 1.0 / (hd as f32).sqrt(), scale_query: false, softcap: None, sinks };
             let mut out = vec![0.0f32; n * nh * hd];
-            Cpu.run(numerics, &mut Vec::new(), &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[], &[n], &q, &mut out));
+            Cpu::new(2).run(numerics, &mut Vec::new(), &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[], &[n], &q, &mut out));
             out
         };
         let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;

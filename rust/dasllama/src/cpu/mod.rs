@@ -9,31 +9,56 @@ pub mod ops;
 pub mod pass;
 pub mod spin;
 
-pub use spin::{team, Session as Team};
+pub use spin::Session as Team;
 
 use crate::quant::tile::{self, TILE_ROWS};
 use crate::quant::{act_row_bytes, float_act_bytes, kernels, quantize_row, widen_row, GgmlType, Kernels};
-use crate::quant::{amx, arena};
+use crate::quant::{amx, arena::Arena};
 pub use crate::quant::{Bytes, Weight};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
-/// Threads to use: `DASLLAMA_THREADS`, else the number of physical cores.
-pub fn n_threads() -> usize {
-    static N: OnceLock<usize> = OnceLock::new();
-    *N.get_or_init(|| std::env::var("DASLLAMA_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0).unwrap_or_else(num_cpus::get_physical))
+/// The CPU backend of one runtime: the thread team the forward pass runs on, the rayon pool for
+/// load-time work (tiling, conversions), and the arena its tiled weights live in. Each starts on
+/// first use; nothing here is shared with another runtime's CPU backend, so two models served by
+/// two runtimes never wait for each other's passes.
+pub struct Cpu {
+    threads: usize,
+    team: OnceLock<spin::Team>,
+    pool: OnceLock<rayon::ThreadPool>,
+    arena: Arena,
 }
 
-/// The rayon pool for load-time work (tiling, conversions); the forward pass runs on `team`.
-pub fn pool() -> &'static rayon::ThreadPool {
-    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
-    POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n_threads())
-            .thread_name(|i| format!("dasllama-{i}"))
-            .build()
-            .expect("failed to start the dasllama thread pool")
-    })
+impl Cpu {
+    /// A backend of `threads` threads (0: one per physical core).
+    pub fn new(threads: usize) -> Cpu {
+        let threads = if threads == 0 { num_cpus::get_physical() } else { threads };
+        Cpu { threads, team: OnceLock::new(), pool: OnceLock::new(), arena: Arena::new() }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// The forward pass's team (started on first use).
+    pub fn team(&self) -> &spin::Team {
+        self.team.get_or_init(|| spin::Team::new(self.threads))
+    }
+
+    /// The rayon pool for load-time work; the forward pass runs on `team`.
+    pub fn pool(&self) -> &rayon::ThreadPool {
+        self.pool.get_or_init(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(self.threads)
+                .thread_name(|i| format!("dasllama-{i}"))
+                .build()
+                .unwrap_or_else(|e| panic!("failed to start the dasllama thread pool ({} threads): {e}", self.threads))
+        })
+    }
+
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
 }
 
 /// The CPU's layout of a weight: what `backend::Host::prepare` gives the loader.
@@ -41,7 +66,7 @@ impl Weight {
     /// A matrix of pseudo-random blocks with every f16 field finite, in the kernels' layout: what
     /// the kernel benches (`benches/matmul.rs`, `examples/gemm_rate.rs`) multiply by.
     #[doc(hidden)]
-    pub fn random_blocks(ty: GgmlType, rows: usize, cols: usize) -> Weight {
+    pub fn random_blocks(ty: GgmlType, rows: usize, cols: usize, cpu: &Cpu) -> Weight {
         let mut state = 0x9E37_79B9u64;
         let mut data: Vec<u8> = (0..ty.row_bytes(cols) * rows)
             .map(|_| {
@@ -58,18 +83,19 @@ impl Weight {
         if ty == GgmlType::MXFP4 {
             data.chunks_exact_mut(ty.block_bytes()).for_each(|b| b[0] = 120 + b[0] % 8);
         }
-        Weight { ty, rows, cols, data: Bytes::Owned(std::sync::Arc::new(data)), tiled: false, ggml_dot: None }.for_kernels()
+        Weight { ty, rows, cols, data: Bytes::Owned(std::sync::Arc::new(data)), tiled: false, ggml_dot: None }.for_kernels(cpu)
     }
 
-    /// Put the rows in the layout this CPU's kernels read (a copy, when that means tiling).
-    pub fn for_kernels(self) -> Weight {
+    /// Put the rows in the layout this CPU's kernels read (a copy in `cpu`'s arena, when that
+    /// means tiling).
+    pub fn for_kernels(self, cpu: &Cpu) -> Weight {
         if self.tiled || !matches!(kernels(self.ty), Kernels::Tiles(_)) {
             return self;
         }
         let (rb, tb) = (self.row_bytes(), tile::tile_bytes(self.ty, self.cols));
-        let mut data = arena::alloc(tb * self.rows.div_ceil(TILE_ROWS));
+        let mut data = cpu.arena().alloc(tb * self.rows.div_ceil(TILE_ROWS));
         let src = self.data.as_slice();
-        pool().install(|| {
+        cpu.pool().install(|| {
             data.as_mut_slice().par_chunks_exact_mut(tb).enumerate().for_each(|(ti, o)| {
                 let rows: Vec<&[u8]> = (ti * TILE_ROWS..((ti + 1) * TILE_ROWS).min(self.rows)).map(|r| &src[r * rb..(r + 1) * rb]).collect();
                 tile::tile_rows(self.ty, &rows, o)
@@ -154,7 +180,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
     }
     let act = &act[..];
     let positions = if segs.iter().any(|(w, _)| w.ggml_dot.is_some()) { crate::quant::ggml::row_positions(counts) } else { Vec::new() };
-    let threads = spin::team().threads();
+    let threads = team.threads();
     // Enough tasks to balance uneven cores, few enough that per-task overhead stays small.
     let per_thread = if n < 4 { 1 } else { 4 };
     let (pieces, tasks) = split_by_bytes(segs.iter().map(|(w, _)| (w.rows, w.row_bytes())), threads * per_thread);
@@ -318,10 +344,10 @@ fn split_by_bytes(mats: impl Iterator<Item = (usize, usize)>, shares: usize) -> 
 }
 
 /// Convert a weight to another storage format at load (QuantMode.q8 / fp32).
-pub fn convert_weight(w: &Weight, to: GgmlType) -> Weight {
+pub fn convert_weight(w: &Weight, to: GgmlType, pool: &rayon::ThreadPool) -> Weight {
     let rb = to.row_bytes(w.cols);
     let mut data = vec![0u8; rb * w.rows];
-    pool().install(|| {
+    pool.install(|| {
         data.par_chunks_exact_mut(rb).enumerate().for_each(|(r, o)| {
             let mut tmp = vec![0.0f32; w.cols];
             w.dequantize_row(r, &mut tmp);

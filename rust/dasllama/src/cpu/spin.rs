@@ -15,7 +15,7 @@
 use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 
 type Job<'a> = &'a (dyn Fn(usize) + Sync);
 
@@ -38,10 +38,15 @@ struct Shared {
     remaining: AtomicUsize,
     /// Inside a forward pass: workers spin instead of parking.
     spinning: AtomicBool,
+    /// The team was dropped: parked workers exit (a runtime's team lives as long as the runtime).
+    stop: AtomicBool,
     park: Mutex<()>,
     wake: Condvar,
     /// The first panic of the open loop, re-raised by its publisher when the loop is done.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
+    /// Test hook: the next task this team runs panics (`Team::inject_fault`).
+    #[cfg(feature = "fault-injection")]
+    armed: AtomicBool,
 }
 
 pub struct Team {
@@ -52,15 +57,19 @@ pub struct Team {
 }
 
 impl Team {
-    fn new(n: usize) -> Team {
+    /// A team of `n` threads, this one included (`n - 1` workers are started).
+    pub fn new(n: usize) -> Team {
         let shared = Arc::new(Shared {
             claim: AtomicU64::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
             remaining: AtomicUsize::new(0),
             spinning: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
             park: Mutex::new(()),
             wake: Condvar::new(),
             panic: Mutex::new(None),
+            #[cfg(feature = "fault-injection")]
+            armed: AtomicBool::new(false),
         });
         for i in 1..n {
             let s = shared.clone();
@@ -71,6 +80,13 @@ impl Team {
 
     pub fn threads(&self) -> usize {
         self.n
+    }
+
+    /// Fault injection, for tests of the paths a panic takes: the next task this team runs
+    /// panics (once).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault(&self) {
+        self.shared.armed.store(true, Ordering::SeqCst);
     }
 
     /// Run `f` with the team spinning, ready for `parallel_for`; it parks again afterwards.
@@ -92,6 +108,18 @@ impl Team {
     }
 }
 
+impl Drop for Team {
+    fn drop(&mut self) {
+        // No session is open (it borrows the team), so every worker is parked or about to park;
+        // it reads `stop` under `park` before it waits, so this wakeup cannot be missed.
+        {
+            let _p = self.shared.park.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.stop.store(true, Ordering::SeqCst);
+        }
+        self.shared.wake.notify_all();
+    }
+}
+
 /// A team held spinning for one forward pass.
 pub struct Session<'a> {
     shared: &'a Shared,
@@ -99,6 +127,10 @@ pub struct Session<'a> {
 }
 
 impl Session<'_> {
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
     /// Call `f(i)` for every i in 0..n_tasks across the team, this thread included; return when all are done.
     pub fn parallel_for(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         assert!(n_tasks <= MAX_TASKS, "too many tasks in one parallel loop");
@@ -137,7 +169,9 @@ fn drain(s: &Shared) -> bool {
             // and the task still counts as done.
             let run = catch_unwind(AssertUnwindSafe(|| {
                 #[cfg(feature = "fault-injection")]
-                inject::check();
+                if s.armed.load(Ordering::Relaxed) && s.armed.swap(false, Ordering::SeqCst) {
+                    panic!("injected fault in a kernel task");
+                }
                 // SAFETY: the exchange succeeded on the word of the loop whose job we loaded after
                 // it was published (Acquire on `claim` orders the earlier `job` store before our
                 // load), so that loop is open and its publisher is blocked until `remaining`
@@ -163,34 +197,11 @@ fn worker(s: &Shared) {
             continue;
         }
         let guard = s.park.lock().unwrap_or_else(|e| e.into_inner());
+        if s.stop.load(Ordering::SeqCst) {
+            return;
+        }
         if !s.spinning.load(Ordering::SeqCst) {
             drop(s.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
-        }
-    }
-}
-
-/// The process-wide team, as many threads as the kernel pool.
-pub fn team() -> &'static Team {
-    static TEAM: OnceLock<Team> = OnceLock::new();
-    TEAM.get_or_init(|| Team::new(super::n_threads()))
-}
-
-/// Fault injection, for tests of the paths a panic takes: the next task the team runs panics.
-#[cfg(feature = "fault-injection")]
-pub mod inject {
-    use std::sync::atomic::{AtomicBool, Ordering};
-
-    static ARMED: AtomicBool = AtomicBool::new(false);
-
-    /// Make the next task of any parallel loop panic (once).
-    pub fn arm() {
-        ARMED.store(true, Ordering::SeqCst);
-    }
-
-    #[inline]
-    pub(super) fn check() {
-        if ARMED.load(Ordering::Relaxed) && ARMED.swap(false, Ordering::SeqCst) {
-            panic!("injected fault in a kernel task");
         }
     }
 }
@@ -241,6 +252,38 @@ impl Session<'_> {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn two_teams_run_at_once_and_a_dropped_team_ends_its_workers() {
+        let (a, b) = (Team::new(2), Team::new(3));
+        let sums: Vec<u64> = std::thread::scope(|sc| {
+            let run = |t: &Team| {
+                let n = AtomicU64::new(0);
+                for _ in 0..50 {
+                    t.session(|s| {
+                        s.parallel_for(40, &|i| {
+                            n.fetch_add(i as u64, Ordering::Relaxed);
+                        })
+                    });
+                }
+                n.load(Ordering::Relaxed)
+            };
+            let (ta, tb) = (&a, &b);
+            let ha = sc.spawn(move || run(ta));
+            let hb = sc.spawn(move || run(tb));
+            [ha, hb].map(|h| h.join().unwrap_or_else(|_| panic!("a team's loop panicked"))).to_vec()
+        });
+        assert_eq!(sums, vec![50 * 780; 2]);
+        let shared = Arc::downgrade(&b.shared);
+        drop(b);
+        // Each worker holds the shared state until it returns.
+        let t0 = std::time::Instant::now();
+        while shared.strong_count() > 0 {
+            assert!(t0.elapsed().as_secs() < 5, "the dropped team's workers are still running");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        a.session(|s| s.parallel_for(4, &|_| {}));
+    }
 
     #[test]
     fn a_panicking_task_is_raised_after_the_loop_and_the_team_goes_on() {

@@ -23,6 +23,8 @@ pub struct Page {
     buf: UnsafeCell<Box<[u8]>>,
     /// Pool slot, returned to the pool when the page drops.
     slot: Option<(u32, Weak<PoolShared>)>,
+    /// Where the buffer goes when the page drops.
+    bin: Arc<PageBin>,
 }
 
 // SAFETY: a page is written only through `KvCache::append`, by the one session whose table holds
@@ -38,36 +40,54 @@ impl Drop for Page {
                 pool.state.lock().unwrap_or_else(|e| e.into_inner()).free.push(*slot);
             }
         }
-        recycle(std::mem::take(self.buf.get_mut()));
+        self.bin.recycle(std::mem::take(self.buf.get_mut()));
     }
 }
 
 /// Buffers of dropped pages, for the next pages of the same size: a new session then writes to
 /// memory that is already mapped instead of faulting in (and zeroing) fresh pages on the clock of
 /// its first prompt. A recycled buffer keeps its old bytes; no row is read before it is written.
-static RECYCLED: std::sync::Mutex<(usize, Vec<Box<[u8]>>)> = std::sync::Mutex::new((0, Vec::new()));
-/// At most this many bytes wait in `RECYCLED`.
+/// A runtime has one (`Runtime::pages`) for all its pools and private caches; two runtimes share
+/// none.
+#[derive(Default)]
+pub struct PageBin {
+    /// Bytes waiting, and the buffers.
+    bin: Mutex<(usize, Vec<Box<[u8]>>)>,
+}
+
+/// At most this many bytes wait in a `PageBin`.
 const RECYCLE_BYTES: usize = 64 << 20;
 
-fn recycle(buf: Box<[u8]>) {
-    let mut bin = RECYCLED.lock().unwrap_or_else(|e| e.into_inner());
-    if !buf.is_empty() && bin.0 + buf.len() <= RECYCLE_BYTES {
-        bin.0 += buf.len();
-        bin.1.push(buf);
+impl PageBin {
+    pub fn new() -> Arc<PageBin> {
+        Arc::new(PageBin::default())
+    }
+
+    /// Bytes waiting for reuse.
+    pub fn bytes(&self) -> usize {
+        self.bin.lock().unwrap_or_else(|e| e.into_inner()).0
+    }
+
+    fn recycle(&self, buf: Box<[u8]>) {
+        let mut bin = self.bin.lock().unwrap_or_else(|e| e.into_inner());
+        if !buf.is_empty() && bin.0 + buf.len() <= RECYCLE_BYTES {
+            bin.0 += buf.len();
+            bin.1.push(buf);
+        }
+    }
+
+    fn reuse(&self, len: usize) -> Option<Box<[u8]>> {
+        let mut bin = self.bin.lock().unwrap_or_else(|e| e.into_inner());
+        let i = bin.1.iter().rposition(|b| b.len() == len)?;
+        bin.0 -= len;
+        Some(bin.1.swap_remove(i))
     }
 }
 
-fn reuse(len: usize) -> Option<Box<[u8]>> {
-    let mut bin = RECYCLED.lock().unwrap_or_else(|e| e.into_inner());
-    let i = bin.1.iter().rposition(|b| b.len() == len)?;
-    bin.0 -= len;
-    Some(bin.1.swap_remove(i))
-}
-
 impl Page {
-    fn new(len: usize, slot: Option<(u32, Weak<PoolShared>)>) -> Arc<Page> {
-        let buf = reuse(len).unwrap_or_else(|| vec![0u8; len].into_boxed_slice());
-        Arc::new(Page { buf: UnsafeCell::new(buf), slot })
+    fn new(len: usize, slot: Option<(u32, Weak<PoolShared>)>, bin: &Arc<PageBin>) -> Arc<Page> {
+        let buf = bin.reuse(len).unwrap_or_else(|| vec![0u8; len].into_boxed_slice());
+        Arc::new(Page { buf: UnsafeCell::new(buf), slot, bin: bin.clone() })
     }
 
     fn data(&self) -> &[u8] {
@@ -237,6 +257,7 @@ pub struct PoolShared {
     /// Cached pages kept at most (0: as many as the pool has room for).
     max_cached: usize,
     state: Mutex<PoolState>,
+    bin: Arc<PageBin>,
 }
 
 /// The paged KV pool. Cheap to clone (a handle).
@@ -269,7 +290,8 @@ fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
 }
 
 impl KvPool {
-    pub fn new(geo: Geometry, max_pages: usize, max_cached: usize) -> Result<KvPool> {
+    /// A pool of at most `max_pages` pages of `geo`, whose dropped pages' buffers go to `bin`.
+    pub fn new(geo: Geometry, max_pages: usize, max_cached: usize, bin: &Arc<PageBin>) -> Result<KvPool> {
         if geo.page_rows == 0 || max_pages == 0 {
             return Err(Error::InvalidArgument("a KV pool needs page_rows >= 1 and at least one page".into()));
         }
@@ -288,6 +310,7 @@ impl KvPool {
                 max_snaps: 0,
                 stateless: 0,
             }),
+            bin: bin.clone(),
         })))
     }
 
@@ -315,7 +338,7 @@ impl KvPool {
                 };
                 if let Some(slot) = slot {
                     drop(st);
-                    return Ok(Page::new(self.0.geo.page_bytes(), Some((slot, Arc::downgrade(&self.0)))));
+                    return Ok(Page::new(self.0.geo.page_bytes(), Some((slot, Arc::downgrade(&self.0))), &self.0.bin));
                 }
                 // Evict the least recently used cached page no session holds; its drop (after
                 // the lock is released) returns its slot.
@@ -522,6 +545,8 @@ pub struct KvCache {
     rec: Option<RecState>,
     /// Whose K/V this is (`Model::uid`; 0 unknown): the prefix cache's chains start from it.
     owner: u64,
+    /// Where private pages come from (a paged cache's come from its pool).
+    bin: Arc<PageBin>,
 }
 
 /// The recurrent state of a session's DeltaNet layers after its `len` positions: per layer the
@@ -644,13 +669,13 @@ impl LayerView<'_> {
 }
 
 impl KvCache {
-    /// A session's private store of `geo` (its pages grown on demand).
-    pub fn private(geo: Geometry) -> Self {
-        KvCache { geo, len: 0, pages: Vec::new(), pool: None, rec: None, owner: 0 }
+    /// A session's private store of `geo` (its pages grown on demand, their buffers from `bin`).
+    pub fn private(geo: Geometry, bin: &Arc<PageBin>) -> Self {
+        KvCache { geo, len: 0, pages: Vec::new(), pool: None, rec: None, owner: 0, bin: bin.clone() }
     }
 
     pub fn paged(pool: &KvPool) -> Self {
-        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()), rec: None, owner: 0 }
+        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()), rec: None, owner: 0, bin: pool.0.bin.clone() }
     }
 
     /// Mark this K/V as `owner`'s (a model's `uid`), so that the prefix cache never gives it
@@ -797,7 +822,7 @@ impl KvCache {
     fn new_page(&self) -> Result<Arc<Page>> {
         match &self.pool {
             Some(p) => p.alloc(),
-            None => Ok(Page::new(self.geo.page_bytes(), None)),
+            None => Ok(Page::new(self.geo.page_bytes(), None, &self.bin)),
         }
     }
 
@@ -909,7 +934,7 @@ mod tests {
     #[test]
     fn shared_pages_are_copied_before_a_write_and_slots_come_back() {
         let geo = Geometry { n_layers: 2, kv_dim: 4, head_dim: 4, page_rows: 4, codec: KvCodec::F16, slots: None };
-        let pool = KvPool::new(geo, 8, 0).unwrap();
+        let pool = KvPool::new(geo, 8, 0, &PageBin::new()).unwrap();
         let mut a = KvCache::paged(&pool);
         fill(&mut a, 8, 1.0);
         let toks: Vec<u32> = (0..8).collect();
@@ -936,11 +961,31 @@ mod tests {
     }
 
     #[test]
+    fn a_dropped_page_goes_back_to_its_own_bin_only() {
+        let geo = Geometry::layered(&[(4, 2), (8, 1)], 2, KvCodec::F16);
+        let page = geo.page_bytes();
+        let (a, b) = (PageBin::new(), PageBin::new());
+        let mut kv = KvCache::private(geo.clone(), &a);
+        kv.reserve(3).unwrap();
+        drop(kv);
+        assert_eq!((a.bytes(), b.bytes()), (2 * page, 0), "two pages back in their own bin");
+        let pool = KvPool::new(geo.clone(), 4, 0, &b).unwrap();
+        let mut kv = KvCache::paged(&pool);
+        kv.reserve(1).unwrap();
+        assert_eq!(a.bytes(), 2 * page, "the other runtime's bin is not drawn from");
+        let mut mine = KvCache::private(geo, &a);
+        mine.reserve(1).unwrap();
+        assert_eq!(a.bytes(), page, "a page of the same bin reuses a buffer");
+        drop(kv);
+        assert_eq!(b.bytes(), page);
+    }
+
+    #[test]
     fn layers_of_their_own_heads_keep_their_rows_apart() {
         // Slot 0: 2 heads of 4; slot 1: 1 head of 8 (gemma4's sliding and full layers).
         let geo = Geometry::layered(&[(4, 2), (8, 1)], 2, KvCodec::F16);
         assert_eq!(geo.page_bytes(), 2 * 2 * (8 + 8) * 2);
-        let mut kv = KvCache::private(geo);
+        let mut kv = KvCache::private(geo, &PageBin::new());
         kv.reserve(3).unwrap();
         let a: Vec<f32> = (0..3 * 8).map(|i| i as f32).collect();
         let b: Vec<f32> = (0..3 * 8).map(|i| 100.0 + i as f32).collect();
@@ -961,7 +1006,7 @@ mod tests {
     #[test]
     fn a_full_pool_evicts_cached_pages_then_refuses() {
         let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 2, codec: KvCodec::F16, slots: None };
-        let pool = KvPool::new(geo, 2, 0).unwrap();
+        let pool = KvPool::new(geo, 2, 0, &PageBin::new()).unwrap();
         let mut a = KvCache::paged(&pool);
         fill(&mut a, 4, 0.0);
         pool.donate(&a, &[1, 2, 3, 4]);
@@ -1005,7 +1050,7 @@ mod tests {
     #[test]
     fn a_hybrid_takes_cached_pages_up_to_a_snapshot_and_its_state() {
         let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16, slots: None };
-        let pool = KvPool::new(geo, 16, 0).unwrap();
+        let pool = KvPool::new(geo, 16, 0, &PageBin::new()).unwrap();
         pool.keep_snapshots(4);
         let toks: Vec<u32> = (0..12).collect();
         let mut a = hybrid(&pool, 7);
@@ -1037,7 +1082,7 @@ mod tests {
     #[test]
     fn pages_without_a_snapshot_give_a_hybrid_nothing() {
         let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16, slots: None };
-        let pool = KvPool::new(geo, 16, 0).unwrap();
+        let pool = KvPool::new(geo, 16, 0, &PageBin::new()).unwrap();
         let toks: Vec<u32> = (0..8).collect();
         let mut a = hybrid(&pool, 1);
         run(&mut a, 8, 1.0);
@@ -1057,7 +1102,7 @@ mod tests {
     fn a_snapshot_goes_with_its_page_and_within_the_limits() {
         let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 2, codec: KvCodec::F16, slots: None };
         // A pool of 2 pages: the second stream's pages come from evicting the first's.
-        let pool = KvPool::new(geo.clone(), 2, 0).unwrap();
+        let pool = KvPool::new(geo.clone(), 2, 0, &PageBin::new()).unwrap();
         pool.keep_snapshots(1);
         let mut a = hybrid(&pool, 1);
         run(&mut a, 2, 1.0);
@@ -1069,7 +1114,7 @@ mod tests {
         let st = pool.stats();
         assert_eq!((st.pages_cached, st.snapshots, st.snapshot_bytes), (0, 0, 0), "eviction frees the snapshot: {st:?}");
         // Beyond the limit the least recently used snapshot goes, and its page stays.
-        let pool = KvPool::new(geo.clone(), 8, 0).unwrap();
+        let pool = KvPool::new(geo.clone(), 8, 0, &PageBin::new()).unwrap();
         pool.keep_snapshots(1);
         for (toks, mark) in [([1, 2], 1.0), ([3, 4], 2.0)] {
             let mut x = hybrid(&pool, 1);
@@ -1083,7 +1128,7 @@ mod tests {
         assert_eq!(pool.attach(&mut d, &[3, 4, 0], 2), 2);
         assert_eq!(state(&mut d), (2.0, 2.0));
         // A page budget counts a snapshot as the pages its bytes fill (20 bytes: 2 of 16).
-        let pool = KvPool::new(geo.clone(), 8, 2).unwrap();
+        let pool = KvPool::new(geo.clone(), 8, 2, &PageBin::new()).unwrap();
         pool.keep_snapshots(4);
         let mut e = hybrid(&pool, 1);
         run(&mut e, 2, 1.0);
@@ -1097,7 +1142,7 @@ mod tests {
     #[test]
     fn going_back_before_a_snapshot_forgets_it() {
         let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16, slots: None };
-        let pool = KvPool::new(geo, 8, 0).unwrap();
+        let pool = KvPool::new(geo, 8, 0, &PageBin::new()).unwrap();
         let mut kv = hybrid(&pool, 1);
         run(&mut kv, 2, 1.0);
         // A verify chunk that ends on the boundary (recording its rows), taken back to inside it.
@@ -1123,7 +1168,7 @@ mod tests {
     #[test]
     fn a_recurrent_state_goes_back_by_replaying_the_last_pass() {
         let geo = Geometry { n_layers: 1, kv_dim: 2, head_dim: 2, page_rows: 4, codec: KvCodec::F16, slots: None };
-        let mut kv = KvCache::private(geo).with_recurrent(vec![(2, 3)]);
+        let mut kv = KvCache::private(geo, &PageBin::new()).with_recurrent(vec![(2, 3)]);
         // Each pass writes its state as the copy it does not read; `committed` reads it back.
         let pass = |kv: &mut KvCache, rows: usize, mark: f32, journal: bool| {
             let len = kv.len();

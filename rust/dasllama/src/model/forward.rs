@@ -6,35 +6,13 @@
 use super::{AttnTemp, BetaAlpha, Experts, Ffn, FfnWeights, LayerDesc, Mixer, MixerWeights, Model, Rope};
 use crate::backend::Gating;
 pub use crate::backend::LogitRows;
+pub use crate::backend::Scratch;
 use crate::backend::{
-    host, rope_cache, Act, Activation, Buf, DevKv, DnParams, ExpertSet, HostActs, MatmulOffload, Numerics, Ops, PassIn, Placeable, Placement, Route, RowEmbeds,
+    rope_cache, Act, Activation, Buf, DevKv, DnParams, ExpertSet, HostActs, MatmulOffload, Numerics, Ops, PassIn, Placeable, Placement, Route, RowEmbeds,
 };
 use crate::kv::KvCache;
 use crate::quant::Weight;
 use crate::{Error, Result};
-
-/// The host's buffers of a pass, reused across calls so decode does not allocate per token.
-pub struct Scratch {
-    pub acts: HostActs,
-    /// Keep every row's hidden state after the final norm in `hidden` (rows of `dim`, in batch
-    /// order): what an MTP head reads beside the next token.
-    pub keep_hidden: bool,
-    pub hidden: Vec<f32>,
-    /// A split model's hidden states between the device's layers and the host's.
-    pub split: Vec<f32>,
-}
-
-impl Scratch {
-    pub const fn new() -> Scratch {
-        Scratch { acts: HostActs::new(), keep_hidden: false, hidden: Vec::new(), split: Vec::new() }
-    }
-}
-
-impl Default for Scratch {
-    fn default() -> Scratch {
-        Scratch::new()
-    }
-}
 
 /// What the skeleton leaves in the pass's buffers: the rows asked for (logits, or hidden states
 /// for `LogitRows::Hidden`), and every row's hidden state after the final norm where kept.
@@ -188,7 +166,7 @@ pub fn forward_batch_with(
     }
     let keep = s.keep_hidden;
     let mut out = None;
-    host().pass(m.numerics, &mut s.acts, kvs, &inp, offload, &mut |b| out = Some(forward_span(m, b, &inp, span.clone(), want, keep)));
+    m.rt.host().pass(m.numerics, &mut s.acts, kvs, &inp, offload, &mut |b| out = Some(forward_span(m, b, &inp, span.clone(), want, keep)));
     let out = out.ok_or_else(|| Error::Internal("the host ran no pass".into()))?;
     take_rows(&mut s.acts, out.out, logits);
     if let Some(h) = out.hidden {
@@ -710,7 +688,7 @@ pub fn rewind(m: &Model, kv: &mut KvCache, pos: usize) {
         })
         .collect();
     let (mut q, mut bt, mut al, mut out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    host().run(m.numerics, &mut Vec::new(), &mut |ops| {
+    m.rt.host().run(m.numerics, &mut Vec::new(), &mut |ops| {
         kv.rewind(pos, |slot, io, qkv, beta, alpha, rows| {
             let (dn, w) = (&dns[slot], weights[slot]);
             // delta_net works in place: replay on copies, the journal keeps the raw rows.

@@ -11,7 +11,7 @@
 
 use super::forward::rope_tables_with;
 use super::{Config, Metadata, Mixer, Model, QuantMode, TensorInfo, TensorTable};
-use crate::backend::{host, Activation, AttnShape, Rope, RopeTable};
+use crate::backend::{Activation, AttnShape, Rope, RopeTable};
 use crate::kv::KvCache;
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -130,7 +130,7 @@ impl Assistant {
         let f = std::fs::File::open(path).map_err(|e| Error::Gguf(format!("{file}: cannot open: {e}")))?;
         // SAFETY: as for model files (`Model::load`): mapped read-only and never written through.
         let map = Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Gguf(format!("{file}: cannot map: {e}")))?);
-        let t = TensorTable::new(&file, map, tensors, QuantMode::Native, target.numerics)?;
+        let t = TensorTable::new(&file, map, tensors, QuantMode::Native, target.numerics, target.rt.host())?;
         let mut layers = Vec::with_capacity(n);
         for il in 0..n {
             let (hd, h, ff) = (if swa[il] { hd_swa } else { hd_full }, heads[il], ffs[il]);
@@ -237,7 +237,7 @@ pub fn step(
     let att_rows: Vec<(usize, usize)> = q_rows.iter().map(|&(i, p)| (i, p - 1)).collect();
     let tables = rope_tables_with(&[a.rope_swa, a.rope_full], &q_rows, a.factors.as_deref());
     let AssistantScratch { x, cat, h, q, att, o, gate, up, act } = ws;
-    host().run(m.numerics, act, &mut |b| {
+    m.rt.host().run(m.numerics, act, &mut |b| {
         cat.clear();
         let mut row = vec![0f32; tw];
         let scale = (tw as f32).sqrt();

@@ -25,8 +25,9 @@ mod qwen3next;
 mod qwen3vl;
 mod qwen3vlmoe;
 
-use crate::backend::Placement;
 pub use crate::backend::{Activation, Numerics};
+use crate::backend::{Host, Placement};
+use crate::constrain::GrammarEnv;
 pub use arch::{arch_names, lookup as lookup_arch, ArchDesc};
 pub use config::{Attention, AttnTemp, Config, DeltaNet, Ffn, HeadMap, Heads, LayerDesc, Mixer, Mrope, Rope};
 pub use gemma4_assistant::Assistant;
@@ -36,6 +37,7 @@ pub use mtp::MtpHead;
 use crate::kv::{Geometry, KvCodec};
 use crate::quant::GgmlType;
 use crate::quant::{Bytes, Weight};
+use crate::runtime::Runtime;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -230,6 +232,10 @@ pub struct Model {
     /// This load's own number (never reused in the process): what the prefix cache keys a
     /// model's pages and recurrent states by, so that another model never takes them.
     pub uid: u64,
+    /// The runtime the model runs on: its thread team, page bin and scratch.
+    pub rt: Arc<Runtime>,
+    /// The grammar environment (`grammar_env`), made on first use.
+    grammar: Mutex<Option<Arc<GrammarEnv>>>,
 }
 
 /// The next `Model::uid`.
@@ -255,12 +261,21 @@ pub(crate) struct TensorTable<'a> {
     by_name: HashMap<&'a str, &'a TensorInfo>,
     quant: QuantMode,
     numerics: Numerics,
+    /// Lays matrices out for its kernels (`prepare`).
+    host: &'a dyn Host,
 }
 
 impl<'a> TensorTable<'a> {
     /// Index the table, refusing what no model file can hold: 0-D tensors, and the block formats
     /// that exist only for activations (Q8_1, Q8_K).
-    pub(crate) fn new(file: &'a str, map: Arc<memmap2::Mmap>, tensors: &'a [TensorInfo], quant: QuantMode, numerics: Numerics) -> Result<Self> {
+    pub(crate) fn new(
+        file: &'a str,
+        map: Arc<memmap2::Mmap>,
+        tensors: &'a [TensorInfo],
+        quant: QuantMode,
+        numerics: Numerics,
+        host: &'a dyn Host,
+    ) -> Result<Self> {
         for t in tensors {
             if t.shape.is_empty() || t.shape.contains(&0) {
                 return Err(Error::Gguf(format!(
@@ -276,7 +291,7 @@ impl<'a> TensorTable<'a> {
                 )));
             }
         }
-        Ok(TensorTable { file, map, by_name: tensors.iter().map(|t| (t.name.as_str(), t)).collect(), quant, numerics })
+        Ok(TensorTable { file, map, by_name: tensors.iter().map(|t| (t.name.as_str(), t)).collect(), quant, numerics, host })
     }
 
     /// How many transformer blocks the table holds tensors for (`blk.N.*`, N < blocks).
@@ -387,7 +402,7 @@ impl<'a> TensorTable<'a> {
             QuantMode::Fp32 if w.ty != GgmlType::F32 => Some(GgmlType::F32),
             _ => None,
         };
-        crate::backend::host().prepare(w, to, self.numerics).ok_or_else(|| {
+        self.host.prepare(w, to, self.numerics).ok_or_else(|| {
             Error::UnsupportedModel(format!(
                 "{}: tensor '{name}' is {}, for which numerics='ggml' does not reproduce ggml's order (it covers F32 and F16 rows of a multiple of 32 values, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and Q4_K and MXFP4 with a multiple of 8 rows); load with numerics='fast'",
                 self.file,
@@ -792,7 +807,18 @@ impl Model {
 
 impl Model {
     /// Map `path` and build the model from the tensor table and metadata the Python loader read.
-    pub fn load(path: &Path, arch: &str, meta: &Metadata, tensors: &[TensorInfo], tokenizer: Tokenizer, quant: QuantMode, numerics: Numerics) -> Result<Model> {
+    /// Its weights are laid out for `rt`'s CPU backend, and it runs there.
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(
+        rt: &Arc<Runtime>,
+        path: &Path,
+        arch: &str,
+        meta: &Metadata,
+        tensors: &[TensorInfo],
+        tokenizer: Tokenizer,
+        quant: QuantMode,
+        numerics: Numerics,
+    ) -> Result<Model> {
         let desc = lookup_arch(arch).ok_or_else(|| {
             Error::UnsupportedModel(format!("{}: architecture '{arch}' is not supported (supported: {})", path.display(), arch_names().join(", ")))
         })?;
@@ -807,7 +833,7 @@ impl Model {
         // SAFETY: the file is opened read-only and we never write through the map; a concurrent
         // truncation by another process is outside what any mmap-based loader can guard against.
         let map = Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Gguf(format!("{file}: cannot map: {e}")))?);
-        let table = TensorTable::new(&file, map, tensors, quant, numerics)?;
+        let table = TensorTable::new(&file, map, tensors, quant, numerics, rt.host())?;
         config.validate(meta, table.blocks()).map_err(in_file)?;
 
         let tok_embd = table.raw("token_embd.weight")?;
@@ -878,11 +904,27 @@ impl Model {
             mtp,
             placement: Mutex::new(None),
             uid: next_model_uid(),
+            rt: rt.clone(),
+            grammar: Mutex::new(None),
         })
     }
 }
 
 impl Model {
+    /// The grammar environment of this model, made once and shared by all its schedulers:
+    /// indexing a vocabulary takes about a second, which a caller can spend ahead of time (the
+    /// server does, off its engine thread) so that no scheduler step waits for it.
+    pub fn grammar_env(&self) -> Result<Arc<GrammarEnv>> {
+        // A panic while building one left nothing half-made: the lock's data is sound.
+        let mut env = self.grammar.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = &*env {
+            return Ok(e.clone());
+        }
+        let e = Arc::new(GrammarEnv::new(&self.tokenizer)?);
+        *env = Some(e.clone());
+        Ok(e)
+    }
+
     /// The model's place on a device, if it has one.
     pub fn placement(&self) -> Option<Arc<dyn Placement>> {
         self.placement.lock().unwrap_or_else(|e| e.into_inner()).clone()

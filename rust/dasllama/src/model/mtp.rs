@@ -13,7 +13,7 @@
 
 use super::forward::{block, pass_inputs, take_rows, LogitRows};
 use super::{lookup_arch, Config, Layer, LayerDesc, Metadata, Mixer, Model, QuantMode, TensorInfo, TensorTable};
-use crate::backend::{host, Buf, HostActs};
+use crate::backend::{Buf, HostActs};
 use crate::kv::{Geometry, KvCache, KvCodec, PRIVATE_PAGE_ROWS};
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -110,7 +110,7 @@ impl MtpHead {
         let f = std::fs::File::open(path).map_err(|e| Error::Gguf(format!("{file}: cannot open: {e}")))?;
         // SAFETY: as for model files (`Model::load`): mapped read-only and never written through.
         let map = Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Gguf(format!("{file}: cannot map: {e}")))?);
-        let table = TensorTable::new(&file, map, tensors, QuantMode::Native, target.numerics)?;
+        let table = TensorTable::new(&file, map, tensors, QuantMode::Native, target.numerics, target.rt.host())?;
         let il = config.n_layers;
         for name in ["token_embd.weight".to_string(), format!("blk.{il}.nextn.embed_tokens.weight"), format!("blk.{il}.nextn.shared_head_head.weight")] {
             if let Some(t) = tensors.iter().find(|t| t.name == name) {
@@ -127,7 +127,10 @@ impl MtpHead {
     /// A stream's K/V store for the head (one attention layer, private pages).
     pub fn new_kv(&self, m: &Model) -> KvCache {
         let c = &m.config;
-        KvCache::private(Geometry { n_layers: 1, kv_dim: c.kv_dim(), head_dim: c.head_dim, page_rows: PRIVATE_PAGE_ROWS, codec: KvCodec::F16, slots: None })
+        KvCache::private(
+            Geometry { n_layers: 1, kv_dim: c.kv_dim(), head_dim: c.head_dim, page_rows: PRIVATE_PAGE_ROWS, codec: KvCodec::F16, slots: None },
+            m.rt.pages(),
+        )
     }
 }
 
@@ -169,7 +172,7 @@ pub fn forward(
     let inp = pass_inputs(m, std::slice::from_ref(&head.desc), &lens, counts, tokens, want);
     let acts = &mut ws.acts;
     let mut out = None;
-    host().pass(m.numerics, acts, kvs, &inp, None, &mut |b| {
+    m.rt.host().pass(m.numerics, acts, kvs, &inp, None, &mut |b| {
         // The embedding and the hidden state, each normed, side by side: [e, h] per row.
         let (e, h) = (b.alloc(Buf::Q, n * d), b.alloc(Buf::K, n * d));
         b.embed(head.embed.as_ref().unwrap_or(&m.tok_embd), 1.0, e);

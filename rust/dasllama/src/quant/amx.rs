@@ -154,43 +154,25 @@ pub fn has_amx() -> bool {
 pub fn status() -> &'static (bool, String) {
     static S: OnceLock<(bool, String)> = OnceLock::new();
     S.get_or_init(|| {
-        let env = env_switches();
-        let s = match env.off {
-            Some(why) => (false, format!("off: {why}")),
-            None => detect(),
-        };
-        if env.log {
+        let s = detect();
+        if super::switches::get().amx_log {
             eprintln!("dasllama amx: {}", s.1);
         }
         s
     })
 }
 
-/// What the environment asks of AMX.
-struct EnvSwitches {
-    /// Turned off, and by which switch.
-    off: Option<&'static str>,
-    /// `DASLLAMA_AMX_LOG=1`: say once on stderr whether AMX runs and why.
-    log: bool,
-}
-
-/// The one place the AMX switches are read: `DASLLAMA_AMX=0` (or the older `DASLLAMA_NO_AMX`,
-/// or `DASLLAMA_NO_SIMD`) turns AMX off; it is on wherever the CPU and OS allow it otherwise.
-fn env_switches() -> EnvSwitches {
-    let var = |k: &str| std::env::var_os(k).is_some();
-    let off = if std::env::var("DASLLAMA_AMX").is_ok_and(|v| v == "0") {
-        Some("DASLLAMA_AMX=0")
-    } else if var("DASLLAMA_NO_AMX") {
-        Some("DASLLAMA_NO_AMX is set")
-    } else if var("DASLLAMA_NO_SIMD") {
-        Some("DASLLAMA_NO_SIMD is set")
-    } else {
-        None
-    };
-    EnvSwitches { off, log: std::env::var("DASLLAMA_AMX_LOG").is_ok_and(|v| v == "1") }
-}
-
 fn detect() -> (bool, String) {
+    let sw = super::switches::get();
+    if sw.amx == Some(false) {
+        return (false, "off: DASLLAMA_AMX=0".into());
+    }
+    if sw.no_amx {
+        return (false, "off: DASLLAMA_NO_AMX is set".into());
+    }
+    if sw.no_simd {
+        return (false, "off: DASLLAMA_NO_SIMD is set".into());
+    }
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     return detect_x86_linux();
     #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]

@@ -4,6 +4,7 @@
 //! than a huge page, so they are carved one after another out of 32 MB anonymous mappings
 //! (slabs) instead of each getting its own: the only waste is the untouched tail of the last
 //! slab, which is never faulted in. A slab is unmapped when the last weight in it is dropped.
+//! Each runtime's CPU backend has an arena of its own (`cpu::Cpu`): two runtimes share no slab.
 
 use memmap2::MmapMut;
 use std::sync::{Arc, Mutex};
@@ -40,24 +41,32 @@ impl Slab {
     }
 }
 
-/// Where the next span goes: the current slab and its first free byte.
-static CURRENT: Mutex<Option<(Arc<Slab>, usize)>> = Mutex::new(None);
+/// Where the weights of one CPU backend go: the current slab and its first free byte.
+#[derive(Default)]
+pub struct Arena {
+    current: Mutex<Option<(Arc<Slab>, usize)>>,
+}
 
-/// `len` zeroed bytes for a weight, to fill and then `freeze`.
-pub fn alloc(len: usize) -> SpanMut {
-    if len > SLAB / 4 {
-        // A big matrix (an output head) gets a slab of its own, leaving the current one be.
-        return SpanMut(Span { slab: Arc::new(Slab::new(len.next_multiple_of(HUGE_PAGE))), offset: 0, len });
+impl Arena {
+    pub fn new() -> Arena {
+        Arena::default()
     }
-    let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
-    let fits = matches!(&*cur, Some((slab, used)) if used.next_multiple_of(ALIGN) + len <= slab.len);
-    if !fits {
-        *cur = Some((Arc::new(Slab::new(SLAB)), 0));
+
+    /// `len` zeroed bytes for a weight, to fill and then `freeze`.
+    pub fn alloc(&self, len: usize) -> SpanMut {
+        if len > SLAB / 4 {
+            // A big matrix (an output head) gets a slab of its own, leaving the current one be.
+            return SpanMut(Span { slab: Arc::new(Slab::new(len.next_multiple_of(HUGE_PAGE))), offset: 0, len });
+        }
+        let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        if !matches!(&*cur, Some((slab, used)) if used.next_multiple_of(ALIGN) + len <= slab.len) {
+            *cur = None;
+        }
+        let (slab, used) = cur.get_or_insert_with(|| (Arc::new(Slab::new(SLAB)), 0));
+        let offset = used.next_multiple_of(ALIGN);
+        *used = offset + len;
+        SpanMut(Span { slab: slab.clone(), offset, len })
     }
-    let (slab, used) = cur.as_mut().expect("a slab with room");
-    let offset = used.next_multiple_of(ALIGN);
-    *used = offset + len;
-    SpanMut(Span { slab: slab.clone(), offset, len })
 }
 
 /// Read-only bytes of a slab, shared by the clones of a weight.
@@ -96,9 +105,10 @@ mod tests {
 
     #[test]
     fn spans_are_zeroed_aligned_disjoint_and_outlive_their_slab_handle() {
+        let arena = Arena::new();
         let mut spans: Vec<Span> = Vec::new();
         for (i, len) in [100usize, 5 << 20, 3, 9 << 20, 64, 12 << 20, 1].into_iter().enumerate() {
-            let mut s = alloc(len);
+            let mut s = arena.alloc(len);
             let bytes = s.as_mut_slice();
             assert!(bytes.iter().all(|&b| b == 0), "span {i} not zeroed");
             assert_eq!(bytes.as_ptr() as usize % ALIGN, 0, "span {i} not aligned");
@@ -110,7 +120,7 @@ mod tests {
             assert!(s.as_slice().iter().all(|&b| b == i as u8 + 1), "span {i} was overwritten");
         }
         // A new slab replaces the current one; spans of the old one stay readable.
-        drop(CURRENT.lock().unwrap_or_else(|e| e.into_inner()).take());
+        drop(arena.current.lock().unwrap_or_else(|e| e.into_inner()).take());
         assert!(spans[0].as_slice().iter().all(|&b| b == 1));
     }
 }

@@ -11,17 +11,14 @@ use std::sync::OnceLock;
 pub(crate) fn has_avx2() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
-        std::env::var_os("DASLLAMA_NO_SIMD").is_none()
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
+        !super::switches::get().no_simd && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
     })
 }
 
 /// AVX-VNNI (vpdpbusd on 256-bit vectors); `DASLLAMA_NO_VNNI` turns it off for comparisons.
 fn has_vnni() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| std::env::var_os("DASLLAMA_NO_VNNI").is_none() && is_x86_feature_detected!("avxvnni"))
+    *HAS.get_or_init(|| !super::switches::get().no_vnni && is_x86_feature_detected!("avxvnni"))
 }
 
 /// AVX-512 F/VL/BW/VNNI for the tile kernels (and the p·v attention kernel);
@@ -30,8 +27,8 @@ pub(crate) fn has_avx512() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         has_avx2()
-            && std::env::var_os("DASLLAMA_NO_AVX512").is_none()
-            && std::env::var_os("DASLLAMA_NO_VNNI").is_none()
+            && !super::switches::get().no_avx512
+            && !super::switches::get().no_vnni
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512bw")
@@ -360,7 +357,7 @@ fn unavailable(name: &str) -> String {
         _ => is_x86_feature_detected!("avx512vnni"),
     };
     let lacking: Vec<&str> = features.iter().copied().filter(|f| !detected(f)).collect();
-    let set: Vec<&str> = switches.iter().copied().filter(|s| std::env::var_os(s).is_some()).collect();
+    let set: Vec<&str> = switches.iter().copied().filter(|s| super::switches::get().set.contains(s)).collect();
     match (lacking.is_empty(), set.is_empty()) {
         (false, _) => format!("this CPU lacks {}", lacking.join(", ")),
         (true, false) => format!("turned off by {}", set.join(", ")),
@@ -557,16 +554,9 @@ pub(super) fn prefetch() -> Prefetch {
         let id = __cpuid(0);
         let amd = [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]; // "AuthenticAMD"
         let mut p = if amd { Prefetch { kquant: 16384, block32: 16384, hint: 1 } } else { Prefetch { kquant: 6144, block32: 4096, hint: 0 } };
-        if let Ok(v) = std::env::var("DASLLAMA_PREFETCH") {
-            let (bytes, cache) = v.split_once(':').unwrap_or((&v, ""));
-            if let Ok(b) = bytes.parse() {
-                (p.kquant, p.block32) = (b, b);
-            }
-            match cache {
-                "l1" => p.hint = 0,
-                "l2" => p.hint = 1,
-                _ => {}
-            }
+        if let Some((b, hint)) = super::switches::get().prefetch {
+            (p.kquant, p.block32) = (b, b);
+            p.hint = hint.unwrap_or(p.hint);
         }
         p
     })

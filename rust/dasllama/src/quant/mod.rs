@@ -17,6 +17,7 @@ pub mod ggml;
 pub mod iq4;
 pub mod mxfp4;
 pub mod scalar;
+pub mod switches;
 pub mod tile;
 mod weight;
 

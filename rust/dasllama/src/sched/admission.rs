@@ -3,7 +3,6 @@
 
 use super::emit::finished_event;
 use super::{Finish, PendingReq, SchedEvent, Scheduler, Stream};
-use crate::constrain;
 use crate::model::Model;
 use crate::session::Session;
 use crate::spec::StreamSpec;
@@ -75,7 +74,7 @@ impl Scheduler {
         }
         let constraint = match &req.grammar {
             Some(g) => {
-                let env = constrain::env_for(&self.model)?;
+                let env = self.model.grammar_env()?;
                 Some(Box::new(env.compile(g).map_err(|e| Error::InvalidArgument(format!("request {}: {e}", req.id)))?))
             }
             None => None,

@@ -199,23 +199,12 @@ pub struct Scheduler {
     pub stats: SchedStats,
 }
 
-/// The step budget: decoding streams' gap between tokens, and a long prompt gets what a step has
-/// left (with nothing decoding, how long an arriving request waits to be admitted). `DASLLAMA_STEP_MS` overrides it (0: fixed chunks of `chunk_tokens`).
-const STEP_BUDGET_S: f64 = 0.060;
 /// A prefilling stream gets at least this many tokens a step, however full the step is already.
 const MIN_CHUNK: usize = 16;
 /// Until the step's cost is measured, chunks are at most this long.
 const FIRST_CHUNK: usize = 64;
 /// A hybrid's prefix cache keeps at most this many recurrent-state snapshots per stream.
 const SNAPSHOTS_PER_STREAM: usize = 4;
-
-fn default_step_budget() -> Option<f64> {
-    match std::env::var("DASLLAMA_STEP_MS").ok().and_then(|v| v.trim().parse::<f64>().ok()) {
-        Some(ms) if ms <= 0.0 => None,
-        Some(ms) => Some(ms / 1000.0),
-        None => Some(STEP_BUDGET_S),
-    }
-}
 
 impl Scheduler {
     /// `page_rows > 0` gives the streams a paged pool with a prefix cache of at most
@@ -239,7 +228,7 @@ impl Scheduler {
             // only allocated when written, so this bounds memory rather than reserving it.
             let geo = m.kv_geometry(page_rows, codec);
             m.check_kv(&geo)?;
-            let pool = KvPool::new(geo, 2 * max_streams * per_stream, prefix_groups)?;
+            let pool = KvPool::new(geo, 2 * max_streams * per_stream, prefix_groups, m.rt.pages())?;
             if m.config.recurrent() {
                 // A hybrid's cached pages are of use only with a snapshot of its recurrent state
                 // (`kv::RecSnapshot`), each as big as a session's state: a few per stream (a
@@ -253,7 +242,7 @@ impl Scheduler {
             None
         };
         let (step_budget, step_cost, logit_weight) =
-            (if m.numerics == Numerics::Ggml { None } else { default_step_budget() }, StepCost::new(m), plan::logit_weight(m));
+            (if m.numerics == Numerics::Ggml { None } else { m.rt.config().step_budget }, StepCost::new(m), plan::logit_weight(m));
         Ok(Scheduler {
             model,
             pool,

@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::model::{MetaValue, Metadata, QuantMode, TensorInfo};
+use crate::runtime::{Config, Runtime};
 use crate::tokenizer::{Tokenizer, Vocab};
 use std::collections::HashMap;
 use std::io::Write;
@@ -74,7 +75,8 @@ fn tiny_model(seed: u64) -> Arc<Model> {
     let mut meta: HashMap<String, MetaValue> = sizes.iter().chain(&heads).map(|&(k, v)| (k.to_string(), MetaValue::Int(v as i64))).collect();
     meta.insert("attention.layer_norm_rms_epsilon".into(), MetaValue::Float(1e-6));
     meta.insert("rope.freq_base".into(), MetaValue::Float(10000.0));
-    let model = Model::load(&path, "llama", &Metadata::new("llama", meta), &tensors, bytes_tokenizer(), QuantMode::Native, Numerics::Fast)
+    let rt = Runtime::new(Config { threads: 2, ..Config::default() });
+    let model = Model::load(&rt, &path, "llama", &Metadata::new("llama", meta), &tensors, bytes_tokenizer(), QuantMode::Native, Numerics::Fast)
         .expect("load the tiny model");
     // The map outlives the file's name.
     let _ = std::fs::remove_file(&path);

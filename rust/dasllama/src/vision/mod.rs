@@ -13,6 +13,7 @@ mod vit;
 
 use crate::model::{MetaValue, Metadata, Numerics, QuantMode, TensorInfo, TensorTable};
 use crate::quant::{Bytes, GgmlType, Weight};
+use crate::runtime::Runtime;
 use crate::{Error, Result};
 use std::path::Path;
 use std::sync::Arc;
@@ -38,12 +39,14 @@ pub struct Vision {
     pub projector_type: String,
     pub(crate) vit: vit::Vit,
     pub(crate) projector: Projector,
+    /// Runs the tower's passes.
+    rt: Arc<Runtime>,
 }
 
 impl Vision {
     /// Map `path` (an mmproj GGUF) and build the tower from its `clip.*` metadata (`meta`, keys
     /// without the `clip.` prefix) and tensor table.
-    pub fn load(path: &Path, meta: &Metadata, tensors: &[TensorInfo]) -> Result<Vision> {
+    pub fn load(rt: &Arc<Runtime>, path: &Path, meta: &Metadata, tensors: &[TensorInfo]) -> Result<Vision> {
         let file = path.display().to_string();
         let in_file = |e: Error| match e {
             Error::Gguf(m) => Error::Gguf(format!("{file}: {m}")),
@@ -65,7 +68,7 @@ impl Vision {
         let f = std::fs::File::open(path).map_err(|e| Error::Gguf(format!("{file}: cannot open: {e}")))?;
         // SAFETY: read-only map, never written through (as `Model::load`).
         let map = Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::Gguf(format!("{file}: cannot map: {e}")))?);
-        let table = TensorTable::new(&file, map, tensors, QuantMode::Native, Numerics::Fast)?;
+        let table = TensorTable::new(&file, map, tensors, QuantMode::Native, Numerics::Fast, rt.host())?;
         // llama.cpp's graph per projector: SigLIP's LayerNorms and learned positions for Gemma 3,
         // RMS norms and a 2-D RoPE of base 10000 (clip.cpp sets it) for Pixtral.
         let style = match ptype.as_str() {
@@ -78,7 +81,7 @@ impl Vision {
             "pixtral" => Projector::Pixtral(Box::new(pixtral::Pixtral::load(&table, meta, &config).map_err(in_file)?)),
             _ => unreachable!("checked against PROJECTORS above"),
         };
-        Ok(Vision { config, projector_type: ptype, vit, projector })
+        Ok(Vision { config, projector_type: ptype, vit, projector, rt: rt.clone() })
     }
 
     /// Whether the tower takes an image of any size (a multiple of `patch_size * merge()` on each
@@ -142,7 +145,7 @@ impl Vision {
         }
         let (gw, gh) = (width / p, height / p);
         let mut out = Vec::new();
-        crate::backend::host().run(Numerics::Fast, &mut Vec::new(), &mut |ops| {
+        self.rt.host().run(Numerics::Fast, &mut Vec::new(), &mut |ops| {
             let feats = self.vit.forward(ops, &self.config, pixels, gw, gh);
             out = match &self.projector {
                 Projector::Gemma3(g) => g.forward(ops, &self.config, &feats),
@@ -153,12 +156,14 @@ impl Vision {
     }
 }
 
-/// An f32 matrix of our own (`rows` x `cols`, row-major) as the host's kernels read it.
+/// An f32 matrix of our own (`rows` x `cols`, row-major) as the host's kernels read it: the
+/// fast kernels read f32 rows as they are (`Kernels::Floats`, never tiled), so no runtime's
+/// arena is involved.
 pub(crate) fn f32_weight(values: &[f32], rows: usize, cols: usize) -> Weight {
     debug_assert_eq!(values.len(), rows * cols);
+    debug_assert!(!matches!(crate::quant::kernels(GgmlType::F32), crate::quant::Kernels::Tiles(_)));
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let w = Weight { ty: GgmlType::F32, rows, cols, data: Bytes::Owned(Arc::new(bytes)), tiled: false, ggml_dot: None };
-    crate::backend::host().prepare(w, None, Numerics::Fast).expect("the fast kernels read every f32 matrix")
+    Weight { ty: GgmlType::F32, rows, cols, data: Bytes::Owned(Arc::new(bytes)), tiled: false, ggml_dot: None }
 }
 
 /// A tensor's values as f32 with its GGUF shape checked.

@@ -80,10 +80,6 @@ fn kind_name(t: vk::PhysicalDeviceType) -> &'static str {
     }
 }
 
-fn allow_cpu() -> bool {
-    std::env::var("DASLLAMA_VK_ALLOW_CPU").is_ok_and(|v| v == "1")
-}
-
 fn load_entry() -> Result<ash::Entry> {
     // SAFETY: loading libvulkan runs its initialisers; the loader is a well-behaved system library
     // and we keep the Entry alive for as long as anything made from it.
@@ -131,14 +127,16 @@ pub fn enumerate() -> Result<Vec<DeviceInfo>> {
     out.map_err(vk_err("enumerating Vulkan devices"))
 }
 
-/// Which device to take: the one `pick` names (an index or part of a name), else the one
-/// `DASLLAMA_VK_DEVICE` names, else the best kind; a plain-words reason when none qualifies.
-pub fn choose(devices: &[DeviceInfo], pick: Option<&str>) -> std::result::Result<usize, String> {
+/// Which device to take: the one `pick` names (an index or part of a name; the Python side
+/// passes `DASLLAMA_VK_DEVICE` where the caller names none), else the best kind; a CPU-type
+/// device only where `allow_cpu` (`DASLLAMA_VK_ALLOW_CPU=1`); a plain-words reason when none
+/// qualifies.
+pub fn choose(devices: &[DeviceInfo], pick: Option<&str>, allow_cpu: bool) -> std::result::Result<usize, String> {
     if devices.is_empty() {
         return Err("the Vulkan loader found no device (no driver installed?)".into());
     }
-    let usable = |d: &DeviceInfo| d.kind != "cpu" || allow_cpu();
-    if let Some(want) = pick.map(str::to_string).or_else(|| std::env::var("DASLLAMA_VK_DEVICE").ok()) {
+    let usable = |d: &DeviceInfo| d.kind != "cpu" || allow_cpu;
+    if let Some(want) = pick {
         let hit = want
             .parse::<usize>()
             .ok()
@@ -170,10 +168,10 @@ pub fn choose(devices: &[DeviceInfo], pick: Option<&str>) -> std::result::Result
 
 impl Gpu {
     /// Open the device `choose` picks.
-    pub fn open(pick: Option<&str>) -> Result<Gpu> {
+    pub fn open(pick: Option<&str>, allow_cpu: bool) -> Result<Gpu> {
         let entry = load_entry()?;
         let instance = create_instance(&entry)?;
-        let built = Self::open_on(&instance, pick);
+        let built = Self::open_on(&instance, pick, allow_cpu);
         match built {
             Ok((info, physical, device, queue_family, memory_budget)) => {
                 // SAFETY: the device was created with one queue in this family.
@@ -211,11 +209,11 @@ impl Gpu {
         }
     }
 
-    fn open_on(instance: &ash::Instance, pick: Option<&str>) -> Result<(DeviceInfo, vk::PhysicalDevice, ash::Device, u32, bool)> {
+    fn open_on(instance: &ash::Instance, pick: Option<&str>, allow_cpu: bool) -> Result<(DeviceInfo, vk::PhysicalDevice, ash::Device, u32, bool)> {
         // SAFETY: valid instance.
         let pds = unsafe { instance.enumerate_physical_devices() }.map_err(vk_err("enumerating Vulkan devices"))?;
         let infos: Vec<DeviceInfo> = pds.iter().enumerate().map(|(i, &pd)| describe(instance, i, pd)).collect();
-        let pick = choose(&infos, pick).map_err(Error::Device)?;
+        let pick = choose(&infos, pick, allow_cpu).map_err(Error::Device)?;
         let pd = pds[pick];
         // SAFETY: pd is a device of this instance.
         let props = unsafe { instance.get_physical_device_properties(pd) };

@@ -38,16 +38,16 @@ use engine::Engine;
 use placement::{RailsPlacement, ResidentPlacement};
 use rails::Rails;
 use regions::Regions;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-/// The backend's witness: whether a usable Vulkan device answers on this machine (enumerated
-/// once, cached), and the device or the reason.
-pub fn witness() -> &'static std::result::Result<DeviceInfo, String> {
-    static W: OnceLock<std::result::Result<DeviceInfo, String>> = OnceLock::new();
-    W.get_or_init(|| match device::enumerate() {
-        Ok(devs) => device::choose(&devs, None).map(|i| devs[i].clone()),
+/// The backend's witness: whether a usable Vulkan device answers on this machine (`pick` and
+/// `allow_cpu` as `Device::open` takes them), and the device or the reason. It enumerates every
+/// call; a runtime keeps its verdict (the Python `Runtime`).
+pub fn witness(pick: Option<&str>, allow_cpu: bool) -> std::result::Result<DeviceInfo, String> {
+    match device::enumerate() {
+        Ok(devs) => device::choose(&devs, pick, allow_cpu).map(|i| devs[i].clone()),
         Err(e) => Err(e.to_string()),
-    })
+    }
 }
 
 /// Every Vulkan device the loader reports (empty, with the reason, where there is none).
@@ -62,11 +62,10 @@ pub struct Device {
 }
 
 impl Device {
-    /// Open the device `pick` names (an index or part of its name), else the one
-    /// `DASLLAMA_VK_DEVICE` names, else the best kind. CPU-type devices (lavapipe) only with
-    /// `DASLLAMA_VK_ALLOW_CPU=1`.
-    pub fn open(pick: Option<&str>) -> Result<Arc<Device>> {
-        Ok(Arc::new(Device { gpu: Arc::new(Gpu::open(pick)?) }))
+    /// Open the device `pick` names (an index or part of its name), else the best kind.
+    /// CPU-type devices (lavapipe) only where `allow_cpu` (`DASLLAMA_VK_ALLOW_CPU=1`).
+    pub fn open(pick: Option<&str>, allow_cpu: bool) -> Result<Arc<Device>> {
+        Ok(Arc::new(Device { gpu: Arc::new(Gpu::open(pick, allow_cpu)?) }))
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -117,28 +116,25 @@ pub struct Options {
     pub ctx_max: usize,
     /// `ctx_max` is the context asked for: held for every region, or the resident driver declines.
     pub ctx_strict: bool,
-    /// The device K/V codec (None: `DASLLAMA_GPU_KV`, else f16).
+    /// The device K/V codec (None: f16; the Python side passes `DASLLAMA_GPU_KV` where the
+    /// caller pins none).
     pub codec: Option<KvCodec>,
     /// Cap on the model's device memory in MiB (0: the device's budget).
     pub vram_mb: u64,
+    /// Say on stderr where the model went and why (`DASLLAMA_VK_LOG=1`).
+    pub log: bool,
 }
 
 impl Default for Options {
     fn default() -> Options {
-        Options { regions: 4, ctx_max: 4096, ctx_strict: false, codec: None, vram_mb: 0 }
+        Options { regions: 4, ctx_max: 4096, ctx_strict: false, codec: None, vram_mb: 0, log: false }
     }
 }
 
 impl Options {
-    /// The codec asked for, else `DASLLAMA_GPU_KV`, else f16.
+    /// The codec asked for, else f16.
     pub fn codec(&self) -> std::result::Result<KvCodec, String> {
-        if let Some(c) = self.codec {
-            return Ok(c);
-        }
-        match std::env::var("DASLLAMA_GPU_KV") {
-            Ok(v) if !v.is_empty() => KvCodec::parse(&v).ok_or_else(|| format!("DASLLAMA_GPU_KV={v:?} is not a K/V codec; use f16, q8_0 or tq4")),
-            _ => Ok(KvCodec::F16),
-        }
+        Ok(self.codec.unwrap_or(KvCodec::F16))
     }
 }
 
@@ -154,8 +150,8 @@ fn split_point(m: &dyn Placeable, regions: usize, ctx: usize, heads: &[(usize, u
     m.n_layers()
 }
 
-fn log(msg: &str) {
-    if std::env::var("DASLLAMA_VK_LOG").is_ok_and(|v| v == "1") {
+fn log(o: &Options, msg: &str) {
+    if o.log {
         eprintln!("dasllama vulkan: {msg}");
     }
 }
@@ -230,16 +226,19 @@ pub fn place(dev: &Arc<Device>, m: &dyn Placeable, o: &Options) -> std::result::
         }
         Err(err) => return Err(format!("uploading the model failed: {err}")),
     }
-    log(&format!(
-        "{} on '{}': {} of {} layers, {} MiB of weights, {} regions of {ctx} positions, K/V in {}",
-        m.arch(),
-        dev.info().name,
-        layers,
-        m.n_layers(),
-        e.weight_bytes >> 20,
-        o.regions,
-        codec.name()
-    ));
+    log(
+        o,
+        &format!(
+            "{} on '{}': {} of {} layers, {} MiB of weights, {} regions of {ctx} positions, K/V in {}",
+            m.arch(),
+            dev.info().name,
+            layers,
+            m.n_layers(),
+            e.weight_bytes >> 20,
+            o.regions,
+            codec.name()
+        ),
+    );
     Ok(Arc::new(ResidentPlacement::new(dev.clone(), e, split_why)))
 }
 
@@ -253,14 +252,17 @@ fn place_rails(dev: &Arc<Device>, m: &dyn Placeable, o: &Options, why: String) -
                 Some(words) => format!("{why}; {words}"),
                 None => why,
             };
-            log(&format!(
-                "{} on '{}' on the per-op rails: {} matrices ({} MiB) on the device, {} on the CPU; {why}",
-                m.arch(),
-                dev.info().name,
-                r.matrices(),
-                r.weight_bytes >> 20,
-                r.left_on_cpu
-            ));
+            log(
+                o,
+                &format!(
+                    "{} on '{}' on the per-op rails: {} matrices ({} MiB) on the device, {} on the CPU; {why}",
+                    m.arch(),
+                    dev.info().name,
+                    r.matrices(),
+                    r.weight_bytes >> 20,
+                    r.left_on_cpu
+                ),
+            );
             Ok(Arc::new(RailsPlacement::new(dev.clone(), r, why)))
         }
         Ok(r) => match r.unread_words() {

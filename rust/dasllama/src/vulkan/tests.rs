@@ -20,7 +20,8 @@ use std::sync::{Arc, OnceLock};
 /// a broken loader or driver must not pass as "no device".
 pub(super) fn gpu() -> Option<(Arc<Gpu>, Kernels, Runner)> {
     static G: OnceLock<Result<Arc<Gpu>, String>> = OnceLock::new();
-    let g = G.get_or_init(|| Gpu::open(None).map(Arc::new).map_err(|e| e.to_string()));
+    let allow_cpu = std::env::var("DASLLAMA_VK_ALLOW_CPU").is_ok_and(|v| v == "1");
+    let g = G.get_or_init(|| Gpu::open(None, allow_cpu).map(Arc::new).map_err(|e| e.to_string()));
     let test = std::thread::current().name().unwrap_or("?").to_string();
     let g = match g {
         Ok(g) => g,

@@ -9,7 +9,7 @@ use super::shaders::{self as sh, u, Shader};
 use super::tests::{check_matmul, close, gpu, rand, read, run_op, weight};
 use super::weights::{upload_f32, upload_stacked, upload_weight};
 use crate::backend::{Activation, Gating, Host, Numerics, Route};
-use crate::cpu::backend::Cpu;
+use crate::cpu::Cpu;
 use crate::kv::KvCodec;
 use crate::quant::{GgmlType, Weight};
 use gpu_allocator::MemoryLocation;
@@ -153,7 +153,7 @@ fn eltwise_new_ops_match_cpu() {
 /// The CPU's route of `logits` (`Ops::route` through the CPU backend).
 fn cpu_route(logits: &[f32], r: &Route<'_>) -> Vec<(usize, f32)> {
     let mut out = Vec::new();
-    Cpu.run(Numerics::Fast, &mut Vec::new(), &mut |ops| ops.route(logits, r, &mut out));
+    Cpu::new(2).run(Numerics::Fast, &mut Vec::new(), &mut |ops| ops.route(logits, r, &mut out));
     out
 }
 
@@ -205,7 +205,7 @@ struct HostExperts {
 fn cpu_moe(e: &HostExperts, logits: &[f32], r: &Route<'_>, act: Activation, h: &[f32], d: usize, hd: usize) -> (Vec<(usize, f32)>, Vec<f32>) {
     let n = h.len() / d;
     let (mut route, mut o) = (Vec::new(), vec![0.0f32; n * d]);
-    Cpu.run(Numerics::Fast, &mut Vec::new(), &mut |b| {
+    Cpu::new(2).run(Numerics::Fast, &mut Vec::new(), &mut |b| {
         b.route(logits, r, &mut route);
         for ex in 0..r.n_expert {
             let rows: Vec<(usize, f32)> = route.iter().enumerate().filter(|(_, &(x, _))| x == ex).map(|(i, &(_, w))| (i / r.n_used, w)).collect();
@@ -251,7 +251,7 @@ fn moe_case(c: &MoeCase) {
     let Some((g, mut k, mut run)) = gpu() else { return };
     let (d, hd, n) = (256usize, 256usize, 7usize);
     let mk = |ty: GgmlType, rows: usize, cols: usize, seed: u64| {
-        (0..c.n_expert).map(|e| weight(ty, rows, cols, seed * 100 + e as u64).for_kernels()).collect::<Vec<_>>()
+        (0..c.n_expert).map(|e| weight(ty, rows, cols, seed * 100 + e as u64).for_kernels(&Cpu::new(2))).collect::<Vec<_>>()
     };
     let host = HostExperts {
         gate: mk(c.ty[0], hd, d, 1),
