@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from .. import scheduler as sched
 from .. import vision
@@ -31,7 +31,7 @@ from .logit_bias import parse_logit_bias
 from .options import Options
 from .status import StatusHistory
 from .tools import ToolError, Tools, call_grammar, parse_tools, prepare_messages, response_format_grammar
-from .tools_builtin import ServerTools, ToolRoutes
+from .tools_builtin import ServerTools
 
 log = logging.getLogger("dasllama.serve")
 

@@ -21,8 +21,8 @@ from .llama_api import Native, Rerank, native
 from .ollama import Ollama
 from .ollama import guarded as ollama_guarded
 from .responses import Responses
-from .tools_builtin import ToolRoutes
 from .routes import STATIC, Routes, favicon, method_not_allowed, not_found, page, server_error
+from .tools_builtin import ToolRoutes
 
 
 class _Cors(CORSMiddleware):
