@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -31,7 +31,9 @@ from .logit_bias import parse_logit_bias
 from .options import Options
 from .status import StatusHistory
 from .tools import ToolError, Tools, call_grammar, parse_tools, prepare_messages, response_format_grammar
-from .tools_builtin import ServerTools
+
+if TYPE_CHECKING:  # tools_builtin builds on this module
+    from .tools_builtin import ServerTools
 
 log = logging.getLogger("dasllama.serve")
 

@@ -23,11 +23,10 @@ import sys
 from typing import Any
 
 from .._cli import HelpFormatter
-from .options import Options
+from .options import HF_FALLBACK_ENV, Options
 
 log = logging.getLogger("dasllama.serve")
 
-HF_FALLBACK_ENV = "DASLLAMA_SERVER_HF_FALLBACK"
 
 # llama-server's cache types -> dasllama's KV codecs (f32 and bf16 store as f16).
 KV_TYPES = {"f16": "f16", "f32": "f16", "bf16": "f16", "q8_0": "q8_0"}

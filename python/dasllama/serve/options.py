@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# llama-server downloads --hf-repo models; dasllama-server (and its router) serve this local file
+# (or dasllama model name) in their place.
+HF_FALLBACK_ENV = "DASLLAMA_SERVER_HF_FALLBACK"
 
 @dataclass
 class Options:

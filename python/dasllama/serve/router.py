@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from .app import ApiError, Server
 from .engine import Engine
+from .options import HF_FALLBACK_ENV
 
 log = logging.getLogger("dasllama.serve")
 
@@ -453,7 +454,6 @@ class Router:
 def _resolve_repo(repo: str) -> str:
     """A Hugging Face reference (a preset's hf-repo) as a local file: llama.cpp's cache, else
     DASLLAMA_SERVER_HF_FALLBACK (as dasllama-server's --hf-repo)."""
-    from .llama_server import HF_FALLBACK_ENV
 
     hit = cached_repo_file(repo)
     if hit is not None:
