@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 # (or dasllama model name) in their place.
 HF_FALLBACK_ENV = "DASLLAMA_SERVER_HF_FALLBACK"
 
+
 @dataclass
 class Options:
     # Request defaults where a request names none (llama-server's --n-predict, --temp, --seed).
