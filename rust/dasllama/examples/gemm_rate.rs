@@ -51,10 +51,10 @@ fn main() {
     let (amx_on, amx_why) = dasllama::quant::amx::status();
     println!("amx: {amx_why}");
     if *amx_on {
-        // The walk below goes through AMX for the formats it covers from two rows; DASLLAMA_NO_AMX=1
+        // The walk below goes through AMX for the formats it covers from 32 rows (amx::worth); DASLLAMA_NO_AMX=1
         // gives the vector kernels' rate on the same box for comparison.
         let covered: Vec<&str> = types.iter().filter(|t| dasllama::quant::amx::supports(**t)).map(|t| t.name()).collect();
-        println!("amx: the lines of {covered:?} with two rows or more are AMX's");
+        println!("amx: the lines of {covered:?} with 32 rows or more are AMX's");
     }
     println!("{:<6} {:>5} {:>12} {:>12}", "format", "rows", "2048->8192", format!("{cols2}->{rows2}"));
     for ty in types {

@@ -357,8 +357,9 @@ fn tile_kernel_variants_match_the_scalar_twin() {
 }
 
 /// `matmul` walks a task's weight rows a tile or a pair of tiles at a time against up to eight
-/// activation rows a call; every batch size, and a row count that leaves a single tile or a
-/// partial one at a task's end, gives each output the bits of that row evaluated alone.
+/// activation rows a call (on an AMX CPU, from 32 rows of 2048-wide weights, up to 64 a call on
+/// the tiles); every batch size, and a row count that leaves a single tile or a partial one at a
+/// task's end, gives each output the bits of that row evaluated alone.
 #[test]
 fn matmul_rows_are_bit_identical_whatever_the_batch() {
     use dasllama::cpu::{matmul, Cpu, Weight};
@@ -377,16 +378,16 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
         GgmlType::BF16,
         GgmlType::F32,
     ] {
-        let (rows, cols) = (40, 512);
+        let (rows, cols, most) = (40, 2048, 65);
         let w = Weight::random_blocks(ty, rows, cols, &cpu);
         let mut rng = Lcg(ty as u64 + 5);
-        let x: Vec<f32> = (0..33 * cols).map(|_| rng.f()).collect();
+        let x: Vec<f32> = (0..most * cols).map(|_| rng.f()).collect();
         let mut act = Vec::new();
-        let mut alone = vec![0.0f32; 33 * rows];
-        for t in 0..33 {
+        let mut alone = vec![0.0f32; most * rows];
+        for t in 0..most {
             team().session(|tm| matmul(&w, &x[t * cols..(t + 1) * cols], 1, &mut alone[t * rows..(t + 1) * rows], &mut act, tm));
         }
-        for n in [2, 3, 5, 8, 9, 16, 17, 33] {
+        for n in [2, 3, 5, 8, 9, 16, 17, 33, 64, 65] {
             let mut out = vec![0.0f32; n * rows];
             team().session(|tm| matmul(&w, &x[..n * cols], n, &mut out, &mut act, tm));
             for (i, (a, b)) in out.iter().zip(&alone).enumerate() {

@@ -211,7 +211,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
             Kernels::Tiles(tile_fn) => {
                 debug_assert!(w.tiled, "weight layout does not match its kernels");
                 let tb = tile::tile_bytes(w.ty, k);
-                if n >= 2 && amx::usable(w.ty) {
+                if amx::worth(k, n) && amx::usable(w.ty) {
                     // AMX: a pair of tiles (sixteen weight rows) against up to 64 activation rows
                     // a call, bit-identical to the vector kernels (one-row decode stays on those).
                     let mut out = [[0.0f32; amx::COLS]; amx::MAX_ROWS];

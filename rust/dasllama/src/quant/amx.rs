@@ -146,6 +146,15 @@ pub fn usable(ty: GgmlType) -> bool {
     supports(ty) && has_amx()
 }
 
+/// Whether a product of `rows` activation rows against weights `k` wide goes to the tiles. Below
+/// these sizes the per-call costs (tile configuration, accumulators, a B tile unpacked per block)
+/// outweigh the tile unit: on the Xeon with AMX, SmolLM2's 576-wide matrices prefilled 30-40%
+/// slower through AMX, and at 16 rows the kernels gain 0-15% against 30-70% at 64
+/// (docs/benchmarks.md). The results are the same either way, bit for bit.
+pub fn worth(k: usize, rows: usize) -> bool {
+    k >= 2048 && rows >= 32
+}
+
 pub fn has_amx() -> bool {
     status().0
 }
@@ -215,7 +224,7 @@ fn detect_x86_linux() -> (bool, String) {
         return (false, format!("off: Linux refused the tile data (arch_prctl ARCH_REQ_XCOMP_PERM: {e})"));
     }
     let bf16 = if bf16 { ", amx_bf16" } else { "" };
-    (true, format!("on: amx_tile, amx_int8{bf16}; tile data permitted; GEMM of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K from two activation rows on (DASLLAMA_AMX=0 turns it off)"))
+    (true, format!("on: amx_tile, amx_int8{bf16}; tile data permitted; GEMM of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K for 32 or more activation rows against weights 2048 or more wide (DASLLAMA_AMX=0 turns it off)"))
 }
 
 /// XCR0, the state components the OS saves and restores.
