@@ -42,6 +42,17 @@ def test_unknown_and_unsupported_flags_are_named() -> None:
         assert r.returncode != 0 and needle in r.stderr, r.stderr
 
 
+def test_mmproj_flags_reach_the_server() -> None:
+    from dasllama.serve.llama_server import translate
+
+    args, _ = translate(["-m", "x.gguf", "-mm", "mmproj-x.gguf"])
+    assert args.mmproj == ["mmproj-x.gguf"] and not args.no_mmproj
+    args, _ = translate(["-m", "x.gguf", "--no-mmproj"])
+    assert args.no_mmproj and not args.mmproj
+    r = subprocess.run([sys.executable, "-m", "dasllama.serve.llama_server", "-m", "x.gguf", "-mmu", "https://example.com/p.gguf"], check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--mmproj PATH" in r.stderr, r.stderr
+
+
 def test_hf_repo_needs_a_local_file() -> None:
     r = subprocess.run([sys.executable, "-m", "dasllama.serve.llama_server", "-hf", "ggml-org/models"], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "does not download" in r.stderr

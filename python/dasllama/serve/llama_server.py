@@ -5,7 +5,7 @@
 The flags keep llama-server's names, long and short; each maps onto a `python -m dasllama.serve`
 option or a server option (options.py). Flags that only tune llama.cpp's own machinery (GPU
 layers, batch sizes, flash attention, mmap) are taken and ignored, saying so in the log; flags for
-features dasllama does not have (LoRA adapters, multimodal projectors) are refused by
+features dasllama does not have (LoRA adapters, projector downloads) are refused by
 name, as are flags llama-server does not know either. With no model, or with --models-dir or
 --models-preset, it is a router (router.py); --sleep-idle-seconds unloads an idle model (sleep.py).
 
@@ -53,7 +53,6 @@ IGNORED: list[tuple[tuple[str, ...], bool]] = [
     (("--spec-draft-n-min", "--draft-min", "--draft-n-min"), True),
     (("--spec-synth-len",), True),
     (("--spec-synth-rates",), True),
-    (("--no-mmproj",), False),
     (("--mlock",), False),
     (("--no-mmap",), False),
     (("--mmap",), False),
@@ -82,10 +81,8 @@ IGNORED: list[tuple[tuple[str, ...], bool]] = [
 UNSUPPORTED = {
     "--lora": "LoRA adapters",
     "--lora-scaled": "LoRA adapters",
-    "-mm": "multimodal projectors",
-    "--mmproj": "multimodal projectors",
-    "-mmu": "multimodal projectors",
-    "--mmproj-url": "multimodal projectors",
+    "-mmu": "downloading a projector (pass --mmproj PATH)",
+    "--mmproj-url": "downloading a projector (pass --mmproj PATH)",
     "--spec-type": "llama.cpp's speculative decoding types (dasllama's own: python -m dasllama.serve --spec)",
 }
 
@@ -100,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("-h", "--help", action="help", help="show this help and exit")
     ap.add_argument("-m", "--model", default=None, help="a .gguf path or dasllama model name")
+    ap.add_argument("-mm", "--mmproj", default=None, help="the model's vision projector (default: an mmproj*.gguf beside the model)")
+    ap.add_argument("--no-mmproj", dest="no_mmproj", action="store_true", help="load no vision projector")
     ap.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", default=None, help=f"a Hugging Face repo (not downloaded: resolves to ${HF_FALLBACK_ENV})")
     ap.add_argument("-hff", "--hf-file", dest="hf_file", default=None, help="a file in --hf-repo (as --hf-repo)")
     ap.add_argument("-mu", "--model-url", dest="model_url", default=None, help="a model URL (as --hf-repo)")
@@ -208,6 +207,10 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
         serve_argv += ["--model", model]
         if aliases:
             serve_argv += ["--alias", aliases[0]]
+        if ns.mmproj:
+            serve_argv += ["--mmproj", ns.mmproj]
+    if ns.no_mmproj:
+        serve_argv += ["--no-mmproj"]
     if ns.model_draft:
         serve_argv += ["--model-draft", ns.model_draft]
     unified = bool(ns.kv_unified)
