@@ -125,6 +125,9 @@ class StdioTransport:
         self.tools: list[McpToolDef] = []
         self.last_error = ""
         self.err_tail = ""
+        # Set when its stdout ends: it can answer nothing more, whether or not the process has
+        # been reaped yet (poll() may still say running for a moment after a crash).
+        self.closed = threading.Event()
 
     def start(self) -> bool:
         env = {**os.environ, **self.cfg.env}
@@ -140,7 +143,7 @@ class StdioTransport:
         return True
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and not self.closed.is_set() and self.proc.poll() is None
 
     def diagnostics(self) -> str:
         tail = self.err_tail.strip()
@@ -164,6 +167,7 @@ class StdioTransport:
                     self.inbox.put(text)
         except (OSError, ValueError):
             pass
+        self.closed.set()
         self.inbox.put(None)  # EOF: wakes a waiting call
 
     def _drain_stderr(self) -> None:
