@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,31 @@ log = logging.getLogger("dasllama.serve")
 # Builds an engine for a model file (or dasllama model name) served as a name; runs off the loop.
 Loader = Callable[[str, str], Engine]
 Handler = Callable[[Request], Any]
+
+
+async def held_while_answering(request: Request, handler: Handler, release: Callable[[], Awaitable[None]]) -> Response:
+    """Answer `request` with `handler`, then call `release`: once the answer is sent, or, for a
+    stream, once its last chunk is (or the client goes away); at once if the handler fails. What
+    the router's loaded model and sleep mode's activity count hold for a request."""
+    try:
+        resp = await handler(request)
+    except BaseException:
+        await release()
+        raise
+    if not isinstance(resp, StreamingResponse):
+        await release()
+        return resp
+    body = resp.body_iterator
+
+    async def held() -> AsyncIterator[Any]:
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            await release()
+
+    resp.body_iterator = held()
+    return resp
 
 # The router's own routes: they name a model to act on, not one to serve the request.
 OWN_ROUTES = {"/models/load", "/models/unload", "/models"}
@@ -332,25 +357,7 @@ class Router:
         q = request.query_params.get("autoload")
         autoload = self.autoload if q is None else q in ("1", "true")
         e = await self.acquire(name, autoload)
-        try:
-            resp = await handler(request)
-        except BaseException:
-            await self.release(e)
-            raise
-        if isinstance(resp, StreamingResponse):
-            body = resp.body_iterator
-
-            async def pinned() -> AsyncIterator[Any]:
-                try:
-                    async for chunk in body:
-                        yield chunk
-                finally:
-                    await self.release(e)
-
-            resp.body_iterator = pinned()
-        else:
-            await self.release(e)
-        return resp
+        return await held_while_answering(request, handler, lambda: self.release(e))
 
     # ---- routes ------------------------------------------------------------------------------------
 

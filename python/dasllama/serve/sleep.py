@@ -14,15 +14,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from .app import Server
-from .router import Handler, Loader
+from .router import Handler, Loader, held_while_answering
 
 log = logging.getLogger("dasllama.serve")
 
@@ -53,26 +53,12 @@ class Sleeper:
         self.in_flight += 1
         try:
             await self.wake()
-            resp = await handler(request)
         except BaseException:
-            self._done()
+            await self._done()
             raise
-        if isinstance(resp, StreamingResponse):
-            body = resp.body_iterator
+        return await held_while_answering(request, handler, self._done)
 
-            async def counted() -> AsyncIterator[Any]:
-                try:
-                    async for chunk in body:
-                        yield chunk
-                finally:
-                    self._done()
-
-            resp.body_iterator = counted()
-        else:
-            self._done()
-        return resp
-
-    def _done(self) -> None:
+    async def _done(self) -> None:
         self.in_flight -= 1
         self.last_active = time.monotonic()
 
