@@ -1,9 +1,12 @@
-"""Shared fixtures: the real models, fetched through the project's own fetcher and cached."""
+"""Shared fixtures: the real models, fetched through the project's own fetcher and cached, and a headless browser."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,3 +46,16 @@ def smollm_golden() -> dict:
 @pytest.fixture(scope="session")
 def gemma_golden() -> dict:
     return golden("gemma-3-270m-q4_k_m.json")
+
+
+# Headless Chromium for the web pages' tests (test_webui.py, test_vision_server.py), one per module.
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("no chromium on the PATH: apt-get install chromium (scripts/test.sh installs it when missing)")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=exe, headless=True)
+        yield b
+        b.close()

@@ -20,16 +20,12 @@ from synthetic import encode_weight
 GEMMA3_VISION: dict[str, Any] = dict(image_size=32, patch=4, dim=64, ff=128, heads=4, layers=2, merge=2, eps=1e-6, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
 
 
-def write_gemma3_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, projector: str = "gemma3", swapped_ffn: bool = False, **over: Any) -> dict[str, np.ndarray]:
-    """Write a tiny Gemma 3 mmproj; return its exact weights (numpy order) and ``"_cfg"``'s values
-    under their keys. ``swapped_ffn`` stores the MLP's up and down under each other's names, as
-    older conversions did."""
-    c = {**GEMMA3_VISION, **over}
-    rng = np.random.default_rng(4321)
+def _clip_writer(path: Path, projector: str, act: str, c: dict[str, Any], text_dim: int) -> GGUFWriter:
+    """A clip GGUF's writer with the keys every projector's tower has (llama.cpp's clip loader)."""
     w = GGUFWriter(str(path), "clip")
     w.add_string("clip.projector_type", projector)
     w.add_bool("clip.has_vision_encoder", True)
-    w.add_bool("clip.use_gelu", True)
+    w.add_bool(f"clip.use_{act}", True)
     w.add_uint32("clip.vision.image_size", c["image_size"])
     w.add_uint32("clip.vision.patch_size", c["patch"])
     w.add_uint32("clip.vision.embedding_length", c["dim"])
@@ -40,6 +36,21 @@ def write_gemma3_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, p
     w.add_float32("clip.vision.attention.layer_norm_epsilon", c["eps"])
     w.add_array("clip.vision.image_mean", c["mean"])
     w.add_array("clip.vision.image_std", c["std"])
+    return w
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """Largest error relative to the largest reference value."""
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def write_gemma3_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, projector: str = "gemma3", swapped_ffn: bool = False, **over: Any) -> dict[str, np.ndarray]:
+    """Write a tiny Gemma 3 mmproj; return its exact weights (numpy order) and ``"_cfg"``'s values
+    under their keys. ``swapped_ffn`` stores the MLP's up and down under each other's names, as
+    older conversions did."""
+    c = {**GEMMA3_VISION, **over}
+    rng = np.random.default_rng(4321)
+    w = _clip_writer(path, projector, "gelu", c, text_dim)
     if c["merge"] != 4:
         w.add_uint32("clip.vision.projector.scale_factor", c["merge"])
     weights: dict[str, np.ndarray] = {}
@@ -142,20 +153,7 @@ def write_pixtral_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, 
     """Write a tiny Pixtral mmproj; return its exact weights (numpy order)."""
     c = {**PIXTRAL_VISION, **over}
     rng = np.random.default_rng(8765)
-    w = GGUFWriter(str(path), "clip")
-    w.add_string("clip.projector_type", "pixtral")
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_bool("clip.use_silu", True)
-    w.add_uint32("clip.vision.image_size", c["image_size"])
-    w.add_uint32("clip.vision.patch_size", c["patch"])
-    w.add_uint32("clip.vision.embedding_length", c["dim"])
-    w.add_uint32("clip.vision.feed_forward_length", c["ff"])
-    w.add_uint32("clip.vision.block_count", c["layers"])
-    w.add_uint32("clip.vision.projection_dim", text_dim)
-    w.add_uint32("clip.vision.attention.head_count", c["heads"])
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", c["eps"])
-    w.add_array("clip.vision.image_mean", c["mean"])
-    w.add_array("clip.vision.image_std", c["std"])
+    w = _clip_writer(path, "pixtral", "silu", c, text_dim)
     if merger:
         w.add_uint32("clip.vision.spatial_merge_size", c["merge"])
     weights: dict[str, np.ndarray] = {}

@@ -17,15 +17,10 @@ import dasllama as dl
 from dasllama import _native, vision
 from dasllama.errors import GgufError, UnsupportedModelError
 from synthetic import reference_logits, write_model
-from synthetic_vision import GEMMA3_VISION, reference_gemma3_image, write_gemma3_mmproj
+from synthetic_vision import GEMMA3_VISION, reference_gemma3_image, rel_err, write_gemma3_mmproj
 
 SPECIALS = ("<start_of_image>", "<end_of_image>")
 N_IMG = (GEMMA3_VISION["image_size"] // GEMMA3_VISION["patch"] // GEMMA3_VISION["merge"]) ** 2
-
-
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    """Largest error relative to the largest reference value."""
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +50,7 @@ def test_gemma3_tower_matches_the_float64_reference(files: dict) -> None:
         got = vision.encode_pixels(p, px)
         want = reference_gemma3_image(files["vision_w"], px.reshape(3, 32, 32))
         assert got.shape == (N_IMG, 256)
-        assert _rel(got, want) < 1e-3, _rel(got, want)
+        assert rel_err(got, want) < 1e-3, rel_err(got, want)
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
@@ -66,7 +61,7 @@ def test_gemma3_tower_with_stored_formats(tmp_path: Path, qt: QT, tol: float) ->
     p = vision.load_mmproj(path)
     px = _pixels(1)
     got = vision.encode_pixels(p, px)
-    assert _rel(got, reference_gemma3_image(w, px.reshape(3, 32, 32))) < tol
+    assert rel_err(got, reference_gemma3_image(w, px.reshape(3, 32, 32))) < tol
 
 
 def test_swapped_mlp_of_older_conversions_is_read_back(tmp_path: Path) -> None:
@@ -74,7 +69,7 @@ def test_swapped_mlp_of_older_conversions_is_read_back(tmp_path: Path) -> None:
     w = write_gemma3_mmproj(path, swapped_ffn=True)
     px = _pixels(2)
     got = vision.encode_pixels(vision.load_mmproj(path), px)
-    assert _rel(got, reference_gemma3_image(w, px.reshape(3, 32, 32))) < 1e-3
+    assert rel_err(got, reference_gemma3_image(w, px.reshape(3, 32, 32))) < 1e-3
 
 
 def test_pooling_by_four_is_the_default(tmp_path: Path) -> None:
@@ -83,7 +78,7 @@ def test_pooling_by_four_is_the_default(tmp_path: Path) -> None:
     p = vision.load_mmproj(path)
     assert p.n_tokens == 4
     px = _pixels(3)
-    assert _rel(vision.encode_pixels(p, px), reference_gemma3_image(w, px.reshape(3, 32, 32), merge=4)) < 1e-3
+    assert rel_err(vision.encode_pixels(p, px), reference_gemma3_image(w, px.reshape(3, 32, 32), merge=4)) < 1e-3
 
 
 def test_wrong_files_are_refused_by_name(files: dict, tmp_path: Path) -> None:
@@ -182,7 +177,7 @@ def test_image_rows_enter_the_prompt_as_the_reference_says(files: dict) -> None:
     assert got.shape == (len(p.ids), m.n_vocab)
     embeds = {r: p.values[i].astype(np.float64) for i, r in enumerate(p.rows)}
     want = reference_logits(files["text_w"], p.ids, arch="gemma3", embeds=embeds, spans=tuple(p.spans))
-    err = np.abs(got - want).max() / np.abs(want).max()
+    err = rel_err(got, want)
     assert err < 2e-3, err
     assert (got.argmax(-1) == want.argmax(-1)).all()
     # Causal rows would differ: the image rows see the rows after them.

@@ -14,13 +14,9 @@ from PIL import Image
 import dasllama as dl
 from dasllama import vision
 from synthetic import reference_logits, write_model
-from synthetic_vision import PIXTRAL_VISION, reference_pixtral_image, write_pixtral_mmproj
+from synthetic_vision import PIXTRAL_VISION, reference_pixtral_image, rel_err, write_pixtral_mmproj
 
 SPECIALS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
-
-
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +43,7 @@ def test_pixtral_tower_matches_the_float64_reference(files: dict, w: int, h: int
     tx, ty = w // 8, h // 8
     assert got.shape == (tx * ty + ty - 1, 256) == want.shape
     assert p.native.n_tokens_for(w, h) == len(got)
-    assert _rel(got, want) < 1e-3, _rel(got, want)
+    assert rel_err(got, want) < 1e-3, rel_err(got, want)
     # The break rows are the file's [IMG_BREAK] embedding, after each row of tokens but the last.
     breaks = [(r + 1) * (tx + 1) - 1 for r in range(ty - 1)]
     np.testing.assert_array_equal(got[breaks], np.broadcast_to(files["vision_w"]["v.token_embd.img_break"], (ty - 1, 256)))
@@ -61,7 +57,7 @@ def test_pixtral_without_merger_or_breaks(tmp_path: Path) -> None:
     px = _pixels(12, 8, 3)
     got = vision.encode_pixels(p, px, 12, 8)
     assert got.shape == (3 * 2, 256)
-    assert _rel(got, reference_pixtral_image(w, px.reshape(3, 8, 12), merger=False, img_break=False)) < 1e-3
+    assert rel_err(got, reference_pixtral_image(w, px.reshape(3, 8, 12), merger=False, img_break=False)) < 1e-3
 
 
 def test_pixtral_sizes_are_refused_off_the_grid(files: dict) -> None:
@@ -104,7 +100,7 @@ def test_pixtral_image_rows_are_causal_in_the_text_model(files: dict) -> None:
     got = vision.eval_image_prompt(m, s, p, all=True)
     embeds = {r: p.values[i].astype(np.float64) for i, r in enumerate(p.rows)}
     want = reference_logits(files["text_w"], p.ids, embeds=embeds)
-    assert _rel(got, want) < 2e-3, _rel(got, want)
+    assert rel_err(got, want) < 2e-3, rel_err(got, want)
 
 
 def test_scheduler_splits_a_causal_image_across_chunks(files: dict) -> None:

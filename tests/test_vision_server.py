@@ -143,18 +143,6 @@ def test_ollama_images_take_the_same_path(server: str) -> None:
 # ---- the chat page in a browser ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        pytest.skip("no chromium on the PATH: apt-get install chromium (scripts/test.sh installs it when missing)")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=exe, headless=True)
-        yield b
-        b.close()
-
-
 def test_chat_page_attaches_and_pastes_a_picture(browser: Any, server: str) -> None:
     from test_webui import close, new_page
 

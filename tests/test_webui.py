@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -155,18 +154,6 @@ def test_chat_cli_refuses_a_base_model_plainly(gemma: dl.Model) -> None:
 
 
 # ---- in the browser ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        pytest.skip("no chromium on the PATH: apt-get install chromium (scripts/test.sh installs it when missing)")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=exe, headless=True)
-        yield b
-        b.close()
 
 
 def new_page(browser: Any, base: str, key: str | None = KEY) -> Any:
