@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The whole test suite: lints (rustfmt, clippy, ruff), Rust unit and kernel tests, the type stubs
 # against the built module, then pytest against the real models (fetched through dasllama's own
-# fetcher on first use), and the golden subset once more on the scalar kernels. Works on a fresh
+# fetcher on first use; the scalar kernels' golden checks run there too, on a runtime of their
+# own: tests/test_golden.py, tests/test_runtime_kernels.py). Works on a fresh
 # machine with Rust and Python 3.11+; everything else it installs into .venv.
 #
 # With arguments it runs only pytest with them (`bash scripts/test.sh tests/test_sampling_chain.py`,
-# `bash scripts/test.sh tests/test_server.py -k models -x`): no apt, no lints, no cargo, no second
-# pass; it builds the extension into .venv first only when .venv cannot import it yet.
+# `bash scripts/test.sh tests/test_server.py -k models -x`): no apt, no lints, no cargo;
+# it builds the extension into .venv first only when .venv cannot import it yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,6 +67,3 @@ export DASLLAMA_VK_ALLOW_CPU=1
 cargo test --release -p dasllama --features fault-injection
 DASLLAMA_NO_SIMD=1 cargo test --release -p dasllama --features fault-injection  # the scalar twins under the same tests
 python -m pytest -q tests
-# The scalar twins end to end: every SIMD kernel off (read once per process, hence a process of
-# its own), the golden comparisons must still hold.
-DASLLAMA_NO_SIMD=1 DASLLAMA_GOLDEN_STEPS=6 python -m pytest -q tests/test_golden.py -k "first_step_matches or all_steps_close"

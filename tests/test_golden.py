@@ -18,27 +18,27 @@ casts further on, and by the last layer moves log-probabilities by tenths of a n
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 import dasllama as dl
 
-# The scalar-kernel run in scripts/test.sh checks the first steps of every case only: those
-# kernels are several times slower, and a wrong kernel shows from the first step.
-STEPS = int(os.environ.get("DASLLAMA_GOLDEN_STEPS", "0")) or None
+# The scalar twins (a runtime of their own, in this process) are checked on the first steps of
+# every case only: those kernels are several times slower, and a wrong kernel shows from the
+# first step.
+SCALAR_STEPS = 6
 
 
-def step_errors(m: dl.Model, g: dict) -> tuple[list[list[float]], int, int]:
-    """Per case, per step: max |Δ log-prob| over llama.cpp's top-5; argmax disagreements where
-    llama.cpp's top-1 leads by >= 0.15, and how many such decisive steps there were."""
+def step_errors(m: dl.Model, g: dict, steps: int | None = None) -> tuple[list[list[float]], int, int]:
+    """Per case, per step (the first `steps`, or all): max |Δ log-prob| over llama.cpp's top-5;
+    argmax disagreements where llama.cpp's top-1 leads by >= 0.15, and how many such decisive
+    steps there were."""
     errs, flips, decisive = [], 0, 0
     for c in g["cases"]:
         s = dl.create_session(m)
         logits = dl.eval(m, s, c["prompt_ids"])
         case = []
-        for i, st in enumerate(c["steps"][:STEPS]):
+        for i, st in enumerate(c["steps"][:steps]):
             lp = logits - (np.log(np.sum(np.exp(logits - logits.max()))) + logits.max())
             case.append(max(abs(float(lp[t]) - ref) for t, ref in st["top"]))
             top = st["top"]
@@ -61,14 +61,34 @@ def gemma_errors(gemma: dl.Model, gemma_golden: dict):
     return step_errors(gemma, gemma_golden)
 
 
-@pytest.mark.parametrize("which", ["smollm_errors", "gemma_errors"])
+@pytest.fixture(scope="module")
+def scalar_runtime() -> dl.Runtime:
+    rt = dl.Runtime(kernels="scalar")
+    assert rt.kernels == "scalar" and not rt.amx_status()[0], rt.amx_status()
+    return rt
+
+
+@pytest.fixture(scope="module")
+def smollm_scalar_errors(smollm: dl.Model, smollm_golden: dict, scalar_runtime: dl.Runtime):
+    return step_errors(dl.load_model(smollm.path, runtime=scalar_runtime), smollm_golden, SCALAR_STEPS)
+
+
+@pytest.fixture(scope="module")
+def gemma_scalar_errors(gemma: dl.Model, gemma_golden: dict, scalar_runtime: dl.Runtime):
+    return step_errors(dl.load_model(gemma.path, runtime=scalar_runtime), gemma_golden, SCALAR_STEPS)
+
+
+ERRORS = ["smollm_errors", "gemma_errors", "smollm_scalar_errors", "gemma_scalar_errors"]
+
+
+@pytest.mark.parametrize("which", ERRORS)
 def test_first_step_matches(which: str, request: pytest.FixtureRequest) -> None:
     errs, _, _ = request.getfixturevalue(which)
     first = [case[0] for case in errs]
     assert np.median(first) <= 0.2 and max(first) <= 0.6, first
 
 
-@pytest.mark.parametrize("which", ["smollm_errors", "gemma_errors"])
+@pytest.mark.parametrize("which", ERRORS)
 def test_all_steps_close(which: str, request: pytest.FixtureRequest) -> None:
     errs, flips, decisive = request.getfixturevalue(which)
     flat = np.array([e for case in errs for e in case])

@@ -17,9 +17,15 @@ when a runtime is made); nothing below the Python bindings reads the environment
 - ``DASLLAMA_VK_ALLOW_CPU=1``, ``DASLLAMA_VK_DEVICE``, ``DASLLAMA_VK_LOG=1``, ``DASLLAMA_GPU_KV``:
   the Vulkan device settings (see ``dasllama.gpu``);
 - ``DASLLAMA_NO_SIMD``, ``DASLLAMA_NO_AVX512``, ``DASLLAMA_NO_VNNI``, ``DASLLAMA_NO_AMX``,
-  ``DASLLAMA_AMX``, ``DASLLAMA_AMX_LOG``, ``DASLLAMA_PREFETCH``: the kernel switches, read when
-  dasllama is imported. They hold for the whole process (weights are laid out at load for the
-  kernels chosen), not per runtime.
+  ``DASLLAMA_AMX``, ``DASLLAMA_AMX_LOG``, ``DASLLAMA_PREFETCH``: the process's kernel switches,
+  read when dasllama is imported: what any runtime may use.
+
+Within those, each runtime picks its kernels: ``Runtime(kernels="scalar")`` runs every kernel's
+scalar twin, ``Runtime(amx=False)`` keeps the GEMM off Intel AMX (``amx=True`` puts it there even
+under ``DASLLAMA_AMX=0``, where the CPU allows). Its models' weights are laid out at load for
+them, so one process can run a model on the scalar and the vector kernels side by side::
+
+    scalar = dl.load_model("smollm2-135m-instruct", runtime=dl.Runtime(kernels="scalar"))
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["GpuTierWant", "Runtime", "RuntimeConfig", "default_runtime", "n_threads"]
 
 DEFAULT_STEP_MS = 60.0
+KERNELS = ("simd", "scalar")  # the vector kernels the process allows, or the scalar twins
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -66,6 +73,8 @@ class RuntimeConfig:
     vk_device: str | None = None  # the Vulkan device to open (an index or part of a name)
     vk_log: bool = False  # say on stderr where placed models went
     gpu_kv: str | None = None  # the device K/V codec where a load pins none
+    kernels: str = "simd"  # "simd": the vector kernels the process allows; "scalar": their scalar twins
+    amx: bool | None = None  # the GEMM on AMX (True), off it (False), or as the process says (None)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeConfig:
@@ -131,14 +140,24 @@ class GpuTier:
 
 
 class Runtime:
-    """What models run with: a thread team, a K/V page bin, scratch, settings and a GPU tier.
+    """What models run with: a thread team, a K/V page bin, scratch, settings, kernels and a GPU
+    tier.
 
     ``threads`` and ``step_ms`` override ``DASLLAMA_THREADS`` and ``DASLLAMA_STEP_MS`` (``step_ms``
-    None or 0: fixed prefill chunks); ``config`` gives every setting at once (the environment is
-    then not read). The threads start with the first forward pass and end when the runtime and
+    None or 0: fixed prefill chunks); ``kernels`` ("simd" or "scalar") and ``amx`` pick its
+    kernels within the process's switches; ``config`` gives every setting at once (the environment
+    is then not read). The threads start with the first forward pass and end when the runtime and
     every model on it are gone."""
 
-    def __init__(self, threads: int | None = None, step_ms: float | None = -1.0, *, config: RuntimeConfig | None = None) -> None:
+    def __init__(
+        self,
+        threads: int | None = None,
+        step_ms: float | None = -1.0,
+        *,
+        kernels: str | None = None,
+        amx: bool | None = None,
+        config: RuntimeConfig | None = None,
+    ) -> None:
         cfg = config if config is not None else RuntimeConfig.from_env()
         if threads is not None:
             if threads < 0:
@@ -146,8 +165,14 @@ class Runtime:
             cfg = replace(cfg, threads=int(threads))
         if step_ms is None or step_ms >= 0:
             cfg = replace(cfg, step_ms=float(step_ms) if step_ms else None)
+        if kernels is not None:
+            cfg = replace(cfg, kernels=kernels)
+        if amx is not None:
+            cfg = replace(cfg, amx=bool(amx))
+        if cfg.kernels not in KERNELS:
+            raise ValueError(f"kernels={cfg.kernels!r} is not a kernel choice; use 'simd' (the vector kernels) or 'scalar' (their scalar twins)")
         self.config = cfg
-        self._native = _native.Runtime(cfg.threads, cfg.step_ms / 1000.0 if cfg.step_ms else None)
+        self._native = _native.Runtime(cfg.threads, cfg.step_ms / 1000.0 if cfg.step_ms else None, scalar=cfg.kernels == "scalar", amx=cfg.amx)
         self.tier = GpuTier()
         self._witness: tuple[bool, str, str] | None = None
         self._lock = threading.Lock()
@@ -156,6 +181,16 @@ class Runtime:
     def threads(self) -> int:
         """The threads its forward passes run on."""
         return int(self._native.threads)
+
+    @property
+    def kernels(self) -> str:
+        """"simd" (the vector kernels the process allows) or "scalar" (their scalar twins)."""
+        return "scalar" if self._native.scalar else "simd"
+
+    def amx_status(self) -> tuple[bool, str]:
+        """(whether this runtime's GEMMs run on Intel AMX, why or why not in words)."""
+        on, why = self._native.amx_status()
+        return bool(on), str(why)
 
     def vk_witness(self) -> tuple[bool, str, str]:
         """(a usable Vulkan device answers, its name or why not, its kind) under this runtime's
@@ -171,7 +206,7 @@ class Runtime:
 
     def __repr__(self) -> str:
         step = "fixed chunks" if self.config.step_ms is None else f"{self.config.step_ms:g} ms"
-        return f"Runtime(threads={self.threads}, step={step})"
+        return f"Runtime(threads={self.threads}, step={step}, kernels={self.kernels})"
 
 
 _default: Runtime | None = None
@@ -185,6 +220,18 @@ def default_runtime() -> Runtime:
     with _default_lock:
         if _default is None:
             _default = Runtime()
+        return _default
+
+
+def default_runtime_with(config: RuntimeConfig) -> Runtime | None:
+    """Make the default runtime from ``config`` if none is made yet, and return it; None once one
+    is (its settings are fixed then). For a command line's flags (``--threads``): a lone server
+    sets the default runtime's threads, the one ``dasllama.gpu``'s tier belongs to."""
+    global _default
+    with _default_lock:
+        if _default is not None:
+            return None
+        _default = Runtime(config=config)
         return _default
 
 

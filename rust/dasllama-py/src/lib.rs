@@ -216,14 +216,28 @@ pub struct PyRuntime {
 
 #[pymethods]
 impl PyRuntime {
-    /// `threads` (0: one per physical core); `step_budget` in seconds (None: fixed chunks).
+    /// `threads` (0: one per physical core); `step_budget` in seconds (None: fixed chunks);
+    /// `scalar`: the scalar twins for every kernel; `amx`: the AMX GEMM on (True), off (False) or
+    /// as the process switches say (None).
     #[new]
-    #[pyo3(signature = (threads, step_budget))]
-    fn new(threads: usize, step_budget: Option<f64>) -> PyResult<Self> {
+    #[pyo3(signature = (threads, step_budget, scalar=false, amx=None))]
+    fn new(threads: usize, step_budget: Option<f64>, scalar: bool, amx: Option<bool>) -> PyResult<Self> {
         if let Some(s) = step_budget.filter(|s| !(s.is_finite() && *s > 0.0)) {
             return Err(PyValueError::new_err(format!("step budget must be a positive, finite number of seconds (got {s}); pass None for fixed chunks")));
         }
-        Ok(PyRuntime { inner: Runtime::new(runtime::Config { threads, step_budget }) })
+        let kernels = switches::Choice { scalar, amx };
+        Ok(PyRuntime { inner: Runtime::new(runtime::Config { threads, step_budget, kernels }) })
+    }
+
+    /// Whether its models' matmuls run the scalar twins.
+    #[getter]
+    fn scalar(&self) -> bool {
+        self.inner.config().kernels.scalar
+    }
+
+    /// Whether its models' GEMMs run on Intel AMX, and why (or why not), in words.
+    fn amx_status(&self) -> (bool, String) {
+        dasllama::quant::amx::status_for(self.inner.config().kernels)
     }
 
     #[getter]

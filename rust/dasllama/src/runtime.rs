@@ -3,18 +3,19 @@
 //! their model, so two runtimes in one process (two servers, two models with their own thread
 //! counts) share nothing mutable: each has its own
 //! - CPU backend (`cpu::Cpu`): the thread team the forward pass runs on, the rayon pool for
-//!   load-time work, and the arena the tiled weights live in;
+//!   load-time work, the arena the tiled weights live in, and the kernels they run
+//!   (`quant::switches::Choice`: the scalar twins or the vector kernels, AMX on or off, within
+//!   what the process switches allow; its weights are laid out at load for them);
 //! - bin of dropped K/V page buffers (`kv::PageBin`), which its pools and private caches reuse;
 //! - scratch for single-session evaluations (`backend::Scratch`);
 //! - configuration, parsed once at the edge (the Python bindings read the environment and the
 //!   caller's arguments; nothing below them reads the environment).
 //!
 //! What stays process-wide, and why (`grep -rn static rust/dasllama/src`):
-//! - the kernel switches and CPU-feature detection (`quant::switches`, `quant::avx2::has_*`,
-//!   `quant::amx::status`, the prefetch distances): set once before the first kernel runs and
-//!   read-only after. Weights are laid out at load for the kernels chosen, so the choice cannot
-//!   differ between two models sharing weights' formats without a second layout; the scalar
-//!   twins are compared with the vector kernels by the Rust tests instead;
+//! - the process's kernel switches and CPU-feature detection (`quant::switches::get`,
+//!   `quant::avx2::process_avx2` and the other `has_*` caches, `quant::amx::status`, the prefetch
+//!   distances): set once before the first kernel runs and read-only after; they bound what a
+//!   runtime may choose. A runtime's own choice travels on its threads (`switches::with`);
 //! - `cpu::ops`' f16 table (computed once, read-only) and the architecture registry (a constant);
 //! - `Model::uid`'s counter: unique over the process, so the prefix cache can never mistake one
 //!   model's pages for another's, whichever runtimes they belong to;
@@ -27,6 +28,7 @@
 use crate::backend::{Host, Scratch};
 use crate::cpu::Cpu;
 use crate::kv::PageBin;
+use crate::quant::switches::Choice;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The scheduler's default step budget: decoding streams' gap between tokens, and what a long
@@ -42,11 +44,13 @@ pub struct Config {
     /// Each scheduler step's time budget in seconds (None: fixed prefill chunks of
     /// `chunk_tokens`).
     pub step_budget: Option<f64>,
+    /// The kernels its models run (the default: the process's).
+    pub kernels: Choice,
 }
 
 impl Default for Config {
     fn default() -> Config {
-        Config { threads: 0, step_budget: Some(STEP_BUDGET_S) }
+        Config { threads: 0, step_budget: Some(STEP_BUDGET_S), kernels: Choice::default() }
     }
 }
 
@@ -59,7 +63,7 @@ pub struct Runtime {
 
 impl Runtime {
     pub fn new(config: Config) -> Arc<Runtime> {
-        Arc::new(Runtime { cpu: Cpu::new(config.threads), config, pages: PageBin::new(), scratch: Mutex::new(Scratch::new()) })
+        Arc::new(Runtime { cpu: Cpu::with_kernels(config.threads, config.kernels), config, pages: PageBin::new(), scratch: Mutex::new(Scratch::new()) })
     }
 
     pub fn config(&self) -> &Config {

@@ -10,14 +10,17 @@ use crate::quant::GgmlType;
 /// The CPU as the host backend (a runtime's `Runtime::host`).
 impl Host for Cpu {
     fn prepare(&self, w: Weight, to: Option<GgmlType>, numerics: Numerics) -> Option<Weight> {
-        let w = match to {
-            Some(ty) => convert_weight(&w, ty, self.pool()),
-            None => w,
-        };
-        match numerics {
-            Numerics::Fast => Some(w.for_kernels(self)),
-            Numerics::Ggml => w.for_ggml_order(),
-        }
+        // The layout and ggml's dot functions are picked here, for this runtime's kernels.
+        crate::quant::switches::with(self.kernels(), || {
+            let w = match to {
+                Some(ty) => convert_weight(&w, ty, self.pool()),
+                None => w,
+            };
+            match numerics {
+                Numerics::Fast => Some(w.for_kernels(self)),
+                Numerics::Ggml => w.for_ggml_order(),
+            }
+        })
     }
 
     fn run(&self, numerics: Numerics, act: &mut Vec<u8>, f: &mut dyn FnMut(&mut dyn HostOps)) {

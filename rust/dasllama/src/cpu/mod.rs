@@ -11,6 +11,7 @@ pub mod spin;
 
 pub use spin::Session as Team;
 
+use crate::quant::switches::{self, Choice};
 use crate::quant::tile::{self, TILE_ROWS};
 use crate::quant::{act_row_bytes, float_act_bytes, kernels, quantize_row, widen_row, GgmlType, Kernels};
 use crate::quant::{amx, arena::Arena};
@@ -24,25 +25,37 @@ use std::sync::{Arc, OnceLock};
 /// two runtimes never wait for each other's passes.
 pub struct Cpu {
     threads: usize,
+    /// The kernels this runtime runs: its threads carry the choice, and its weights are laid out
+    /// for them.
+    kernels: Choice,
     team: OnceLock<spin::Team>,
     pool: OnceLock<rayon::ThreadPool>,
     arena: Arena,
 }
 
 impl Cpu {
-    /// A backend of `threads` threads (0: one per physical core).
+    /// A backend of `threads` threads (0: one per physical core) on the process's default kernels.
     pub fn new(threads: usize) -> Cpu {
+        Cpu::with_kernels(threads, Choice::default())
+    }
+
+    /// A backend of `threads` threads running the kernels `kernels` chooses.
+    pub fn with_kernels(threads: usize, kernels: Choice) -> Cpu {
         let threads = if threads == 0 { num_cpus::get_physical() } else { threads };
-        Cpu { threads, team: OnceLock::new(), pool: OnceLock::new(), arena: Arena::new() }
+        Cpu { threads, kernels, team: OnceLock::new(), pool: OnceLock::new(), arena: Arena::new() }
     }
 
     pub fn threads(&self) -> usize {
         self.threads
     }
 
+    pub fn kernels(&self) -> Choice {
+        self.kernels
+    }
+
     /// The forward pass's team (started on first use).
     pub fn team(&self) -> &spin::Team {
-        self.team.get_or_init(|| spin::Team::new(self.threads))
+        self.team.get_or_init(|| spin::Team::with_kernels(self.threads, self.kernels))
     }
 
     /// The rayon pool for load-time work; the forward pass runs on `team`.
@@ -51,6 +64,10 @@ impl Cpu {
             rayon::ThreadPoolBuilder::new()
                 .num_threads(self.threads)
                 .thread_name(|i| format!("dasllama-{i}"))
+                .start_handler({
+                    let kernels = self.kernels;
+                    move |_| switches::adopt(kernels)
+                })
                 .build()
                 .unwrap_or_else(|e| panic!("failed to start the dasllama thread pool ({} threads): {e}", self.threads))
         })
@@ -86,10 +103,10 @@ impl Weight {
         Weight { ty, rows, cols, data: Bytes::Owned(std::sync::Arc::new(data)), tiled: false, ggml_dot: None }.for_kernels(cpu)
     }
 
-    /// Put the rows in the layout this CPU's kernels read (a copy in `cpu`'s arena, when that
-    /// means tiling).
+    /// Put the rows in the layout the kernels of `cpu`'s runtime read (a copy in its arena, when
+    /// that means tiling).
     pub fn for_kernels(self, cpu: &Cpu) -> Weight {
-        if self.tiled || !matches!(kernels(self.ty), Kernels::Tiles(_)) {
+        if self.tiled || !matches!(switches::with(cpu.kernels, || kernels(self.ty)), Kernels::Tiles(_)) {
             return self;
         }
         let (rb, tb) = (self.row_bytes(), tile::tile_bytes(self.ty, self.cols));
@@ -209,7 +226,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
         }
         match kernels(w.ty) {
             Kernels::Tiles(tile_fn) => {
-                debug_assert!(w.tiled, "weight layout does not match its kernels");
+                assert!(w.tiled, "a {} weight in GGUF rows met the tile kernels: it was laid out for another runtime's kernels", w.ty.name());
                 let tb = tile::tile_bytes(w.ty, k);
                 if amx::worth(k, n) && amx::usable(w.ty) {
                     // AMX: a pair of tiles (sixteen weight rows) against up to 64 activation rows
@@ -287,6 +304,7 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
                 }
             }
             Kernels::Rows(dot) => {
+                assert!(!w.tiled, "a tiled {} weight met the row kernels: it was laid out for another runtime's kernels", w.ty.name());
                 let wrb = w.row_bytes();
                 for t0 in (0..n).step_by(tt) {
                     for r in lo..hi {

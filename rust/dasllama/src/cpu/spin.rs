@@ -12,6 +12,7 @@
 //! every task of the loop has finished, so the caller sees an ordinary panic it can catch, and the
 //! team is ready for the next loop.
 
+use crate::quant::switches::{self, Choice};
 use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
@@ -54,11 +55,19 @@ pub struct Team {
     /// One forward pass drives the team at a time.
     lock: Mutex<()>,
     n: usize,
+    /// The kernels its runtime chose: its workers carry them, and so does a session's caller.
+    kernels: Choice,
 }
 
 impl Team {
-    /// A team of `n` threads, this one included (`n - 1` workers are started).
+    /// A team of `n` threads, this one included (`n - 1` workers are started), on the process's
+    /// default kernels.
     pub fn new(n: usize) -> Team {
+        Team::with_kernels(n, Choice::default())
+    }
+
+    /// A team of `n` threads running the kernels `kernels` chooses.
+    pub fn with_kernels(n: usize, kernels: Choice) -> Team {
         let shared = Arc::new(Shared {
             claim: AtomicU64::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
@@ -73,9 +82,15 @@ impl Team {
         });
         for i in 1..n {
             let s = shared.clone();
-            std::thread::Builder::new().name(format!("dasllama-team-{i}")).spawn(move || worker(&s)).expect("failed to start a dasllama worker thread");
+            std::thread::Builder::new()
+                .name(format!("dasllama-team-{i}"))
+                .spawn(move || {
+                    switches::adopt(kernels);
+                    worker(&s)
+                })
+                .expect("failed to start a dasllama worker thread");
         }
-        Team { shared, lock: Mutex::new(()), n }
+        Team { shared, lock: Mutex::new(()), n, kernels }
     }
 
     pub fn threads(&self) -> usize {
@@ -104,7 +119,8 @@ impl Team {
             }
         }
         let _stop = Stop(&self.shared);
-        f(&Session { shared: &self.shared, threads: self.n })
+        // The caller is one of the team for the session: it runs the runtime's kernels too.
+        switches::with(self.kernels, || f(&Session { shared: &self.shared, threads: self.n }))
     }
 }
 

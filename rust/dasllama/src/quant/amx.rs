@@ -155,15 +155,33 @@ pub fn worth(k: usize, rows: usize) -> bool {
     k >= 2048 && rows >= 32
 }
 
+/// Whether the GEMM runs on AMX on this thread: as its runtime chose (`switches::Choice`), within
+/// what the CPU, the OS and the process switches allow.
 pub fn has_amx() -> bool {
-    status().0
+    let c = super::switches::current();
+    match c.amx {
+        _ if c.scalar => false,
+        None => status().0,
+        Some(on) => on && allowed().0,
+    }
 }
 
-/// Whether AMX runs in this process, and why (or why not), in words: decided once.
+/// Whether AMX runs for a runtime that chose `choice`, and why (or why not), in words.
+pub fn status_for(choice: super::switches::Choice) -> (bool, String) {
+    match choice.amx {
+        _ if choice.scalar => (false, "off: this runtime runs the scalar kernels".into()),
+        None => status().clone(),
+        Some(false) => (false, "off: this runtime turned it off (amx=False)".into()),
+        Some(true) => allowed().clone(),
+    }
+}
+
+/// Whether AMX runs by default in this process (a runtime that chose nothing), and why (or why
+/// not), in words: decided once.
 pub fn status() -> &'static (bool, String) {
     static S: OnceLock<(bool, String)> = OnceLock::new();
     S.get_or_init(|| {
-        let s = detect();
+        let s = if super::switches::get().amx == Some(false) { (false, "off: DASLLAMA_AMX=0".into()) } else { allowed().clone() };
         if super::switches::get().amx_log {
             eprintln!("dasllama amx: {}", s.1);
         }
@@ -171,11 +189,15 @@ pub fn status() -> &'static (bool, String) {
     })
 }
 
+/// Whether the CPU, the OS and the process's hard switches (`DASLLAMA_NO_AMX`,
+/// `DASLLAMA_NO_SIMD`) allow AMX, whatever the default: decided once.
+fn allowed() -> &'static (bool, String) {
+    static A: OnceLock<(bool, String)> = OnceLock::new();
+    A.get_or_init(detect)
+}
+
 fn detect() -> (bool, String) {
     let sw = super::switches::get();
-    if sw.amx == Some(false) {
-        return (false, "off: DASLLAMA_AMX=0".into());
-    }
     if sw.no_amx {
         return (false, "off: DASLLAMA_NO_AMX is set".into());
     }

@@ -8,7 +8,13 @@ use super::{GgmlType, Kernels, TileFn};
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
+/// AVX2+FMA+F16C, unless the process switches or this thread's runtime (the scalar twins) say no.
 pub(crate) fn has_avx2() -> bool {
+    process_avx2() && !super::switches::scalar()
+}
+
+/// What the CPU and the process switches allow, decided once (read-only after, as detection is).
+fn process_avx2() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
         !super::switches::get().no_simd && is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
@@ -22,18 +28,20 @@ fn has_vnni() -> bool {
 }
 
 /// AVX-512 F/VL/BW/VNNI for the tile kernels (and the p·v attention kernel);
-/// `DASLLAMA_NO_AVX512` (or `DASLLAMA_NO_VNNI`, or `DASLLAMA_NO_SIMD`) turns it off.
+/// `DASLLAMA_NO_AVX512` (or `DASLLAMA_NO_VNNI`, or `DASLLAMA_NO_SIMD`) turns it off, as does a
+/// runtime on the scalar twins.
 pub(crate) fn has_avx512() -> bool {
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        has_avx2()
+    let process = *HAS.get_or_init(|| {
+        process_avx2()
             && !super::switches::get().no_avx512
             && !super::switches::get().no_vnni
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vnni")
-    })
+    });
+    process && !super::switches::scalar()
 }
 
 /// The AVX2 kernels for `ty`, when this CPU has AVX2+FMA+F16C and they are written for `ty`.
@@ -361,6 +369,7 @@ fn unavailable(name: &str) -> String {
     match (lacking.is_empty(), set.is_empty()) {
         (false, _) => format!("this CPU lacks {}", lacking.join(", ")),
         (true, false) => format!("turned off by {}", set.join(", ")),
+        (true, true) if super::switches::scalar() => "turned off: this runtime runs the scalar twins".to_string(),
         (true, true) => "not handed out on this CPU".to_string(),
     }
 }
