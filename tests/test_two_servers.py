@@ -90,3 +90,51 @@ def test_two_servers_on_their_own_runtimes_answer_under_load(two_models: tuple[d
     for eng in engines.values():
         st = dl.scheduler_stats(eng.sch)
         assert st["kv_pages_free"] + st["kv_pages_cached"] == st["kv_pages_total"], st
+
+
+def test_two_llama_servers_in_one_process_get_their_own_thread_counts(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    # dasllama-server -t N, twice in one process, through the path its command line takes
+    # (translate, then load_models): each server's models run on a runtime of N threads, and the
+    # environment is left alone.
+    import os
+
+    from dasllama.serve import Server, build_app
+    from dasllama.serve.__main__ import load_models
+    from dasllama.serve.llama_server import translate
+
+    monkeypatch.delenv("DASLLAMA_THREADS", raising=False)
+    dl.default_runtime()  # made already in a test process: each server makes its own
+    servers = []
+    for threads, alias in ((1, "one"), (2, "two")):
+        args, _ = translate(["-m", str(smollm.path), "-t", str(threads), "-a", alias, "-np", "2", "--port", "0"])
+        s = Server()
+        load_models(s, args)
+        s.ready = True
+        servers.append((threads, alias, args, s))
+    assert "DASLLAMA_THREADS" not in os.environ
+    rts = [args.runtime for _, _, args, _ in servers]
+    assert [rt.threads for rt in rts] == [1, 2] and rts[0] is not rts[1]
+    assert all(rt is not dl.default_runtime() for rt in rts)
+    for (threads, _, _, s), rt in zip(servers, rts, strict=True):
+        engines = list(s.engines.values())
+        assert engines and all(e.m.runtime is rt for e in engines), (threads, engines)
+
+    async def go() -> list[str]:
+        clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(s)), base_url="http://test", timeout=120) for *_, s in servers]
+        try:
+            body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+            rs = await asyncio.gather(*(c.post("/v1/completions", json={**body, "model": alias}) for c, (_, alias, _, _) in zip(clients, servers, strict=True)))
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+            return [r.json()["choices"][0]["text"] for r in rs]
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    try:
+        one, two = asyncio.run(go())
+    finally:
+        for *_, s in servers:
+            for e in s.engines.values():
+                e.shutdown(timeout=10)
+    # The same model and greedy decoding: the thread count changes nothing in the answer.
+    assert one == two and "Paris" in one, (one, two)

@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from .. import gpu
@@ -22,7 +23,7 @@ from .._cli import HelpFormatter
 from ..fetch import DEFAULT_MODEL, known_names
 from ..fetch.hub import is_hub_ref
 from ..model import load_model
-from ..runtime import default_runtime
+from ..runtime import Runtime, RuntimeConfig, default_runtime, default_runtime_with
 from ..sampling_defaults import LLAMA_SERVER, describe, sampling_defaults
 from ..session import KVDtype
 from ..speculative import MAX_DRAFT, SPEC_MODES
@@ -194,10 +195,21 @@ def arm_gpu(args: argparse.Namespace) -> bool:
     return True
 
 
-def apply_threads(args: argparse.Namespace) -> None:
-    """--threads, before anything starts the kernels' thread team (it reads DASLLAMA_THREADS once)."""
-    if getattr(args, "threads", None):
-        os.environ["DASLLAMA_THREADS"] = str(args.threads)
+def server_runtime(args: argparse.Namespace) -> Runtime:
+    """The runtime this server's models run on, settled once per server (kept in ``args``).
+    Without --threads, the default runtime. With --threads N, N threads: the default runtime
+    made with them when this process has made none yet (a lone server, whose GPU tier is the
+    default runtime's), else a runtime of its own, so that two servers in one process keep their
+    own thread counts."""
+    rt = getattr(args, "runtime", None)
+    if rt is None:
+        threads = getattr(args, "threads", None)
+        if threads:
+            rt = default_runtime_with(replace(RuntimeConfig.from_env(), threads=int(threads))) or Runtime(threads=int(threads))
+        else:
+            rt = default_runtime()
+        args.runtime = rt
+    return rt
 
 
 def sampling_flags(args: argparse.Namespace) -> dict[str, float | int | None]:
@@ -208,10 +220,17 @@ def sampling_flags(args: argparse.Namespace) -> dict[str, float | int | None]:
 def load_models(server: Server, args: argparse.Namespace) -> None:
     """Load every --model into an engine of `server`, as the flags say. With the GPU tier armed
     the first model goes on the device (one model holds it at a time); the rest run on the CPU."""
-    apply_threads(args)
-    armed = arm_gpu(args)
+    rt = server_runtime(args)
+    if rt is default_runtime():
+        armed = arm_gpu(args)
+    else:
+        # The GPU tier (dasllama.gpu) is the default runtime's, which another server here holds.
+        armed = False
+        if args.gpu == "vulkan":
+            raise SystemExit(f"--gpu vulkan with --threads {args.threads}: the device belongs to this process's first server; run this one in a process of its own")
+        log.info("serving on the CPU on %d threads of its own: the GPU tier belongs to this process's default runtime", rt.threads)
     for i, spec in enumerate(args.model):
-        m = load_model(spec, numerics=args.numerics, mmproj=False if args.no_mmproj else args.mmproj[i] if args.mmproj else None)
+        m = load_model(spec, numerics=args.numerics, mmproj=False if args.no_mmproj else args.mmproj[i] if args.mmproj else None, runtime=rt)
         on_device = False
         if armed:
             slot = gpu.gpu_model_marks_init()
@@ -234,7 +253,7 @@ def load_models(server: Server, args: argparse.Namespace) -> None:
         # its file's stem; it answers to all three.
         is_path = spec.endswith(".gguf") or os.sep in spec
         name = args.alias[i] if args.alias else (m.path.stem if is_path else spec)
-        draft = load_model(args.model_draft, numerics=args.numerics) if args.model_draft else None
+        draft = load_model(args.model_draft, numerics=args.numerics, runtime=rt) if args.model_draft else None
         drafting = configure_spec(m, args.spec, draft, args.spec_max)
         eng = Engine(m, name, args.streams, args.queue, args.chunk, args.page_rows, args.kv_dtype, args.prefix_cache_mb, device_kv=on_device)
         eng.sampling = sampling_defaults(m.metadata, sampling_flags(args))
@@ -256,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, setup: Callable[[Server], None] | None = None) -> int:
     """Serve as `args` say; `setup` adjusts the Server before it answers (dasllama-server sets
     llama-server's options there). `args.host` may list several addresses, comma-separated."""
-    apply_threads(args)
+    server_runtime(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # A model that cannot exist is refused before the server starts (loading, which may download,
     # runs in the background while /health answers "loading").

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8080, help="port to listen on")
     ap.add_argument("-c", "--ctx-size", dest="ctx_size", type=int, default=0, help="context size, shared by the slots (0: the model's)")
     ap.add_argument("-np", "--parallel", dest="parallel", type=int, default=4, help="slots: concurrent streams")
-    ap.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (DASLLAMA_THREADS)")
+    ap.add_argument("-t", "--threads", type=int, default=0, help="CPU threads of this server's runtime (default: DASLLAMA_THREADS, else the physical cores)")
     ap.add_argument("-b", "--batch-size", dest="batch_size", type=int, default=512, help="most prompt tokens per step")
     ap.add_argument("-ctk", "--cache-type-k", dest="cache_type_k", default="f16", help="K cache type: f16, f32, bf16, q8_0")
     ap.add_argument("-ctv", "--cache-type-v", dest="cache_type_v", default=None, help="V cache type (must match -ctk: dasllama stores K and V alike)")
@@ -186,8 +186,6 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
     ns.notes = []
     if unknown:
         ap.error(f"unknown arguments: {' '.join(unknown)} (llama-server flags dasllama-server takes: dasllama-server --help)")
-    if ns.threads > 0:
-        os.environ["DASLLAMA_THREADS"] = str(ns.threads)  # read once, when the first model loads
     kv = KV_TYPES.get(ns.cache_type_k)
     if kv is None:
         ap.error(f"-ctk {ns.cache_type_k}: dasllama stores the KV cache as {', '.join(sorted(KV_TYPES))}")
@@ -203,6 +201,8 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
     model = resolve_model(ns, ap)
     serve_argv = ["--host", ns.host, "--port", str(ns.port), "--streams", str(ns.parallel), "--kv-dtype", kv, "--chunk", str(max(1, ns.batch_size))]
     serve_argv += ["--log-level", "debug" if ns.verbose else "info"]
+    if ns.threads > 0:
+        serve_argv += ["--threads", str(ns.threads)]  # the server's runtime gets them (server_runtime)
     if model:
         serve_argv += ["--model", model]
         if aliases:

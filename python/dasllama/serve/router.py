@@ -500,10 +500,10 @@ def engine_loader(args: Any) -> Loader:
     from ..model import load_model
     from ..sampling_defaults import sampling_defaults
     from ..speculative import configure as configure_spec
-    from .__main__ import sampling_flags
+    from .__main__ import sampling_flags, server_runtime
 
     def load(spec: str, name: str) -> Engine:
-        m = load_model(spec, numerics=args.numerics, mmproj=False if args.no_mmproj else None)
+        m = load_model(spec, numerics=args.numerics, mmproj=False if args.no_mmproj else None, runtime=server_runtime(args))
         if args.ctx:
             m.config["seq_len"] = min(int(m.config["seq_len"]), args.ctx)
         configure_spec(m, args.spec if args.spec != "draft" else "off", None, args.spec_max)

@@ -250,7 +250,7 @@ def build(argv: list[str], replicas: int | None = 1, routing: str = "prefix", th
         "max_ongoing_requests": args.streams + args.queue,
         # Past that on every replica, a bounded wait at the ingress, then 503 as a full queue is.
         "max_queued_requests": args.queue,
-        "ray_actor_options": {"num_cpus": threads, "runtime_env": {"env_vars": {"DASLLAMA_THREADS": str(threads)}}},
+        "ray_actor_options": {"num_cpus": threads},
         "request_router_config": RequestRouterConfig(request_router_class=ROUTERS[routing], request_router_kwargs=kwargs),
         "health_check_period_s": 5,
     }
@@ -259,7 +259,9 @@ def build(argv: list[str], replicas: int | None = 1, routing: str = "prefix", th
         options["autoscaling_config"] = {"min_replicas": replicas, "max_replicas": max_replicas, "target_ongoing_requests": args.streams}
     elif replicas is not None:
         options["num_replicas"] = replicas
-    engine = serve.deployment(EngineReplica, name="EngineReplica").options(**options).bind(argv)
+    # Each replica's runtime gets the threads through its flags (server_runtime), not the environment.
+    replica_argv = argv if "--threads" in argv else [*argv, "--threads", str(threads)]
+    engine = serve.deployment(EngineReplica, name="EngineReplica").options(**options).bind(replica_argv)
     # The ingress only moves bytes: it reserves no CPU, and many requests may pass it at once.
     ingress = serve.deployment(Ingress, name="Ingress").options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
     return ingress.bind(engine)
