@@ -128,7 +128,7 @@ mod tests {
     fn a_choice_holds_inside_with_and_is_put_back_after_even_on_a_panic() {
         let scalar = Choice { scalar: true, amx: Some(false) };
         assert_eq!(current(), Choice::default());
-        assert!(with(scalar, || scalar_now()));
+        assert!(with(scalar, scalar_now));
         assert_eq!(current(), Choice::default());
         let r = std::panic::catch_unwind(|| with(scalar, || panic!("inside")));
         assert!(r.is_err());
