@@ -797,9 +797,15 @@ mod x86 {
                     macro_rules! step1 {
                         ($blo:literal, $bhi:literal, $a:literal) => {
                             concat!(
-                                "tileloadd tmm6, [{b} + {st}*1 + ", $blo, "]\n",
-                                "tileloadd tmm7, [{b} + {st}*1 + ", $bhi, "]\n",
-                                "tileloadd tmm4, [{a} + {arb}*1 + ", $a, "]\n",
+                                "tileloadd tmm6, [{b} + {st}*1 + ",
+                                $blo,
+                                "]\n",
+                                "tileloadd tmm7, [{b} + {st}*1 + ",
+                                $bhi,
+                                "]\n",
+                                "tileloadd tmm4, [{a} + {arb}*1 + ",
+                                $a,
+                                "]\n",
                                 "tdpbssd tmm0, tmm4, tmm6\n",
                                 "tdpbssd tmm1, tmm4, tmm7\n",
                             )
@@ -808,10 +814,18 @@ mod x86 {
                     macro_rules! step2 {
                         ($blo:literal, $bhi:literal, $a:literal) => {
                             concat!(
-                                "tileloadd tmm6, [{b} + {st}*1 + ", $blo, "]\n",
-                                "tileloadd tmm7, [{b} + {st}*1 + ", $bhi, "]\n",
-                                "tileloadd tmm4, [{a} + {arb}*1 + ", $a, "]\n",
-                                "tileloadd tmm5, [{a2} + {arb}*1 + ", $a, "]\n",
+                                "tileloadd tmm6, [{b} + {st}*1 + ",
+                                $blo,
+                                "]\n",
+                                "tileloadd tmm7, [{b} + {st}*1 + ",
+                                $bhi,
+                                "]\n",
+                                "tileloadd tmm4, [{a} + {arb}*1 + ",
+                                $a,
+                                "]\n",
+                                "tileloadd tmm5, [{a2} + {arb}*1 + ",
+                                $a,
+                                "]\n",
                                 "tdpbssd tmm0, tmm4, tmm6\n",
                                 "tdpbssd tmm1, tmm4, tmm7\n",
                                 "tdpbssd tmm2, tmm5, tmm6\n",
