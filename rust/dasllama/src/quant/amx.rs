@@ -25,13 +25,15 @@
 //! twin: the same unpacking, the same dot product per k-group as `tdpbssd` defines it, the same
 //! f32 steps (`mul_add` is the fused multiply-add).
 //!
-//! The K-quants take the same route per sub-block (32 values; Q6_K's are 16, so its A tiles are
-//! 16 bytes wide and its B tiles four rows): two sub-blocks a step, each with its own C tile, the
-//! exact sums weighed by the rows' sub-block scales (`vpmulld`) into one i32 per superblock, row
-//! and weight row, which is the integer the vector kernels form; Q6_K's values are unpacked with
-//! the 32 taken off (signed bytes), where the vector kernels take 32 x the activations' sums
-//! instead: the same integer. The mins and the f32 steps are `avx512::kquant_pair`'s.
-//! `gemm_k_twin` is their scalar twin, reading the GGUF superblocks back out of the tiles.
+//! The K-quants fold each sub-block's scale into the weights instead (`b_tiles_k`): value x scale
+//! (Q4_K, Q5_K: up to 31 x 63; Q6_K: (q - 32) x an i8 scale) is cut into 128 hi + lo, each a signed
+//! byte (lo 0..127), so a superblock is four steps of 64 values with a low and a high B tile each,
+//! and one tile product per step and tile sums the sub-blocks already weighed by their scales.
+//! The C tiles then hold, per row and weight row, the vector kernels' integer per superblock
+//! exactly (128 hi + lo, far inside i32): one store per superblock and A tile instead of one per
+//! sub-block, and no per-sub-block vector weighing. The mins and the f32 steps are
+//! `avx512::kquant_pair`'s. `gemm_k_twin` is their scalar twin, reading the GGUF superblocks back
+//! out of the tiles (the same integers by the plain sum; a test holds the folded tiles to it).
 //!
 //! Using AMX takes, once per process: CPUID leaf 7 (AMX-TILE, AMX-INT8), the OS enabling the
 //! tile state (XCR0 bits 17 and 18), and on Linux the permission to use tile data
@@ -223,8 +225,9 @@ fn detect_x86_linux() -> (bool, String) {
     if !(tile && int8) {
         return (false, "off: this CPU has no AMX (amx_int8/amx_tile missing in cpuid)".into());
     }
-    let vector = ["avx512f", "avx512bw", "avx512vl", "f16c", "fma"];
+    let vector = ["avx512f", "avx512bw", "avx512vl", "avx512vnni", "f16c", "fma"];
     let has = |f: &str| match f {
+        "avx512vnni" => is_x86_feature_detected!("avx512vnni"),
         "avx512f" => is_x86_feature_detected!("avx512f"),
         "avx512bw" => is_x86_feature_detected!("avx512bw"),
         "avx512vl" => is_x86_feature_detected!("avx512vl"),
@@ -615,209 +618,307 @@ mod x86 {
             _mm512_storeu_ps(out.add(r) as *mut f32, *a);
         }
     }
-    /// Q4_K, Q5_K (`five`): the B tiles of sub-blocks 2j (at `out`) and 2j + 1 (at `out + 512`)
-    /// of a pair of superblocks, from the same 32-byte chunks (low nibbles, high nibbles), the
-    /// fifth bits added as `avx512::q45k_one` adds them.
+    /// Bytes of the folded B tiles of one superblock of a pair: four steps of 64 values, each a
+    /// low and a high tile of sixteen k-groups by sixteen weight rows by four bytes.
+    pub(super) const SB_TILES: usize = 4 * 2 * 1024;
+
+    /// One 64-byte row of a B tile (sixteen weight rows by four values of one sub-block, signed
+    /// where `signed`) times each weight row's scale of that sub-block (`sc16`: the scale in both
+    /// 16-bit halves of the row's dword), cut into its low seven bits (`lo`, 0..127) and the rest
+    /// (`hi`, arithmetic): value x scale = 128 hi + lo, both signed bytes.
     #[inline(always)]
-    unsafe fn b_tiles_q45k(five: bool, sb: *const u8, gap: usize, j: usize, out: *mut u8) {
+    unsafe fn fold(x: __m512i, sc16: __m512i, signed: bool, lo: *mut u8, hi: *mut u8) {
+        let (even, odd) = if signed {
+            (_mm512_srai_epi16::<8>(_mm512_slli_epi16::<8>(x)), _mm512_srai_epi16::<8>(x))
+        } else {
+            (_mm512_and_si512(x, _mm512_set1_epi16(0xFF)), _mm512_srli_epi16::<8>(x))
+        };
+        let (pe, po) = (_mm512_mullo_epi16(even, sc16), _mm512_mullo_epi16(odd, sc16));
+        let (m7, m8) = (_mm512_set1_epi16(0x7F), _mm512_set1_epi16(0xFF));
+        let l = _mm512_or_si512(_mm512_and_si512(pe, m7), _mm512_slli_epi16::<8>(_mm512_and_si512(po, m7)));
+        let h = _mm512_or_si512(_mm512_and_si512(_mm512_srai_epi16::<7>(pe), m8), _mm512_slli_epi16::<8>(_mm512_srai_epi16::<7>(po)));
+        _mm512_store_si512(lo as *mut __m512i, l);
+        _mm512_store_si512(hi as *mut __m512i, h);
+    }
+
+    /// Sixteen scales (one per weight row, as 32-bit lanes) in both 16-bit halves of each lane.
+    #[inline(always)]
+    unsafe fn sc16(sc32: __m512i) -> __m512i {
+        _mm512_or_si512(_mm512_and_si512(sc32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32::<16>(sc32))
+    }
+
+    /// A superblock of a pair of tiles as folded B tiles (`SB_TILES` bytes at `out`): step s
+    /// covers values 64s..64s+64 (the activation's quants in the same order), its low tile at
+    /// `out + 2048 s` and its high one 1024 bytes on; k-group g of a step is row g. Each value is
+    /// the sub-block's scale times the value (Q6_K's less 32), so one tile product over 64 values
+    /// is the vector kernels' scale-weighed sum of their sub-blocks, as 128 hi + lo.
+    #[inline(always)]
+    unsafe fn b_tiles_k(kq: KQuant, sb: *const u8, gap: usize, out: *mut u8) {
         let (m4, b16) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x10));
-        let qs = if five { Q5K_QS } else { Q4K_QS };
-        for c in 0..8 {
-            let raw = pair_load(sb.add(qs + 256 * j + 32 * c), gap);
-            let (mut lo, mut hi) = (_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4));
-            if five {
-                let qh = pair_load(sb.add(Q5K_QH + 32 * c), gap);
-                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(1 << (2 * j))), lo, b16);
-                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(2 << (2 * j))), hi, b16);
+        match kq {
+            KQuant::Q4K | KQuant::Q5K => {
+                let five = kq == KQuant::Q5K;
+                let qs = if five { Q5K_QS } else { Q4K_QS };
+                for j in 0..4 {
+                    // Sub-blocks 2j (low nibbles, k-groups 0..8) and 2j + 1 (high, 8..16).
+                    let sc = |s: usize| sc16(_mm512_cvtepu8_epi32(pair_bytes(sb.add(K45_SC + 8 * s), gap)));
+                    let (s0, s1) = (sc(2 * j), sc(2 * j + 1));
+                    let o = out.add(2048 * j);
+                    for c in 0..8 {
+                        let raw = pair_load(sb.add(qs + 256 * j + 32 * c), gap);
+                        let (mut lo, mut hi) = (_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4));
+                        if five {
+                            let qh = pair_load(sb.add(Q5K_QH + 32 * c), gap);
+                            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(1 << (2 * j))), lo, b16);
+                            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, _mm512_set1_epi8(2 << (2 * j))), hi, b16);
+                        }
+                        fold(lo, s0, false, o.add(64 * c), o.add(1024 + 64 * c));
+                        fold(hi, s1, false, o.add(64 * (8 + c)), o.add(1024 + 64 * (8 + c)));
+                    }
+                }
             }
-            _mm512_store_si512(out.add(64 * c) as *mut __m512i, lo);
-            _mm512_store_si512(out.add(B_TILE_BYTES + 64 * c) as *mut __m512i, hi);
+            KQuant::Q6K => {
+                let (m30, z) = (_mm512_set1_epi8(0x30), _mm512_set1_epi8(32));
+                for s in 0..4 {
+                    // Quarters 2(s % 2) and 2(s % 2) + 1 of half s / 2: four sub-blocks of
+                    // sixteen values, four k-groups each (`avx512::q6k_quarter`'s unpacking).
+                    let h = s / 2;
+                    let o = out.add(2048 * s);
+                    for g in 0..16 {
+                        let (q, c) = (2 * (s % 2) + g / 8, g % 8);
+                        let qh = pair_load(sb.add(Q6K_QH + 256 * h + 32 * c), gap);
+                        let ql = pair_load(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (q % 2))), gap);
+                        let low = if q < 2 { _mm512_and_si512(ql, m4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4) };
+                        let high = match q {
+                            0 => _mm512_slli_epi16::<4>(qh),
+                            1 => _mm512_slli_epi16::<2>(qh),
+                            2 => qh,
+                            _ => _mm512_srli_epi16::<2>(qh),
+                        };
+                        let v = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_and_si512(high, m30)), z);
+                        let sub = 8 * h + 4 * (s % 2) + g / 4;
+                        let sc = sc16(_mm512_cvtepi8_epi32(pair_bytes(sb.add(Q6K_SC + 8 * sub), gap)));
+                        fold(v, sc, true, o.add(64 * g), o.add(1024 + 64 * g));
+                    }
+                }
+            }
         }
     }
 
-    /// Q6_K: quarter `q` of half `h` (values 128h + 32q ..+32) of a pair of superblocks as eight
-    /// B tile rows of signed bytes (q - 32), chunk c in row c: rows 0..4 are sub-block
-    /// 8h + 2q, rows 4..8 the next, each its own 4-row B tile (`avx512::q6k_quarter`'s unpacking).
-    #[inline(always)]
-    unsafe fn b_tile_q6k(sb: *const u8, gap: usize, h: usize, q: usize, out: *mut u8) {
-        let (m4, m30, z) = (_mm512_set1_epi8(0xF), _mm512_set1_epi8(0x30), _mm512_set1_epi8(32));
-        for c in 0..8 {
-            let qh = pair_load(sb.add(Q6K_QH + 256 * h + 32 * c), gap);
-            let ql = pair_load(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * (q % 2))), gap);
-            let lo = if q < 2 { _mm512_and_si512(ql, m4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(ql), m4) };
-            let hi = match q {
-                0 => _mm512_slli_epi16::<4>(qh),
-                1 => _mm512_slli_epi16::<2>(qh),
-                2 => qh,
-                _ => _mm512_srli_epi16::<2>(qh),
-            };
-            _mm512_store_si512(out.add(64 * c) as *mut __m512i, _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_and_si512(hi, m30)), z));
-        }
+    /// The folding alone, for the test against the GGUF values (runs on any AVX-512 CPU).
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn b_tiles_k_for_test(kq: KQuant, sb: *const u8, gap: usize, out: &mut Aligned<SB_TILES>) {
+        b_tiles_k(kq, sb, gap, out.0.as_mut_ptr())
     }
 
-    /// The K-quant kernel's tile configuration: tmm0, tmm1 the C tiles of two sub-blocks (`rows` x
-    /// 16 i32), tmm2, tmm3 their B tiles (`ka` / 4 rows of 64 bytes), tmm4, tmm5 their A tiles
-    /// (`rows` x `ka` activation bytes; `ka` is a sub-block's length, 32 or Q6_K's 16), tmm6,
-    /// tmm7 a second pair of C tiles (every other A tile's, so one's sums are stored while the
-    /// next one's are formed).
-    fn config_k(rows: usize, ka: usize) -> Aligned<64> {
+    /// The K-quant kernel's tile configuration: tmm0..tmm3 the C tiles (low and high sums of two
+    /// A tiles, `rows` x 16 i32), tmm4, tmm5 the A tiles (`rows` x 64 activation bytes), tmm6,
+    /// tmm7 a step's low and high B tiles (16 x 64 bytes).
+    fn config_k(rows: usize) -> Aligned<64> {
         let mut c = [0u8; 64];
         c[0] = 1;
-        let ct = (rows, 64u16);
-        for (tmm, (r, colsb)) in [ct, ct, (ka / 4, 64), (ka / 4, 64), (rows, ka as u16), (rows, ka as u16), ct, ct].into_iter().enumerate() {
+        let full = (rows, 64u16);
+        for (tmm, (r, colsb)) in [full, full, full, full, full, full, (16, 64), (16, 64)].into_iter().enumerate() {
             c[16 + 2 * tmm..18 + 2 * tmm].copy_from_slice(&colsb.to_le_bytes());
             c[48 + tmm] = r as u8;
         }
         Aligned(c)
     }
 
-    /// Bytes of one buffer of the sums of two sub-blocks (two C tiles).
-    const C_SLOT: usize = 2 * 64 * A_ROWS;
+    /// Bytes of one buffer of C tiles (two A tiles' low and high sums).
+    const C_SLOT: usize = 4 * 64 * A_ROWS;
 
-    /// An A tile's two C tiles stored in `slot`, not yet weighed into `total`.
+    /// A superblock's sums of up to two A tiles, stored in a slot and not yet scaled into `acc`.
     #[derive(Clone, Copy)]
     struct Pending {
         slot: usize,
         r0: usize,
-        sc0: __m512i,
-        sc1: __m512i,
+        /// A tiles (1 or 2) and rows in each.
+        tiles: usize,
+        mr: usize,
+        sb: *const u8,
+        i: usize,
     }
 
-    /// Weighs the sums of `p`'s `mr` rows by their sub-blocks' scales into `total`.
+    /// The f32 steps of a superblock for `p`'s rows: each row's exact integer (128 hi + lo) and
+    /// mins as `avx512::kquant_pair` scales them.
     #[inline(always)]
-    unsafe fn weigh(total: &mut [__m512i; MAX_ROWS], c: &Aligned<{ 2 * C_SLOT }>, p: Pending, mr: usize) {
-        let cb = c.0.as_ptr().add(p.slot * C_SLOT);
-        for m in 0..mr {
-            let i0 = _mm512_load_si512(cb.add(64 * m) as *const __m512i);
-            let i1 = _mm512_load_si512(cb.add(64 * (A_ROWS + m)) as *const __m512i);
-            let both = _mm512_add_epi32(_mm512_mullo_epi32(i0, p.sc0), _mm512_mullo_epi32(i1, p.sc1));
-            total[p.r0 + m] = _mm512_add_epi32(total[p.r0 + m], both);
+    unsafe fn scale_rows(acc: &mut [__m512; MAX_ROWS], c: *const u8, p: Pending, six: bool, gap: usize, act: *const u8, arb: usize) {
+        let cb = c.add(p.slot * C_SLOT);
+        let sb = p.sb;
+        let dw = pair_f16(sb, gap);
+        // Mins: i16 pairs (m_2p, m_2p+1) of each weight row against the activations'
+        // sub-block sums (`avx512::q45k_one`).
+        let mm: [__m512i; 4] = std::array::from_fn(|q| {
+            let m = |at: usize| _mm_unpacklo_epi8(_mm_loadl_epi64(sb.add(at) as *const __m128i), _mm_loadl_epi64(sb.add(at + 8) as *const __m128i));
+            _mm512_cvtepu8_epi16(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(m(K45_M + 16 * q)), m(gap + K45_M + 16 * q)))
+        });
+        let dmin = if six { _mm512_setzero_ps() } else { pair_f16(sb.add(K45_DMIN), gap) };
+        for a in 0..p.tiles {
+            for m in 0..p.mr {
+                let row = p.r0 + A_ROWS * a + m;
+                let lo = _mm512_load_si512(cb.add(2048 * a + 64 * m) as *const __m512i);
+                let hi = _mm512_load_si512(cb.add(2048 * a + 1024 + 64 * m) as *const __m512i);
+                let total = _mm512_add_epi32(lo, _mm512_slli_epi32::<7>(hi));
+                let ab = act.add(row * arb + p.i * K_BYTES);
+                let da = _mm512_set1_ps((ab as *const f32).read_unaligned());
+                acc[row] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da), _mm512_cvtepi32_ps(total), acc[row]);
+                if !six {
+                    let sums = _mm512_castsi256_si512(q8k_sub_sums(ab));
+                    let mut mins = _mm512_setzero_si512();
+                    for (q, mm) in mm.iter().enumerate() {
+                        mins = _mm512_dpwssd_epi32(mins, *mm, _mm512_permutexvar_epi32(_mm512_set1_epi32(q as i32), sums));
+                    }
+                    acc[row] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(mins), acc[row]);
+                }
+            }
         }
     }
 
-    /// `gemm` of a K-quant on a checked call. Per superblock, two sub-blocks a step: their B tiles
-    /// are unpacked once for all the activation rows, each A tile loads straight from the q8_K
-    /// quants, and each row's exact sub-block sums are weighed by the scales into one i32 total
-    /// (the vector kernels' integer); the mins and f32 steps then follow `avx512::kquant_pair`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    /// `gemm` of a K-quant on a checked call. Per superblock, its sixteen weight rows are
+    /// unpacked once for all the activation rows into folded B tiles (`b_tiles_k`: scale times
+    /// value, as a low and a high byte), so each A tile takes four 64-value steps of two tile
+    /// products each and one store of its two C tiles per superblock, which hold the vector
+    /// kernels' integer per row exactly (128 hi + lo); the mins and f32 steps then follow
+    /// `avx512::kquant_pair`. Two A tiles go together (one B load for both), and a superblock's
+    /// f32 steps run while the next A tiles' products are under way.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
     pub(super) unsafe fn kernel_k(call: &KCall, act: *const u8, arb: usize, rows: usize, out: *mut [f32; COLS]) {
         let (kq, t, gap, nsb) = (call.kq, call.pair.as_ptr(), call.gap, call.nsb);
         let (sbb, six) = (kq.sb_bytes(), kq == KQuant::Q6K);
-        let (ka, steps, b1) = if six { (16, 8, 256) } else { (32, 4, B_TILE_BYTES) };
         let mut acc = [_mm512_setzero_ps(); MAX_ROWS];
-        let mut total = [_mm512_setzero_si512(); MAX_ROWS];
-        let mut b = Aligned([0u8; 2 * B_TILE_BYTES]);
-        let mut c = Aligned([0u8; 2 * C_SLOT]);
-        let (mut slot, mut pending) = (0, None);
+        // Written before each read (unpacked per superblock; stored by the tiles), so not
+        // cleared: a call is short and these are 16 KB.
+        let mut b = std::mem::MaybeUninit::<Aligned<SB_TILES>>::uninit();
+        let mut c = std::mem::MaybeUninit::<Aligned<{ 2 * C_SLOT }>>::uninit();
+        let (b, c) = (b.as_mut_ptr() as *mut u8, c.as_mut_ptr() as *mut u8);
+        let (mut slot, mut pending): (usize, Option<Pending>) = (0, None);
         let full = rows / A_ROWS * A_ROWS;
         for (lo, hi) in [(0, full), (full, rows)] {
             if lo == hi {
                 continue;
             }
             let mr = (hi - lo).min(A_ROWS);
-            let cfg = config_k(mr, ka);
+            let cfg = config_k(mr);
             // SAFETY (this and every asm block below): AMX is enabled and permitted (`has_amx`);
-            // the configuration is 64 bytes; tileloadd reads `mr` rows of `ka` activation bytes
-            // `arb` apart inside the rows `check_k` bounded, or `ka` / 4 rows of 64 bytes of `b`;
-            // tilestored writes `mr` x 64 bytes into each half of `c`. Only tile registers and
-            // that memory are touched.
+            // the configuration is 64 bytes; tileloadd reads `mr` rows of 64 activation bytes
+            // `arb` apart inside the rows `check_k` bounded (a superblock's quants), or 16 rows
+            // of 64 bytes of `b`; tilestored writes `mr` x 64 bytes into each C tile's 1 KB of
+            // `c`. Only tile registers and that memory are touched.
             asm!("ldtilecfg [{cfg}]", cfg = in(reg) cfg.0.as_ptr(), options(nostack));
             for i in 0..nsb {
                 let sb = t.add(i * sbb);
-                total[lo..hi].fill(_mm512_setzero_si512());
-                for step in 0..steps {
-                    // The step's two sub-blocks: their scales (one per weight row) and where
-                    // their activation quants start in a q8_K block.
-                    let (sc0, sc1, a0) = if six {
-                        let (h, q) = (step / 4, step % 4);
-                        b_tile_q6k(sb, gap, h, q, b.0.as_mut_ptr());
-                        let s = 8 * h + 2 * q;
-                        let sc = |s: usize| _mm512_cvtepi8_epi32(pair_bytes(sb.add(Q6K_SC + 8 * s), gap));
-                        (sc(s), sc(s + 1), K_QS + 128 * h + 32 * q)
+                b_tiles_k(kq, sb, gap, b);
+                let mut r0 = lo;
+                while r0 < hi {
+                    let tiles = if r0 + 2 * A_ROWS <= hi { 2 } else { 1 };
+                    let a = act.add(r0 * arb + i * K_BYTES + K_QS);
+                    let cb = c.add(slot * C_SLOT);
+                    // Step s: B tiles at 2048 s and 2048 s + 1024, A quants 64 s bytes on.
+                    macro_rules! step1 {
+                        ($blo:literal, $bhi:literal, $a:literal) => {
+                            concat!(
+                                "tileloadd tmm6, [{b} + {st}*1 + ",
+                                $blo,
+                                "]\n",
+                                "tileloadd tmm7, [{b} + {st}*1 + ",
+                                $bhi,
+                                "]\n",
+                                "tileloadd tmm4, [{a} + {arb}*1 + ",
+                                $a,
+                                "]\n",
+                                "tdpbssd tmm0, tmm4, tmm6\n",
+                                "tdpbssd tmm1, tmm4, tmm7\n",
+                            )
+                        };
+                    }
+                    macro_rules! step2 {
+                        ($blo:literal, $bhi:literal, $a:literal) => {
+                            concat!(
+                                "tileloadd tmm6, [{b} + {st}*1 + ",
+                                $blo,
+                                "]\n",
+                                "tileloadd tmm7, [{b} + {st}*1 + ",
+                                $bhi,
+                                "]\n",
+                                "tileloadd tmm4, [{a} + {arb}*1 + ",
+                                $a,
+                                "]\n",
+                                "tileloadd tmm5, [{a2} + {arb}*1 + ",
+                                $a,
+                                "]\n",
+                                "tdpbssd tmm0, tmm4, tmm6\n",
+                                "tdpbssd tmm1, tmm4, tmm7\n",
+                                "tdpbssd tmm2, tmm5, tmm6\n",
+                                "tdpbssd tmm3, tmm5, tmm7\n",
+                            )
+                        };
+                    }
+                    if tiles == 2 {
+                        asm!(
+                            "tilezero tmm0",
+                            "tilezero tmm1",
+                            "tilezero tmm2",
+                            "tilezero tmm3",
+                            step2!("0", "1024", "0"),
+                            step2!("2048", "3072", "64"),
+                            step2!("4096", "5120", "128"),
+                            step2!("6144", "7168", "192"),
+                            "tilestored [{c} + {st}*1], tmm0",
+                            "tilestored [{c} + {st}*1 + 1024], tmm1",
+                            "tilestored [{c} + {st}*1 + 2048], tmm2",
+                            "tilestored [{c} + {st}*1 + 3072], tmm3",
+                            b = in(reg) b,
+                            a = in(reg) a,
+                            a2 = in(reg) a.add(A_ROWS * arb),
+                            arb = in(reg) arb,
+                            c = in(reg) cb,
+                            st = in(reg) 64usize,
+                            out("tmm0") _,
+                            out("tmm1") _,
+                            out("tmm2") _,
+                            out("tmm3") _,
+                            out("tmm4") _,
+                            out("tmm5") _,
+                            out("tmm6") _,
+                            out("tmm7") _,
+                            options(nostack),
+                        );
                     } else {
-                        b_tiles_q45k(kq == KQuant::Q5K, sb, gap, step, b.0.as_mut_ptr());
-                        let sc = |s: usize| _mm512_cvtepu8_epi32(pair_bytes(sb.add(K45_SC + 8 * s), gap));
-                        (sc(2 * step), sc(2 * step + 1), K_QS + 64 * step)
-                    };
-                    asm!(
-                        "tileloadd tmm2, [{b0} + {stride}*1]",
-                        "tileloadd tmm3, [{b1} + {stride}*1]",
-                        b0 = in(reg) b.0.as_ptr(),
-                        b1 = in(reg) b.0.as_ptr().add(b1),
-                        stride = in(reg) 64usize,
-                        out("tmm2") _,
-                        out("tmm3") _,
-                        options(nostack),
-                    );
-                    for r0 in (lo..hi).step_by(A_ROWS) {
-                        let a = act.add(r0 * arb + i * K_BYTES + a0);
-                        let cb = c.0.as_mut_ptr().add(slot * C_SLOT);
-                        // Alternate C tile pairs and buffers, and weigh the previous A tile's
-                        // sums after this one's are under way: the tile unit and the vector
-                        // units overlap instead of each waiting for the other.
-                        macro_rules! amx_step {
-                            ($c0:literal, $c1:literal) => {
-                                asm!(
-                                    concat!("tilezero ", $c0),
-                                    concat!("tilezero ", $c1),
-                                    "tileloadd tmm4, [{a0} + {arb}*1]",
-                                    "tileloadd tmm5, [{a1} + {arb}*1]",
-                                    concat!("tdpbssd ", $c0, ", tmm4, tmm2"),
-                                    concat!("tdpbssd ", $c1, ", tmm5, tmm3"),
-                                    concat!("tilestored [{c0} + {cstride}*1], ", $c0),
-                                    concat!("tilestored [{c1} + {cstride}*1], ", $c1),
-                                    a0 = in(reg) a,
-                                    a1 = in(reg) a.add(ka),
-                                    arb = in(reg) arb,
-                                    c0 = in(reg) cb,
-                                    c1 = in(reg) cb.add(64 * A_ROWS),
-                                    cstride = in(reg) 64usize,
-                                    out("tmm0") _,
-                                    out("tmm1") _,
-                                    out("tmm4") _,
-                                    out("tmm5") _,
-                                    out("tmm6") _,
-                                    out("tmm7") _,
-                                    options(nostack),
-                                )
-                            };
-                        }
-                        if slot == 0 {
-                            amx_step!("tmm0", "tmm1");
-                        } else {
-                            amx_step!("tmm6", "tmm7");
-                        }
-                        if let Some(p) = pending.take() {
-                            weigh(&mut total, &c, p, mr);
-                        }
-                        pending = Some(Pending { slot, r0, sc0, sc1 });
-                        slot ^= 1;
+                        asm!(
+                            "tilezero tmm0",
+                            "tilezero tmm1",
+                            step1!("0", "1024", "0"),
+                            step1!("2048", "3072", "64"),
+                            step1!("4096", "5120", "128"),
+                            step1!("6144", "7168", "192"),
+                            "tilestored [{c} + {st}*1], tmm0",
+                            "tilestored [{c} + {st}*1 + 1024], tmm1",
+                            b = in(reg) b,
+                            a = in(reg) a,
+                            arb = in(reg) arb,
+                            c = in(reg) cb,
+                            st = in(reg) 64usize,
+                            out("tmm0") _,
+                            out("tmm1") _,
+                            out("tmm4") _,
+                            out("tmm6") _,
+                            out("tmm7") _,
+                            options(nostack),
+                        );
                     }
-                }
-                if let Some(p) = pending.take() {
-                    weigh(&mut total, &c, p, mr);
-                }
-                let dw = pair_f16(sb, gap);
-                // Mins: i16 pairs (m_2p, m_2p+1) of each weight row against the activations'
-                // sub-block sums (`avx512::q45k_one`).
-                let mm: [__m512i; 4] = std::array::from_fn(|p| {
-                    let m = |at: usize| _mm_unpacklo_epi8(_mm_loadl_epi64(sb.add(at) as *const __m128i), _mm_loadl_epi64(sb.add(at + 8) as *const __m128i));
-                    _mm512_cvtepu8_epi16(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(m(K45_M + 16 * p)), m(gap + K45_M + 16 * p)))
-                });
-                let dmin = if six { _mm512_setzero_ps() } else { pair_f16(sb.add(K45_DMIN), gap) };
-                for row in lo..hi {
-                    let ab = act.add(row * arb + i * K_BYTES);
-                    let da = _mm512_set1_ps((ab as *const f32).read_unaligned());
-                    acc[row] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da), _mm512_cvtepi32_ps(total[row]), acc[row]);
-                    if !six {
-                        let sums = _mm512_castsi256_si512(q8k_sub_sums(ab));
-                        let mut mins = _mm512_setzero_si512();
-                        for (p, mm) in mm.iter().enumerate() {
-                            mins = _mm512_add_epi32(mins, _mm512_madd_epi16(*mm, _mm512_permutexvar_epi32(_mm512_set1_epi32(p as i32), sums)));
-                        }
-                        acc[row] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(mins), acc[row]);
+                    // The previous tiles' f32 steps while these products run.
+                    if let Some(p) = pending.take() {
+                        scale_rows(&mut acc, c, p, six, gap, act, arb);
                     }
+                    pending = Some(Pending { slot, r0, tiles, mr, sb, i });
+                    slot ^= 1;
+                    r0 += tiles * A_ROWS;
                 }
+            }
+            if let Some(p) = pending.take() {
+                scale_rows(&mut acc, c, p, six, gap, act, arb);
             }
             asm!("tilerelease", options(nostack));
         }
@@ -857,6 +958,58 @@ mod tests {
                 // SAFETY: AVX-512 F/BW/VL checked above; the pair holds two whole tiles.
                 unsafe { x86::b_tile_for_test(f, pair.as_ptr(), tb, nb, i, &mut got) };
                 assert_eq!(got.0, want, "{} block {i}", ty.name());
+            }
+        }
+    }
+    /// The K-quants' folded B tiles hold, for every value of a superblock of each of the sixteen
+    /// weight rows, its sub-block's scale times the value (Q6_K's less 32) as 128 hi + lo with lo
+    /// in 0..127, at the byte `tdpbssd` multiplies with the activation's quant of that value.
+    #[test]
+    fn folded_k_tiles_hold_scale_times_value() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl")) {
+            eprintln!("skipped: amx K-quant folding: this CPU has no AVX-512 F/BW/VL");
+            return;
+        }
+        let mut state = 777u64;
+        for kq in [KQuant::Q4K, KQuant::Q5K, KQuant::Q6K] {
+            let ty = kq.ty();
+            let tb = tile_bytes(ty, 512);
+            for _ in 0..4 {
+                // Random GGUF rows (any bytes are a row), tiled as the loader tiles them.
+                let rows: Vec<Vec<u8>> = (0..COLS)
+                    .map(|_| {
+                        (0..ty.row_bytes(512))
+                            .map(|_| {
+                                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                                (state >> 56) as u8
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let mut pair = vec![0u8; 2 * tb];
+                for (t, half) in pair.chunks_exact_mut(tb).enumerate() {
+                    let rs: Vec<&[u8]> = rows[t * TILE_ROWS..(t + 1) * TILE_ROWS].iter().map(|r| &r[..]).collect();
+                    super::super::tile::tile_rows(ty, &rs, half);
+                }
+                let mut g = vec![0u8; ty.row_bytes(512)];
+                let bb = ty.block_bytes();
+                for i in 0..2 {
+                    let mut got = x86::Aligned([0u8; x86::SB_TILES]);
+                    // SAFETY: AVX-512 F/BW/VL checked above; the pair holds two whole tiles of two superblocks.
+                    unsafe { x86::b_tiles_k_for_test(kq, pair.as_ptr().add(i * kq.sb_bytes()), tb, &mut got) };
+                    for j in 0..COLS {
+                        let (base, row) = if j < TILE_ROWS { (0, j) } else { (tb, j - TILE_ROWS) };
+                        super::super::tile::untile_row(ty, &pair[base..base + tb], row, &mut g);
+                        let (w, sc, ..) = kq_ints(kq, &g[i * bb..(i + 1) * bb]);
+                        let sub = if kq == KQuant::Q6K { 16 } else { 32 };
+                        for v in 0..256 {
+                            let at = 2048 * (v / 64) + 64 * (v % 64 / 4) + 4 * j + v % 4;
+                            let (lo, hi) = (got.0[at] as i8 as i32, got.0[at + 1024] as i8 as i32);
+                            assert!((0..128).contains(&lo), "{kq:?} row {j} value {v}: low part {lo}");
+                            assert_eq!(128 * hi + lo, w[v] * sc[v / sub], "{kq:?} superblock {i} row {j} value {v}");
+                        }
+                    }
+                }
             }
         }
     }
