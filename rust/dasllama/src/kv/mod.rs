@@ -1045,6 +1045,7 @@ mod tests {
         assert_eq!(kv.mrope_pos(15), [9, 11, 9]);
         assert_eq!(kv.mrope_pos(16), [12; 3]);
         // Going back before an image forgets it; recording one again replaces those after it.
+        fill(&mut kv, 16, 0.0);
         kv.truncate(13);
         assert_eq!(kv.grids(), &[Grid { at: 3, nx: 4, ny: 2 }]);
         kv.add_grid(Grid { at: 13, nx: 1, ny: 3 });
