@@ -897,6 +897,10 @@ fn create_scheduler(
     Ok(PyScheduler { inner })
 }
 
+/// One prompt image as `submit` takes it: (first prompt row, (rows, width) embeddings, whether
+/// its rows see each other, its M-RoPE grid).
+type SubmitImage<'py> = (usize, PyReadonlyArray2<'py, f32>, bool, Option<(usize, usize)>);
+
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
 #[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None, images=Vec::new(), progress=false))]
@@ -915,7 +919,7 @@ fn submit(
     ignore_eos: bool,
     grammar: Option<String>,
     nothink: Option<(Vec<u32>, Vec<u32>)>,
-    images: Vec<(usize, PyReadonlyArray2<'_, f32>, bool, Option<(usize, usize)>)>,
+    images: Vec<SubmitImage<'_>>,
     progress: bool,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
