@@ -1,9 +1,11 @@
-"""Write tests/golden/vision/{gemma3,pixtral}-tiny.json: llama.cpp's own multimodal path
+"""Write tests/golden/vision/{gemma3,pixtral,qwen25vl}-tiny.json: llama.cpp's own multimodal path
 (tools/mtmd) on the tiny synthetic text models and mmproj files of tests/synthetic_vision.py, for
 tests/test_vision_golden.py: the prompt's text chunks as mtmd tokenizes them, the image's
 embeddings (its preprocessing included: for Gemma 3 a 48 x 40 picture fitted on black into
 32 x 32 with bilinear resampling; for Pixtral a 45 x 37 picture resized bicubically to 48 x 40,
-its own aspect ratio in multiples of 8), and greedy steps after the prompt with every step's
+its own aspect ratio in multiples of 8; for Qwen2.5-VL a 125 x 37 picture resized to
+128 x 40, 16 x 5 tokens, wide enough for two of its 112-pixel windows, on M-RoPE axes in a qwen2vl
+text model), and greedy steps after the prompt with every step's
 logits.
 
 Needs the harness scripts/mtmd_golden.cpp built against a static build of llama-cpp-python
@@ -38,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from synthetic import write_model  # noqa: E402
-from synthetic_vision import write_gemma3_mmproj, write_pixtral_mmproj  # noqa: E402
+from synthetic_vision import write_gemma3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj  # noqa: E402
 
 PROMPT = "the cat <__media__> at"
 STEPS = 6
@@ -47,6 +49,18 @@ STEPS = 6
 CASES = {
     "gemma3": dict(arch="gemma3", specials=("<start_of_image>", "<end_of_image>"), write=write_gemma3_mmproj, image=dict(seed=7, width=48, height=40)),
     "pixtral": dict(arch="llama", specials=("[IMG]", "[IMG_BREAK]", "[IMG_END]"), write=write_pixtral_mmproj, image=dict(seed=9, width=45, height=37)),
+    # 125 x 37 pixels: 16 x 5 tokens, the windowed layer's windows 14 tokens wide.
+    # The text tower on M-RoPE (Qwen2-VL's consecutive sections, 8/12/12/0 of its 32 pairs; a
+    # RoPE base of 10000 so that the image's row and column positions tell) with Q/K/V biases,
+    # its norms adding ~0 as llama.cpp's qwen2vl does (see tests/synthetic.py).
+    "qwen25vl": dict(
+        arch="qwen2vl",
+        specials=("<|vision_start|>", "<|vision_end|>"),
+        write=write_qwen2vl_mmproj,
+        image=dict(seed=11, width=125, height=37),
+        meta={"rope.dimension_sections": [8, 12, 12, 0], "attention.layer_norm_rms_epsilon": 1e-30},
+        biases=True,
+    ),
 }
 
 
@@ -62,9 +76,23 @@ def image_rgb(case: str = "gemma3") -> np.ndarray:
 def write_files(d: Path, case: str = "gemma3") -> tuple[Path, Path]:
     c = CASES[case]
     text, proj = d / f"{case}-tiny.gguf", d / f"mmproj-{case}-tiny.gguf"
-    write_model(text, arch=c["arch"], specials=c["specials"], ctx=128)
+    extra = _biases() if c.get("biases") else None
+    write_model(text, arch=c["arch"], specials=c["specials"], ctx=128, meta=c.get("meta"), extra=extra)
     c["write"](proj)
     return text, proj
+
+
+def _biases() -> dict[str, np.ndarray]:
+    """Q/K/V biases for the tiny text model (qwen2's layers need them), K's large as in the real
+    models."""
+    from synthetic import HEAD_DIM, HEADS, KV_HEADS, LAYERS
+
+    rng = np.random.default_rng(97)
+    out = {}
+    for i in range(LAYERS):
+        for t, n, sd in (("attn_q", HEADS * HEAD_DIM, 0.2), ("attn_k", KV_HEADS * HEAD_DIM, 1.0), ("attn_v", KV_HEADS * HEAD_DIM, 0.2)):
+            out[f"blk.{i}.{t}.bias"] = rng.normal(0, sd, size=n).astype(np.float32)
+    return out
 
 
 def sha(p: Path) -> str:

@@ -271,3 +271,145 @@ def reference_pixtral_image(W: dict[str, np.ndarray], pixels: np.ndarray, merger
         if r + 1 < py:
             rows.append(X["v.token_embd.img_break"][None, :])
     return np.concatenate(rows)
+
+
+# Qwen2.5-VL (projector ``qwen2.5vl_merger``): RMS norms, Q/K/V/output biases, a SiLU-gated MLP with
+# biases, the vision M-RoPE, windows of 112 pixels (clip.cpp's, whatever the file says: 14 x 14
+# blocks of 2 x 2 patches here) in every layer but each second; the post norm, then each 2 x 2 block of patches through the GELU MLP ``mm.0``,
+# ``mm.2``. Qwen2-VL (``qwen2vl_merger``): LayerNorms with biases, an ungated GELU-quick MLP, no windows.
+# Patches of 4, so an image is a multiple of 8 pixels on each side.
+QWEN2VL_VISION: dict[str, Any] = dict(
+    image_size=64, patch=4, dim=64, ff=96, heads=4, layers=2, eps=1e-6, hidden=256, window=112, wa=2, mean=[0.48145466, 0.4578275, 0.40821073], std=[0.26862954, 0.26130258, 0.27577711]
+)
+
+
+def write_qwen2vl_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, qwen25: bool = True, **over: Any) -> dict[str, np.ndarray]:
+    """Write a tiny Qwen2.5-VL (or, ``qwen25=False``, Qwen2-VL) mmproj; return its exact weights
+    (numpy order)."""
+    c = {**QWEN2VL_VISION, **over}
+    rng = np.random.default_rng(2468 if qwen25 else 1357)
+    w = _clip_writer(path, "qwen2.5vl_merger" if qwen25 else "qwen2vl_merger", "silu" if qwen25 else "gelu_quick", c, text_dim)
+    w.add_uint32("clip.vision.spatial_merge_size", 2)
+    if qwen25:
+        w.add_uint32("clip.vision.n_wa_pattern", c["wa"])
+    weights: dict[str, np.ndarray] = {}
+    d, p = c["dim"], c["patch"]
+
+    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
+        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
+        weights[name] = exact
+        if data.dtype == np.uint8:
+            w.add_tensor(name, data, raw_dtype=kind)
+        else:
+            w.add_tensor(name, data)
+
+    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1) -> None:
+        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
+
+    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
+        put(name, mean + rng.normal(0, std, size=n))
+
+    put("v.patch_embd.weight", rng.normal(0, 0.15, size=(d, 3, p, p)))
+    put("v.patch_embd.weight.1", rng.normal(0, 0.15, size=(d, 3, p, p)))
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        vec(b + "ln1.weight", d)
+        if not qwen25:
+            vec(b + "ln1.bias", d, 0.0)
+        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            mat(b + t + ".weight", d, d, scale=0.15)
+            vec(b + t + ".bias", d, 0.0)
+        vec(b + "ln2.weight", d)
+        if not qwen25:
+            vec(b + "ln2.bias", d, 0.0)
+        if qwen25:
+            mat(b + "ffn_gate.weight", c["ff"], d)
+            vec(b + "ffn_gate.bias", c["ff"], 0.0)
+        mat(b + "ffn_up.weight", c["ff"], d)
+        vec(b + "ffn_up.bias", c["ff"], 0.0)
+        mat(b + "ffn_down.weight", d, c["ff"])
+        vec(b + "ffn_down.bias", d, 0.0)
+    vec("v.post_ln.weight", d)
+    if not qwen25:
+        vec("v.post_ln.bias", d, 0.0)
+    mat("mm.0.weight", c["hidden"], 4 * d, scale=0.08)
+    vec("mm.0.bias", c["hidden"], 0.0)
+    mat("mm.2.weight", text_dim, c["hidden"])
+    vec("mm.2.bias", text_dim, 0.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return weights
+
+
+def _qwen_rope(x: np.ndarray, pos: np.ndarray, heads: int, theta: float = 10000.0) -> np.ndarray:
+    """ggml's vision M-RoPE (clip.cpp's qwen2vl graph): per head, pair j of (j, j + hd/2) turns by
+    the patch's row times theta^(-4j/hd) for j < hd/4, by its column times theta^(-4(j-hd/4)/hd)
+    after."""
+    n, d = x.shape
+    hd = d // heads
+    q = hd // 4
+    freq = theta ** (-4 * np.arange(q) / hd)
+    ang = np.concatenate([pos[:, :1] * freq, pos[:, 1:2] * freq], axis=1)  # (n, hd/2)
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    out = x.reshape(n, heads, hd).copy()
+    a, b = out[..., : hd // 2].copy(), out[..., hd // 2 :].copy()
+    out[..., : hd // 2], out[..., hd // 2 :] = a * cos - b * sin, a * sin + b * cos
+    return out.reshape(n, d)
+
+
+def reference_qwen2vl_image(W: dict[str, np.ndarray], pixels: np.ndarray, qwen25: bool = True, **over: Any) -> np.ndarray:
+    """Float64 tower + projector over planar normalized pixels (3, H, W): (tokens, text_dim), the
+    tokens row by row of 2 x 2 patch blocks."""
+    c = {**QWEN2VL_VISION, **over}
+    X = {k: v.astype(np.float64) for k, v in W.items()}
+    p, d, H, eps = c["patch"], c["dim"], c["heads"], c["eps"]
+    _, hh, ww = pixels.shape
+    gh, gw = hh // p, ww // p
+    bh, bw = gh // 2, gw // 2
+    px = pixels.astype(np.float64)
+    # Patches in block order: block row, block column, row in block, column in block.
+    patches = px.reshape(3, bh, 2, p, bw, 2, p).transpose(1, 4, 2, 5, 0, 3, 6).reshape(gh * gw, 3 * p * p)
+    kernel = (X["v.patch_embd.weight"] + X["v.patch_embd.weight.1"]).reshape(d, -1)
+    x = patches @ kernel.T
+    idx = np.arange(gh * gw)
+    blk, r = idx // 4, idx % 4
+    pos = np.stack([2 * (blk // bw) + r // 2, 2 * (blk % bw) + r % 2], axis=1).astype(np.float64)
+    # Window membership per sequence row (blocks of `side` x `side`), for the windowed layers.
+    side = c["window"] // p // 2
+    win = (blk // bw) // side * 10_000 + (blk % bw) // side
+    same = win[:, None] == win[None, :]
+
+    def norm(x: np.ndarray, pre: str) -> np.ndarray:
+        return _rms(x, X[pre + ".weight"], eps) if qwen25 else _ln(x, X[pre + ".weight"], X[pre + ".bias"], eps)
+
+    n, hd = gh * gw, d // H
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        h = norm(x, b + "ln1")
+        q, k, v = (h @ X[b + t + ".weight"].T + X[b + t + ".bias"] for t in ("attn_q", "attn_k", "attn_v"))
+        q, k = _qwen_rope(q, pos, H), _qwen_rope(k, pos, H)
+        full = not qwen25 or (i + 1) % c["wa"] == 0
+        att = np.zeros((n, d))
+        for j in range(H):
+            s = slice(j * hd, (j + 1) * hd)
+            sc = q[:, s] @ k[:, s].T / np.sqrt(hd)
+            if not full:
+                sc = np.where(same, sc, -np.inf)
+            pr = np.exp(sc - sc.max(-1, keepdims=True))
+            pr /= pr.sum(-1, keepdims=True)
+            att[:, s] = pr @ v[:, s]
+        x = x + att @ X[b + "attn_out.weight"].T + X[b + "attn_out.bias"]
+        h = norm(x, b + "ln2")
+        u = h @ X[b + "ffn_up.weight"].T + X[b + "ffn_up.bias"]
+        if qwen25:
+            g = h @ X[b + "ffn_gate.weight"].T + X[b + "ffn_gate.bias"]
+            u = g / (1 + np.exp(-g)) * u
+        else:
+            u = u / (1 + np.exp(-1.702 * u))
+        x = x + u @ X[b + "ffn_down.weight"].T + X[b + "ffn_down.bias"]
+    x = norm(x, "v.post_ln")
+    m = x.reshape(n // 4, 4 * d) @ X["mm.0.weight"].T + X["mm.0.bias"]
+    m = 0.5 * m * (1 + np.tanh(0.7978845608 * (m + 0.044715 * m**3)))
+    return m @ X["mm.2.weight"].T + X["mm.2.bias"]

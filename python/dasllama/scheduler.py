@@ -54,9 +54,10 @@ class PendingReq:
     # does not compile raises ValueError at submit.
     grammar: str | None = None
     # Images in the prompt (dasllama.vision.ImagePrompt.images()): (first prompt row, its
-    # (rows, dim) float32 embeddings[, whether its rows see each other: default True]) each, in
-    # order. Their rows take the embeddings instead of the placeholder tokens there; a
-    # non-causal image's rows run in one pass and see each other.
+    # (rows, dim) float32 embeddings[, whether its rows see each other: default True[, its
+    # M-RoPE grid (tokens per row, rows) or None: default None]]) each, in order. Their rows take
+    # the embeddings instead of the placeholder tokens there; a non-causal image's rows run in
+    # one pass and see each other; a gridded one's rows take M-RoPE positions (Qwen-VL).
     images: list[tuple[Any, ...]] = field(default_factory=list)
     # Report the prefill's progress: a "progress" event before its first chunk and after each.
     progress: bool = False
@@ -125,6 +126,12 @@ def step_budget(sch: Scheduler) -> float | None:
     return None if secs is None else secs * 1000.0
 
 
+def _image(im: tuple[Any, ...]) -> tuple[int, np.ndarray, bool, tuple[int, int] | None]:
+    """A ``PendingReq.images`` entry in the native call's full form."""
+    grid = im[3] if len(im) > 3 else None
+    return (int(im[0]), np.ascontiguousarray(im[1], dtype=np.float32), bool(im[2]) if len(im) > 2 else True, None if grid is None else (int(grid[0]), int(grid[1])))
+
+
 def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
     """Queue ``req``; False when the queue is full. A request that cannot run (empty prompt,
     ``max_new < 1``, a prompt past the context, a duplicate id) raises and nothing is queued."""
@@ -135,7 +142,7 @@ def submit(m: Model, sch: Scheduler, req: PendingReq) -> bool:
         guard = (list(req.nothink.open_ids), list(req.nothink.close_ids))
     if not 0 <= req.seed < 2**64:
         raise ValueError(f"request {req.id}: seed must be in [0, 2**64)")
-    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos), req.grammar, guard, [(int(im[0]), np.ascontiguousarray(im[1], dtype=np.float32), bool(im[2]) if len(im) > 2 else True) for im in req.images], bool(req.progress))
+    return _native.submit(m._native, sch, int(req.id), list(req.prompt), list(req.close_toks), list(req.stop_ids), req.params._native(), int(req.max_new), int(req.seed), req.logprobs, bool(req.ignore_eos), req.grammar, guard, [_image(im) for im in req.images], bool(req.progress))
 
 
 def scheduler_step(m: Model, sch: Scheduler, events: list[SchedEvent]) -> bool:

@@ -4,7 +4,10 @@ as llama.cpp's ``tools/mtmd`` does it, and an image's embeddings from the vision
 Projector types: ``gemma3`` (SigLIP at a fixed size, 2-D average pooling, soft-embedding norm,
 projection; the image's rows see each other) and ``pixtral`` (Pixtral and Mistral Small 3.x: the
 image at its own aspect ratio, a 2-D RoPE tower, patch merger, GELU MLP, a ``[IMG_BREAK]`` row
-after each row of tokens, causal)."""
+after each row of tokens, causal) and ``qwen2vl_merger``/``qwen2.5vl_merger`` (Qwen2-VL and Qwen2.5-VL: the image at
+its own aspect ratio in 2 x 2 patch blocks, one token each, causal, its rows on M-RoPE axes in
+the text model: each row at the image's first position plus its row and column, the text after
+it going on from there plus the larger side)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import io
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +30,15 @@ from .runtime import Runtime, default_runtime
 log = logging.getLogger("dasllama")
 
 # How each projector's image is marked in the prompt (mtmd.cpp's img_beg / img_end).
-_MARKERS: dict[str, tuple[str, str]] = {"gemma3": ("<start_of_image>", "<end_of_image>"), "pixtral": ("", "[IMG_END]")}
-# Pixtral's token budget per image (clip.cpp: set_limit_image_tokens(8, 1024)), in merged tokens.
-_PIXTRAL_TOKENS = (8, 1024)
+_MARKERS: dict[str, tuple[str, str]] = {
+    "gemma3": ("<start_of_image>", "<end_of_image>"),
+    "pixtral": ("", "[IMG_END]"),
+    "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+}
+# A dynamic-size tower's token budget per image (clip.cpp's set_limit_image_tokens), in merged
+# tokens.
+_TOKENS: dict[str, tuple[int, int]] = {"pixtral": (8, 1024), "qwen2vl_merger": (8, 4096), "qwen2.5vl_merger": (8, 4096)}
 # Images past this many pixels are refused before decoding (a decompression bomb's guard).
 MAX_PIXELS = 64_000_000
 
@@ -132,14 +141,15 @@ def decode_image(data: bytes) -> Any:
 
 def target_size(proj: Projector, width: int, height: int) -> tuple[int, int]:
     """The size (width, height) an image of ``width`` x ``height`` is preprocessed to: the tower's
-    square for a fixed-size projector; for Pixtral, clip.cpp's ``calc_size_preserved_ratio``:
-    each side rounded to a multiple of patch x merge, then scaled (keeping the aspect ratio) into
-    the projector's budget of 8 to 1024 tokens, f32 arithmetic as there."""
+    square for a fixed-size projector; for Pixtral and Qwen-VL, clip.cpp's
+    ``calc_size_preserved_ratio``: each side rounded to a multiple of patch x merge, then scaled
+    (keeping the aspect ratio) into the projector's budget (8 to 1024 tokens for Pixtral, 8 to
+    4096 for Qwen-VL), f32 arithmetic as there."""
     nat = proj.native
     if not nat.dynamic_size:
         return proj.image_size, proj.image_size
     f = nat.patch_size * nat.merge
-    lo, hi = (n * f * f for n in _PIXTRAL_TOKENS)
+    lo, hi = (n * f * f for n in _TOKENS[proj.projector_type])
     f32 = np.float32
 
     def by(x: Any, how: Any) -> int:
@@ -164,7 +174,7 @@ def preprocess_sized(img: Any, proj: Projector) -> tuple[np.ndarray, int, int]:
 
     As mtmd's preprocessors with llama.cpp's default padding: scaled to fit ``target_size``
     keeping its aspect ratio (Pillow's resampling, which clip.cpp reproduces: bilinear for
-    Gemma 3, bicubic for Pixtral; sizes rounded up), centered on black, then x / 255, minus the
+    Gemma 3, bicubic for Pixtral and Qwen-VL; sizes rounded up), centered on black, then x / 255, minus the
     file's mean, over its std."""
     from PIL import Image
 
@@ -205,8 +215,15 @@ def encode_pixels(proj: Projector, pixels: np.ndarray, width: int | None = None,
 
 def encode_image(proj: Projector, image: bytes | Any) -> np.ndarray:
     """One image (encoded bytes or a Pillow image) to its prompt rows: (n_tokens, text_dim)."""
+    return _encode_placed(proj, image)[0]
+
+
+def _encode_placed(proj: Projector, image: bytes | Any) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """``encode_image``'s rows and the image's M-RoPE grid (tokens per row, rows; None where its
+    rows are positioned as text)."""
     img = decode_image(bytes(image)) if isinstance(image, (bytes, bytearray, memoryview)) else image
-    return encode_pixels(proj, *preprocess_sized(img, proj))
+    pixels, w, h = preprocess_sized(img, proj)
+    return encode_pixels(proj, pixels, w, h), proj.native.mrope_grid(w, h)
 
 
 # Where an image goes in a prompt's text (llama.cpp's mtmd_default_marker).
@@ -218,22 +235,31 @@ class ImagePrompt:
     """A prompt with images as the text model takes it: token ids (an image's rows hold a
     placeholder id), the rows that take given values instead (``values``: one row of the model's
     width each), each image's span of rows (first row, rows), and whether an image's rows see
-    each other (``non_causal``: Gemma 3's do) or are causal as text."""
+    each other (``non_causal``: Gemma 3's do) or are causal as text, and per image its M-RoPE
+    grid (``grids``: tokens per row and rows, Qwen-VL's; None where its rows are positioned as
+    text)."""
 
     ids: list[int]
     rows: list[int]
     values: np.ndarray
     spans: list[tuple[int, int]]
     non_causal: bool = True
+    grids: list[tuple[int, int] | None] = field(default_factory=list)
 
-    def images(self) -> list[tuple[int, np.ndarray, bool]]:
-        """Per image, (its first row, its rows' values, whether they see each other): what
-        ``PendingReq.images`` takes."""
+    def images(self) -> list[tuple[int, np.ndarray, bool, tuple[int, int] | None]]:
+        """Per image, (its first row, its rows' values, whether they see each other, its M-RoPE
+        grid): what ``PendingReq.images`` takes."""
         out, at = [], 0
-        for first, n in self.spans:
-            out.append((first, self.values[at : at + n], self.non_causal))
+        for i, (first, n) in enumerate(self.spans):
+            out.append((first, self.values[at : at + n], self.non_causal, self.grids[i] if i < len(self.grids) else None))
             at += n
         return out
+
+    @property
+    def n_pos(self) -> int:
+        """The positions the prompt takes (mtmd's ``n_past`` after it): its rows, less what
+        images on M-RoPE axes save (an nx x ny image takes max(nx, ny) positions)."""
+        return len(self.ids) - sum(nx * ny - max(nx, ny) for g in self.grids if g is not None for nx, ny in [g])
 
 
 def placeholder_ids(values: np.ndarray, n_vocab: int) -> list[int]:
@@ -272,7 +298,8 @@ def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | N
     rows: list[int] = []
     values: list[np.ndarray] = []
     spans: list[tuple[int, int]] = []
-    embedded = [encode_image(proj, img) for img in images] if proj is not None else []
+    placed = [_encode_placed(proj, img) for img in images] if proj is not None else []
+    embedded = [e for e, _ in placed]
     for i, piece in enumerate(pieces):
         if i == 0 or piece:
             ids += encode(m, piece, add_bos=add_bos if i == 0 else False, special=True)
@@ -289,13 +316,16 @@ def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | N
                 ids += encode(m, end, add_bos=False, special=True)
     dim = proj.text_dim if proj is not None else 0
     non_causal = proj.non_causal if proj is not None else True
-    return ImagePrompt(ids, rows, np.concatenate(values) if values else np.zeros((0, dim), np.float32), spans, non_causal)
+    grids = [g for _, g in placed]
+    return ImagePrompt(ids, rows, np.concatenate(values) if values else np.zeros((0, dim), np.float32), spans, non_causal, grids)
 
 
 def eval_image_prompt(m: Any, s: Any, p: ImagePrompt, all: bool = False) -> np.ndarray:
     """Run ``p`` at the session's position (``_native.eval_embeds``): logits after the last row,
     or after every row where ``all``. A non-causal image's rows see each other (llama.cpp
-    decodes Gemma 3's images so); a causal one's are causal as text (Pixtral's)."""
+    decodes Gemma 3's images so); a causal one's are causal as text (Pixtral's). Images on M-RoPE
+    axes (Qwen-VL's) place their rows and the text after them (the session's ``n_pos``)."""
     values = np.ascontiguousarray(p.values, dtype=np.float32).reshape(len(p.rows), -1)
     spans = [(a, n) for a, n in p.spans] if p.non_causal else []
-    return _native.eval_embeds(m._native, s, list(p.ids), list(p.rows), values, spans, all)
+    grids = [(a, g[0], g[1]) for (a, _), g in zip(p.spans, p.grids, strict=False) if g is not None]  # an ImagePrompt made by hand may carry no grids
+    return _native.eval_embeds(m._native, s, list(p.ids), list(p.rows), values, spans, all, grids)

@@ -192,6 +192,13 @@ impl PySession {
         self.inner.n_past()
     }
 
+    /// The position the next row takes: n_past, unless an image on M-RoPE axes (Qwen-VL) took
+    /// fewer positions than rows.
+    #[getter]
+    fn n_pos(&self) -> usize {
+        self.inner.kv.mrope_pos(self.inner.n_past())[0]
+    }
+
     /// Seed this session's sampling RNG.
     fn set_seed(&mut self, seed: u64) {
         self.inner.record.reseed(seed);
@@ -450,7 +457,7 @@ fn eval_all<'py>(py: Python<'py>, m: &PyModel, s: &mut PySession, ids: Vec<u32>)
 /// `all`, else after the last ((vocab,)).
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
-#[pyo3(signature = (m, s, ids, rows, values, spans, all=false))]
+#[pyo3(signature = (m, s, ids, rows, values, spans, all=false, grids=Vec::new()))]
 fn eval_embeds<'py>(
     py: Python<'py>,
     m: &PyModel,
@@ -460,14 +467,19 @@ fn eval_embeds<'py>(
     values: PyReadonlyArray2<'py, f32>,
     spans: Vec<(usize, usize)>,
     all: bool,
+    grids: Vec<(usize, usize, usize)>,
 ) -> PyResult<Bound<'py, PyAny>> {
     same_model(m, s)?;
     let model = &m.inner;
     let sess = &mut s.inner;
     let vals = values.as_slice()?.to_vec();
     let mut out = Vec::new();
+    // (first row of `ids`, tokens per row, rows) per image on M-RoPE axes, placed after the
+    // session's rows.
+    let base = sess.n_past();
+    let grids: Vec<(usize, dasllama::kv::Grid)> = grids.into_iter().map(|(at, nx, ny)| (0, dasllama::kv::Grid { at: base + at, nx, ny })).collect();
     native(py, "eval_embeds", || {
-        let inj = dasllama::model::forward::Injected { embeds: dasllama::backend::RowEmbeds { rows: &rows, values: &vals }, spans: &spans };
+        let inj = dasllama::model::forward::Injected { embeds: dasllama::backend::RowEmbeds { rows: &rows, values: &vals }, spans: &spans, grids: &grids };
         sess.eval_injected(model, &ids, inj, all, &mut out)
     })?;
     let v = model.config.vocab_size;
@@ -899,6 +911,10 @@ fn create_scheduler(
     Ok(PyScheduler { inner })
 }
 
+/// One prompt image as `submit` takes it: (first prompt row, (rows, width) embeddings, whether
+/// its rows see each other, its M-RoPE grid).
+type SubmitImage<'py> = (usize, PyReadonlyArray2<'py, f32>, bool, Option<(usize, usize)>);
+
 #[allow(clippy::too_many_arguments)]
 #[pyfunction]
 #[pyo3(signature = (m, sch, id, prompt, close_toks, stop_ids, params, max_new, seed, logprobs=None, ignore_eos=false, grammar=None, nothink=None, images=Vec::new(), progress=false))]
@@ -917,16 +933,20 @@ fn submit(
     ignore_eos: bool,
     grammar: Option<String>,
     nothink: Option<(Vec<u32>, Vec<u32>)>,
-    images: Vec<(usize, PyReadonlyArray2<'_, f32>, bool)>,
+    images: Vec<SubmitImage<'_>>,
     progress: bool,
 ) -> PyResult<bool> {
     check_sched(m, sch)?;
-    // (first prompt row, (rows, width) float32 embeddings, whether its rows see each other) per image.
+    // (first prompt row, (rows, width) float32 embeddings, whether its rows see each other, its
+    // M-RoPE grid (tokens per row, rows) or None) per image.
     let images = images
         .into_iter()
-        .map(|(at, v, non_causal)| {
+        .map(|(at, v, non_causal, grid)| {
             let n = v.as_array().nrows();
-            Ok(PromptImage { at, n, values: Arc::new(v.as_slice()?.to_vec()), non_causal })
+            if grid.is_some_and(|(nx, ny)| nx * ny != n) {
+                return Err(PyValueError::new_err(format!("request {id}: an image's M-RoPE grid {grid:?} does not hold its {n} rows")));
+            }
+            Ok(PromptImage { at, n, values: Arc::new(v.as_slice()?.to_vec()), non_causal, grid })
         })
         .collect::<PyResult<Vec<_>>>()?;
     if max_new < 1 {
@@ -1132,6 +1152,12 @@ impl PyVision {
     /// Rows an image preprocessed to `width` x `height` pixels becomes.
     fn n_tokens_for(&self, width: usize, height: usize) -> usize {
         self.inner.n_tokens_for(width, height)
+    }
+
+    /// (tokens per row, rows) of an image preprocessed to `width` x `height` pixels where its
+    /// rows take M-RoPE positions in the text model (Qwen-VL), else None.
+    fn mrope_grid(&self, width: usize, height: usize) -> Option<(usize, usize)> {
+        self.inner.mrope_grid(width, height)
     }
 
     #[getter]

@@ -221,14 +221,22 @@ impl Mrope {
 /// unscaled angle along its ramp), its sine and cosine by `mscale`. A text token's pairs on the
 /// fourth M-RoPE axis see position 0.
 pub fn rope_cache(r: &Rope, pos: usize, factors: Option<&[f32]>, out: &mut Vec<(f32, f32)>) {
+    rope_cache_axes(r, [pos; 3], factors, out)
+}
+
+/// `rope_cache` for a row with its own position on each of the first three M-RoPE axes (time,
+/// height, width: an image's rows in Qwen-VL, as llama.cpp's mtmd positions them); a RoPE
+/// without axes reads the first.
+pub fn rope_cache_axes(r: &Rope, pos: [usize; 3], factors: Option<&[f32]>, out: &mut Vec<(f32, f32)>) {
     let factors = factors.filter(|_| r.factors);
     let theta_scale = r.base.powf(-2.0 / r.dim as f32);
-    let (mut theta, mut theta_e) = (pos as f32, 0.0f32);
+    let mut theta = pos.map(|p| p as f32);
+    let mut theta_e = 0.0f32;
     out.clear();
     for i in 0..r.dim / 2 {
         let ff = factors.map_or(1.0, |f| f[i]);
-        let extra = r.mrope.is_some_and(|m| m.axis(i) == 3);
-        let extrap = (if extra { theta_e } else { theta }) / ff;
+        let axis = r.mrope.map_or(0, |m| m.axis(i));
+        let extrap = (if axis == 3 { theta_e } else { theta[axis] }) / ff;
         let interp = r.freq_scale * extrap;
         let angle = match r.yarn {
             // ggml's rope_yarn with ext_factor 1: the ramp runs from 1 (extrapolate) to 0.
@@ -241,7 +249,7 @@ pub fn rope_cache(r: &Rope, pos: usize, factors: Option<&[f32]>, out: &mut Vec<(
         };
         let (s, c) = angle.sin_cos();
         out.push((s * r.mscale, c * r.mscale));
-        theta *= theta_scale;
+        theta.iter_mut().for_each(|t| *t *= theta_scale);
         theta_e *= theta_scale;
     }
 }

@@ -547,6 +547,20 @@ pub struct KvCache {
     owner: u64,
     /// Where private pages come from (a paged cache's come from its pool).
     bin: Arc<PageBin>,
+    /// Images on M-RoPE axes in these rows, in order (`Grid`): they set the rows' rotary
+    /// positions, which are then no longer the row indices.
+    grids: Vec<Grid>,
+}
+
+/// An image laid out on M-RoPE's axes (Qwen-VL, as llama.cpp's mtmd does it): its `nx` x `ny`
+/// rows from row `at` all take the time position of row `at`, and their row and column added to
+/// it on the height and width axes; the text after it goes on from that position plus
+/// max(nx, ny), not from its row index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grid {
+    pub at: usize,
+    pub nx: usize,
+    pub ny: usize,
 }
 
 /// The recurrent state of a session's DeltaNet layers after its `len` positions: per layer the
@@ -671,11 +685,11 @@ impl LayerView<'_> {
 impl KvCache {
     /// A session's private store of `geo` (its pages grown on demand, their buffers from `bin`).
     pub fn private(geo: Geometry, bin: &Arc<PageBin>) -> Self {
-        KvCache { geo, len: 0, pages: Vec::new(), pool: None, rec: None, owner: 0, bin: bin.clone() }
+        KvCache { geo, len: 0, pages: Vec::new(), pool: None, rec: None, owner: 0, bin: bin.clone(), grids: Vec::new() }
     }
 
     pub fn paged(pool: &KvPool) -> Self {
-        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()), rec: None, owner: 0, bin: pool.0.bin.clone() }
+        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()), rec: None, owner: 0, bin: pool.0.bin.clone(), grids: Vec::new() }
     }
 
     /// Mark this K/V as `owner`'s (a model's `uid`), so that the prefix cache never gives it
@@ -902,12 +916,45 @@ impl KvCache {
         assert!(self.rec.is_none() || pos >= self.len, "a recurrent state cannot go back from position {} to {pos}", self.len);
         self.len = self.len.min(pos);
         self.pages.truncate(self.len.div_ceil(self.geo.page_rows));
+        let len = self.len;
+        self.grids.retain(|g| g.at < len);
+    }
+
+    /// Record an image on M-RoPE axes at its rows (`Grid`); it replaces any recorded from its
+    /// first row on, so recording a prompt's images again in order is harmless.
+    pub fn add_grid(&mut self, g: Grid) {
+        self.grids.retain(|o| o.at < g.at);
+        self.grids.push(g);
+    }
+
+    /// The images recorded on M-RoPE axes.
+    pub fn grids(&self) -> &[Grid] {
+        &self.grids
+    }
+
+    /// Row `row`'s position on the time, height and width axes: the row index where no image
+    /// is recorded before it (the same on all three), else as `Grid` says.
+    pub fn mrope_pos(&self, row: usize) -> [usize; 3] {
+        let mut shift = 0isize;
+        for g in &self.grids {
+            if row < g.at {
+                break;
+            }
+            let (t0, n) = ((g.at as isize + shift) as usize, g.nx * g.ny);
+            if row < g.at + n {
+                let i = row - g.at;
+                return [t0, t0 + i / g.nx, t0 + i % g.nx];
+            }
+            shift += g.nx.max(g.ny) as isize - n as isize;
+        }
+        [(row as isize + shift) as usize; 3]
     }
 
     /// Forget every position and give all pages back.
     pub fn release(&mut self) {
         self.len = 0;
         self.pages.clear();
+        self.grids.clear();
         if let Some(r) = &mut self.rec {
             (r.conv, r.ssm) = (Vec::new(), Vec::new());
             r.journal = Journal::default();
@@ -978,6 +1025,35 @@ mod tests {
         assert_eq!(a.bytes(), page, "a page of the same bin reuses a buffer");
         drop(kv);
         assert_eq!(b.bytes(), page);
+    }
+
+    #[test]
+    fn images_on_mrope_axes_place_their_rows_and_the_text_after() {
+        let geo = Geometry::layered(&[(4, 2)], 4, KvCodec::F16);
+        let mut kv = KvCache::private(geo, &PageBin::new());
+        assert_eq!(kv.mrope_pos(7), [7; 3]);
+        // 3 text rows, a 4 x 2 image (8 rows, 4 positions), then text; a 1 x 3 image at row 13.
+        kv.add_grid(Grid { at: 3, nx: 4, ny: 2 });
+        kv.add_grid(Grid { at: 13, nx: 1, ny: 3 });
+        assert_eq!(kv.mrope_pos(2), [2; 3]);
+        assert_eq!(kv.mrope_pos(3), [3, 3, 3]);
+        assert_eq!(kv.mrope_pos(6), [3, 3, 6]);
+        assert_eq!(kv.mrope_pos(7), [3, 4, 3]);
+        assert_eq!(kv.mrope_pos(10), [3, 4, 6]);
+        assert_eq!(kv.mrope_pos(11), [7; 3]);
+        assert_eq!(kv.mrope_pos(13), [9, 9, 9]);
+        assert_eq!(kv.mrope_pos(15), [9, 11, 9]);
+        assert_eq!(kv.mrope_pos(16), [12; 3]);
+        // Going back before an image forgets it; recording one again replaces those after it.
+        fill(&mut kv, 16, 0.0);
+        kv.truncate(13);
+        assert_eq!(kv.grids(), &[Grid { at: 3, nx: 4, ny: 2 }]);
+        kv.add_grid(Grid { at: 13, nx: 1, ny: 3 });
+        kv.add_grid(Grid { at: 3, nx: 2, ny: 4 });
+        assert_eq!(kv.grids(), &[Grid { at: 3, nx: 2, ny: 4 }]);
+        assert_eq!(kv.mrope_pos(11), [7; 3]);
+        kv.release();
+        assert!(kv.grids().is_empty());
     }
 
     #[test]

@@ -778,6 +778,17 @@ mod tests {
         for i in 0..64 {
             assert_eq!(b[i], if i == 61 || i == 62 { (0.0, 1.0) } else { a[i] }, "pair {i}");
         }
+        // An image row's own position on each axis (Qwen2-VL's consecutive sections): each
+        // pair turns by its axis's position, as a plain RoPE of that position would turn it.
+        let r = Rope { mrope: Some(Mrope { sections: [16, 24, 24, 0], interleaved: false }), ..plain };
+        let mut c = Vec::new();
+        crate::backend::rope_cache_axes(&r, [5, 9, 12], None, &mut c);
+        for (pos, range) in [(5, 0..16), (9, 16..40), (12, 40..64)] {
+            crate::backend::rope_cache(&plain, pos, None, &mut a);
+            for i in range {
+                assert_eq!(c[i], a[i], "pair {i}");
+            }
+        }
         let err = |arch: &str, extra: &[(&str, MetaValue)]| configure(arch, extra).unwrap_err().to_string();
         assert!(err("qwen3vl", &[]).contains("'qwen3vl.rope.dimension_sections' is missing"));
         assert!(err("qwen2vl", &[sec(&[16, 8, 8])]).contains("'qwen2vl.rope.dimension_sections' has 3 values; it must have 4"));

@@ -10,7 +10,7 @@ pub use crate::backend::Scratch;
 use crate::backend::{
     rope_cache, Act, Activation, Buf, DevKv, DnParams, ExpertSet, HostActs, MatmulOffload, Numerics, Ops, PassIn, Placeable, Placement, Route, RowEmbeds,
 };
-use crate::kv::KvCache;
+use crate::kv::{Grid, KvCache};
 use crate::quant::Weight;
 use crate::{Error, Result};
 
@@ -125,6 +125,10 @@ pub fn forward_batch(
 pub struct Injected<'a> {
     pub embeds: RowEmbeds<'a>,
     pub spans: &'a [(usize, usize)],
+    /// Images on M-RoPE axes (Qwen-VL): (session index in the batch, its `Grid` in that
+    /// session's rows), recorded in the session's K/V before the pass (an image of an earlier
+    /// pass may come again: a prefix-cache hit holds its rows but not their layout).
+    pub grids: &'a [(usize, Grid)],
 }
 
 /// `forward_batch` over `span` of the model's layers (the host's share of a split model: the
@@ -151,8 +155,16 @@ pub fn forward_batch_with(
         let want = kv.len() + cnt;
         kv.reserve(want)?;
     }
+    if let Some(inj) = injected {
+        for &(si, g) in inj.grids {
+            kvs[si].add_grid(g);
+        }
+    }
     let lens: Vec<usize> = kvs.iter().map(|kv| kv.len()).collect();
     let mut inp = pass_inputs(m, &m.config.layers, &lens, counts, tokens, want);
+    if inp.ropes.iter().any(|r| r.mrope.is_some()) && kvs.iter().any(|kv| !kv.grids().is_empty()) {
+        inp.tables = mrope_tables(m, &inp.ropes, &inp.rows, kvs);
+    }
     if let Some(inj) = injected {
         inp.embeds = Some(inj.embeds);
         if !inj.spans.is_empty() {
@@ -167,7 +179,14 @@ pub fn forward_batch_with(
     let keep = s.keep_hidden;
     let mut out = None;
     m.rt.host().pass(m.numerics, &mut s.acts, kvs, &inp, offload, &mut |b| out = Some(forward_span(m, b, &inp, span.clone(), want, keep)));
-    let out = out.ok_or_else(|| Error::Internal("the host ran no pass".into()))?;
+    let Some(out) = out else {
+        // Nothing committed: forget the images recorded for rows the pass did not add.
+        for kv in kvs.iter_mut() {
+            let len = kv.len();
+            kv.truncate(len);
+        }
+        return Err(Error::Internal("the host ran no pass".into()));
+    };
     take_rows(&mut s.acts, out.out, logits);
     if let Some(h) = out.hidden {
         s.hidden.clear();
@@ -387,6 +406,9 @@ fn check_injected(m: &Model, counts: &[usize], inj: &Injected<'_>) -> Result<()>
             e.values.len()
         )));
     }
+    if inj.grids.iter().any(|&(si, g)| si >= counts.len() || g.nx == 0 || g.ny == 0) {
+        return Err(Error::InvalidArgument("an image's M-RoPE grid must name a session of the batch and have rows and columns".into()));
+    }
     // The session of each row, to keep a span inside one.
     let owner: Vec<usize> = counts.iter().enumerate().flat_map(|(i, &c)| std::iter::repeat_n(i, c)).collect();
     if inj.spans.iter().any(|&(first, len)| len == 0 || first + len > n || owner[first] != owner[first + len - 1]) {
@@ -534,6 +556,24 @@ fn per_layer_mix(m: &Model, b: &mut dyn Ops, p: &super::PleLayer, il: usize, x: 
 /// RoPE sines and cosines per row, once for every layer (one table per distinct RoPE).
 pub(super) fn rope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)]) -> Vec<Vec<(f32, f32)>> {
     rope_tables_with(ropes, rows, m.rope_factors.as_deref())
+}
+
+/// `rope_tables` for rows whose sessions hold images on M-RoPE axes: each row's three axis
+/// positions from its session's K/V (`KvCache::mrope_pos`).
+fn mrope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)], kvs: &[&mut KvCache]) -> Vec<Vec<(f32, f32)>> {
+    let factors = m.rope_factors.as_deref();
+    let mut one = Vec::new();
+    ropes
+        .iter()
+        .map(|r| {
+            let mut tab = Vec::with_capacity(rows.len() * r.dim / 2);
+            for &(si, pos) in rows {
+                crate::backend::rope_cache_axes(r, kvs[si].mrope_pos(pos), factors, &mut one);
+                tab.extend_from_slice(&one);
+            }
+            tab
+        })
+        .collect()
 }
 
 /// `rope_tables` with the frequency divisors given (a Gemma 4 assistant carries its own).

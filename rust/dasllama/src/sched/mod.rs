@@ -78,6 +78,8 @@ pub struct PromptImage {
     pub values: std::sync::Arc<Vec<f32>>,
     /// The rows see each other (Gemma 3's images); otherwise they are causal as text (Pixtral's).
     pub non_causal: bool,
+    /// Tokens per row and rows where the image takes M-RoPE positions (Qwen-VL: `kv::Grid`).
+    pub grid: Option<(usize, usize)>,
 }
 
 /// Where a prefill piece of `k` prompt rows from `fed` may end: never inside a non-causal image

@@ -3,6 +3,7 @@
 
 use super::{budget, SchedEvent, Scheduler, Stream, FIRST_CHUNK, MIN_CHUNK};
 use crate::backend::RowEmbeds;
+use crate::kv::Grid;
 use crate::model::forward::{Injected, LogitRows};
 use crate::model::Model;
 use crate::session::{eval_rows_with, Session};
@@ -108,9 +109,9 @@ impl Scheduler {
         let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
         let mut tails = Vec::with_capacity(plan.len());
         // Image rows of the prefill pieces: pass rows, their values, and each image's span.
-        let (mut rows, mut values, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut rows, mut values, mut spans, mut grids) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let d = m.config.dim;
-        for &(i, k) in plan {
+        for (si, &(i, k)) in plan.iter().enumerate() {
             let s = &streams[i];
             match s.next {
                 Some(t) => {
@@ -121,6 +122,11 @@ impl Scheduler {
                 None => {
                     let r0 = tokens.len();
                     for im in &s.req.images {
+                        // Every M-RoPE image up to the piece's end, those in attached prefix
+                        // pages too: they place the piece's rows.
+                        if let Some((nx, ny)) = im.grid.filter(|_| im.at < s.fed + k) {
+                            grids.push((si, Grid { at: im.at, nx, ny }));
+                        }
                         let (a, e) = (im.at.max(s.fed), (im.at + im.n).min(s.fed + k));
                         if a < e {
                             if im.non_causal {
@@ -141,7 +147,8 @@ impl Scheduler {
         }
         let counts: Vec<usize> = plan.iter().map(|p| p.1).collect();
         let ws = &mut self.ws;
-        let injected = (!rows.is_empty()).then(|| Injected { embeds: RowEmbeds { rows: &rows, values: &values }, spans: &spans });
+        let injected =
+            (!rows.is_empty() || !grids.is_empty()).then(|| Injected { embeds: RowEmbeds { rows: &rows, values: &values }, spans: &spans, grids: &grids });
         error::catch("a scheduler step", || eval_rows_with(m, ws, &mut sessions, &counts, &tokens, injected, LogitRows::Tail(&tails)))
     }
 

@@ -1,14 +1,15 @@
 //! Vision towers from llama.cpp's `mmproj` files (its `clip` architecture): the ViT that turns
 //! a preprocessed image into patch features (`vit`), and the projector that turns those into rows
-//! of the text model's embedding width (one module each: `gemma3`, `pixtral`). The result enters
+//! of the text model's embedding width (one module each: `gemma3`, `pixtral`, `qwen2vl`). The result enters
 //! the text model's input in place of token embeddings (`backend::PassIn::embeds`).
 //!
 //! Preprocessing (decode, resize, normalize) is the Python side's: the tower takes planar f32
 //! pixels, channel by channel, `image_size` square (Gemma 3) or any multiple of
-//! `patch_size * merge` on each side (Pixtral).
+//! `patch_size * merge` on each side (Pixtral, Qwen-VL).
 
 mod gemma3;
 mod pixtral;
+mod qwen2vl;
 mod vit;
 
 use crate::model::{MetaValue, Metadata, Numerics, QuantMode, TensorInfo, TensorTable};
@@ -21,7 +22,7 @@ use std::sync::Arc;
 pub use vit::{VitAct, VitConfig};
 
 /// The projector types this build runs (llama.cpp's `clip.projector_type`).
-pub const PROJECTORS: &[&str] = &["gemma3", "pixtral"];
+pub const PROJECTORS: &[&str] = &["gemma3", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger"];
 
 /// What follows the ViT.
 pub(crate) enum Projector {
@@ -31,6 +32,9 @@ pub(crate) enum Projector {
     /// The tower at the image's own size, a patch merger where the file has one, a GELU MLP,
     /// and a break row after each row of tokens.
     Pixtral(Box<pixtral::Pixtral>),
+    /// Qwen2-VL / Qwen2.5-VL: the tower at the image's own size over 2 x 2 patch blocks (M-RoPE,
+    /// windows in 2.5), each block merged into one token by a GELU MLP.
+    Qwen2vl(Box<qwen2vl::Qwen2vl>),
 }
 
 /// A loaded vision tower and its projector.
@@ -73,12 +77,19 @@ impl Vision {
         // RMS norms and a 2-D RoPE of base 10000 (clip.cpp sets it) for Pixtral.
         let style = match ptype.as_str() {
             "pixtral" => vit::VitStyle { rms: true, rope_2d: Some(10000.0) },
+            // No learned positions (the RoPE is the projector's own, `qwen2vl`); Qwen2-VL's
+            // norms are LayerNorms, Qwen2.5-VL's RMS.
+            "qwen2vl_merger" => vit::VitStyle { rms: false, rope_2d: Some(10000.0) },
+            "qwen2.5vl_merger" => vit::VitStyle { rms: true, rope_2d: Some(10000.0) },
             _ => vit::VitStyle { rms: false, rope_2d: None },
         };
-        let vit = vit::Vit::load(&table, &config, style).map_err(in_file)?;
+        let mut vit = vit::Vit::load(&table, &config, style).map_err(in_file)?;
         let projector = match ptype.as_str() {
             "gemma3" => Projector::Gemma3(gemma3::Gemma3::load(&table, meta, &config).map_err(in_file)?),
             "pixtral" => Projector::Pixtral(Box::new(pixtral::Pixtral::load(&table, meta, &config).map_err(in_file)?)),
+            "qwen2vl_merger" | "qwen2.5vl_merger" => {
+                Projector::Qwen2vl(Box::new(qwen2vl::Qwen2vl::load(&table, meta, &config, ptype == "qwen2.5vl_merger", &mut vit).map_err(in_file)?))
+            }
             _ => unreachable!("checked against PROJECTORS above"),
         };
         Ok(Vision { config, projector_type: ptype, vit, projector, rt: rt.clone() })
@@ -87,7 +98,7 @@ impl Vision {
     /// Whether the tower takes an image of any size (a multiple of `patch_size * merge()` on each
     /// side) rather than its fixed `image_size` square.
     pub fn dynamic_size(&self) -> bool {
-        matches!(self.projector, Projector::Pixtral(_))
+        matches!(self.projector, Projector::Pixtral(_) | Projector::Qwen2vl(_))
     }
 
     /// Patches per side of one output token (the size an image's sides are a multiple of, in
@@ -96,7 +107,16 @@ impl Vision {
         match &self.projector {
             Projector::Gemma3(_) => 1,
             Projector::Pixtral(p) => p.merge(),
+            Projector::Qwen2vl(_) => 2,
         }
+    }
+
+    /// Where an image's rows take multi-axis positions in the text model (Qwen-VL's M-RoPE): its
+    /// tokens per row and rows, for an image of `width` x `height` pixels; None where its rows
+    /// are positioned as text.
+    pub fn mrope_grid(&self, width: usize, height: usize) -> Option<(usize, usize)> {
+        let u = self.config.patch_size * 2;
+        matches!(self.projector, Projector::Qwen2vl(_)).then_some((width / u, height / u))
     }
 
     /// Whether an image's rows see each other in the text model (llama.cpp's
@@ -117,6 +137,7 @@ impl Vision {
         match &self.projector {
             Projector::Gemma3(g) => g.n_tokens(&self.config),
             Projector::Pixtral(x) => x.n_tokens(width / p, height / p),
+            Projector::Qwen2vl(x) => x.n_tokens(width / p, height / p),
         }
     }
 
@@ -125,6 +146,7 @@ impl Vision {
         match &self.projector {
             Projector::Gemma3(g) => g.text_dim(),
             Projector::Pixtral(p) => p.text_dim(),
+            Projector::Qwen2vl(p) => p.text_dim(),
         }
     }
 
@@ -146,10 +168,17 @@ impl Vision {
         let (gw, gh) = (width / p, height / p);
         let mut out = Vec::new();
         self.rt.host().run(Numerics::Fast, &mut Vec::new(), &mut |ops| {
-            let feats = self.vit.forward(ops, &self.config, pixels, gw, gh);
             out = match &self.projector {
-                Projector::Gemma3(g) => g.forward(ops, &self.config, &feats),
-                Projector::Pixtral(x) => x.forward(ops, &self.config, &feats, gw, gh),
+                Projector::Gemma3(g) => {
+                    let feats = self.vit.forward(ops, &self.config, pixels, gw, gh);
+                    g.forward(ops, &self.config, &feats)
+                }
+                Projector::Pixtral(x) => {
+                    let feats = self.vit.forward(ops, &self.config, pixels, gw, gh);
+                    x.forward(ops, &self.config, &feats, gw, gh)
+                }
+                // Its own order of patches and RoPE: the tower's layers run there.
+                Projector::Qwen2vl(x) => x.forward(ops, &self.config, &self.vit, pixels, gw, gh),
             };
         });
         Ok(out)

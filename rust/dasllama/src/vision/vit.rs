@@ -114,34 +114,34 @@ pub(crate) struct Norm {
 }
 
 pub(crate) struct VitLayer {
-    ln1: Norm,
-    q: Weight,
-    k: Weight,
-    v: Weight,
-    bq: Option<Vec<f32>>,
-    bk: Option<Vec<f32>>,
-    bv: Option<Vec<f32>>,
-    o: Weight,
-    bo: Option<Vec<f32>>,
-    ln2: Norm,
-    gate: Option<Weight>,
-    b_gate: Option<Vec<f32>>,
-    up: Weight,
-    b_up: Option<Vec<f32>>,
-    down: Weight,
-    b_down: Option<Vec<f32>>,
+    pub(super) ln1: Norm,
+    pub(super) q: Weight,
+    pub(super) k: Weight,
+    pub(super) v: Weight,
+    pub(super) bq: Option<Vec<f32>>,
+    pub(super) bk: Option<Vec<f32>>,
+    pub(super) bv: Option<Vec<f32>>,
+    pub(super) o: Weight,
+    pub(super) bo: Option<Vec<f32>>,
+    pub(super) ln2: Norm,
+    pub(super) gate: Option<Weight>,
+    pub(super) b_gate: Option<Vec<f32>>,
+    pub(super) up: Weight,
+    pub(super) b_up: Option<Vec<f32>>,
+    pub(super) down: Weight,
+    pub(super) b_down: Option<Vec<f32>>,
 }
 
 pub(crate) struct Vit {
     /// dim x (3 * patch * patch): each output channel's kernel, channel, row, column.
-    patch: Weight,
-    patch_bias: Option<Vec<f32>>,
+    pub(super) patch: Weight,
+    pub(super) patch_bias: Option<Vec<f32>>,
     /// n_patches x dim (a fixed grid), where the tower learned its positions.
-    pos: Option<Vec<f32>>,
-    rope_2d: Option<f32>,
-    pre_ln: Option<Norm>,
-    layers: Vec<VitLayer>,
-    post_ln: Option<Norm>,
+    pub(super) pos: Option<Vec<f32>>,
+    pub(super) rope_2d: Option<f32>,
+    pub(super) pre_ln: Option<Norm>,
+    pub(super) layers: Vec<VitLayer>,
+    pub(super) post_ln: Option<Norm>,
 }
 
 fn norm(t: &TensorTable<'_>, prefix: &str, d: usize, rms: bool) -> Result<Norm> {
@@ -382,7 +382,7 @@ pub(crate) fn activate(x: &mut [f32], act: VitAct) {
 /// Every row attends every row (an image's patches see each other), per head: scores and the
 /// weighted sum as matrices over the host's kernels, the softmax in f32 with an f64 total.
 #[allow(clippy::too_many_arguments)]
-fn full_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) {
+pub(super) fn full_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) {
     let d = heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let one = [n];
