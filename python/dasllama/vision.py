@@ -13,6 +13,7 @@ import io
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,9 @@ class ImagePrompt:
     values: np.ndarray
     spans: list[tuple[int, int]]
     non_causal: bool = True
+    # Seconds the vision tower took over the images (their decoding and preprocessing included):
+    # the server's /metrics and `timings` report it.
+    encode_s: float = 0.0
 
     def images(self) -> list[tuple[int, np.ndarray, bool]]:
         """Per image, (its first row, its rows' values, whether they see each other): what
@@ -272,7 +276,9 @@ def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | N
     rows: list[int] = []
     values: list[np.ndarray] = []
     spans: list[tuple[int, int]] = []
+    t0 = time.perf_counter()
     embedded = [encode_image(proj, img) for img in images] if proj is not None else []
+    encode_s = time.perf_counter() - t0
     for i, piece in enumerate(pieces):
         if i == 0 or piece:
             ids += encode(m, piece, add_bos=add_bos if i == 0 else False, special=True)
@@ -289,7 +295,7 @@ def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | N
                 ids += encode(m, end, add_bos=False, special=True)
     dim = proj.text_dim if proj is not None else 0
     non_causal = proj.non_causal if proj is not None else True
-    return ImagePrompt(ids, rows, np.concatenate(values) if values else np.zeros((0, dim), np.float32), spans, non_causal)
+    return ImagePrompt(ids, rows, np.concatenate(values) if values else np.zeros((0, dim), np.float32), spans, non_causal, encode_s)
 
 
 def eval_image_prompt(m: Any, s: Any, p: ImagePrompt, all: bool = False) -> np.ndarray:
