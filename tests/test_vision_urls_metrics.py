@@ -166,6 +166,10 @@ def test_image_urls_served_only_when_allowed(servers: tuple[str, str], pictures:
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "invalid_image_url" and err["param"] == "messages[0].content[1]" and words in err["message"], err
+    # Anthropic's URL image source takes the same path.
+    blocks = [{"type": "text", "text": "the cat "}, {"type": "image", "source": {"type": "url", "url": pictures + "/cat.png"}}, {"type": "text", "text": " at"}]
+    a = httpx.post(on + "/v1/messages", json={"model": "vis", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": blocks}]}, timeout=120)
+    assert a.status_code == 200 and a.json()["content"][0]["text"] == want.json()["choices"][0]["message"]["content"], a.text
     # Without the flag: refused, and nothing fetched.
     before = list(_Pictures.hits)
     r = _chat(off, pictures + "/cat.png")
