@@ -10,7 +10,11 @@ real models':
   its fixed 896 x 896, pooled into 256 tokens of the text's 2560;
 - ``pixtral``: Pixtral 12B's tower (24 layers, 1024 wide, 2-D RoPE, patches of 16) at a typical
   512 x 512 (1024 tokens and 31 row breaks of the text's 5120; the tower takes any size up to
-  1024 x 1024).
+  1024 x 1024);
+- ``idefics3``: SmolVLM2 2.2B's tower (SigLIP-So400m at 384 x 384, patches of 14, a pixel shuffle
+  of 3 x 3 into 81 tokens of the text's 2048) with its longest side set to one tile, so an image
+  is one tile and the overview: two tower passes (the real file's 1536 cuts a picture into up to
+  16 tiles and the overview, each pass the same cost).
 
 ``--shapes tiny`` runs the tests' tiny towers instead (seconds; a check that the bench works).
 The text model beside each mmproj is a one-layer random one of the projector's output width:
@@ -67,12 +71,23 @@ REAL: dict[str, dict[str, Any]] = {
         merger=False,
         image=(512, 512),
     ),
+    "idefics3": dict(
+        label="SmolVLM2 2.2B (1 tile + ov.)",
+        tower=dict(image_size=384, patch=14, dim=1152, ff=4304, heads=16, layers=27, scale=3, longest=384, eps=1e-6),
+        text_dim=2048,
+        image=(384, 384),
+    ),
 }
 TINY: dict[str, dict[str, Any]] = {
     "gemma3": dict(label="Gemma 3 (tiny)", tower={}, text_dim=256, image=(32, 32)),
     "pixtral": dict(label="Pixtral (tiny)", tower={}, text_dim=256, image=(64, 48)),
+    "idefics3": dict(label="Idefics3 (tiny)", tower={}, text_dim=256, image=(48, 40)),
 }
-TEXT = {"gemma3": ("gemma3", ("<start_of_image>", "<end_of_image>")), "pixtral": ("llama", ("[IMG]", "[IMG_BREAK]", "[IMG_END]"))}
+TEXT = {
+    "gemma3": ("gemma3", ("<start_of_image>", "<end_of_image>")),
+    "pixtral": ("llama", ("[IMG]", "[IMG_BREAK]", "[IMG_END]")),
+    "idefics3": ("llama", ("<fake_token_around_image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>", "<row_2_col_1>", "<row_2_col_2>", "\n\n")),
+}
 
 
 def llama_tool(name: str, build_dir: Path | None) -> Path:
@@ -97,7 +112,7 @@ def files(case: str, shapes: str) -> tuple[Path, Path, Path]:
     from PIL import Image
 
     import synthetic
-    from synthetic_vision import write_gemma3_mmproj, write_pixtral_mmproj
+    from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj
 
     c = (REAL if shapes == "real" else TINY)[case]
     d = BENCH_DIR / shapes
@@ -109,6 +124,8 @@ def files(case: str, shapes: str) -> tuple[Path, Path, Path]:
         qt = QT.F16 if shapes == "real" else QT.F32
         if case == "gemma3":
             write_gemma3_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
+        elif case == "idefics3":
+            write_idefics3_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
         else:
             write_pixtral_mmproj(tmp, qt=qt, text_dim=c["text_dim"], merger=c.get("merger", True), **c["tower"])
         tmp.rename(proj)
@@ -128,34 +145,40 @@ def files(case: str, shapes: str) -> tuple[Path, Path, Path]:
     return text, proj, pic
 
 
-def ours(proj: Path, pic: Path, threads: int, runs: int) -> tuple[list[float], int, int]:
-    """dasllama's encode times (ms, the first dropped), the image's prompt rows and patches."""
+def ours(proj: Path, pic: Path, threads: int, runs: int) -> tuple[list[float], int, int, int]:
+    """dasllama's encode times of the whole image (ms, the first dropped), its prompt rows, its
+    patches and its tower passes (Idefics3: one a tile and one the overview)."""
     import dasllama as dl
     from dasllama import vision
 
     p = vision.load_mmproj(proj, runtime=dl.Runtime(threads=threads))
-    pixels, w, h = vision.preprocess_sized(vision.decode_image(pic.read_bytes()), p)
+    img = vision.decode_image(pic.read_bytes())
+    if p.projector_type == "idefics3":
+        s = p.image_size
+        slices = [(px, s, s) for px in vision.idefics3_tiles(img, p)[2]]
+    else:
+        slices = [vision.preprocess_sized(img, p)]
     times, rows = [], 0
     for _ in range(runs + 1):
         t0 = time.perf_counter()
-        out = vision.encode_pixels(p, pixels, w, h)
+        rows = sum(len(vision.encode_pixels(p, px, w, h)) for px, w, h in slices)
         times.append((time.perf_counter() - t0) * 1000)
-        rows = len(out)
     patch = p.native.patch_size
-    return times[1:], rows, (w // patch) * (h // patch)
+    return times[1:], rows, sum((w // patch) * (h // patch) for _, w, h in slices), len(slices)
 
 
-def theirs(tool: Path, text: Path, proj: Path, pic: Path, threads: int, runs: int) -> list[float] | None:
-    """llama-mtmd-cli's encode times (ms, the first dropped): the same picture ``runs`` + 1 times
-    in one prompt, one token generated."""
+def theirs(tool: Path, text: Path, proj: Path, pic: Path, threads: int, runs: int, passes: int) -> list[float] | None:
+    """llama-mtmd-cli's encode times of the whole image (ms, the first dropped): the same picture
+    ``runs`` + 1 times in one prompt, one token generated; an image of several tower passes
+    (tiles) sums its slices' times."""
     cmd = [str(tool), "-m", str(text), "--mmproj", str(proj), "-t", str(threads), "-c", "8192", "-n", "1", "-p", "describe", "--temp", "0"]
     cmd += [a for _ in range(runs + 1) for a in ("--image", str(pic))]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     found = [float(x) for x in re.findall(r"image slice encoded in (\d+) ms", r.stdout + r.stderr)]
-    if r.returncode != 0 or len(found) != runs + 1:
+    if r.returncode != 0 or len(found) != (runs + 1) * passes:
         log.warning("llama-mtmd-cli failed on %s (exit %d): %s", proj.name, r.returncode, (r.stdout + r.stderr).strip()[-600:])
         return None
-    return found[1:]
+    return [sum(found[i * passes : (i + 1) * passes]) for i in range(1, runs + 1)]
 
 
 def main() -> None:
@@ -178,8 +201,8 @@ def main() -> None:
         text, proj, pic = files(case, args.shapes)
         for t in args.threads:
             # Ours then theirs for each, so drift on a shared box hits both alike.
-            mine, n_rows, n_patches = ours(proj, pic, t, args.runs)
-            ref = theirs(tool, text, proj, pic, t, args.runs) if tool is not None else None
+            mine, n_rows, n_patches, passes = ours(proj, pic, t, args.runs)
+            ref = theirs(tool, text, proj, pic, t, args.runs, passes) if tool is not None else None
             rows.append((case, t, statistics.median(mine), statistics.median(ref) if ref else None, n_rows, n_patches))
             log.info("%s, %d threads: dasllama %s ms, llama.cpp %s ms", case, t, [round(x) for x in mine], [round(x) for x in ref] if ref else "n/a")
     print(f"\n{cpu_name()}; {os.cpu_count()} CPUs; load average {load:.1f} at the start")

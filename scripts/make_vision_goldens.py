@@ -1,10 +1,11 @@
-"""Write tests/golden/vision/{gemma3,pixtral}-tiny.json: llama.cpp's own multimodal path
+"""Write tests/golden/vision/{gemma3,pixtral,idefics3}-tiny.json: llama.cpp's own multimodal path
 (tools/mtmd) on the tiny synthetic text models and mmproj files of tests/synthetic_vision.py, for
 tests/test_vision_golden.py: the prompt's text chunks as mtmd tokenizes them, the image's
 embeddings (its preprocessing included: for Gemma 3 a 48 x 40 picture fitted on black into
 32 x 32 with bilinear resampling; for Pixtral a 45 x 37 picture resized bicubically to 48 x 40,
-its own aspect ratio in multiples of 8), and greedy steps after the prompt with every step's
-logits.
+its own aspect ratio in multiples of 8; for Idefics3 a 48 x 40 picture scaled (Lanczos) to a
+longest side of 64, cut into 2 x 2 tiles of 32 and an overview), and greedy steps after the
+prompt with every step's logits.
 
 Needs the harness scripts/mtmd_golden.cpp built against a static build of llama-cpp-python
 0.3.36's vendored llama.cpp (the sdist, as scripts/build_llama_cpp.py fetches it):
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from synthetic import write_model  # noqa: E402
-from synthetic_vision import write_gemma3_mmproj, write_pixtral_mmproj  # noqa: E402
+from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj  # noqa: E402
 
 PROMPT = "the cat <__media__> at"
 STEPS = 6
@@ -47,6 +48,13 @@ STEPS = 6
 CASES = {
     "gemma3": dict(arch="gemma3", specials=("<start_of_image>", "<end_of_image>"), write=write_gemma3_mmproj, image=dict(seed=7, width=48, height=40)),
     "pixtral": dict(arch="llama", specials=("[IMG]", "[IMG_BREAK]", "[IMG_END]"), write=write_pixtral_mmproj, image=dict(seed=9, width=45, height=37)),
+    # SmolVLM's layout tokens ("\n\n" is one token in its vocabulary, and mtmd looks it up).
+    "idefics3": dict(
+        arch="llama",
+        specials=("<fake_token_around_image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>", "<row_2_col_1>", "<row_2_col_2>", "\n\n"),
+        write=write_idefics3_mmproj,
+        image=dict(seed=11, width=48, height=40),
+    ),
 }
 
 

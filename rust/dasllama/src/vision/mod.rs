@@ -1,13 +1,14 @@
 //! Vision towers from llama.cpp's `mmproj` files (its `clip` architecture): the ViT that turns
 //! a preprocessed image into patch features (`vit`), and the projector that turns those into rows
-//! of the text model's embedding width (one module each: `gemma3`, `pixtral`). The result enters
+//! of the text model's embedding width (one module each: `gemma3`, `pixtral`, `idefics3`). The result enters
 //! the text model's input in place of token embeddings (`backend::PassIn::embeds`).
 //!
 //! Preprocessing (decode, resize, normalize) is the Python side's: the tower takes planar f32
-//! pixels, channel by channel, `image_size` square (Gemma 3) or any multiple of
+//! pixels, channel by channel, `image_size` square (Gemma 3, and each tile of Idefics3) or any multiple of
 //! `patch_size * merge` on each side (Pixtral).
 
 mod gemma3;
+mod idefics3;
 mod pixtral;
 mod vit;
 
@@ -21,7 +22,7 @@ use std::sync::Arc;
 pub use vit::{VitAct, VitConfig};
 
 /// The projector types this build runs (llama.cpp's `clip.projector_type`).
-pub const PROJECTORS: &[&str] = &["gemma3", "pixtral"];
+pub const PROJECTORS: &[&str] = &["gemma3", "idefics3", "pixtral"];
 
 /// What follows the ViT.
 pub(crate) enum Projector {
@@ -31,6 +32,9 @@ pub(crate) enum Projector {
     /// The tower at the image's own size, a patch merger where the file has one, a GELU MLP,
     /// and a break row after each row of tokens.
     Pixtral(Box<pixtral::Pixtral>),
+    /// A pixel shuffle of `scale` x `scale` patches into one token, then a linear map to the text
+    /// width (SmolVLM; one tile of a tiled image at a time).
+    Idefics3(idefics3::Idefics3),
 }
 
 /// A loaded vision tower and its projector.
@@ -79,6 +83,7 @@ impl Vision {
         let projector = match ptype.as_str() {
             "gemma3" => Projector::Gemma3(gemma3::Gemma3::load(&table, meta, &config).map_err(in_file)?),
             "pixtral" => Projector::Pixtral(Box::new(pixtral::Pixtral::load(&table, meta, &config).map_err(in_file)?)),
+            "idefics3" => Projector::Idefics3(idefics3::Idefics3::load(&table, meta, &config).map_err(in_file)?),
             _ => unreachable!("checked against PROJECTORS above"),
         };
         Ok(Vision { config, projector_type: ptype, vit, projector, rt: rt.clone() })
@@ -94,7 +99,7 @@ impl Vision {
     /// patches).
     pub fn merge(&self) -> usize {
         match &self.projector {
-            Projector::Gemma3(_) => 1,
+            Projector::Gemma3(_) | Projector::Idefics3(_) => 1,
             Projector::Pixtral(p) => p.merge(),
         }
     }
@@ -117,6 +122,7 @@ impl Vision {
         match &self.projector {
             Projector::Gemma3(g) => g.n_tokens(&self.config),
             Projector::Pixtral(x) => x.n_tokens(width / p, height / p),
+            Projector::Idefics3(x) => x.n_tokens(&self.config),
         }
     }
 
@@ -125,6 +131,7 @@ impl Vision {
         match &self.projector {
             Projector::Gemma3(g) => g.text_dim(),
             Projector::Pixtral(p) => p.text_dim(),
+            Projector::Idefics3(x) => x.text_dim(),
         }
     }
 
@@ -150,6 +157,7 @@ impl Vision {
             out = match &self.projector {
                 Projector::Gemma3(g) => g.forward(ops, &self.config, &feats),
                 Projector::Pixtral(x) => x.forward(ops, &self.config, &feats, gw, gh),
+                Projector::Idefics3(x) => x.forward(ops, &self.config, &feats),
             };
         });
         Ok(out)
