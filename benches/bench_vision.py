@@ -21,8 +21,8 @@ The text model beside each mmproj is a one-layer random one of the projector's o
 llama-mtmd-cli needs one, and only the image's encode is timed.
 
 What is timed: dasllama's ``vision.encode_pixels`` (the tower and projector over preprocessed
-pixels) and llama.cpp's ``mtmd_encode_chunk`` (llama-mtmd-cli's "image slice encoded in N ms";
-its preprocessing is outside that too). Each side encodes the image ``--runs`` + 1 times in one
+pixels) and llama.cpp's ``mtmd_batch_encode`` (llama-mtmd-cli's "mtmd batch encoding done in N
+ms", whole milliseconds; its preprocessing is outside that too). Each side encodes the image ``--runs`` + 1 times in one
 process; the first (cold caches, first touch of the buffers) is dropped, the median of the rest
 reported. llama.cpp's tool is found on the PATH, in ~/.cache/dasllama/llama.cpp/bin, or built
 there with scripts/build_llama_cpp.py's tree (``--llama-build DIR`` names an existing cmake tree
@@ -169,14 +169,19 @@ def ours(proj: Path, pic: Path, threads: int, runs: int) -> tuple[list[float], i
 
 def theirs(tool: Path, text: Path, proj: Path, pic: Path, threads: int, runs: int, passes: int) -> list[float] | None:
     """llama-mtmd-cli's encode times of the whole image (ms, the first dropped): the same picture
-    ``runs`` + 1 times in one prompt, one token generated; an image of several tower passes
-    (tiles) sums its slices' times."""
+    ``runs`` + 1 times in one prompt, one token generated. The tool encodes each run of image
+    chunks between two text chunks as one batch ("mtmd batch encoding done in N ms"); every image
+    chunk here has text on both sides, so a batch is one tower pass, and an image of several
+    (Idefics3's tiles) sums its passes."""
     cmd = [str(tool), "-m", str(text), "--mmproj", str(proj), "-t", str(threads), "-c", "8192", "-n", "1", "-p", "describe", "--temp", "0"]
-    cmd += [a for _ in range(runs + 1) for a in ("--image", str(pic))]
+    # The random text models carry no chat template.
+    cmd += ["--chat-template", "chatml", "--image", ",".join([str(pic)] * (runs + 1))]
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    found = [float(x) for x in re.findall(r"image slice encoded in (\d+) ms", r.stdout + r.stderr)]
-    if r.returncode != 0 or len(found) != (runs + 1) * passes:
-        log.warning("llama-mtmd-cli failed on %s (exit %d): %s", proj.name, r.returncode, (r.stdout + r.stderr).strip()[-600:])
+    out = r.stdout + r.stderr
+    sizes = [int(x) for x in re.findall(r"encoding mtmd batch, n_chunks = (\d+)", out)]
+    found = [float(x) for x in re.findall(r"mtmd batch encoding done in (\d+) ms", out)]
+    if r.returncode != 0 or len(found) != (runs + 1) * passes or set(sizes) != {1}:
+        log.warning("llama-mtmd-cli failed on %s (exit %d): %s", proj.name, r.returncode, out.strip()[-600:])
         return None
     return [sum(found[i * passes : (i + 1) * passes]) for i in range(1, runs + 1)]
 
@@ -206,7 +211,7 @@ def main() -> None:
             rows.append((case, t, statistics.median(mine), statistics.median(ref) if ref else None, n_rows, n_patches))
             log.info("%s, %d threads: dasllama %s ms, llama.cpp %s ms", case, t, [round(x) for x in mine], [round(x) for x in ref] if ref else "n/a")
     print(f"\n{cpu_name()}; {os.cpu_count()} CPUs; load average {load:.1f} at the start")
-    print(f"image encode (tower + projector), median of {args.runs} after one dropped; llama.cpp: llama-mtmd-cli's mtmd_encode_chunk")
+    print(f"image encode (tower + projector), median of {args.runs} after one dropped; llama.cpp: llama-mtmd-cli's mtmd_batch_encode")
     print(f"| {'projector (shape)':<26} | image     | patches | tokens | threads | dasllama ms | llama.cpp ms | ratio | dasllama tok/s | llama.cpp tok/s |")
     print(f"|{'-' * 28}|-----------|---------|--------|---------|-------------|--------------|-------|----------------|-----------------|")
     for case, t, mine, ref, n_rows, n_patches in rows:
