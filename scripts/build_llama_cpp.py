@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--vulkan", action="store_true", help="the Vulkan build of llama-bench, llama-batched-bench and llama-quantize, portable and stripped")
     ap.add_argument("--pack", action="store_true", help="with --vulkan: the tools and libraries as one llama-vk.tar.xz in --dest (what travels to the device)")
+    ap.add_argument("--tools", nargs="+", default=None, help="the tools to build (default: llama-server, llama-batched-bench, llama-bench, llama-quantize; llama-mtmd-cli for bench_vision.py)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     dest = args.dest.resolve()
@@ -164,7 +165,7 @@ def main() -> None:
             generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         else:
             src, generator = vendored_sources(args.version, work, build_log)
-        tools = VULKAN_TOOLS if args.vulkan else TOOLS
+        tools = args.tools or (VULKAN_TOOLS if args.vulkan else TOOLS)
         log.info("configuring llama.cpp (%s)", "Vulkan build for x86-64 with AVX2, shared" if args.vulkan else "native CPU build, static")
         flags = COMMON_FLAGS + (VULKAN_FLAGS + vulkan_shader_flags(work, build_log) if args.vulkan else CPU_FLAGS)
         run(["cmake", "-S", str(src), "-B", str(src / "build"), *generator, *flags], src, build_log)

@@ -1,12 +1,12 @@
-"""Write tests/golden/vision/{gemma3,pixtral,qwen25vl}-tiny.json: llama.cpp's own multimodal path
+"""Write tests/golden/vision/{gemma3,pixtral,qwen25vl,idefics3}-tiny.json: llama.cpp's own multimodal path
 (tools/mtmd) on the tiny synthetic text models and mmproj files of tests/synthetic_vision.py, for
 tests/test_vision_golden.py: the prompt's text chunks as mtmd tokenizes them, the image's
 embeddings (its preprocessing included: for Gemma 3 a 48 x 40 picture fitted on black into
 32 x 32 with bilinear resampling; for Pixtral a 45 x 37 picture resized bicubically to 48 x 40,
 its own aspect ratio in multiples of 8; for Qwen2.5-VL a 125 x 37 picture resized to
 128 x 40, 16 x 5 tokens, wide enough for two of its 112-pixel windows, on M-RoPE axes in a qwen2vl
-text model), and greedy steps after the prompt with every step's
-logits.
+text model; for Idefics3 a 48 x 40 picture scaled (Lanczos) to a longest side of 64, cut into
+2 x 2 tiles of 32 and an overview), and greedy steps after the prompt with every step's logits.
 
 Needs the harness scripts/mtmd_golden.cpp built against a static build of llama-cpp-python
 0.3.36's vendored llama.cpp (the sdist, as scripts/build_llama_cpp.py fetches it):
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from synthetic import write_model  # noqa: E402
-from synthetic_vision import write_gemma3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj  # noqa: E402
+from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj  # noqa: E402
 
 PROMPT = "the cat <__media__> at"
 STEPS = 6
@@ -60,6 +60,13 @@ CASES = {
         image=dict(seed=11, width=125, height=37),
         meta={"rope.dimension_sections": [8, 12, 12, 0], "attention.layer_norm_rms_epsilon": 1e-30},
         biases=True,
+    ),
+    # SmolVLM's layout tokens ("\n\n" is one token in its vocabulary, and mtmd looks it up).
+    "idefics3": dict(
+        arch="llama",
+        specials=("<fake_token_around_image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>", "<row_2_col_1>", "<row_2_col_2>", "\n\n"),
+        write=write_idefics3_mmproj,
+        image=dict(seed=11, width=48, height=40),
     ),
 }
 

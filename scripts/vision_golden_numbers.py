@@ -44,8 +44,8 @@ def main() -> None:
             text, proj = mk.write_files(Path(tmp), case)
             m = dl.load_model(text, mmproj=proj)
         p = vision.tokenize_with_images(m, g["prompt"], [Image.fromarray(mk.image_rgb(case))])
-        ((_, n),) = p.spans
-        want = np.array(g["chunks"][1]["embd"], dtype=np.float64).reshape(n, -1)
+        n = sum(k for _, k in p.spans)
+        want = np.concatenate([np.array(c["embd"], dtype=np.float64).reshape(c["image"], -1) for c in g["chunks"] if "image" in c])
         err = np.abs(p.values - want).max() / np.abs(want).max()
         s = dl.create_session(m)
         logits = vision.eval_image_prompt(m, s, p)

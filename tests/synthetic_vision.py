@@ -1,7 +1,7 @@
 """Tiny random-weight mmproj files (llama.cpp's ``clip`` architecture) written with
 gguf.GGUFWriter, with a NumPy float64 reference of the tower and projector to check the engine
-against. Gemma 3 only so far: SigLIP (LayerNorm with bias, full attention, GELU MLP, post norm),
-then average pooling, the soft-embedding RMS norm and the projection."""
+against: Gemma 3, Pixtral, Qwen2-VL / Qwen2.5-VL and Idefics3 (SmolVLM), each described beside
+its writer."""
 
 from __future__ import annotations
 
@@ -413,3 +413,94 @@ def reference_qwen2vl_image(W: dict[str, np.ndarray], pixels: np.ndarray, qwen25
     m = x.reshape(n // 4, 4 * d) @ X["mm.0.weight"].T + X["mm.0.bias"]
     m = 0.5 * m * (1 + np.tanh(0.7978845608 * (m + 0.044715 * m**3)))
     return m @ X["mm.2.weight"].T + X["mm.2.bias"]
+
+
+# Idefics3 (SmolVLM): the SigLIP tower of Gemma 3's writer over 32 x 32 tiles, a pixel shuffle of
+# 2 x 2 patches (16 tokens a tile) and one linear map; images scaled to a longest side of 64
+# first, so a 48 x 40 picture is 2 x 2 tiles and an overview.
+IDEFICS3_VISION: dict[str, Any] = dict(image_size=32, patch=4, dim=64, ff=128, heads=4, layers=2, scale=2, longest=64, eps=1e-6, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
+
+
+def write_idefics3_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, **over: Any) -> dict[str, np.ndarray]:
+    """Write a tiny Idefics3 mmproj; return its exact weights (numpy order)."""
+    c = {**IDEFICS3_VISION, **over}
+    rng = np.random.default_rng(2468)
+    w = _clip_writer(path, "idefics3", "gelu", c, text_dim)
+    # 0 leaves a key out (the refusals' tests).
+    if c["scale"]:
+        w.add_uint32("clip.vision.projector.scale_factor", c["scale"])
+    if c["longest"]:
+        w.add_uint32("clip.vision.preproc_image_size", c["longest"])
+    weights: dict[str, np.ndarray] = {}
+    d, p, g, s = c["dim"], c["patch"], c["image_size"] // c["patch"], c["scale"] or 2
+
+    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
+        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
+        weights[name] = exact
+        if data.dtype == np.uint8:
+            w.add_tensor(name, data, raw_dtype=kind)
+        else:
+            w.add_tensor(name, data)
+
+    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1) -> None:
+        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
+
+    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
+        put(name, mean + rng.normal(0, std, size=n))
+
+    put("v.patch_embd.weight", rng.normal(0, 0.2, size=(d, 3, p, p)))
+    vec("v.patch_embd.bias", d, 0.0)
+    put("v.position_embd.weight", rng.normal(0, 0.5, size=(g * g, d)))
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        vec(b + "ln1.weight", d)
+        vec(b + "ln1.bias", d, 0.0)
+        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            mat(b + t + ".weight", d, d)
+            vec(b + t + ".bias", d, 0.0)
+        vec(b + "ln2.weight", d)
+        vec(b + "ln2.bias", d, 0.0)
+        mat(b + "ffn_up.weight", c["ff"], d)
+        put(b + "ffn_up.bias", rng.normal(0, 0.1, size=c["ff"]))
+        mat(b + "ffn_down.weight", d, c["ff"])
+        put(b + "ffn_down.bias", rng.normal(0, 0.1, size=d))
+    vec("v.post_ln.weight", d)
+    vec("v.post_ln.bias", d, 0.0)
+    mat("mm.model.fc.weight", text_dim, d * s * s, scale=0.05)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return weights
+
+
+def reference_idefics3_tile(W: dict[str, np.ndarray], pixels: np.ndarray, **over: Any) -> np.ndarray:
+    """Float64 tower, pixel shuffle and projection over one tile's planar normalized pixels
+    (3, S, S): (tokens, text_dim)."""
+    c = {**IDEFICS3_VISION, **over}
+    X = {k: v.astype(np.float64) for k, v in W.items()}
+    S, p, d, H = c["image_size"], c["patch"], c["dim"], c["heads"]
+    g, eps, s = S // p, c["eps"], c["scale"]
+    patches = pixels.astype(np.float64).reshape(3, g, p, g, p).transpose(1, 3, 0, 2, 4).reshape(g * g, 3 * p * p)
+    x = patches @ X["v.patch_embd.weight"].reshape(d, -1).T + X["v.patch_embd.bias"] + X["v.position_embd.weight"]
+    n, hd = g * g, d // H
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        h = _ln(x, X[b + "ln1.weight"], X[b + "ln1.bias"], eps)
+        q, k, v = (h @ X[b + t + ".weight"].T + X[b + t + ".bias"] for t in ("attn_q", "attn_k", "attn_v"))
+        att = np.zeros((n, d))
+        for hh in range(H):
+            sl = slice(hh * hd, (hh + 1) * hd)
+            sc = q[:, sl] @ k[:, sl].T / np.sqrt(hd)
+            pr = np.exp(sc - sc.max(-1, keepdims=True))
+            att[:, sl] = (pr / pr.sum(-1, keepdims=True)) @ v[:, sl]
+        x = x + att @ X[b + "attn_out.weight"].T + X[b + "attn_out.bias"]
+        h = _ln(x, X[b + "ln2.weight"], X[b + "ln2.bias"], eps)
+        u = h @ X[b + "ffn_up.weight"].T + X[b + "ffn_up.bias"]
+        u = 0.5 * u * (1 + np.tanh(0.7978845608 * (u + 0.044715 * u**3)))
+        x = x + u @ X[b + "ffn_down.weight"].T + X[b + "ffn_down.bias"]
+    x = _ln(x, X["v.post_ln.weight"], X["v.post_ln.bias"], eps)
+    # Token (ty, tx): its block's patches row by row, each patch's features whole.
+    side = g // s
+    shuffled = x.reshape(side, s, side, s, d).transpose(0, 2, 1, 3, 4).reshape(side * side, s * s * d)
+    return shuffled @ X["mm.model.fc.weight"].T

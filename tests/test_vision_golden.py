@@ -1,5 +1,5 @@
 """dasllama's vision paths against llama.cpp's own (tools/mtmd), on the tiny synthetic models, one
-golden per projector (Gemma 3, Pixtral, Qwen2.5-VL): the prompt's tokens, the image's embeddings
+golden per projector (Gemma 3, Pixtral, Qwen2.5-VL, Idefics3): the prompt's tokens, the image's embeddings
 (preprocessing included) and the greedy steps after the prompt (golden:
 scripts/make_vision_goldens.py)."""
 
@@ -22,6 +22,11 @@ import make_vision_goldens as mk
 # As the text goldens (tests/test_families.py): a step is decisive when llama.cpp's best token
 # leads its second by this much in log-probability, and there the choice must be the same.
 DECISIVE = 0.15
+# The largest log-prob difference over llama.cpp's top 5 in the steps after the prompt. Idefics3's
+# prompt is 105 rows of the random llama text model (80 of them image rows): with mtmd's own
+# embeddings put in place of ours the steps still differ by 0.052, as with ggml numerics, so the
+# gap is the text model's over that prompt (the text goldens allow 0.15), not the tower's.
+LOGPROB_BOUND = {"idefics3": 0.08}
 
 
 def _logprobs(x: np.ndarray) -> np.ndarray:
@@ -38,14 +43,21 @@ def test_against_llama_cpp_mtmd(tmp_path: Path, case: str) -> None:
     m = dl.load_model(text, mmproj=proj)
     img = Image.fromarray(mk.image_rgb(case))
     p = vision.tokenize_with_images(m, g["prompt"], [img])
-    # Tokens: the text chunks as mtmd tokenized them, the image's rows between them.
-    (first, n), = p.spans
+    # Tokens: the text chunks as mtmd tokenized them, each image chunk's rows between them (one
+    # chunk an image, or, tiled (Idefics3), one a tile and one the overview).
     chunks = g["chunks"]
-    assert [c.get("image") for c in chunks] == [None, n, None]
-    assert p.ids[:first] == chunks[0]["text"] and p.ids[first + n :] == chunks[2]["text"]
+    at, spans = 0, iter(p.spans)
+    for c in chunks:
+        if "text" in c:
+            assert p.ids[at : at + len(c["text"])] == c["text"], (at, c)
+            at += len(c["text"])
+        else:
+            assert next(spans) == (at, c["image"])
+            at += c["image"]
+    assert at == len(p.ids) and next(spans, None) is None
     assert p.non_causal == g["non_causal"]
-    # The image's embeddings.
-    want = np.array(chunks[1]["embd"], dtype=np.float64).reshape(n, -1)
+    # The images' embeddings.
+    want = np.concatenate([np.array(c["embd"], dtype=np.float64).reshape(c["image"], -1) for c in chunks if "image" in c])
     err = np.abs(p.values - want).max() / np.abs(want).max()
     assert err < 1e-3, err
     # Greedy steps after the prompt: every step's top log-probs, and the same choices where
@@ -63,4 +75,4 @@ def test_against_llama_cpp_mtmd(tmp_path: Path, case: str) -> None:
         if ref[top[-1]] - ref[top[-2]] > DECISIVE:
             assert int(np.argmax(logits)) == st["token"]
         logits = dl.eval(m, s, [st["token"]])
-    assert worst < 0.05, worst
+    assert worst < LOGPROB_BOUND.get(case, 0.05), worst

@@ -120,7 +120,7 @@ def test_anthropic_image_blocks_take_the_same_path(server: str) -> None:
     with pytest.raises(anthropic.BadRequestError, match="takes no images"):
         client.messages.create(model="plain", max_tokens=2, messages=[{"role": "user", "content": blocks}])  # type: ignore[list-item]
     url_block = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
-    with pytest.raises(anthropic.BadRequestError, match="only base64 image sources"):
+    with pytest.raises(anthropic.BadRequestError, match="--allow-image-urls"):
         client.messages.create(model="vis", max_tokens=2, messages=[{"role": "user", "content": [url_block]}])  # type: ignore[list-item]
 
 

@@ -4,10 +4,12 @@ as llama.cpp's ``tools/mtmd`` does it, and an image's embeddings from the vision
 Projector types: ``gemma3`` (SigLIP at a fixed size, 2-D average pooling, soft-embedding norm,
 projection; the image's rows see each other) and ``pixtral`` (Pixtral and Mistral Small 3.x: the
 image at its own aspect ratio, a 2-D RoPE tower, patch merger, GELU MLP, a ``[IMG_BREAK]`` row
-after each row of tokens, causal) and ``qwen2vl_merger``/``qwen2.5vl_merger`` (Qwen2-VL and Qwen2.5-VL: the image at
-its own aspect ratio in 2 x 2 patch blocks, one token each, causal, its rows on M-RoPE axes in
-the text model: each row at the image's first position plus its row and column, the text after
-it going on from there plus the larger side)."""
+after each row of tokens, causal), ``qwen2vl_merger``/``qwen2.5vl_merger`` (Qwen2-VL and
+Qwen2.5-VL: the image at its own aspect ratio in 2 x 2 patch blocks, one token each, causal, its
+rows on M-RoPE axes in the text model: each row at the image's first position plus its row and
+column, the text after it going on from there plus the larger side) and ``idefics3`` (SmolVLM:
+the image cut into tiles of the tower's size plus an overview, each a SigLIP pass, a pixel
+shuffle and a linear map, laid out between row and column markers, causal)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import io
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,10 +38,13 @@ _MARKERS: dict[str, tuple[str, str]] = {
     "pixtral": ("", "[IMG_END]"),
     "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
     "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "idefics3": ("", ""),
 }
 # A dynamic-size tower's token budget per image (clip.cpp's set_limit_image_tokens), in merged
 # tokens.
 _TOKENS: dict[str, tuple[int, int]] = {"pixtral": (8, 1024), "qwen2vl_merger": (8, 4096), "qwen2.5vl_merger": (8, 4096)}
+# Idefics3's longest image side before tiling (clip.cpp's image_longest_edge).
+_LONGEST_EDGE_KEY = "clip.vision.preproc_image_size"
 # Images past this many pixels are refused before decoding (a decompression bomb's guard).
 MAX_PIXELS = 64_000_000
 
@@ -102,6 +108,9 @@ def load_mmproj(path: str | os.PathLike[str], runtime: Runtime | None = None) ->
         raise GgufError(f"{p}: clip.projector_type is missing; this is not an mmproj file")
     if ptype not in _MARKERS:
         raise UnsupportedModelError(f"{p}: projector type '{ptype}' is not supported (supported: {', '.join(sorted(_MARKERS))})")
+    if ptype == "idefics3" and not isinstance(meta.get(_LONGEST_EDGE_KEY), int):
+        # The older conversions' other preprocessing path (calc_size_preserved_ratio) is not ours.
+        raise UnsupportedModelError(f"{p}: this idefics3 mmproj has no {_LONGEST_EDGE_KEY} (an older conversion): convert it again with a current llama.cpp")
     clip = meta_section(meta, "clip")
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
     rt = runtime if runtime is not None else default_runtime()
@@ -213,15 +222,85 @@ def encode_pixels(proj: Projector, pixels: np.ndarray, width: int | None = None,
     return _native.encode_image(proj.native, np.ascontiguousarray(pixels, dtype=np.float32).reshape(-1), width, height)
 
 
+def idefics3_tiles(img: Any, proj: Projector) -> tuple[int, int, list[np.ndarray]]:
+    """An RGB Pillow image as Idefics3's tower takes it (mtmd's idefics3 preprocessor): scaled
+    (Lanczos, as Pillow and clip.cpp) so its longest side is the file's preprocessing size and
+    the other even, then up to whole tiles of the tower's size; (tiles per row, rows, each
+    tile's normalized pixels row by row, then the overview's: the whole picture at one tile)."""
+    from PIL import Image
+
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    tile, longest = proj.image_size, int(proj.metadata[_LONGEST_EDGE_KEY])
+    w, h = img.size
+    aspect = w / h
+    if w >= h:
+        rw, rh = longest, int(longest / aspect)
+        rh = max(2, rh + rh % 2)
+    else:
+        rw, rh = int(longest * aspect), longest
+        rw = max(2, rw + rw % 2)
+    gx, gy = -(-rw // tile), -(-rh // tile)
+    lz = Image.Resampling.LANCZOS
+
+    def fit(im: Any, size: tuple[int, int]) -> Any:
+        return im if im.size == size else im.resize(size, lz)
+
+    refined = fit(fit(img, (rw, rh)), (gx * tile, gy * tile))
+    tiles = [refined.crop((x * tile, y * tile, (x + 1) * tile, (y + 1) * tile)) for y in range(gy) for x in range(gx)]
+    return gx, gy, [_normalize(t, proj) for t in [*tiles, fit(refined, (tile, tile))]]
+
+
+# A piece of an image's place in the prompt: text (control tokens parsed), token ids as they
+# are, or rows of embeddings with their M-RoPE grid (None: positioned as text).
+_Part = str | list[int] | tuple[np.ndarray, tuple[int, int] | None]
+
+
+def _lookup(m: Any, text: str) -> int:
+    """The first token whose piece is ``text`` (mtmd's lookup_token)."""
+    cache: dict[str, int] = m.__dict__.setdefault("_piece_ids", {})
+    if text not in cache:
+        want = text.encode()
+        found = next((i for i in range(m.n_vocab) if _native.token_piece_bytes(m._native, i, True) == want), None)
+        if found is None:
+            raise ValueError(f"{m.path.name} has no token {text!r}, which its projector's image layout needs")
+        cache[text] = found
+    return cache[text]
+
+
+def _image_parts(m: Any, proj: Projector, img: Any) -> list[_Part]:
+    """What one image becomes in the prompt. Gemma 3 and Pixtral: its begin marker, its rows, its
+    end marker. Idefics3 (mtmd.cpp's MTMD_SLICE_TMPL_IDEFICS3): each tile after
+    ``<fake_token_around_image><row_Y_col_X>``, a newline after each row of tiles but the last,
+    then a blank line (one token), ``<fake_token_around_image><global-img>``, the overview, ``<fake_token_around_image>``."""
+    if proj.projector_type != "idefics3":
+        beg, end = proj.markers
+        return [p for p in (beg, _encode_placed(proj, img), end) if not isinstance(p, str) or p]
+    gx, gy, pixels = idefics3_tiles(img, proj)
+    rows = [encode_pixels(proj, px) for px in pixels]
+    fake = _lookup(m, "<fake_token_around_image>")
+    parts: list[_Part] = []
+    for y in range(gy):
+        for x in range(gx):
+            parts += [f"<fake_token_around_image><row_{y + 1}_col_{x + 1}>", (rows[y * gx + x], None)]
+        if y < gy - 1:
+            parts.append([_lookup(m, "\n")])
+    return [*parts, [_lookup(m, "\n\n"), fake, _lookup(m, "<global-img>")], (rows[-1], None), [fake]]
+
+
 def encode_image(proj: Projector, image: bytes | Any) -> np.ndarray:
-    """One image (encoded bytes or a Pillow image) to its prompt rows: (n_tokens, text_dim)."""
-    return _encode_placed(proj, image)[0]
-
-
-def _encode_placed(proj: Projector, image: bytes | Any) -> tuple[np.ndarray, tuple[int, int] | None]:
-    """``encode_image``'s rows and the image's M-RoPE grid (tokens per row, rows; None where its
-    rows are positioned as text)."""
+    """One image (encoded bytes or a Pillow image) to its prompt rows: (n_tokens, text_dim). For
+    Idefics3, every tile's rows row by row, then the overview's (``tokenize_with_images`` puts
+    the markers between them)."""
     img = decode_image(bytes(image)) if isinstance(image, (bytes, bytearray, memoryview)) else image
+    if proj.projector_type == "idefics3":
+        return np.concatenate([encode_pixels(proj, px) for px in idefics3_tiles(img, proj)[2]])
+    return _encode_placed(proj, img)[0]
+
+
+def _encode_placed(proj: Projector, img: Any) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """A Pillow image's rows through a one-pass tower (not Idefics3's tiles) and its M-RoPE grid
+    (tokens per row, rows; None where its rows are positioned as text)."""
     pixels, w, h = preprocess_sized(img, proj)
     return encode_pixels(proj, pixels, w, h), proj.native.mrope_grid(w, h)
 
@@ -245,6 +324,9 @@ class ImagePrompt:
     spans: list[tuple[int, int]]
     non_causal: bool = True
     grids: list[tuple[int, int] | None] = field(default_factory=list)
+    # Seconds the vision tower took over the images (their decoding and preprocessing included):
+    # the server's /metrics and `timings` report it.
+    encode_s: float = 0.0
 
     def images(self) -> list[tuple[int, np.ndarray, bool, tuple[int, int] | None]]:
         """Per image, (its first row, its rows' values, whether they see each other, its M-RoPE
@@ -298,26 +380,28 @@ def tokenize_with_images(m: Any, text: str, images: list[Any], add_bos: bool | N
     rows: list[int] = []
     values: list[np.ndarray] = []
     spans: list[tuple[int, int]] = []
-    placed = [_encode_placed(proj, img) for img in images] if proj is not None else []
-    embedded = [e for e, _ in placed]
+    grids: list[tuple[int, int] | None] = []
+    t0 = time.perf_counter()
+    laid_out = [_image_parts(m, proj, decode_image(bytes(img)) if isinstance(img, (bytes, bytearray, memoryview)) else img) for img in images] if proj is not None else []
+    encode_s = time.perf_counter() - t0
     for i, piece in enumerate(pieces):
         if i == 0 or piece:
             ids += encode(m, piece, add_bos=add_bos if i == 0 else False, special=True)
-        if i < len(embedded):
-            beg, end = proj.markers  # type: ignore[union-attr]
-            if beg:  # an empty marker is no text at all (Pixtral has none before the image)
-                ids += encode(m, beg, add_bos=False, special=True)
-            e = embedded[i]
-            spans.append((len(ids), len(e)))
-            rows += range(len(ids), len(ids) + len(e))
-            ids += placeholder_ids(e, m.n_vocab)
-            values.append(e)
-            if end:
-                ids += encode(m, end, add_bos=False, special=True)
+        for part in laid_out[i] if i < len(laid_out) else []:
+            if isinstance(part, str):
+                ids += encode(m, part, add_bos=False, special=True)
+            elif isinstance(part, list):
+                ids += part
+            else:
+                vals, grid = part
+                spans.append((len(ids), len(vals)))
+                grids.append(grid)
+                rows += range(len(ids), len(ids) + len(vals))
+                ids += placeholder_ids(vals, m.n_vocab)
+                values.append(vals)
     dim = proj.text_dim if proj is not None else 0
     non_causal = proj.non_causal if proj is not None else True
-    grids = [g for _, g in placed]
-    return ImagePrompt(ids, rows, np.concatenate(values) if values else np.zeros((0, dim), np.float32), spans, non_causal, grids)
+    return ImagePrompt(ids, rows, np.concatenate(values) if values else np.zeros((0, dim), np.float32), spans, non_causal, grids, encode_s)
 
 
 def eval_image_prompt(m: Any, s: Any, p: ImagePrompt, all: bool = False) -> np.ndarray:

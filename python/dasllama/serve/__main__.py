@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     ap.add_argument("--alias", action="append", help="the name clients use for the matching --model (default: the model's name)")
     ap.add_argument("--mmproj", action="append", help="the vision projector (mmproj-*.gguf) for the matching --model, so it takes images (default: the mmproj*.gguf beside the model, if any)")
     ap.add_argument("--no-mmproj", action="store_true", help="load no vision projector, not even one found beside a model")
+    ap.add_argument("--allow-image-urls", action="store_true", help="fetch http(s) image URLs in image_url parts (default: data: URLs only); anyone who may call the server can then make it fetch any URL it reaches")
+    ap.add_argument("--image-url-max-bytes", type=int, default=10 * 1024 * 1024, metavar="N", help="with --allow-image-urls: the largest image fetched (llama-server's 10 MiB by default)")
+    ap.add_argument("--image-url-timeout", type=float, default=10.0, metavar="S", help="with --allow-image-urls: seconds one image's whole fetch may take (default 10, as llama-server)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8080, help="port to listen on")
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams per model")
@@ -105,6 +108,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
         ap.error("give one --mmproj per --model")
     if args.mmproj and args.no_mmproj:
         ap.error("--mmproj and --no-mmproj contradict each other")
+    if args.image_url_max_bytes < 1 or not args.image_url_timeout > 0:
+        ap.error("--image-url-max-bytes must be at least 1 and --image-url-timeout above 0")
     for name in ("streams", "queue", "chunk"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
@@ -286,6 +291,10 @@ def run(args: argparse.Namespace, setup: Callable[[Server], None] | None = None)
     import uvicorn
 
     server = Server(api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes, cors_origins=args.cors_origin)
+    server.options.image_urls = args.allow_image_urls
+    server.options.image_url_max_bytes, server.options.image_url_timeout_s = args.image_url_max_bytes, args.image_url_timeout
+    if args.allow_image_urls:
+        log.warning("--allow-image-urls: image_url parts may name http(s) URLs, which this server fetches (at most %d bytes, %g s each)", args.image_url_max_bytes, args.image_url_timeout)
     if setup is not None:
         setup(server)
     try:

@@ -58,11 +58,14 @@ def _text(content: Any, where: str) -> str:
 
 
 def _image(b: dict[str, Any], where: str) -> dict[str, Any]:
-    """An image block (``source``: base64 with its media type) as an OpenAI ``image_url`` part
-    with a data URL; the chat route decodes it (or refuses it for a model without a projector)."""
+    """An image block (``source``: base64 with its media type, or a URL) as an OpenAI
+    ``image_url`` part; the chat route decodes it (or refuses it for a model without a projector,
+    and a URL where the server fetches none: --allow-image-urls)."""
     src = b.get("source")
+    if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": src["url"]}}
     if not isinstance(src, dict) or src.get("type") != "base64":
-        raise ApiError(400, f"{where}: only base64 image sources are taken (this server fetches no remote images)", param=where)
+        raise ApiError(400, f"{where}: an image source must be base64 ({{'type': 'base64', 'media_type': ..., 'data': ...}}) or a URL ({{'type': 'url', 'url': ...}})", param=where)
     media, data = src.get("media_type"), src.get("data")
     if not isinstance(media, str) or not media.startswith("image/") or not isinstance(data, str):
         raise ApiError(400, f"{where}: an image source needs 'media_type' (image/png, image/jpeg, image/webp, image/gif) and base64 'data'", param=where)

@@ -27,6 +27,7 @@ from ..model import encode
 from ..session import SamplingParams
 from .engine import Engine, EngineDead, EngineFailure, Subscription
 from .gbnf import request_grammar
+from .image_urls import ImageURLError, fetch_image
 from .logit_bias import parse_logit_bias
 from .options import Options
 from .status import StatusHistory
@@ -67,6 +68,7 @@ def internal_error(exc: BaseException, what: str) -> ApiError:
 
 # ---- metrics -----------------------------------------------------------------------------------
 
+ENCODE_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 TTFT_BUCKETS = [0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 ITL_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1]
 
@@ -105,9 +107,16 @@ class Metrics:
     tokens_out: dict[str, int] = field(default_factory=dict)  # generated tokens as they stream, for the status page's rates
     embedded_tokens: int = 0  # prompt tokens of embedding (and rerank) requests
     embed_passes: int = 0  # their forward passes
+    images: dict[str, int] = field(default_factory=dict)  # images through the vision tower
+    image_encode: dict[str, Histogram] = field(default_factory=dict)  # their requests' encode time
 
     def outcome(self, model: str, outcome: str) -> None:
         self.requests[(model, outcome)] = self.requests.get((model, outcome), 0) + 1
+
+    def encoded(self, model: str, n_images: int, seconds: float) -> None:
+        """A request's images went through the vision tower in ``seconds``."""
+        self.images[model] = self.images.get(model, 0) + n_images
+        self.image_encode.setdefault(model, Histogram(ENCODE_BUCKETS)).observe(seconds)
 
 
 # ---- request parsing ---------------------------------------------------------------------------
@@ -199,6 +208,7 @@ class Job:
     verbose: bool = False  # llama-server's "verbose": the answer carries the prompt it ran (__verbose)
     # Images in the prompt: (first prompt row, embeddings) each (sched.PendingReq.images).
     images: list[tuple[int, Any]] = field(default_factory=list)
+    image_encode_s: float = 0.0  # the vision tower's time over those images (timings, /metrics)
     # llama-server's return_progress: the prefill's progress comes through events() as
     # ("", progress event, None) items, for a stream that reports them.
     progress: bool = False
@@ -220,24 +230,34 @@ def _strip_bos(m: Any, text: str) -> str:
     return text
 
 
-def _image_part(p: dict[str, Any], where: str, m: Any, images: list[Any]) -> str:
+def _image_part(p: dict[str, Any], where: str, m: Any, images: list[Any], opts: Options | None = None) -> str:
     """An ``image_url`` part: its picture decoded into ``images``; its place in the text is the
-    media marker. Data URLs only (remote URLs are not fetched); 400 naming the problem."""
+    media marker. Data URLs; http(s) URLs only where the server allows them (--allow-image-urls),
+    fetched within its size and time limits. 400 naming the problem."""
     if m.projector is None:
         raise ApiError(400, f"{where}: '{m.path.name}' takes no images (serve it with its --mmproj file)", param=where, code="images_not_supported")
     iu = p.get("image_url")
     url = iu.get("url") if isinstance(iu, dict) else iu
     if not isinstance(url, str):
         raise ApiError(400, f"{where}.image_url must be {{'url': 'data:image/...;base64,...'}}", param=where)
-    if not url.startswith("data:"):
-        raise ApiError(400, f"{where}: only data: URLs are taken (this server fetches no remote images)", param=where, code="invalid_image_url")
-    head, sep, payload = url.partition(",")
-    if not sep or not head.endswith(";base64"):
-        raise ApiError(400, f"{where}: a data URL must be base64 (data:image/png;base64,...)", param=where, code="invalid_image_url")
-    try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise ApiError(400, f"{where}: the data URL's base64 does not decode", param=where, code="invalid_image_url") from None
+    if url.startswith(("http://", "https://")):
+        if opts is None or not opts.image_urls:
+            raise ApiError(400, f"{where}: this server fetches no remote images (start it with --allow-image-urls); send the picture as a data: URL", param=where, code="invalid_image_url")
+        try:
+            raw = fetch_image(url, opts.image_url_max_bytes, opts.image_url_timeout_s)
+        except ImageURLError as e:
+            raise ApiError(400, f"{where}: {e}", param=where, code="invalid_image_url") from None
+    elif url.startswith("data:"):
+        head, sep, payload = url.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise ApiError(400, f"{where}: a data URL must be base64 (data:image/png;base64,...)", param=where, code="invalid_image_url")
+        try:
+            raw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, f"{where}: the data URL's base64 does not decode", param=where, code="invalid_image_url") from None
+    else:
+        allowed = "data: URLs and http(s) URLs" if opts is not None and opts.image_urls else "only data: URLs (this server fetches no remote images)"
+        raise ApiError(400, f"{where}: an image URL must be a data: URL or http(s); this server takes {allowed}", param=where, code="invalid_image_url")
     try:
         images.append(vision.decode_image(raw))
     except vision.ImageError as e:
@@ -245,7 +265,7 @@ def _image_part(p: dict[str, Any], where: str, m: Any, images: list[Any]) -> str
     return vision.MEDIA_MARKER
 
 
-def _content(msg: dict[str, Any], i: int, m: Any = None, images: list[Any] | None = None) -> str:
+def _content(msg: dict[str, Any], i: int, m: Any = None, images: list[Any] | None = None, opts: Options | None = None) -> str:
     """A message's text; its ``image_url`` parts (for a model that takes images) become media
     markers, their pictures appended to ``images``."""
     c = msg.get("content")
@@ -257,7 +277,7 @@ def _content(msg: dict[str, Any], i: int, m: Any = None, images: list[Any] | Non
         parts = []
         for j, p in enumerate(c):
             if isinstance(p, dict) and p.get("type") == "image_url" and images is not None:
-                parts.append(_image_part(p, f"messages[{i}].content[{j}]", m, images))
+                parts.append(_image_part(p, f"messages[{i}].content[{j}]", m, images, opts))
                 continue
             if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
                 raise ApiError(400, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}} or {{'type': 'image_url', ...}}", param=f"messages[{i}].content")
@@ -391,7 +411,7 @@ class Server:
                 if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "developer", "tool"):
                     raise ApiError(400, f"messages[{i}] needs a role of system, user, assistant or tool", param=f"messages[{i}].role")
                 role = "system" if msg["role"] == "developer" else msg["role"]
-                r = {**msg, "role": role, "content": _content(msg, i, m, images)}
+                r = {**msg, "role": role, "content": _content(msg, i, m, images, self.options)}
                 if role == "tool" and not isinstance(msg.get("tool_call_id", ""), str):
                     raise ApiError(400, f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
                 rendered.append(r)
@@ -447,16 +467,16 @@ class Server:
                     ip = vision.tokenize_with_images(m, _strip_bos(m, text), images, add_bos=None)
                 except ValueError as e:
                     raise ApiError(400, str(e), param="messages") from None
-                prompt, prompt_images = ip.ids, ip.images()
+                prompt, prompt_images, encode_s = ip.ids, ip.images(), ip.encode_s
             else:
-                prompt, prompt_images = encode_prompt(m, text), []
+                prompt, prompt_images, encode_s = encode_prompt(m, text), [], 0.0
             markers = thought_markers(m)
             in_thought = markers is not None and text.rstrip().endswith(markers[0])
             nothink = make_nothink_guard(ChatRenderer(m, rendered, thinking=thinking))
         else:
             tools = None
             markers, in_thought, nothink = None, False, None
-            prompt_images = []
+            prompt_images, encode_s = [], 0.0
             try:
                 grammar, grammar_param = response_format_grammar(body), "response_format"
                 if grammar is None:  # llama-server's own fields
@@ -573,6 +593,7 @@ class Server:
             nothink,
             verbose=verbose,
             images=prompt_images,
+            image_encode_s=encode_s,
             progress=stream and body.get("return_progress") is True,
         )
 
@@ -580,6 +601,10 @@ class Server:
         """Submit one choice of `job`; returns once the engine has queued it. Raises ApiError for a
         request that cannot run or a full queue (503)."""
         eng = job.engine
+        if index == 0 and job.images:
+            # Counted here, on the event loop as every metric is, once per request: its choices
+            # share the one encode.
+            self.metrics.encoded(eng.name, len(job.images), job.image_encode_s)
         rid = eng.next_id()
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
         req = sched.PendingReq(

@@ -192,10 +192,13 @@ def llama_job(server: Server, eng: Engine, body: dict[str, Any], prompt: list[in
     )
 
 
-def timings(n_prompt: int, cached: int, n_gen: int, ttft_us: int, gen_us: int) -> dict[str, Any]:
+def timings(n_prompt: int, cached: int, n_gen: int, ttft_us: int, gen_us: int, encode_us: int | None = None) -> dict[str, Any]:
     """llama-server's `timings`: the prompt's time is the time to the first token; the
-    generation rate counts the tokens after the first (it comes with the prompt's last step)."""
-    prompt_ms, gen_ms = max(ttft_us, 1) / 1000, gen_us / 1000
+    generation rate counts the tokens after the first (it comes with the prompt's last step).
+    A request with images (``encode_us`` given) counts their encode in the prompt's time, as
+    llama-server's does (it encodes them while processing the prompt), and says it apart as
+    ``image_encode_ms``."""
+    prompt_ms, gen_ms = (max(ttft_us, 1) + (encode_us or 0)) / 1000, gen_us / 1000
     n_new = max(1, n_prompt - cached)
     steps = n_gen - 1
     return {
@@ -208,7 +211,7 @@ def timings(n_prompt: int, cached: int, n_gen: int, ttft_us: int, gen_us: int) -
         "predicted_ms": gen_ms,
         "predicted_per_token_ms": gen_ms / steps if steps > 0 and gen_ms > 0 else 0.0,
         "predicted_per_second": 1e3 / gen_ms * steps if steps > 0 and gen_ms > 0 else 0.0,
-    }
+    } | ({"image_encode_ms": encode_us / 1000} if encode_us is not None else {})
 
 
 def prompt_progress(ev: Any) -> dict[str, Any]:

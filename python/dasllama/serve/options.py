@@ -37,6 +37,11 @@ class Options:
     pooling: str | None = None  # --pooling for the embeddings routes (None: the model's own)
     reasoning: str | None = None  # --reasoning on/off/auto: "off" renders templates with thinking off
     slot_save_path: str | None = None  # --slot-save-path: POST /slots/N?action=save|restore|erase (slots.py)
+    # Remote image URLs in image_url parts: refused unless --allow-image-urls; then fetched with
+    # llama-server's limits (10 MiB, 10 s) unless --image-url-max-bytes / --image-url-timeout say.
+    image_urls: bool = False
+    image_url_max_bytes: int = 10 * 1024 * 1024
+    image_url_timeout_s: float = 10.0
     chat_template: str | None = None  # --chat-template-file: used instead of the model's template  # system_fingerprint, as llama-server's "b<build>"
 
 

@@ -24,7 +24,7 @@ from .. import scheduler as sched
 from ..chat import split_reasoning, thought_splitter
 from ..embeddings import embed
 from ..model import decode, encode
-from .app import ITL_BUCKETS, TTFT_BUCKETS, ApiError, Histogram, Job, Server, _utf8_len, internal_error
+from .app import ENCODE_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, ApiError, Histogram, Job, Server, _utf8_len, internal_error
 from .callformats import CallParser, split_calls
 from .engine import Engine, Subscription
 from .llama_api import llama_metrics, prompt_progress, timings
@@ -158,7 +158,7 @@ class Routes:
         m = job.engine.m
 
         async def sse() -> AsyncIterator[bytes]:
-            usage = {"prompt": 0, "completion": 0, "cached": 0}
+            usage = {"prompt": 0, "completion": 0, "cached": 0, **_encode_us(job)}
             queue: asyncio.Queue = asyncio.Queue()
 
             async def pump(i: int, g: AsyncIterator[Any]) -> None:
@@ -309,7 +309,7 @@ class Routes:
         if hung_up:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         results = work.result()
-        usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results), "ttft_us": max(r["ttft_us"] for r in results), "gen_us": max(r["gen_us"] for r in results)}
+        usage = {"prompt": results[0]["n_prompt"], "completion": sum(r["n_gen"] for r in results), "cached": max(r["cached"] for r in results), "ttft_us": max(r["ttft_us"] for r in results), "gen_us": max(r["gen_us"] for r in results), **_encode_us(job)}
         choices = []
         for i, r in enumerate(results):
             if chat:
@@ -453,6 +453,12 @@ class Routes:
             lines += [f'dasllama_gpu_budget_bytes{{device="{st.device}"}} {st.budget_bytes}']
         lines += ["# HELP dasllama_gpu_cpu_passes_total Calls that ran on the CPU while a model was on the device, by reason.", "# TYPE dasllama_gpu_cpu_passes_total counter"]
         lines += [f'dasllama_gpu_cpu_passes_total{{reason="{p.words}"}} {p.count}' for p in gpu.gpu_cpu_passes()]
+        lines += ["# HELP dasllama_images_total Images encoded by the vision tower.", "# TYPE dasllama_images_total counter"]
+        lines += [f'dasllama_images_total{{model="{name}"}} {mt.images.get(name, 0)}' for name, eng in self.server.engines.items() if eng.m.projector is not None]
+        lines += ["# HELP dasllama_image_encode_seconds Time a request's images took in the vision tower (decode, preprocess, encode).", "# TYPE dasllama_image_encode_seconds histogram"]
+        for name, eng in self.server.engines.items():
+            if eng.m.projector is not None:
+                lines += mt.image_encode.get(name, Histogram(ENCODE_BUCKETS)).render("dasllama_image_encode_seconds", f'model="{name}"')
         lines += ["# HELP dasllama_ttft_seconds Time to first token.", "# TYPE dasllama_ttft_seconds histogram"]
         for name in self.server.engines:
             lines += mt.ttft.get(name, Histogram(TTFT_BUCKETS)).render("dasllama_ttft_seconds", f'model="{name}"')
@@ -561,9 +567,14 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+def _encode_us(job: Job) -> dict[str, int]:
+    """The request's image encode time for its `timings` (none for a request without images)."""
+    return {"encode_us": int(job.image_encode_s * 1e6)} if job.images else {}
+
+
 def _timings(u: dict[str, int]) -> dict[str, Any]:
     """llama-server's `timings` beside `usage`."""
-    return timings(u["prompt"], u["cached"], u["completion"], u.get("ttft_us", 0), u.get("gen_us", 0))
+    return timings(u["prompt"], u["cached"], u["completion"], u.get("ttft_us", 0), u.get("gen_us", 0), u.get("encode_us"))
 
 
 def _usage(u: dict[str, int]) -> dict[str, Any]:

@@ -1,13 +1,14 @@
 //! Vision towers from llama.cpp's `mmproj` files (its `clip` architecture): the ViT that turns
 //! a preprocessed image into patch features (`vit`), and the projector that turns those into rows
-//! of the text model's embedding width (one module each: `gemma3`, `pixtral`, `qwen2vl`). The result enters
+//! of the text model's embedding width (one module each: `gemma3`, `pixtral`, `qwen2vl`, `idefics3`). The result enters
 //! the text model's input in place of token embeddings (`backend::PassIn::embeds`).
 //!
 //! Preprocessing (decode, resize, normalize) is the Python side's: the tower takes planar f32
 //! pixels, channel by channel, `image_size` square (Gemma 3) or any multiple of
-//! `patch_size * merge` on each side (Pixtral, Qwen-VL).
+//! `patch_size * merge` on each side (Pixtral, Qwen-VL); each tile of Idefics3 is `image_size` square.
 
 mod gemma3;
+mod idefics3;
 mod pixtral;
 mod qwen2vl;
 mod vit;
@@ -22,7 +23,7 @@ use std::sync::Arc;
 pub use vit::{VitAct, VitConfig};
 
 /// The projector types this build runs (llama.cpp's `clip.projector_type`).
-pub const PROJECTORS: &[&str] = &["gemma3", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger"];
+pub const PROJECTORS: &[&str] = &["gemma3", "idefics3", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger"];
 
 /// What follows the ViT.
 pub(crate) enum Projector {
@@ -35,6 +36,9 @@ pub(crate) enum Projector {
     /// Qwen2-VL / Qwen2.5-VL: the tower at the image's own size over 2 x 2 patch blocks (M-RoPE,
     /// windows in 2.5), each block merged into one token by a GELU MLP.
     Qwen2vl(Box<qwen2vl::Qwen2vl>),
+    /// A pixel shuffle of `scale` x `scale` patches into one token, then a linear map to the text
+    /// width (SmolVLM; one tile of a tiled image at a time).
+    Idefics3(idefics3::Idefics3),
 }
 
 /// A loaded vision tower and its projector.
@@ -90,6 +94,7 @@ impl Vision {
             "qwen2vl_merger" | "qwen2.5vl_merger" => {
                 Projector::Qwen2vl(Box::new(qwen2vl::Qwen2vl::load(&table, meta, &config, ptype == "qwen2.5vl_merger", &mut vit).map_err(in_file)?))
             }
+            "idefics3" => Projector::Idefics3(idefics3::Idefics3::load(&table, meta, &config).map_err(in_file)?),
             _ => unreachable!("checked against PROJECTORS above"),
         };
         Ok(Vision { config, projector_type: ptype, vit, projector, rt: rt.clone() })
@@ -105,7 +110,7 @@ impl Vision {
     /// patches).
     pub fn merge(&self) -> usize {
         match &self.projector {
-            Projector::Gemma3(_) => 1,
+            Projector::Gemma3(_) | Projector::Idefics3(_) => 1,
             Projector::Pixtral(p) => p.merge(),
             Projector::Qwen2vl(_) => 2,
         }
@@ -138,6 +143,7 @@ impl Vision {
             Projector::Gemma3(g) => g.n_tokens(&self.config),
             Projector::Pixtral(x) => x.n_tokens(width / p, height / p),
             Projector::Qwen2vl(x) => x.n_tokens(width / p, height / p),
+            Projector::Idefics3(x) => x.n_tokens(&self.config),
         }
     }
 
@@ -147,6 +153,7 @@ impl Vision {
             Projector::Gemma3(g) => g.text_dim(),
             Projector::Pixtral(p) => p.text_dim(),
             Projector::Qwen2vl(p) => p.text_dim(),
+            Projector::Idefics3(x) => x.text_dim(),
         }
     }
 
@@ -179,6 +186,10 @@ impl Vision {
                 }
                 // Its own order of patches and RoPE: the tower's layers run there.
                 Projector::Qwen2vl(x) => x.forward(ops, &self.config, &self.vit, pixels, gw, gh),
+                Projector::Idefics3(x) => {
+                    let feats = self.vit.forward(ops, &self.config, pixels, gw, gh);
+                    x.forward(ops, &self.config, &feats)
+                }
             };
         });
         Ok(out)
