@@ -206,9 +206,10 @@ class Job:
     in_thought: bool = False
     nothink: NothinkGuard | None = None
     verbose: bool = False  # llama-server's "verbose": the answer carries the prompt it ran (__verbose)
-    # Images in the prompt: (first prompt row, embeddings) each (sched.PendingReq.images).
+    # Images in the prompt: (first prompt row, embeddings, ...) per span (sched.PendingReq.images).
     images: list[tuple[int, Any]] = field(default_factory=list)
     image_encode_s: float = 0.0  # the vision tower's time over those images (timings, /metrics)
+    n_images: int = 0  # the pictures given: an Idefics3 picture is several spans of `images`
     # llama-server's return_progress: the prefill's progress comes through events() as
     # ("", progress event, None) items, for a stream that reports them.
     progress: bool = False
@@ -467,16 +468,16 @@ class Server:
                     ip = vision.tokenize_with_images(m, _strip_bos(m, text), images, add_bos=None)
                 except ValueError as e:
                     raise ApiError(400, str(e), param="messages") from None
-                prompt, prompt_images, encode_s = ip.ids, ip.images(), ip.encode_s
+                prompt, prompt_images, encode_s, n_images = ip.ids, ip.images(), ip.encode_s, len(images)
             else:
-                prompt, prompt_images, encode_s = encode_prompt(m, text), [], 0.0
+                prompt, prompt_images, encode_s, n_images = encode_prompt(m, text), [], 0.0, 0
             markers = thought_markers(m)
             in_thought = markers is not None and text.rstrip().endswith(markers[0])
             nothink = make_nothink_guard(ChatRenderer(m, rendered, thinking=thinking))
         else:
             tools = None
             markers, in_thought, nothink = None, False, None
-            prompt_images, encode_s = [], 0.0
+            prompt_images, encode_s, n_images = [], 0.0, 0
             try:
                 grammar, grammar_param = response_format_grammar(body), "response_format"
                 if grammar is None:  # llama-server's own fields
@@ -594,6 +595,7 @@ class Server:
             verbose=verbose,
             images=prompt_images,
             image_encode_s=encode_s,
+            n_images=n_images,
             progress=stream and body.get("return_progress") is True,
         )
 
@@ -604,7 +606,7 @@ class Server:
         if index == 0 and job.images:
             # Counted here, on the event loop as every metric is, once per request: its choices
             # share the one encode.
-            self.metrics.encoded(eng.name, len(job.images), job.image_encode_s)
+            self.metrics.encoded(eng.name, job.n_images, job.image_encode_s)
         rid = eng.next_id()
         seed = (job.seed + index) if job.seed is not None else (time.time_ns() + index) % (2**63)
         req = sched.PendingReq(
