@@ -5,8 +5,12 @@ tests/test_vision_golden.py's idefics3 golden)."""
 
 from __future__ import annotations
 
+import base64
+import io
+import re
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -14,6 +18,7 @@ from PIL import Image
 import dasllama as dl
 from dasllama import vision
 from dasllama.errors import GgufError, UnsupportedModelError
+from serverproc import start, stop
 from synthetic import write_model
 from synthetic_vision import IDEFICS3_VISION, reference_idefics3_tile, rel_err, write_idefics3_mmproj
 
@@ -91,3 +96,27 @@ def test_a_missing_scale_factor_is_refused(tmp_path: Path) -> None:
     write_idefics3_mmproj(bad, scale=0)
     with pytest.raises(GgufError, match="scale_factor"):
         vision.load_mmproj(bad)
+
+
+def test_served_a_tiled_picture_is_one_image(tmp_path: Path) -> None:
+    """Through the server: a picture of 2 x 2 tiles and an overview (five spans of rows) is
+    answered, and /metrics counts it as the one image it is."""
+    text, proj = tmp_path / "smolvlm-tiny.gguf", tmp_path / "mmproj-smolvlm-tiny.gguf"
+    template = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    write_model(text, arch="llama", specials=SPECIALS, ctx=256, template=template)
+    write_idefics3_mmproj(proj)
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, size=(40, 48, 3), dtype=np.uint8)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    proc, base = start("--model", str(text), "--mmproj", str(proj), "--alias", "vis")
+    try:
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "the cat "}, {"type": "image_url", "image_url": {"url": url}}]}]
+        r = httpx.post(base + "/v1/chat/completions", json={"model": "vis", "messages": msgs, "max_tokens": 3, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        # Five spans of 16 rows, the markers between them, the words and the template.
+        assert r.json()["usage"]["prompt_tokens"] > 80
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        got = re.search(r'^dasllama_images_total\{model="vis"\} ([0-9.]+)$', metrics, re.M)
+        assert got is not None and float(got[1]) == 1.0, metrics
+    finally:
+        assert stop(proc) == 0
