@@ -106,6 +106,8 @@ impl PyModel {
         let d = PyDict::new_bound(py);
         d.set_item("arch", &c.arch)?;
         d.set_item("dim", c.dim)?;
+        // The values of an image's row (the input and Qwen3-VL's deepstack slices).
+        d.set_item("embd_inp", c.embd_inp())?;
         d.set_item("hidden_dim", c.max_hidden())?;
         d.set_item("n_layers", c.n_layers)?;
         d.set_item("n_heads", c.n_heads)?;
