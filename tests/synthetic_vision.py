@@ -421,9 +421,7 @@ def reference_qwen2vl_image(W: dict[str, np.ndarray], pixels: np.ndarray, qwen25
 # image: bilinear, corners aligned) and a deepstack merger after layer 1 of 3 (``deepstack``
 # names the layers): each block's four patches (4 x dim) through a LayerNorm and a GELU MLP to the
 # text width. A row is the merger's output, then each deepstack's (here 2 x the text width).
-QWEN3VL_VISION: dict[str, Any] = dict(
-    image_size=32, patch=4, dim=64, ff=96, heads=4, layers=3, eps=1e-6, hidden=256, deepstack=(1,), mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5]
-)
+QWEN3VL_VISION: dict[str, Any] = dict(image_size=32, patch=4, dim=64, ff=96, heads=4, layers=3, eps=1e-6, hidden=256, deepstack=(1,), mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
 
 
 def write_qwen3vl_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, **over: Any) -> dict[str, np.ndarray]:
@@ -524,7 +522,7 @@ def reference_qwen3vl_image(W: dict[str, np.ndarray], pixels: np.ndarray, **over
     idx = np.arange(gh * gw)
     blk, r = idx // 4, idx % 4
     pos = np.stack([2 * (blk // bw) + r // 2, 2 * (blk % bw) + r % 2], axis=1)
-    side = int(round(np.sqrt(len(X["v.position_embd.weight"]))))
+    side = int(np.sqrt(len(X["v.position_embd.weight"])) + 0.5)
     learned = _interpolate_aligned(X["v.position_embd.weight"].reshape(side, side, d), gw, gh)
     x = x + learned[pos[:, 0], pos[:, 1]]
     n, hd = gh * gw, d // H

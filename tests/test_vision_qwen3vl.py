@@ -99,7 +99,7 @@ def test_rows_without_their_deepstack_slices_are_refused(files: dict) -> None:
     with pytest.raises(ValueError, match=r"512 each: the input and 1 deepstack slice of 256\)"):
         _native.eval_embeds(m._native, s, p.ids, p.rows, narrow, [], False)
     sch = dl.create_scheduler(m, max_streams=1, page_rows=8)
-    first, n = p.spans[0]
+    first = p.spans[0][0]
     with pytest.raises(ValueError, match="with 512 values a row"):
         dl.submit(m, sch, dl.PendingReq(id=1, prompt=p.ids, max_new=2, images=[(first, narrow, False, p.grids[0])]))
 
@@ -108,9 +108,9 @@ def test_a_projector_for_another_text_model_is_refused(files: dict, tmp_path: Pa
     # Qwen2.5-VL's text tower has no deepstack layers: Qwen3-VL's rows do not fit it, nor does a
     # Qwen3-VL text tower take a projector without deepstack.
     other, proj25 = mk.write_files(tmp_path, "qwen25vl")
-    with pytest.raises(dl.UnsupportedModelError, match="rows of 512 values but .* embeds 256"):
+    with pytest.raises(dl.UnsupportedModelError, match=r"rows of 512 values but .* embeds 256"):
         dl.load_model(other, mmproj=files["mmproj"])
-    with pytest.raises(dl.UnsupportedModelError, match="rows of 256 values but .* takes image rows of 512 values"):
+    with pytest.raises(dl.UnsupportedModelError, match=r"rows of 256 values but .* takes image rows of 512 values"):
         dl.load_model(files["text"], mmproj=proj25)
 
 

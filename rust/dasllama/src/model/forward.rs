@@ -401,7 +401,12 @@ fn check_injected(m: &Model, counts: &[usize], inj: &Injected<'_>) -> Result<()>
     if e.values.len() != e.rows.len() * width {
         let (k, dim) = (m.config.deepstack, m.config.dim);
         let deep = if k > 0 { format!(": the input and {k} deepstack slice{} of {dim}", if k == 1 { "" } else { "s" }) } else { String::new() };
-        return Err(Error::InvalidArgument(format!("{} embedding rows need {} values ({width} each{deep}), got {}", e.rows.len(), e.rows.len() * width, e.values.len())));
+        return Err(Error::InvalidArgument(format!(
+            "{} embedding rows need {} values ({width} each{deep}), got {}",
+            e.rows.len(),
+            e.rows.len() * width,
+            e.values.len()
+        )));
     }
     if inj.grids.iter().any(|&(si, g)| si >= counts.len() || g.nx == 0 || g.ny == 0) {
         return Err(Error::InvalidArgument("an image's M-RoPE grid must name a session of the batch and have rows and columns".into()));
