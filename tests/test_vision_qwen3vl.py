@@ -195,3 +195,25 @@ def test_through_the_server_with_the_openai_client(tmp_path: Path) -> None:
         assert usage is not None and usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= 48, usage
     finally:
         assert stop(proc) == 0
+
+
+def test_the_moe_text_tower_takes_the_rows_too(tmp_path: Path) -> None:
+    # qwen3vlmoe (Qwen3-VL-30B-A3B's layout) with two deepstack layers over a projector with two
+    # deepstack mergers: the rows load, run, and each slice changes what follows.
+    from synthetic import write_family
+
+    text, proj = tmp_path / "moe.gguf", tmp_path / "mmproj-moe.gguf"
+    write_family(text, "qwen3vlmoe")
+    write_qwen3vl_mmproj(proj, deepstack=(0, 2))
+    m = dl.load_model(text, mmproj=proj)
+    assert m.config["embd_inp"] == m.projector.text_dim == 3 * DIM
+    rows = vision.encode_pixels(m.projector, _pixels(32, 24, 3), 32, 24)
+    ids = [1, 5, 6, *vision.placeholder_ids(rows, m.n_vocab), 7, 8]
+    at = list(range(3, 3 + len(rows)))
+    full = _native.eval_embeds(m._native, dl.create_session(m), ids, at, rows, [], True, [(3, 4, 3)])
+    for k in (1, 2):
+        v = rows.copy()
+        v[:, k * DIM : (k + 1) * DIM] = 0
+        other = _native.eval_embeds(m._native, dl.create_session(m), ids, at, v, [], True, [(3, 4, 3)])
+        np.testing.assert_array_equal(full[:3], other[:3])
+        assert np.abs(full[3:] - other[3:]).max() > 1e-3, k
