@@ -424,9 +424,9 @@ def reference_qwen2vl_image(W: dict[str, np.ndarray], pixels: np.ndarray, qwen25
 QWEN3VL_VISION: dict[str, Any] = dict(image_size=32, patch=4, dim=64, ff=96, heads=4, layers=3, eps=1e-6, hidden=256, deepstack=(1,), mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
 
 
-def write_qwen3vl_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, **over: Any) -> dict[str, np.ndarray]:
+def write_qwen3vl_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, drop: str | None = None, **over: Any) -> dict[str, np.ndarray]:
     """Write a tiny Qwen3-VL mmproj; return its exact weights (numpy order; the fused Q/K/V under
-    ``attn_qkv``)."""
+    ``attn_qkv``). ``drop`` leaves a tensor out (the refusals' tests)."""
     c = {**QWEN3VL_VISION, **over}
     rng = np.random.default_rng(3579)
     w = _clip_writer(path, "qwen3vl_merger", "gelu", c, text_dim)
@@ -438,6 +438,8 @@ def write_qwen3vl_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, 
     def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
         data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
         weights[name] = exact
+        if name == drop:
+            return
         if data.dtype == np.uint8:
             w.add_tensor(name, data, raw_dtype=kind)
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -58,6 +59,21 @@ def test_qwen3vl_tower_matches_the_float64_reference(files: dict, w: int, h: int
     for k in range(1 + len(deep)):
         s = slice(k * DIM, (k + 1) * DIM)
         assert rel_err(got[:, s], want[:, s]) < 1e-4, (k, rel_err(got[:, s], want[:, s]))
+
+
+@pytest.mark.parametrize(
+    "drop,why",
+    [
+        ("v.patch_embd.bias", "'v.patch_embd.bias' is missing; Qwen3-VL's tower has a patch bias"),
+        ("v.position_embd.weight", "'v.position_embd.weight'"),
+        ("v.deepstack.1.fc2.weight", "'v.deepstack.1.fc2.weight'"),
+    ],
+)
+def test_a_file_without_its_parts_is_refused(tmp_path: Path, drop: str, why: str) -> None:
+    proj = tmp_path / "mmproj-broken.gguf"
+    write_qwen3vl_mmproj(proj, drop=drop)
+    with pytest.raises(dl.GgufError, match=re.escape(why)):
+        vision.load_mmproj(proj)
 
 
 def _prompt(m: dl.Model, seed: int, size: tuple[int, int] = (61, 45)) -> vision.ImagePrompt:

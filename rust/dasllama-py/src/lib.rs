@@ -99,7 +99,7 @@ struct PyModel {
 
 #[pymethods]
 impl PyModel {
-    /// Configuration as a dict (dim, n_layers, n_heads, ..., seq_len, vocab_size).
+    /// Configuration as a dict (dim, embd_inp, n_layers, n_heads, ..., seq_len, vocab_size).
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner.config;
@@ -1123,6 +1123,8 @@ impl PyVision {
         self.inner.n_tokens()
     }
 
+    /// Values of each image row: the text width (times 1 + the deepstack mergers for Qwen3-VL,
+    /// the model's `embd_inp`).
     #[getter]
     fn text_dim(&self) -> usize {
         self.inner.text_dim()

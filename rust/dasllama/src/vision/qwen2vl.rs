@@ -69,8 +69,9 @@ impl Qwen2vl {
         if qwen3 && vit.patch_bias.is_none() {
             return Err(Error::Gguf("tensor 'v.patch_embd.bias' is missing; Qwen3-VL's tower has a patch bias".into()));
         }
-        if !qwen3 && (vit.patch_bias.is_some() || t.has("v.position_embd.weight")) {
-            return Err(Error::Gguf("a Qwen2-VL tower has no patch bias and no learned positions; this file has one".into()));
+        // (Learned positions, where a Qwen2-VL file has them, go unused, as in llama.cpp's graph.)
+        if !qwen3 && vit.patch_bias.is_some() {
+            return Err(Error::Gguf("tensor 'v.patch_embd.bias' is present; a Qwen2-VL tower has no patch bias".into()));
         }
         let mut kernel = tensor_f32(t, "v.patch_embd.weight", &[p, p, 3, d])?;
         if t.has("v.patch_embd.weight.1") {
