@@ -1,11 +1,13 @@
-"""Write tests/golden/vision/{gemma3,pixtral,qwen25vl,idefics3}-tiny.json: llama.cpp's own multimodal path
+"""Write tests/golden/vision/{gemma3,pixtral,qwen25vl,qwen3vl,idefics3}-tiny.json: llama.cpp's own multimodal path
 (tools/mtmd) on the tiny synthetic text models and mmproj files of tests/synthetic_vision.py, for
 tests/test_vision_golden.py: the prompt's text chunks as mtmd tokenizes them, the image's
 embeddings (its preprocessing included: for Gemma 3 a 48 x 40 picture fitted on black into
 32 x 32 with bilinear resampling; for Pixtral a 45 x 37 picture resized bicubically to 48 x 40,
 its own aspect ratio in multiples of 8; for Qwen2.5-VL a 125 x 37 picture resized to
 128 x 40, 16 x 5 tokens, wide enough for two of its 112-pixel windows, on M-RoPE axes in a qwen2vl
-text model; for Idefics3 a 48 x 40 picture scaled (Lanczos) to a longest side of 64, cut into
+text model; for Qwen3-VL a 61 x 45 picture resized to 64 x 48, 8 x 6 tokens, its learned 8 x 8
+positions interpolated to 16 x 12 patches, each row carrying a deepstack slice into a qwen3vl
+text model on interleaved M-RoPE; for Idefics3 a 48 x 40 picture scaled (Lanczos) to a longest side of 64, cut into
 2 x 2 tiles of 32 and an overview), and greedy steps after the prompt with every step's logits.
 
 Needs the harness scripts/mtmd_golden.cpp built against a static build of llama-cpp-python
@@ -40,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from synthetic import write_model  # noqa: E402
-from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj  # noqa: E402
+from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj, write_qwen3vl_mmproj  # noqa: E402
 
 PROMPT = "the cat <__media__> at"
 STEPS = 6
@@ -60,6 +62,19 @@ CASES = {
         image=dict(seed=11, width=125, height=37),
         meta={"rope.dimension_sections": [8, 12, 12, 0], "attention.layer_norm_rms_epsilon": 1e-30},
         biases=True,
+    ),
+    # 61 x 45 pixels: 64 x 48 after preprocessing, 8 x 6 tokens. The text tower: qwen3 (QK-norm)
+    # on Qwen3-VL's interleaved M-RoPE (12/10/10/0 of its 32 pairs, a RoPE base of 10000 so that
+    # the image's positions tell) with one deepstack layer of its two: the image rows' extra
+    # slice joins the first layer's output. (llama.cpp's graph cannot take a deepstack on the
+    # last layer: its output rows are cut to the logits' there before the slice is added.)
+    "qwen3vl": dict(
+        arch="qwen3vl",
+        specials=("<|vision_start|>", "<|vision_end|>"),
+        write=write_qwen3vl_mmproj,
+        image=dict(seed=13, width=61, height=45),
+        meta={"rope.dimension_sections": [12, 10, 10, 0], "n_deepstack_layers": 1},
+        qk_norm=True,
     ),
     # SmolVLM's layout tokens ("\n\n" is one token in its vocabulary, and mtmd looks it up).
     "idefics3": dict(
@@ -83,7 +98,7 @@ def image_rgb(case: str = "gemma3") -> np.ndarray:
 def write_files(d: Path, case: str = "gemma3") -> tuple[Path, Path]:
     c = CASES[case]
     text, proj = d / f"{case}-tiny.gguf", d / f"mmproj-{case}-tiny.gguf"
-    extra = _biases() if c.get("biases") else None
+    extra = {**(_biases() if c.get("biases") else {}), **(_qk_norms() if c.get("qk_norm") else {})} or None
     write_model(text, arch=c["arch"], specials=c["specials"], ctx=128, meta=c.get("meta"), extra=extra)
     c["write"](proj)
     return text, proj
@@ -100,6 +115,14 @@ def _biases() -> dict[str, np.ndarray]:
         for t, n, sd in (("attn_q", HEADS * HEAD_DIM, 0.2), ("attn_k", KV_HEADS * HEAD_DIM, 1.0), ("attn_v", KV_HEADS * HEAD_DIM, 0.2)):
             out[f"blk.{i}.{t}.bias"] = rng.normal(0, sd, size=n).astype(np.float32)
     return out
+
+
+def _qk_norms() -> dict[str, np.ndarray]:
+    """Per-head Q and K RMS-norm weights for the tiny text model (qwen3's layers need them)."""
+    from synthetic import HEAD_DIM, LAYERS
+
+    rng = np.random.default_rng(98)
+    return {f"blk.{i}.attn_{t}_norm.weight": (1 + rng.normal(0, 0.1, size=HEAD_DIM)).astype(np.float32) for i in range(LAYERS) for t in ("q", "k")}
 
 
 def sha(p: Path) -> str:

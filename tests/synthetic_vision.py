@@ -1,6 +1,6 @@
 """Tiny random-weight mmproj files (llama.cpp's ``clip`` architecture) written with
 gguf.GGUFWriter, with a NumPy float64 reference of the tower and projector to check the engine
-against: Gemma 3, Pixtral, Qwen2-VL / Qwen2.5-VL and Idefics3 (SmolVLM), each described beside
+against: Gemma 3, Pixtral, Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Idefics3 (SmolVLM), each described beside
 its writer."""
 
 from __future__ import annotations
@@ -413,6 +413,151 @@ def reference_qwen2vl_image(W: dict[str, np.ndarray], pixels: np.ndarray, qwen25
     m = x.reshape(n // 4, 4 * d) @ X["mm.0.weight"].T + X["mm.0.bias"]
     m = 0.5 * m * (1 + np.tanh(0.7978845608 * (m + 0.044715 * m**3)))
     return m @ X["mm.2.weight"].T + X["mm.2.bias"]
+
+
+# Qwen3-VL (projector ``qwen3vl_merger``): Qwen2-VL's tower (2 x 2 patch blocks, two patch
+# kernels, the vision M-RoPE, LayerNorms with biases, an ungated GELU MLP, no windows) with a fused
+# Q/K/V, a patch bias, learned positions on a grid of their own (8 x 8 here, interpolated to the
+# image: bilinear, corners aligned) and a deepstack merger after layer 1 of 3 (``deepstack``
+# names the layers): each block's four patches (4 x dim) through a LayerNorm and a GELU MLP to the
+# text width. A row is the merger's output, then each deepstack's (here 2 x the text width).
+QWEN3VL_VISION: dict[str, Any] = dict(image_size=32, patch=4, dim=64, ff=96, heads=4, layers=3, eps=1e-6, hidden=256, deepstack=(1,), mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
+
+
+def write_qwen3vl_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, drop: str | None = None, **over: Any) -> dict[str, np.ndarray]:
+    """Write a tiny Qwen3-VL mmproj; return its exact weights (numpy order; the fused Q/K/V under
+    ``attn_qkv``). ``drop`` leaves a tensor out (the refusals' tests)."""
+    c = {**QWEN3VL_VISION, **over}
+    rng = np.random.default_rng(3579)
+    w = _clip_writer(path, "qwen3vl_merger", "gelu", c, text_dim)
+    w.add_uint32("clip.vision.spatial_merge_size", 2)
+    w.add_array("clip.vision.is_deepstack_layers", [i in c["deepstack"] for i in range(c["layers"])])
+    weights: dict[str, np.ndarray] = {}
+    d, p, g = c["dim"], c["patch"], c["image_size"] // c["patch"]
+
+    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
+        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
+        weights[name] = exact
+        if name == drop:
+            return
+        if data.dtype == np.uint8:
+            w.add_tensor(name, data, raw_dtype=kind)
+        else:
+            w.add_tensor(name, data)
+
+    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1) -> None:
+        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
+
+    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
+        put(name, mean + rng.normal(0, std, size=n))
+
+    put("v.patch_embd.weight", rng.normal(0, 0.15, size=(d, 3, p, p)))
+    put("v.patch_embd.weight.1", rng.normal(0, 0.15, size=(d, 3, p, p)))
+    vec("v.patch_embd.bias", d, 0.0)
+    put("v.position_embd.weight", rng.normal(0, 0.5, size=(g * g, d)))
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        vec(b + "ln1.weight", d)
+        vec(b + "ln1.bias", d, 0.0)
+        mat(b + "attn_qkv.weight", 3 * d, d, scale=0.15)
+        vec(b + "attn_qkv.bias", 3 * d, 0.0)
+        mat(b + "attn_out.weight", d, d, scale=0.15)
+        vec(b + "attn_out.bias", d, 0.0)
+        vec(b + "ln2.weight", d)
+        vec(b + "ln2.bias", d, 0.0)
+        mat(b + "ffn_up.weight", c["ff"], d)
+        vec(b + "ffn_up.bias", c["ff"], 0.0)
+        mat(b + "ffn_down.weight", d, c["ff"])
+        vec(b + "ffn_down.bias", d, 0.0)
+    for i in c["deepstack"]:
+        b = f"v.deepstack.{i}."
+        vec(b + "norm.weight", 4 * d)
+        vec(b + "norm.bias", 4 * d, 0.0)
+        mat(b + "fc1.weight", c["hidden"], 4 * d, scale=0.08)
+        vec(b + "fc1.bias", c["hidden"], 0.0)
+        mat(b + "fc2.weight", text_dim, c["hidden"])
+        vec(b + "fc2.bias", text_dim, 0.0)
+    vec("v.post_ln.weight", d)
+    vec("v.post_ln.bias", d, 0.0)
+    mat("mm.0.weight", c["hidden"], 4 * d, scale=0.08)
+    vec("mm.0.bias", c["hidden"], 0.0)
+    mat("mm.2.weight", text_dim, c["hidden"])
+    vec("mm.2.bias", text_dim, 0.0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return weights
+
+
+def _interpolate_aligned(grid: np.ndarray, gw: int, gh: int) -> np.ndarray:
+    """(side, side, d) values bilinearly resampled to (gh, gw, d) with corners aligned (PyTorch's
+    ``interpolate(..., mode="bilinear", align_corners=True)``)."""
+    side = grid.shape[0]
+
+    def taps(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        x = np.arange(n) * ((side - 1) / (n - 1)) if n > 1 else np.zeros(1)
+        x0 = np.clip(np.floor(x).astype(int), 0, side - 1)
+        x1 = np.minimum(x0 + 1, side - 1)
+        return x0, x1, np.clip(x - x0, 0, 1)
+
+    (y0, y1, dy), (x0, x1, dx) = taps(gh), taps(gw)
+    dy, dx = dy[:, None, None], dx[None, :, None]
+    top = grid[y0][:, x0] * (1 - dx) + grid[y0][:, x1] * dx
+    bot = grid[y1][:, x0] * (1 - dx) + grid[y1][:, x1] * dx
+    return top * (1 - dy) + bot * dy
+
+
+def reference_qwen3vl_image(W: dict[str, np.ndarray], pixels: np.ndarray, **over: Any) -> np.ndarray:
+    """Float64 tower, merger and deepstack mergers over planar normalized pixels (3, H, W):
+    (tokens, (1 + deepstack mergers) * text_dim), the tokens row by row of 2 x 2 patch blocks."""
+    c = {**QWEN3VL_VISION, **over}
+    X = {k: v.astype(np.float64) for k, v in W.items()}
+    p, d, H, eps = c["patch"], c["dim"], c["heads"], c["eps"]
+    _, hh, ww = pixels.shape
+    gh, gw = hh // p, ww // p
+    bh, bw = gh // 2, gw // 2
+    px = pixels.astype(np.float64)
+    patches = px.reshape(3, bh, 2, p, bw, 2, p).transpose(1, 4, 2, 5, 0, 3, 6).reshape(gh * gw, 3 * p * p)
+    kernel = (X["v.patch_embd.weight"] + X["v.patch_embd.weight.1"]).reshape(d, -1)
+    x = patches @ kernel.T + X["v.patch_embd.bias"]
+    idx = np.arange(gh * gw)
+    blk, r = idx // 4, idx % 4
+    pos = np.stack([2 * (blk // bw) + r // 2, 2 * (blk % bw) + r % 2], axis=1)
+    side = int(np.sqrt(len(X["v.position_embd.weight"])) + 0.5)
+    learned = _interpolate_aligned(X["v.position_embd.weight"].reshape(side, side, d), gw, gh)
+    x = x + learned[pos[:, 0], pos[:, 1]]
+    n, hd = gh * gw, d // H
+    deep = []
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        h = _ln(x, X[b + "ln1.weight"], X[b + "ln1.bias"], eps)
+        qkv = h @ X[b + "attn_qkv.weight"].T + X[b + "attn_qkv.bias"]
+        q, k, v = qkv[:, :d], qkv[:, d : 2 * d], qkv[:, 2 * d :]
+        q, k = _qwen_rope(q, pos.astype(np.float64), H), _qwen_rope(k, pos.astype(np.float64), H)
+        att = np.zeros((n, d))
+        for j in range(H):
+            s = slice(j * hd, (j + 1) * hd)
+            sc = q[:, s] @ k[:, s].T / np.sqrt(hd)
+            pr = np.exp(sc - sc.max(-1, keepdims=True))
+            pr /= pr.sum(-1, keepdims=True)
+            att[:, s] = pr @ v[:, s]
+        x = x + att @ X[b + "attn_out.weight"].T + X[b + "attn_out.bias"]
+        h = _ln(x, X[b + "ln2.weight"], X[b + "ln2.bias"], eps)
+        u = _gelu(h @ X[b + "ffn_up.weight"].T + X[b + "ffn_up.bias"])
+        x = x + u @ X[b + "ffn_down.weight"].T + X[b + "ffn_down.bias"]
+        if i in c["deepstack"]:
+            ds = f"v.deepstack.{i}."
+            f = _ln(x.reshape(n // 4, 4 * d), X[ds + "norm.weight"], X[ds + "norm.bias"], eps)
+            f = _gelu(f @ X[ds + "fc1.weight"].T + X[ds + "fc1.bias"])
+            deep.append(f @ X[ds + "fc2.weight"].T + X[ds + "fc2.bias"])
+    x = _ln(x, X["v.post_ln.weight"], X["v.post_ln.bias"], eps)
+    m = _gelu(x.reshape(n // 4, 4 * d) @ X["mm.0.weight"].T + X["mm.0.bias"])
+    return np.concatenate([m @ X["mm.2.weight"].T + X["mm.2.bias"], *deep], axis=1)
+
+
+def _gelu(u: np.ndarray) -> np.ndarray:
+    return 0.5 * u * (1 + np.tanh(0.7978845608 * (u + 0.044715 * u**3)))
 
 
 # Idefics3 (SmolVLM): the SigLIP tower of Gemma 3's writer over 32 x 32 tiles, a pixel shuffle of

@@ -234,9 +234,11 @@ def _attach_projector(model: Model, mmproj: str | os.PathLike[str] | bool | None
             raise GgufError(f"{model.path}: no mmproj*.gguf beside the model (pass its path as mmproj=)")
         return
     proj = load_mmproj(path, model.runtime)
-    dim = int(model.config["dim"])
+    # An image row's values: the embedding, and Qwen3-VL's deepstack slices after it.
+    dim = int(model.config["embd_inp"])
     if proj.text_dim != dim:
-        msg = f"{path}: the projector writes rows of {proj.text_dim} values but {model.path.name} embeds {dim}: it belongs to another model"
+        what = f"takes image rows of {dim} values" if dim != int(model.config["dim"]) else f"embeds {dim}"
+        msg = f"{path}: the projector writes rows of {proj.text_dim} values but {model.path.name} {what}: it belongs to another model"
         if explicit or mmproj is True:
             raise UnsupportedModelError(msg)
         log.warning("not loading the sidecar %s", msg)

@@ -7,7 +7,10 @@ image at its own aspect ratio, a 2-D RoPE tower, patch merger, GELU MLP, a ``[IM
 after each row of tokens, causal), ``qwen2vl_merger``/``qwen2.5vl_merger`` (Qwen2-VL and
 Qwen2.5-VL: the image at its own aspect ratio in 2 x 2 patch blocks, one token each, causal, its
 rows on M-RoPE axes in the text model: each row at the image's first position plus its row and
-column, the text after it going on from there plus the larger side) and ``idefics3`` (SmolVLM:
+column, the text after it going on from there plus the larger side), ``qwen3vl_merger`` (Qwen3-VL:
+the same layout and positions, a tower with learned positions and "deepstack" mergers whose
+features ride in each image row after its embedding, added by the text model after its first
+layers; a row is ``text_dim`` = the text width times 1 + the deepstack count) and ``idefics3`` (SmolVLM:
 the image cut into tiles of the tower's size plus an overview, each a SigLIP pass, a pixel
 shuffle and a linear map, laid out between row and column markers, causal)."""
 
@@ -38,11 +41,12 @@ _MARKERS: dict[str, tuple[str, str]] = {
     "pixtral": ("", "[IMG_END]"),
     "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
     "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
+    "qwen3vl_merger": ("<|vision_start|>", "<|vision_end|>"),
     "idefics3": ("", ""),
 }
 # A dynamic-size tower's token budget per image (clip.cpp's set_limit_image_tokens), in merged
 # tokens.
-_TOKENS: dict[str, tuple[int, int]] = {"pixtral": (8, 1024), "qwen2vl_merger": (8, 4096), "qwen2.5vl_merger": (8, 4096)}
+_TOKENS: dict[str, tuple[int, int]] = {"pixtral": (8, 1024), "qwen2vl_merger": (8, 4096), "qwen2.5vl_merger": (8, 4096), "qwen3vl_merger": (8, 4096)}
 # Idefics3's longest image side before tiling (clip.cpp's image_longest_edge).
 _LONGEST_EDGE_KEY = "clip.vision.preproc_image_size"
 # Images past this many pixels are refused before decoding (a decompression bomb's guard).
@@ -77,6 +81,8 @@ class Projector:
 
     @property
     def text_dim(self) -> int:
+        """Values of each image row: the text model's width (times 1 + its deepstack mergers for
+        Qwen3-VL, whose rows carry their features after the embedding)."""
         return self.native.text_dim
 
     @property

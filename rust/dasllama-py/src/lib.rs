@@ -99,13 +99,15 @@ struct PyModel {
 
 #[pymethods]
 impl PyModel {
-    /// Configuration as a dict (dim, n_layers, n_heads, ..., seq_len, vocab_size).
+    /// Configuration as a dict (dim, embd_inp, n_layers, n_heads, ..., seq_len, vocab_size).
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner.config;
         let d = PyDict::new_bound(py);
         d.set_item("arch", &c.arch)?;
         d.set_item("dim", c.dim)?;
+        // The values of an image's row (the input and Qwen3-VL's deepstack slices).
+        d.set_item("embd_inp", c.embd_inp())?;
         d.set_item("hidden_dim", c.max_hidden())?;
         d.set_item("n_layers", c.n_layers)?;
         d.set_item("n_heads", c.n_heads)?;
@@ -1121,6 +1123,8 @@ impl PyVision {
         self.inner.n_tokens()
     }
 
+    /// Values of each image row: the text width (times 1 + the deepstack mergers for Qwen3-VL,
+    /// the model's `embd_inp`).
     #[getter]
     fn text_dim(&self) -> usize {
         self.inner.text_dim()

@@ -91,12 +91,20 @@ pub struct PassIn<'a> {
     pub key_ends: Vec<usize>,
 }
 
-/// Input rows given as values (`PassIn::embeds`): batch row `rows[i]` takes
-/// `values[i * dim..(i + 1) * dim]` as it stands (no embedding scale).
+/// Input rows given as values (`PassIn::embeds`): batch row `rows[i]` takes the first `dim` of
+/// its `width()` values as it stands (no embedding scale); a model with deepstack layers reads
+/// the slices after them (`Ops::add_given`).
 #[derive(Clone, Copy, Debug)]
 pub struct RowEmbeds<'a> {
     pub rows: &'a [usize],
     pub values: &'a [f32],
+}
+
+impl RowEmbeds<'_> {
+    /// Values per given row (the model's `Config::embd_inp`, checked before the pass).
+    pub fn width(&self) -> usize {
+        self.values.len() / self.rows.len().max(1)
+    }
 }
 
 /// The routed experts of one layer as `Ops::experts` takes them.
@@ -141,6 +149,11 @@ pub trait Ops {
 
     /// x += y.
     fn add(&mut self, x: Act, y: Act);
+
+    /// Add slice `slice` (values `slice * width..(slice + 1) * width` of the given row) to each
+    /// row of `x` that `PassIn::embeds` names (Qwen3-VL's deepstack: an image row's features
+    /// for the output of layer `slice - 1`); rows of `width`, the other rows untouched.
+    fn add_given(&mut self, x: Act, width: usize, slice: usize);
 
     /// Add `bias` to every row of `x` (rows of `bias.len()` values).
     fn add_bias(&mut self, x: Act, bias: &[f32]);

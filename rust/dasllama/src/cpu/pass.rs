@@ -55,8 +55,9 @@ impl Ops for HostPass<'_, '_> {
                 }
             }
             if let Some(e) = embeds {
+                let stride = e.width();
                 for (i, &r) in e.rows.iter().enumerate() {
-                    x[r * w.cols..(r + 1) * w.cols].copy_from_slice(&e.values[i * w.cols..(i + 1) * w.cols]);
+                    x[r * w.cols..(r + 1) * w.cols].copy_from_slice(&e.values[i * stride..i * stride + w.cols]);
                 }
             }
         });
@@ -108,6 +109,17 @@ impl Ops for HostPass<'_, '_> {
 
     fn add_bias(&mut self, x: Act, bias: &[f32]) {
         self.with(x, |s, v| s.ops.add_bias(v, bias));
+    }
+
+    fn add_given(&mut self, x: Act, width: usize, slice: usize) {
+        let Some(e) = self.inp.embeds else { return };
+        let stride = e.width();
+        self.with(x, |_, v| {
+            for (i, &r) in e.rows.iter().enumerate() {
+                let src = &e.values[i * stride + slice * width..i * stride + (slice + 1) * width];
+                v[r * width..(r + 1) * width].iter_mut().zip(src).for_each(|(a, b)| *a += b);
+            }
+        });
     }
 
     fn scale(&mut self, x: Act, a: f32) {

@@ -249,6 +249,10 @@ pub struct Config {
     pub extra_biases: bool,
     /// The routed experts' GLU (SiLU unless the family says otherwise).
     pub expert_act: Activation,
+    /// Qwen3-VL's deepstack layers (`n_deepstack_layers`): a row given as values (an image's)
+    /// carries this many extra slices of `dim` after its input, slice k added to the output of
+    /// layer k - 1 (llama.cpp's `n_embd_inp`); a token's row has none.
+    pub deepstack: usize,
 }
 
 impl Config {
@@ -273,6 +277,11 @@ impl Config {
             })
             .sum();
         body as f64
+    }
+
+    /// The width of a row given as values (an image's): the input and any deepstack slices.
+    pub fn embd_inp(&self) -> usize {
+        self.dim * (1 + self.deepstack)
     }
 
     pub fn q_dim(&self) -> usize {
@@ -506,6 +515,7 @@ pub(crate) fn bare_config(m: &Metadata, arch: &str, heads: Heads, layers: Vec<La
         attn_sinks: false,
         extra_biases: false,
         expert_act: Activation::Silu,
+        deepstack: 0,
     })
 }
 
@@ -765,7 +775,10 @@ mod tests {
         assert!(r.neox);
         assert_eq!(r.mrope, Some(Mrope { sections: [16, 8, 8, 0], interleaved: false }));
         assert_eq!((r.mrope.unwrap().axis(15), r.mrope.unwrap().axis(16), r.mrope.unwrap().axis(31)), (0, 1, 2));
-        let r = attn(&configure("qwen3vl", &[sec(&[11, 11, 10, 0]), ("n_deepstack_layers", MetaValue::Int(3))]).unwrap(), 0).rope;
+        let c = configure("qwen3vl", &[sec(&[11, 11, 10, 0]), ("n_deepstack_layers", MetaValue::Int(2))]).unwrap();
+        // An image row carries the input and two deepstack slices.
+        assert_eq!((c.deepstack, c.embd_inp()), (2, 3 * c.dim));
+        let r = attn(&c, 0).rope;
         assert_eq!(r.mrope, Some(Mrope { sections: [11, 11, 10, 0], interleaved: true }));
         // Qwen3-VL's own sections over 64 pairs put two on the fourth axis in ggml's layout: a
         // text token sees position 0 there, so they do not turn; the others turn as plain RoPE.
@@ -797,6 +810,8 @@ mod tests {
         assert!(err("qwen2vl", &[sec(&[8, 8, 8, 0]), ("rope.dimension_count", MetaValue::Int(32))]).contains("'qwen2vl.rope.dimension_count' is 32"));
         let e = err("qwen3vl", &[sec(&[8, 8, 8, 0]), ("n_deepstack_layers", MetaValue::Int(-1))]);
         assert!(e.contains("qwen3vl.n_deepstack_layers"), "{e}");
+        let e = err("qwen3vl", &[sec(&[8, 8, 8, 0]), ("n_deepstack_layers", MetaValue::Int(99))]);
+        assert!(e.contains("'qwen3vl.n_deepstack_layers' is 99 but the model has"), "{e}");
     }
 
     #[test]

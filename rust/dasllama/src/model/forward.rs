@@ -397,12 +397,14 @@ fn check_injected(m: &Model, counts: &[usize], inj: &Injected<'_>) -> Result<()>
     if e.rows.windows(2).any(|w| w[0] >= w[1]) || e.rows.last().is_some_and(|&r| r >= n) {
         return Err(Error::InvalidArgument(format!("embedding rows must be increasing row numbers below {n}")));
     }
-    if e.values.len() != e.rows.len() * m.config.dim {
+    let width = m.config.embd_inp();
+    if e.values.len() != e.rows.len() * width {
+        let (k, dim) = (m.config.deepstack, m.config.dim);
+        let deep = if k > 0 { format!(": the input and {k} deepstack slice{} of {dim}", if k == 1 { "" } else { "s" }) } else { String::new() };
         return Err(Error::InvalidArgument(format!(
-            "{} embedding rows need {} values ({} each), got {}",
+            "{} embedding rows need {} values ({width} each{deep}), got {}",
             e.rows.len(),
-            e.rows.len() * m.config.dim,
-            m.config.dim,
+            e.rows.len() * width,
             e.values.len()
         )));
     }
@@ -489,6 +491,11 @@ pub fn forward_span(m: &Model, b: &mut dyn Ops, inp: &PassIn<'_>, span: Span<'_>
         }
         if let Some(sc) = l.out_scale {
             b.scale(x, sc);
+        }
+        // Qwen3-VL's deepstack: an image row's slice il + 1 joins the layer's output (a token's
+        // row has zeros there in llama.cpp, so nothing is added to it).
+        if il < c.deepstack && inp.embeds.is_some() {
+            b.add_given(x, d, il + 1);
         }
     }
     if span.layers.end < m.layers.len() {

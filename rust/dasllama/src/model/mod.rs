@@ -356,7 +356,7 @@ impl<'a> TensorTable<'a> {
 
     /// A fused matrix as consecutive row ranges of `parts` rows each (Q/K/V in `attn_qkv`, gate
     /// and up in phi3's `ffn_up`): each range is a matrix of its own, a window of the same bytes.
-    fn matrix_parts(&self, name: &str, parts: &[usize], cols: usize) -> Result<Vec<Weight>> {
+    pub(crate) fn matrix_parts(&self, name: &str, parts: &[usize], cols: usize) -> Result<Vec<Weight>> {
         let w = self.raw(name)?;
         let rows: usize = parts.iter().sum();
         if w.rows != rows || w.cols != cols {

@@ -26,9 +26,13 @@ pub(crate) fn text_mrope(m: &Metadata, mut c: Config, interleaved: bool) -> Resu
     Ok(c)
 }
 
-/// Qwen3-VL's "deepstack": llama.cpp adds visual features, carried in extra columns of the input
-/// embeddings, to the outputs of the first `n_deepstack_layers` layers. A text token's
-/// embedding is zero-padded to that width, so for text they add nothing; the key is only checked.
-pub(crate) fn deepstack(m: &Metadata) -> Result<()> {
-    m.size("n_deepstack_layers").map(|_| ())
+/// Qwen3-VL's "deepstack": llama.cpp adds visual features, carried in extra columns of an image
+/// row's input, to the outputs of the first `n_deepstack_layers` layers (`Config::deepstack`).
+/// A text token's embedding is zero-padded to that width, so for text they add nothing.
+pub(crate) fn deepstack(m: &Metadata, mut c: Config) -> Result<Config> {
+    c.deepstack = m.size("n_deepstack_layers")?.unwrap_or(0);
+    if c.deepstack > c.n_layers {
+        return Err(Error::Gguf(format!("metadata key '{}' is {} but the model has {} layers", m.key("n_deepstack_layers"), c.deepstack, c.n_layers)));
+    }
+    Ok(c)
 }

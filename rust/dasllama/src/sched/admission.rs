@@ -54,11 +54,11 @@ impl Scheduler {
         req.params.validate()?;
         let mut after = 0;
         for im in &req.images {
-            if im.n == 0 || im.at < after || im.at + im.n > req.prompt.len() || im.values.len() != im.n * m.config.dim {
+            if im.n == 0 || im.at < after || im.at + im.n > req.prompt.len() || im.values.len() != im.n * m.config.embd_inp() {
                 return bad(format!(
                     "an image's rows must be non-empty, in order, inside the prompt's {} rows, with {} values a row",
                     req.prompt.len(),
-                    m.config.dim
+                    m.config.embd_inp()
                 ));
             }
             after = im.at + im.n;

@@ -110,7 +110,7 @@ impl Scheduler {
         let mut tails = Vec::with_capacity(plan.len());
         // Image rows of the prefill pieces: pass rows, their values, and each image's span.
         let (mut rows, mut values, mut spans, mut grids) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let d = m.config.dim;
+        let d = m.config.embd_inp();
         for (si, &(i, k)) in plan.iter().enumerate() {
             let s = &streams[i];
             match s.next {

@@ -1,6 +1,7 @@
 //! Vision towers from llama.cpp's `mmproj` files (its `clip` architecture): the ViT that turns
 //! a preprocessed image into patch features (`vit`), and the projector that turns those into rows
-//! of the text model's embedding width (one module each: `gemma3`, `pixtral`, `qwen2vl`, `idefics3`). The result enters
+//! of the text model's embedding width (one module each: `gemma3`, `pixtral`, `qwen2vl` with
+//! `qwen3vl`, `idefics3`). The result enters
 //! the text model's input in place of token embeddings (`backend::PassIn::embeds`).
 //!
 //! Preprocessing (decode, resize, normalize) is the Python side's: the tower takes planar f32
@@ -11,6 +12,7 @@ mod gemma3;
 mod idefics3;
 mod pixtral;
 mod qwen2vl;
+mod qwen3vl;
 mod vit;
 
 use crate::model::{MetaValue, Metadata, Numerics, QuantMode, TensorInfo, TensorTable};
@@ -23,7 +25,7 @@ use std::sync::Arc;
 pub use vit::{VitAct, VitConfig};
 
 /// The projector types this build runs (llama.cpp's `clip.projector_type`).
-pub const PROJECTORS: &[&str] = &["gemma3", "idefics3", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger"];
+pub const PROJECTORS: &[&str] = &["gemma3", "idefics3", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"];
 
 /// What follows the ViT.
 pub(crate) enum Projector {
@@ -33,8 +35,9 @@ pub(crate) enum Projector {
     /// The tower at the image's own size, a patch merger where the file has one, a GELU MLP,
     /// and a break row after each row of tokens.
     Pixtral(Box<pixtral::Pixtral>),
-    /// Qwen2-VL / Qwen2.5-VL: the tower at the image's own size over 2 x 2 patch blocks (M-RoPE,
-    /// windows in 2.5), each block merged into one token by a GELU MLP.
+    /// Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the tower at the image's own size over 2 x 2 patch
+    /// blocks (M-RoPE, windows in 2.5, learned positions and deepstack in 3), each block merged
+    /// into one token by a GELU MLP.
     Qwen2vl(Box<qwen2vl::Qwen2vl>),
     /// A pixel shuffle of `scale` x `scale` patches into one token, then a linear map to the text
     /// width (SmolVLM; one tile of a tiled image at a time).
@@ -85,14 +88,21 @@ impl Vision {
             // norms are LayerNorms, Qwen2.5-VL's RMS.
             "qwen2vl_merger" => vit::VitStyle { rms: false, rope_2d: Some(10000.0) },
             "qwen2.5vl_merger" => vit::VitStyle { rms: true, rope_2d: Some(10000.0) },
+            // Qwen3-VL's learned positions are a grid of their own, interpolated (`qwen3vl`).
+            "qwen3vl_merger" => vit::VitStyle { rms: false, rope_2d: Some(10000.0) },
             _ => vit::VitStyle { rms: false, rope_2d: None },
         };
         let mut vit = vit::Vit::load(&table, &config, style).map_err(in_file)?;
         let projector = match ptype.as_str() {
             "gemma3" => Projector::Gemma3(gemma3::Gemma3::load(&table, meta, &config).map_err(in_file)?),
             "pixtral" => Projector::Pixtral(Box::new(pixtral::Pixtral::load(&table, meta, &config).map_err(in_file)?)),
-            "qwen2vl_merger" | "qwen2.5vl_merger" => {
-                Projector::Qwen2vl(Box::new(qwen2vl::Qwen2vl::load(&table, meta, &config, ptype == "qwen2.5vl_merger", &mut vit).map_err(in_file)?))
+            "qwen2vl_merger" | "qwen2.5vl_merger" | "qwen3vl_merger" => {
+                let version = match ptype.as_str() {
+                    "qwen2vl_merger" => qwen2vl::Version::Qwen2,
+                    "qwen2.5vl_merger" => qwen2vl::Version::Qwen25,
+                    _ => qwen2vl::Version::Qwen3,
+                };
+                Projector::Qwen2vl(Box::new(qwen2vl::Qwen2vl::load(&table, meta, &config, version, &mut vit).map_err(in_file)?))
             }
             "idefics3" => Projector::Idefics3(idefics3::Idefics3::load(&table, meta, &config).map_err(in_file)?),
             _ => unreachable!("checked against PROJECTORS above"),
@@ -147,7 +157,8 @@ impl Vision {
         }
     }
 
-    /// The text model's embedding width the projector writes.
+    /// The values of each row the projector writes: the text model's embedding width (times
+    /// 1 + its deepstack mergers for Qwen3-VL, as llama.cpp's `clip_n_mmproj_embd`).
     pub fn text_dim(&self) -> usize {
         match &self.projector {
             Projector::Gemma3(g) => g.text_dim(),

@@ -7,12 +7,15 @@
 //! (Qwen2-VL) or RMS norms and a gated SiLU MLP (Qwen2.5-VL), where every layer but each
 //! `n_wa_pattern`-th attends within its window of 112 x 112 pixels only. After the post
 //! norm each block's four patches become one row of four times the width, and a two-layer GELU
-//! MLP (`mm.0`, `mm.2`) takes it to the text width: one token per block, row by row.
+//! MLP (`mm.0`, `mm.2`) takes it to the text width: one token per block, row by row. Qwen3-VL
+//! (`qwen3vl_merger`) is this tower with LayerNorms, a GELU MLP, no windows, a patch bias,
+//! learned positions and deepstack mergers (`qwen3vl`).
 //!
 //! llama.cpp runs the windowed layers over the patches regrouped window by window with a
 //! block-diagonal mask and puts the tokens back in order at the end; attention is the same for
 //! any order of its rows, so this runs each window's rows on their own in block order instead.
 
+use super::qwen3vl::Qwen3vl;
 use super::vit::{activate, full_attention, layer_norm, Vit, VitAct};
 use super::{f32_weight, tensor_f32, VitConfig};
 use crate::backend::HostOps;
@@ -37,12 +40,23 @@ pub(crate) struct Qwen2vl {
     /// text_dim x hidden.
     mm2: Weight,
     mm2_b: Vec<f32>,
+    /// Qwen3-VL's positions and deepstack mergers.
+    v3: Option<Qwen3vl>,
+}
+
+/// Which of the family a file is (its projector type).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Version {
+    Qwen2,
+    Qwen25,
+    Qwen3,
 }
 
 impl Qwen2vl {
     /// The projector's weights; also adds the second patch kernel (`v.patch_embd.weight.1`) into
     /// the tower's.
-    pub(crate) fn load(t: &TensorTable<'_>, meta: &Metadata, c: &VitConfig, qwen25: bool, vit: &mut Vit) -> Result<Qwen2vl> {
+    pub(crate) fn load(t: &TensorTable<'_>, meta: &Metadata, c: &VitConfig, version: Version, vit: &mut Vit) -> Result<Qwen2vl> {
+        let (qwen25, qwen3) = (version == Version::Qwen25, version == Version::Qwen3);
         let (d, p) = (c.dim, c.patch_size);
         let merge = meta.size("vision.spatial_merge_size")?.unwrap_or(2);
         if merge != 2 {
@@ -52,8 +66,12 @@ impl Qwen2vl {
         if !hd.is_multiple_of(4) {
             return Err(Error::Gguf(format!("the tower's head width {hd} is not a multiple of 4, which its 2-D RoPE needs")));
         }
-        if vit.patch_bias.is_some() || vit.pos.is_some() {
-            return Err(Error::Gguf("a Qwen-VL tower has no patch bias and no learned positions; this file has one".into()));
+        if qwen3 && vit.patch_bias.is_none() {
+            return Err(Error::Gguf("tensor 'v.patch_embd.bias' is missing; Qwen3-VL's tower has a patch bias".into()));
+        }
+        // (Learned positions, where a Qwen2-VL file has them, go unused, as in llama.cpp's graph.)
+        if !qwen3 && vit.patch_bias.is_some() {
+            return Err(Error::Gguf("tensor 'v.patch_embd.bias' is present; a Qwen2-VL tower has no patch bias".into()));
         }
         let mut kernel = tensor_f32(t, "v.patch_embd.weight", &[p, p, 3, d])?;
         if t.has("v.patch_embd.weight.1") {
@@ -61,7 +79,8 @@ impl Qwen2vl {
             kernel.iter_mut().zip(&second).for_each(|(a, b)| *a += b);
         }
         vit.patch = f32_weight(&kernel, d, 3 * p * p);
-        let wa_pattern = meta.size("vision.n_wa_pattern")?.unwrap_or(0);
+        // Qwen3-VL's graph attends every patch in every layer, whatever the file says.
+        let wa_pattern = if qwen3 { 0 } else { meta.size("vision.n_wa_pattern")?.unwrap_or(0) };
         if qwen25 && wa_pattern == 0 {
             return Err(Error::Gguf("metadata key 'clip.vision.n_wa_pattern' is missing or 0; Qwen2.5-VL's tower needs it".into()));
         }
@@ -72,7 +91,9 @@ impl Qwen2vl {
         }
         let hidden = t.raw("mm.0.weight")?.rows;
         let text = t.raw("mm.2.weight")?.rows;
+        let v3 = if qwen3 { Some(Qwen3vl::load(t, c, text)?) } else { None };
         Ok(Qwen2vl {
+            v3,
             wa_pattern,
             window,
             mm0: t.matrix("mm.0.weight", hidden, 4 * d)?,
@@ -87,8 +108,9 @@ impl Qwen2vl {
         (gw / 2) * (gh / 2)
     }
 
+    /// The values of an image's row: the text width, times 1 + the deepstack mergers.
     pub(crate) fn text_dim(&self) -> usize {
-        self.mm2.rows
+        self.v3.as_ref().map_or(self.mm2.rows, |v| v.row_width(self.mm2.rows))
     }
 
     pub(crate) fn forward(&self, ops: &mut dyn HostOps, c: &VitConfig, vit: &Vit, pixels: &[f32], gw: usize, gh: usize) -> Vec<f32> {
@@ -113,6 +135,18 @@ impl Qwen2vl {
         let one = [n];
         let mut x = vec![0.0f32; n * d];
         ops.matmul(&mut [(&vit.patch, &mut x)], &cols, &one);
+        if let Some(b) = &vit.patch_bias {
+            ops.add_bias(&mut x, b);
+        }
+        if let Some(v3) = &self.v3 {
+            let pos = v3.positions(d, gw, gh);
+            for (i, row) in x.chunks_exact_mut(d).enumerate() {
+                let (py, px) = at(i);
+                row.iter_mut().zip(&pos[(py * gw + px) * d..(py * gw + px + 1) * d]).for_each(|(a, b)| *a += b);
+            }
+        }
+        // Each deepstack merger's rows, in layer order.
+        let mut deep: Vec<Vec<f32>> = Vec::new();
         if let Some(ln) = &vit.pre_ln {
             layer_norm(&mut x, ln, c.eps);
         }
@@ -172,6 +206,9 @@ impl Qwen2vl {
                 ops.add_bias(&mut o, b);
             }
             ops.add(&mut x, &o);
+            if let Some(ds) = self.v3.as_ref().and_then(|v| v.deepstack.iter().find(|ds| ds.layer == il)) {
+                deep.push(ds.forward(ops, &x, n / 4, c.eps));
+            }
         }
         if let Some(ln) = &vit.post_ln {
             layer_norm(&mut x, ln, c.eps);
@@ -186,7 +223,19 @@ impl Qwen2vl {
         let mut out = vec![0.0f32; tokens * self.mm2.rows];
         ops.matmul(&mut [(&self.mm2, &mut out)], &hid, &[tokens]);
         ops.add_bias(&mut out, &self.mm2_b);
-        out
+        if deep.is_empty() {
+            return out;
+        }
+        // Each token's row: the merger's values, then each deepstack's (ggml_concat on dim 0).
+        let text = self.mm2.rows;
+        let mut rows = Vec::with_capacity(tokens * text * (1 + deep.len()));
+        for tk in 0..tokens {
+            rows.extend_from_slice(&out[tk * text..(tk + 1) * text]);
+            for f in &deep {
+                rows.extend_from_slice(&f[tk * text..(tk + 1) * text]);
+            }
+        }
+        rows
     }
 }
 

@@ -144,7 +144,7 @@ pub(crate) struct Vit {
     pub(super) post_ln: Option<Norm>,
 }
 
-fn norm(t: &TensorTable<'_>, prefix: &str, d: usize, rms: bool) -> Result<Norm> {
+pub(crate) fn norm(t: &TensorTable<'_>, prefix: &str, d: usize, rms: bool) -> Result<Norm> {
     Ok(Norm { w: t.vector(&format!("{prefix}.weight"), d)?, b: t.opt_vector(&format!("{prefix}.bias"), d)?, rms })
 }
 
@@ -175,14 +175,27 @@ impl Vit {
             if !gated && c.ff != d && t.raw(&n("ffn_down.weight")).is_ok_and(|w| w.cols == d) {
                 (up, down) = (down, up);
             }
+            // Q, K and V: three tensors, or row ranges of one fused `attn_qkv` (Qwen3-VL).
+            let ([q, k, v], [bq, bk, bv]) = if t.has(&n("attn_qkv.weight")) {
+                let mut p = t.matrix_parts(&n("attn_qkv.weight"), &[d, d, d], d)?.into_iter();
+                let ws = std::array::from_fn(|_| p.next().expect("three parts"));
+                let bs = match bias("attn_qkv.bias", 3 * d)? {
+                    Some(b) => std::array::from_fn(|i| Some(b[i * d..(i + 1) * d].to_vec())),
+                    None => [None, None, None],
+                };
+                (ws, bs)
+            } else {
+                let ws = [t.matrix(&n("attn_q.weight"), d, d)?, t.matrix(&n("attn_k.weight"), d, d)?, t.matrix(&n("attn_v.weight"), d, d)?];
+                (ws, [bias("attn_q.bias", d)?, bias("attn_k.bias", d)?, bias("attn_v.bias", d)?])
+            };
             layers.push(VitLayer {
                 ln1: norm(t, &n("ln1"), d, rms)?,
-                q: t.matrix(&n("attn_q.weight"), d, d)?,
-                k: t.matrix(&n("attn_k.weight"), d, d)?,
-                v: t.matrix(&n("attn_v.weight"), d, d)?,
-                bq: bias("attn_q.bias", d)?,
-                bk: bias("attn_k.bias", d)?,
-                bv: bias("attn_v.bias", d)?,
+                q,
+                k,
+                v,
+                bq,
+                bk,
+                bv,
                 o: t.matrix(&n("attn_out.weight"), d, d)?,
                 bo: bias("attn_out.bias", d)?,
                 ln2: norm(t, &n("ln2"), d, rms)?,

@@ -393,6 +393,11 @@ impl Ops for Recorder<'_, '_> {
         self.op(bit(qkv) | bit(beta) | bit(alpha) | STATE, bit(qkv) | bit(out) | STATE, |r| r.e.delta_net(dn, p, [qkv, beta, alpha, out], meta, sessions));
     }
 
+    fn add_given(&mut self, _x: Act, _width: usize, _slice: usize) {
+        // A device pass never takes given rows (`forward_batch_with` runs them on the host).
+        self.fail(missing("rows given as values (an image's deepstack features)"));
+    }
+
     fn load(&mut self, _src: &[f32], _x: Act) {
         self.fail(missing("host rows fed into a pass (an MTP head's hidden states)"));
     }
