@@ -13,7 +13,7 @@
 //! block-diagonal mask and puts the tokens back in order at the end; attention is the same for
 //! any order of its rows, so this runs each window's rows on their own in block order instead.
 
-use super::vit::{activate, full_attention, layer_norm, Vit, VitAct};
+use super::vit::{activate, full_attention, layer_norm, matmul, Vit, VitAct};
 use super::{f32_weight, tensor_f32, VitConfig};
 use crate::backend::HostOps;
 use crate::model::{Metadata, TensorTable};
@@ -110,9 +110,8 @@ impl Qwen2vl {
                 }
             }
         }
-        let one = [n];
         let mut x = vec![0.0f32; n * d];
-        ops.matmul(&mut [(&vit.patch, &mut x)], &cols, &one);
+        matmul(ops, &mut [(&vit.patch, &mut x)], &cols, n);
         if let Some(ln) = &vit.pre_ln {
             layer_norm(&mut x, ln, c.eps);
         }
@@ -127,7 +126,7 @@ impl Qwen2vl {
         for (il, l) in vit.layers.iter().enumerate() {
             hbuf.copy_from_slice(&x);
             layer_norm(&mut hbuf, &l.ln1, c.eps);
-            ops.matmul(&mut [(&l.q, &mut q), (&l.k, &mut k), (&l.v, &mut v)], &hbuf, &one);
+            matmul(ops, &mut [(&l.q, &mut q), (&l.k, &mut k), (&l.v, &mut v)], &hbuf, n);
             for (bias, out) in [(&l.bq, &mut q), (&l.bk, &mut k), (&l.bv, &mut v)] {
                 if let Some(b) = bias {
                     ops.add_bias(out, b);
@@ -141,20 +140,20 @@ impl Qwen2vl {
             } else {
                 windowed_attention(ops, &q, &k, &v, &windows, c.n_heads, hd, &mut att);
             }
-            ops.matmul(&mut [(&l.o, &mut o)], &att, &one);
+            matmul(ops, &mut [(&l.o, &mut o)], &att, n);
             if let Some(b) = &l.bo {
                 ops.add_bias(&mut o, b);
             }
             ops.add(&mut x, &o);
             hbuf.copy_from_slice(&x);
             layer_norm(&mut hbuf, &l.ln2, c.eps);
-            ops.matmul(&mut [(&l.up, &mut up)], &hbuf, &one);
+            matmul(ops, &mut [(&l.up, &mut up)], &hbuf, n);
             if let Some(b) = &l.b_up {
                 ops.add_bias(&mut up, b);
             }
             let hidden = match &l.gate {
                 Some(gate_w) => {
-                    ops.matmul(&mut [(gate_w, &mut gate)], &hbuf, &one);
+                    matmul(ops, &mut [(gate_w, &mut gate)], &hbuf, n);
                     if let Some(b) = &l.b_gate {
                         ops.add_bias(&mut gate, b);
                     }
@@ -167,7 +166,7 @@ impl Qwen2vl {
                     &up
                 }
             };
-            ops.matmul(&mut [(&l.down, &mut o)], hidden, &one);
+            matmul(ops, &mut [(&l.down, &mut o)], hidden, n);
             if let Some(b) = &l.b_down {
                 ops.add_bias(&mut o, b);
             }
@@ -180,11 +179,11 @@ impl Qwen2vl {
         // merger's input.
         let tokens = n / 4;
         let mut hid = vec![0.0f32; tokens * self.mm0.rows];
-        ops.matmul(&mut [(&self.mm0, &mut hid)], &x, &[tokens]);
+        matmul(ops, &mut [(&self.mm0, &mut hid)], &x, tokens);
         ops.add_bias(&mut hid, &self.mm0_b);
         activate(&mut hid, VitAct::Gelu);
         let mut out = vec![0.0f32; tokens * self.mm2.rows];
-        ops.matmul(&mut [(&self.mm2, &mut out)], &hid, &[tokens]);
+        matmul(ops, &mut [(&self.mm2, &mut out)], &hid, tokens);
         ops.add_bias(&mut out, &self.mm2_b);
         out
     }

@@ -3,11 +3,13 @@
 //! information (SigLIP's learned embeddings, or Pixtral's 2-D RoPE on Q and K), pre-norm layers
 //! (LayerNorm with bias or RMS norm, as the projector's graph says), full (non-causal) multi-head
 //! attention and an MLP (gated where the file has `ffn_gate`), then the post norm where there is
-//! one. Matrices go through the host's kernels; norms, the softmax and the activation are plain
-//! f32 here (an image's few thousand rows).
+//! one. Where AVX-512 is there, the float matrices, the attention and the activations run on
+//! `cpu::dense` (a register-blocked GEMM over the image's thousands of rows, on the runtime's
+//! threads); elsewhere the matrices go through the host's kernels and the rest is plain f32.
 
 use super::{f32_weight, tensor_f32};
 use crate::backend::HostOps;
+use crate::cpu::dense;
 use crate::model::{Metadata, TensorTable};
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -222,9 +224,8 @@ impl Vit {
                 }
             }
         }
-        let one = [n];
         let mut x = vec![0.0f32; n * d];
-        ops.matmul(&mut [(&self.patch, &mut x)], &cols, &one);
+        matmul(ops, &mut [(&self.patch, &mut x)], &cols, n);
         if let Some(b) = &self.patch_bias {
             ops.add_bias(&mut x, b);
         }
@@ -244,7 +245,7 @@ impl Vit {
         for l in &self.layers {
             h.copy_from_slice(&x);
             layer_norm(&mut h, &l.ln1, c.eps);
-            ops.matmul(&mut [(&l.q, &mut q), (&l.k, &mut k), (&l.v, &mut v)], &h, &one);
+            matmul(ops, &mut [(&l.q, &mut q), (&l.k, &mut k), (&l.v, &mut v)], &h, n);
             for (bias, out) in [(&l.bq, &mut q), (&l.bk, &mut k), (&l.bv, &mut v)] {
                 if let Some(b) = bias {
                     ops.add_bias(out, b);
@@ -255,21 +256,21 @@ impl Vit {
                 apply_rope_2d(&mut k, r, hd);
             }
             full_attention(ops, &q, &k, &v, n, c.n_heads, d / c.n_heads, &mut att);
-            ops.matmul(&mut [(&l.o, &mut o)], &att, &one);
+            matmul(ops, &mut [(&l.o, &mut o)], &att, n);
             if let Some(b) = &l.bo {
                 ops.add_bias(&mut o, b);
             }
             ops.add(&mut x, &o);
             h.copy_from_slice(&x);
             layer_norm(&mut h, &l.ln2, c.eps);
-            ops.matmul(&mut [(&l.up, &mut up)], &h, &one);
+            matmul(ops, &mut [(&l.up, &mut up)], &h, n);
             if let Some(b) = &l.b_up {
                 ops.add_bias(&mut up, b);
             }
             let hidden = match &l.gate {
                 // act(gate) * up (ggml's swiglu_split / geglu_split).
                 Some(gate_w) => {
-                    ops.matmul(&mut [(gate_w, &mut gate)], &h, &one);
+                    matmul(ops, &mut [(gate_w, &mut gate)], &h, n);
                     if let Some(b) = &l.b_gate {
                         ops.add_bias(&mut gate, b);
                     }
@@ -282,7 +283,7 @@ impl Vit {
                     &up
                 }
             };
-            ops.matmul(&mut [(&l.down, &mut o)], hidden, &one);
+            matmul(ops, &mut [(&l.down, &mut o)], hidden, n);
             if let Some(b) = &l.b_down {
                 ops.add_bias(&mut o, b);
             }
@@ -292,6 +293,18 @@ impl Vit {
             layer_norm(&mut x, ln, c.eps);
         }
         x
+    }
+}
+
+/// out_j = W_j x for n rows of x: the dense GEMM where it runs and takes the weights, else the
+/// host's kernels.
+pub(super) fn matmul(ops: &mut dyn HostOps, segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize) {
+    if dense::fast() && segs.iter().all(|(w, _)| dense::gemm_takes(w)) {
+        for (w, out) in segs.iter_mut() {
+            dense::gemm(ops, w, x, n, out);
+        }
+    } else {
+        ops.matmul(segs, x, &[n]);
     }
 }
 
@@ -369,20 +382,24 @@ fn apply_rope_2d(x: &mut [f32], r: &Rope2d, hd: usize) {
 }
 
 pub(crate) fn activate(x: &mut [f32], act: VitAct) {
-    match act {
-        VitAct::Gelu => x.iter_mut().for_each(|v| {
-            let u = *v;
-            *v = 0.5 * u * (1.0 + (0.797_884_6 * (u + 0.044_715 * u * u * u)).tanh());
-        }),
-        VitAct::GeluQuick => x.iter_mut().for_each(|v| *v /= 1.0 + (-1.702 * *v).exp()),
-        VitAct::Silu => x.iter_mut().for_each(|v| *v /= 1.0 + (-*v).exp()),
-    }
+    // All three are x / (1 + exp(z)), vectorised there.
+    dense::activate(
+        x,
+        match act {
+            VitAct::Gelu => dense::Act::GeluTanh,
+            VitAct::GeluQuick => dense::Act::GeluQuick,
+            VitAct::Silu => dense::Act::Silu,
+        },
+    )
 }
 
 /// Every row attends every row (an image's patches see each other), per head: scores and the
 /// weighted sum as matrices over the host's kernels, the softmax in f32 with an f64 total.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn full_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) {
+    if dense::fast() {
+        return dense::attention(ops, q, k, v, n, heads, hd, out);
+    }
     let d = heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let one = [n];
