@@ -195,7 +195,13 @@ pub fn softmax_row(s: &mut [f32], scale: f32) -> f32 {
         unsafe fn k(s: &mut [f32], scale: f32) -> f32 {
             use std::arch::x86_64::*;
             let n = s.len();
-            let mask = |i: usize| -> __mmask16 { if i + 16 <= n { 0xffff } else { (1u16 << (n - i)) - 1 } };
+            let mask = |i: usize| -> __mmask16 {
+                if i + 16 <= n {
+                    0xffff
+                } else {
+                    (1u16 << (n - i)) - 1
+                }
+            };
             let sc = _mm512_set1_ps(scale);
             let mut mv = _mm512_set1_ps(f32::NEG_INFINITY);
             for i in (0..n).step_by(16) {
@@ -480,7 +486,9 @@ mod tests {
             attention(&mut ops, &q, &kk, &v, n, heads, hd, &mut out);
             for h in 0..heads {
                 for t in 0..n {
-                    let sc: Vec<f64> = (0..n).map(|j| (0..hd).map(|i| q[t * d + h * hd + i] as f64 * kk[j * d + h * hd + i] as f64).sum::<f64>() / (hd as f64).sqrt()).collect();
+                    let sc: Vec<f64> = (0..n)
+                        .map(|j| (0..hd).map(|i| q[t * d + h * hd + i] as f64 * kk[j * d + h * hd + i] as f64).sum::<f64>() / (hd as f64).sqrt())
+                        .collect();
                     let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
                     let e: Vec<f64> = sc.iter().map(|s| (s - mx).exp()).collect();
                     let tot: f64 = e.iter().sum();
