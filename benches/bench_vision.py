@@ -28,7 +28,10 @@ reported. llama.cpp's tool is found on the PATH, in ~/.cache/dasllama/llama.cpp/
 there with scripts/build_llama_cpp.py's tree (``--llama-build DIR`` names an existing cmake tree
 to build the target in instead).
 
-    python benches/bench_vision.py [--shapes real|tiny] [--threads 2] [--runs 2] [--cases gemma3 pixtral]
+    python benches/bench_vision.py [--shapes real|tiny] [--threads 2] [--runs 2] [--cases gemma3 pixtral] [--layers N]
+
+``--layers N`` cuts every tower to N layers (files of their own in the cache): minutes become
+seconds while the widths, and so the kernels' shapes, stay the real ones.
 
 Speed is compared, never asserted: on a shared box the figures move with the other work on it.
 """
@@ -105,8 +108,9 @@ def llama_tool(name: str, build_dir: Path | None) -> Path:
     return LLAMA_BIN / name
 
 
-def files(case: str, shapes: str) -> tuple[Path, Path, Path]:
-    """(text model, mmproj, picture) for ``case``, written into the bench cache when missing."""
+def files(case: str, shapes: str, layers: int | None = None) -> tuple[Path, Path, Path]:
+    """(text model, mmproj, picture) for ``case``, written into the bench cache when missing;
+    ``layers`` cuts the tower to that many layers (a quicker run of the same widths)."""
     import numpy as np
     from gguf import GGMLQuantizationType as QT
     from PIL import Image
@@ -115,9 +119,13 @@ def files(case: str, shapes: str) -> tuple[Path, Path, Path]:
     from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj
 
     c = (REAL if shapes == "real" else TINY)[case]
+    cut = ""
+    if layers is not None:
+        c = {**c, "tower": {**c["tower"], "layers": layers}}
+        cut = f"-{layers}l"
     d = BENCH_DIR / shapes
     d.mkdir(parents=True, exist_ok=True)
-    text, proj, pic = d / f"{case}-text.gguf", d / f"mmproj-{case}.gguf", d / f"{case}-{c['image'][0]}x{c['image'][1]}.png"
+    text, proj, pic = d / f"{case}-text.gguf", d / f"mmproj-{case}{cut}.gguf", d / f"{case}-{c['image'][0]}x{c['image'][1]}.png"
     if not proj.exists():
         log.info("writing %s (random weights at %s's shapes)", proj, c["label"])
         tmp = proj.with_suffix(".part")
@@ -195,6 +203,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="timed encodes per side (after one dropped)")
     ap.add_argument("--llama-build", type=Path, default=None, help="an existing cmake/ninja tree of the vendored llama.cpp to build llama-mtmd-cli in")
     ap.add_argument("--no-llama", action="store_true", help="dasllama's figures only")
+    ap.add_argument("--layers", type=int, default=None, help="cut the towers to this many layers (a quicker run at the real widths)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     tool = None if args.no_llama else llama_tool("llama-mtmd-cli", args.llama_build)
@@ -204,7 +213,7 @@ def main() -> None:
     table = (REAL if args.shapes == "real" else TINY)
     rows = []
     for case in args.cases:
-        text, proj, pic = files(case, args.shapes)
+        text, proj, pic = files(case, args.shapes, args.layers)
         for t in args.threads:
             # Ours then theirs for each, so drift on a shared box hits both alike.
             mine, n_rows, n_patches, passes = ours(proj, pic, t, args.runs)

@@ -296,6 +296,12 @@ pub trait HostOps {
         x.iter_mut().zip(y).for_each(|(a, b)| *a *= b);
     }
 
+    /// Call `f(i)` for every i in 0..n, across the host's threads where it has them (work of
+    /// a pass's own, such as the vision tower's attention tiles); returns when all are done.
+    fn parallel_for(&mut self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        (0..n).for_each(f)
+    }
+
     /// One gated DeltaNet layer over the batch's rows (`cpu::deltanet::delta_net` says what each
     /// buffer holds before and after): session i owns `counts[i]` rows and `states[i]`, its
     /// recurrent state in this layer.

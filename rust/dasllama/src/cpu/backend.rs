@@ -122,6 +122,10 @@ impl HostOps for CpuOps<'_> {
         x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
     }
 
+    fn parallel_for(&mut self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        self.team.parallel_for(n, f)
+    }
+
     fn add_bias(&mut self, x: &mut [f32], bias: &[f32]) {
         x.chunks_exact_mut(bias.len()).for_each(|r| r.iter_mut().zip(bias).for_each(|(a, b)| *a += b));
     }

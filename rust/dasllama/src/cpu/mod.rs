@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod deltanet;
+pub mod dense;
 mod kv_dot;
 pub mod ops;
 pub mod pass;

@@ -63,7 +63,7 @@ impl Gemma3 {
         }
         ops.rms_norm(&mut pooled, &self.soft_norm, c.eps);
         let mut out = vec![0.0f32; side * side * self.proj.rows];
-        ops.matmul(&mut [(&self.proj, &mut out)], &pooled, &[side * side]);
+        super::vit::matmul(ops, &mut [(&self.proj, &mut out)], &pooled, side * side);
         out
     }
 }

@@ -5,6 +5,7 @@
 //! bias). The image's tiles and its overview each go through this on their own; the Python side
 //! cuts them and lays them out in the prompt.
 
+use super::vit::matmul;
 use super::VitConfig;
 use crate::backend::HostOps;
 use crate::model::{Metadata, TensorTable};
@@ -55,7 +56,7 @@ impl Idefics3 {
             }
         }
         let mut out = vec![0.0f32; n * self.fc.rows];
-        ops.matmul(&mut [(&self.fc, &mut out)], &shuffled, &[n]);
+        matmul(ops, &mut [(&self.fc, &mut out)], &shuffled, n);
         out
     }
 }

@@ -6,7 +6,7 @@
 //! (`mm.1`, `mm.2`) takes the tokens to the text width, and `v.token_embd.img_break` goes after
 //! every row of tokens but the last (`[IMG_BREAK]`).
 
-use super::vit::{activate, VitAct};
+use super::vit::{activate, matmul, VitAct};
 use super::VitConfig;
 use crate::backend::HostOps;
 use crate::model::{Metadata, TensorTable};
@@ -93,17 +93,17 @@ impl Pixtral {
                 }
             }
             x = vec![0.0f32; n * d];
-            ops.matmul(&mut [(m, &mut x)], &cols, &[n]);
+            matmul(ops, &mut [(m, &mut x)], &cols, n);
         }
         let mut h = vec![0.0f32; n * self.mm1.rows];
-        ops.matmul(&mut [(&self.mm1, &mut h)], &x, &[n]);
+        matmul(ops, &mut [(&self.mm1, &mut h)], &x, n);
         if let Some(b) = &self.mm1_b {
             ops.add_bias(&mut h, b);
         }
         activate(&mut h, VitAct::Gelu);
         let text = self.text_dim();
         let mut tok = vec![0.0f32; n * text];
-        ops.matmul(&mut [(&self.mm2, &mut tok)], &h, &[n]);
+        matmul(ops, &mut [(&self.mm2, &mut tok)], &h, n);
         if let Some(b) = &self.mm2_b {
             ops.add_bias(&mut tok, b);
         }

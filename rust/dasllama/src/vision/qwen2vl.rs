@@ -16,7 +16,7 @@
 //! any order of its rows, so this runs each window's rows on their own in block order instead.
 
 use super::qwen3vl::Qwen3vl;
-use super::vit::{activate, full_attention, layer_norm, Vit, VitAct};
+use super::vit::{activate, full_attention, layer_norm, matmul, LayerBufs, Vit, VitAct};
 use super::{f32_weight, tensor_f32, VitConfig};
 use crate::backend::HostOps;
 use crate::model::{Metadata, TensorTable};
@@ -132,9 +132,8 @@ impl Qwen2vl {
                 }
             }
         }
-        let one = [n];
         let mut x = vec![0.0f32; n * d];
-        ops.matmul(&mut [(&vit.patch, &mut x)], &cols, &one);
+        matmul(ops, &mut [(&vit.patch, &mut x)], &cols, n);
         if let Some(b) = &vit.patch_bias {
             ops.add_bias(&mut x, b);
         }
@@ -154,58 +153,18 @@ impl Qwen2vl {
         let rope = rope_table(hd, n, at);
         // The windows (each its sequence rows), where some layer attends within them.
         let windows = if self.wa_pattern > 0 { windows(bw, bh, self.window) } else { Vec::new() };
-        let mut hbuf = vec![0.0f32; n * d];
-        let (mut q, mut k, mut v, mut att, mut o) = (vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d]);
-        let mut up = vec![0.0f32; n * c.ff];
-        let mut gate = vec![0.0f32; if vit.layers.iter().any(|l| l.gate.is_some()) { n * c.ff } else { 0 }];
+        let mut b = LayerBufs::new(vit, c, n);
         for (il, l) in vit.layers.iter().enumerate() {
-            hbuf.copy_from_slice(&x);
-            layer_norm(&mut hbuf, &l.ln1, c.eps);
-            ops.matmul(&mut [(&l.q, &mut q), (&l.k, &mut k), (&l.v, &mut v)], &hbuf, &one);
-            for (bias, out) in [(&l.bq, &mut q), (&l.bk, &mut k), (&l.bv, &mut v)] {
-                if let Some(b) = bias {
-                    ops.add_bias(out, b);
-                }
-            }
-            apply_rope(&mut q, &rope, hd);
-            apply_rope(&mut k, &rope, hd);
+            b.qkv(ops, l, c, &x, n);
+            apply_rope(&mut b.q, &rope, hd);
+            apply_rope(&mut b.k, &rope, hd);
             let full = self.wa_pattern == 0 || (il + 1).is_multiple_of(self.wa_pattern);
             if full {
-                full_attention(ops, &q, &k, &v, n, c.n_heads, hd, &mut att);
+                full_attention(ops, &b.q, &b.k, &b.v, n, c.n_heads, hd, &mut b.att);
             } else {
-                windowed_attention(ops, &q, &k, &v, &windows, c.n_heads, hd, &mut att);
+                windowed_attention(ops, &b.q, &b.k, &b.v, &windows, c.n_heads, hd, &mut b.att);
             }
-            ops.matmul(&mut [(&l.o, &mut o)], &att, &one);
-            if let Some(b) = &l.bo {
-                ops.add_bias(&mut o, b);
-            }
-            ops.add(&mut x, &o);
-            hbuf.copy_from_slice(&x);
-            layer_norm(&mut hbuf, &l.ln2, c.eps);
-            ops.matmul(&mut [(&l.up, &mut up)], &hbuf, &one);
-            if let Some(b) = &l.b_up {
-                ops.add_bias(&mut up, b);
-            }
-            let hidden = match &l.gate {
-                Some(gate_w) => {
-                    ops.matmul(&mut [(gate_w, &mut gate)], &hbuf, &one);
-                    if let Some(b) = &l.b_gate {
-                        ops.add_bias(&mut gate, b);
-                    }
-                    activate(&mut gate, c.act);
-                    gate.iter_mut().zip(&up).for_each(|(g_, u)| *g_ *= u);
-                    &gate
-                }
-                None => {
-                    activate(&mut up, c.act);
-                    &up
-                }
-            };
-            ops.matmul(&mut [(&l.down, &mut o)], hidden, &one);
-            if let Some(b) = &l.b_down {
-                ops.add_bias(&mut o, b);
-            }
-            ops.add(&mut x, &o);
+            b.tail(ops, l, c, &mut x, n);
             if let Some(ds) = self.v3.as_ref().and_then(|v| v.deepstack.iter().find(|ds| ds.layer == il)) {
                 deep.push(ds.forward(ops, &x, n / 4, c.eps));
             }
@@ -217,11 +176,11 @@ impl Qwen2vl {
         // merger's input.
         let tokens = n / 4;
         let mut hid = vec![0.0f32; tokens * self.mm0.rows];
-        ops.matmul(&mut [(&self.mm0, &mut hid)], &x, &[tokens]);
+        matmul(ops, &mut [(&self.mm0, &mut hid)], &x, tokens);
         ops.add_bias(&mut hid, &self.mm0_b);
         activate(&mut hid, VitAct::Gelu);
         let mut out = vec![0.0f32; tokens * self.mm2.rows];
-        ops.matmul(&mut [(&self.mm2, &mut out)], &hid, &[tokens]);
+        matmul(ops, &mut [(&self.mm2, &mut out)], &hid, tokens);
         ops.add_bias(&mut out, &self.mm2_b);
         if deep.is_empty() {
             return out;

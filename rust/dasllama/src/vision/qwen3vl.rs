@@ -8,7 +8,7 @@
 //! layer order (clip.cpp's `n_mmproj_embd`: text width times 1 + deepstack count); the text model
 //! adds slice k to the output of its layer k - 1 (`model::forward`, `Config::deepstack`).
 
-use super::vit::{activate, layer_norm, norm, Norm, VitAct};
+use super::vit::{activate, layer_norm, matmul, norm, Norm, VitAct};
 use super::{tensor_f32, VitConfig};
 use crate::backend::HostOps;
 use crate::model::TensorTable;
@@ -109,11 +109,11 @@ impl Deepstack {
         let mut h = x.to_vec();
         layer_norm(&mut h, &self.norm, eps);
         let mut mid = vec![0.0f32; tokens * self.fc1.rows];
-        ops.matmul(&mut [(&self.fc1, &mut mid)], &h, &[tokens]);
+        matmul(ops, &mut [(&self.fc1, &mut mid)], &h, tokens);
         ops.add_bias(&mut mid, &self.fc1_b);
         activate(&mut mid, VitAct::Gelu);
         let mut out = vec![0.0f32; tokens * self.fc2.rows];
-        ops.matmul(&mut [(&self.fc2, &mut out)], &mid, &[tokens]);
+        matmul(ops, &mut [(&self.fc2, &mut out)], &mid, tokens);
         ops.add_bias(&mut out, &self.fc2_b);
         out
     }

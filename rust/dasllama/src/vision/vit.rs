@@ -3,11 +3,13 @@
 //! information (SigLIP's learned embeddings, or Pixtral's 2-D RoPE on Q and K), pre-norm layers
 //! (LayerNorm with bias or RMS norm, as the projector's graph says), full (non-causal) multi-head
 //! attention and an MLP (gated where the file has `ffn_gate`), then the post norm where there is
-//! one. Matrices go through the host's kernels; norms, the softmax and the activation are plain
-//! f32 here (an image's few thousand rows).
+//! one. Where AVX-512 is there, the float matrices, the attention and the activations run on
+//! `cpu::dense` (a register-blocked GEMM over the image's thousands of rows, on the runtime's
+//! threads); elsewhere the matrices go through the host's kernels and the rest is plain f32.
 
 use super::{f32_weight, tensor_f32};
 use crate::backend::HostOps;
+use crate::cpu::dense;
 use crate::model::{Metadata, TensorTable};
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -235,9 +237,8 @@ impl Vit {
                 }
             }
         }
-        let one = [n];
         let mut x = vec![0.0f32; n * d];
-        ops.matmul(&mut [(&self.patch, &mut x)], &cols, &one);
+        matmul(ops, &mut [(&self.patch, &mut x)], &cols, n);
         if let Some(b) = &self.patch_bias {
             ops.add_bias(&mut x, b);
         }
@@ -250,61 +251,113 @@ impl Vit {
         if let Some(ln) = &self.pre_ln {
             layer_norm(&mut x, ln, c.eps);
         }
-        let mut h = vec![0.0f32; n * d];
-        let (mut q, mut k, mut v, mut att, mut o) = (vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d], vec![0.0f32; n * d]);
-        let mut up = vec![0.0f32; n * c.ff];
-        let mut gate = vec![0.0f32; if self.layers.iter().any(|l| l.gate.is_some()) { n * c.ff } else { 0 }];
+        let mut b = LayerBufs::new(self, c, n);
         for l in &self.layers {
-            h.copy_from_slice(&x);
-            layer_norm(&mut h, &l.ln1, c.eps);
-            ops.matmul(&mut [(&l.q, &mut q), (&l.k, &mut k), (&l.v, &mut v)], &h, &one);
-            for (bias, out) in [(&l.bq, &mut q), (&l.bk, &mut k), (&l.bv, &mut v)] {
-                if let Some(b) = bias {
-                    ops.add_bias(out, b);
-                }
-            }
+            b.qkv(ops, l, c, &x, n);
             if let Some(r) = &rope {
-                apply_rope_2d(&mut q, r, hd);
-                apply_rope_2d(&mut k, r, hd);
+                apply_rope_2d(&mut b.q, r, hd);
+                apply_rope_2d(&mut b.k, r, hd);
             }
-            full_attention(ops, &q, &k, &v, n, c.n_heads, d / c.n_heads, &mut att);
-            ops.matmul(&mut [(&l.o, &mut o)], &att, &one);
-            if let Some(b) = &l.bo {
-                ops.add_bias(&mut o, b);
-            }
-            ops.add(&mut x, &o);
-            h.copy_from_slice(&x);
-            layer_norm(&mut h, &l.ln2, c.eps);
-            ops.matmul(&mut [(&l.up, &mut up)], &h, &one);
-            if let Some(b) = &l.b_up {
-                ops.add_bias(&mut up, b);
-            }
-            let hidden = match &l.gate {
-                // act(gate) * up (ggml's swiglu_split / geglu_split).
-                Some(gate_w) => {
-                    ops.matmul(&mut [(gate_w, &mut gate)], &h, &one);
-                    if let Some(b) = &l.b_gate {
-                        ops.add_bias(&mut gate, b);
-                    }
-                    activate(&mut gate, c.act);
-                    gate.iter_mut().zip(&up).for_each(|(g_, u)| *g_ *= u);
-                    &gate
-                }
-                None => {
-                    activate(&mut up, c.act);
-                    &up
-                }
-            };
-            ops.matmul(&mut [(&l.down, &mut o)], hidden, &one);
-            if let Some(b) = &l.b_down {
-                ops.add_bias(&mut o, b);
-            }
-            ops.add(&mut x, &o);
+            full_attention(ops, &b.q, &b.k, &b.v, n, c.n_heads, hd, &mut b.att);
+            b.tail(ops, l, c, &mut x, n);
         }
         if let Some(ln) = &self.post_ln {
             layer_norm(&mut x, ln, c.eps);
         }
         x
+    }
+}
+
+/// One layer's working rows, reused from layer to layer: the normed input, Q, K, V, the
+/// attention's output, a projection's output and the MLP's.
+pub(super) struct LayerBufs {
+    h: Vec<f32>,
+    pub(super) q: Vec<f32>,
+    pub(super) k: Vec<f32>,
+    pub(super) v: Vec<f32>,
+    /// The attention writes here; `tail` reads it.
+    pub(super) att: Vec<f32>,
+    o: Vec<f32>,
+    up: Vec<f32>,
+    gate: Vec<f32>,
+}
+
+impl LayerBufs {
+    pub(super) fn new(vit: &Vit, c: &VitConfig, n: usize) -> LayerBufs {
+        let d = c.dim;
+        let gated = vit.layers.iter().any(|l| l.gate.is_some());
+        LayerBufs {
+            h: vec![0.0; n * d],
+            q: vec![0.0; n * d],
+            k: vec![0.0; n * d],
+            v: vec![0.0; n * d],
+            att: vec![0.0; n * d],
+            o: vec![0.0; n * d],
+            up: vec![0.0; n * c.ff],
+            gate: vec![0.0; if gated { n * c.ff } else { 0 }],
+        }
+    }
+
+    /// The first norm and Q, K, V (biases added) of `x`'s n rows.
+    pub(super) fn qkv(&mut self, ops: &mut dyn HostOps, l: &VitLayer, c: &VitConfig, x: &[f32], n: usize) {
+        self.h.copy_from_slice(x);
+        layer_norm(&mut self.h, &l.ln1, c.eps);
+        matmul(ops, &mut [(&l.q, &mut self.q), (&l.k, &mut self.k), (&l.v, &mut self.v)], &self.h, n);
+        for (bias, out) in [(&l.bq, &mut self.q), (&l.bk, &mut self.k), (&l.bv, &mut self.v)] {
+            if let Some(b) = bias {
+                ops.add_bias(out, b);
+            }
+        }
+    }
+
+    /// After the attention (in `att`): its projection into the residual, the second norm, the
+    /// MLP and its residual.
+    pub(super) fn tail(&mut self, ops: &mut dyn HostOps, l: &VitLayer, c: &VitConfig, x: &mut [f32], n: usize) {
+        let (h, o, up, gate) = (&mut self.h, &mut self.o, &mut self.up, &mut self.gate);
+        matmul(ops, &mut [(&l.o, o)], &self.att, n);
+        if let Some(b) = &l.bo {
+            ops.add_bias(o, b);
+        }
+        ops.add(x, o);
+        h.copy_from_slice(x);
+        layer_norm(h, &l.ln2, c.eps);
+        matmul(ops, &mut [(&l.up, up)], h, n);
+        if let Some(b) = &l.b_up {
+            ops.add_bias(up, b);
+        }
+        let hidden: &[f32] = match &l.gate {
+            // act(gate) * up (ggml's swiglu_split / geglu_split).
+            Some(gate_w) => {
+                matmul(ops, &mut [(gate_w, gate)], h, n);
+                if let Some(b) = &l.b_gate {
+                    ops.add_bias(gate, b);
+                }
+                activate(gate, c.act);
+                gate.iter_mut().zip(up.iter()).for_each(|(g_, u)| *g_ *= u);
+                gate
+            }
+            None => {
+                activate(up, c.act);
+                up
+            }
+        };
+        matmul(ops, &mut [(&l.down, o)], hidden, n);
+        if let Some(b) = &l.b_down {
+            ops.add_bias(o, b);
+        }
+        ops.add(x, o);
+    }
+}
+
+/// out_j = W_j x for n rows of x: the dense GEMM where it runs and takes the weights, else the
+/// host's kernels.
+pub(super) fn matmul(ops: &mut dyn HostOps, segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize) {
+    if dense::fast() && segs.iter().all(|(w, _)| dense::gemm_takes(w)) {
+        for (w, out) in segs.iter_mut() {
+            dense::gemm(ops, w, x, n, out);
+        }
+    } else {
+        ops.matmul(segs, x, &[n]);
     }
 }
 
@@ -382,20 +435,24 @@ fn apply_rope_2d(x: &mut [f32], r: &Rope2d, hd: usize) {
 }
 
 pub(crate) fn activate(x: &mut [f32], act: VitAct) {
-    match act {
-        VitAct::Gelu => x.iter_mut().for_each(|v| {
-            let u = *v;
-            *v = 0.5 * u * (1.0 + (0.797_884_6 * (u + 0.044_715 * u * u * u)).tanh());
-        }),
-        VitAct::GeluQuick => x.iter_mut().for_each(|v| *v /= 1.0 + (-1.702 * *v).exp()),
-        VitAct::Silu => x.iter_mut().for_each(|v| *v /= 1.0 + (-*v).exp()),
-    }
+    // All three are x / (1 + exp(z)), vectorised there.
+    dense::activate(
+        x,
+        match act {
+            VitAct::Gelu => dense::Act::GeluTanh,
+            VitAct::GeluQuick => dense::Act::GeluQuick,
+            VitAct::Silu => dense::Act::Silu,
+        },
+    )
 }
 
 /// Every row attends every row (an image's patches see each other), per head: scores and the
 /// weighted sum as matrices over the host's kernels, the softmax in f32 with an f64 total.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn full_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) {
+    if dense::fast() {
+        return dense::attention(ops, q, k, v, n, heads, hd, out);
+    }
     let d = heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let one = [n];
