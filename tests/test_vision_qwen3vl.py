@@ -22,6 +22,7 @@ from dasllama import _native, vision
 from serverproc import start, stop
 from synthetic import DIM, write_model
 from synthetic_vision import reference_qwen3vl_image, rel_err, write_qwen3vl_mmproj
+from vision_checks import assert_scheduler_matches_sessions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import make_vision_goldens as mk
@@ -130,53 +131,10 @@ def test_a_projector_for_another_text_model_is_refused(files: dict, tmp_path: Pa
         dl.load_model(files["text"], mmproj=proj25)
 
 
-def _run(m: dl.Model, sch: object, reqs: list[dl.PendingReq]) -> dict[int, list[dl.SchedEvent]]:
-    for r in reqs:
-        dl.submit(m, sch, r)
-    got: dict[int, list[dl.SchedEvent]] = {r.id: [] for r in reqs}
-    evs: list[dl.SchedEvent] = []
-    while dl.scheduler_step(m, sch, evs):
-        for e in evs:
-            if e.kind in ("piece", "finished"):
-                got[e.id].append(e)
-        evs.clear()
-    for e in evs:
-        if e.kind in ("piece", "finished"):
-            got[e.id].append(e)
-    return got
-
-
 def test_scheduler_and_prefix_cache_carry_the_deepstack_rows(files: dict) -> None:
     m = dl.load_model(files["text"], mmproj=files["mmproj"])
     prompts = [_prompt(m, 3), _prompt(m, 4, (30, 70))]
-    want = []
-    for p in prompts:
-        s = dl.create_session(m)
-        logits = vision.eval_image_prompt(m, s, p).astype(np.float64)
-        steps = []
-        for _ in range(5):
-            lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
-            top = np.argsort(lp)[::-1][:3]
-            steps.append((int(top[0]), lp[top]))
-            logits = dl.eval(m, s, [int(top[0])]).astype(np.float64)
-        want.append(steps)
-    sch = dl.create_scheduler(m, max_streams=2, chunk_tokens=7, page_rows=8)
-
-    def req(i: int, p: vision.ImagePrompt) -> dl.PendingReq:
-        return dl.PendingReq(id=i, prompt=p.ids, max_new=5, ignore_eos=True, images=p.images(), logprobs=3)
-
-    # Both at once, their images cut across chunks of 7 rows; then again from the prefix cache.
-    got = _run(m, sch, [req(i, p) for i, p in enumerate(prompts)])
-    again = _run(m, sch, [req(10 + i, p) for i, p in enumerate(prompts)])
-    for i in range(2):
-        for evs in (got[i], again[10 + i]):
-            pieces = [e for e in evs if e.kind == "piece"]
-            assert [e.token for e in pieces] == [t for t, _ in want[i]]
-            for e, (_, lps) in zip(pieces, want[i], strict=True):
-                np.testing.assert_allclose([lp for _, lp in e.top], lps, atol=2e-3)
-        (fin,) = [e for e in again[10 + i] if e.kind == "finished"]
-        first, n = prompts[i].spans[0]
-        assert fin.n_cached >= (first + n) // 8 * 8 and fin.n_cached > first, fin.n_cached
+    assert_scheduler_matches_sessions(m, prompts)
 
 
 def test_through_the_server_with_the_openai_client(tmp_path: Path) -> None:
