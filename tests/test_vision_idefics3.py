@@ -45,6 +45,23 @@ def test_a_tile_matches_the_reference(files: tuple[Path, Path, dict[str, np.ndar
     assert rel_err(got, want) < 2e-4
 
 
+def test_a_tile_that_is_not_whole_patches(tmp_path: Path) -> None:
+    """SmolVLM2's towers take 384-pixel tiles in patches of 14: the convolution reads 27 patches
+    a side and never the last 6 pixels. Here 35-pixel tiles in patches of 4: the 32-pixel tile's
+    result from the first 32 rows and columns, whatever the last 3 hold."""
+    path = tmp_path / "mmproj-odd.gguf"
+    W = write_idefics3_mmproj(path, image_size=35)
+    proj = vision.load_mmproj(path)
+    assert proj.n_tokens == 16
+    pixels = np.random.default_rng(4).uniform(-1, 1, size=(3, 35, 35)).astype(np.float32)
+    got = vision.encode_pixels(proj, pixels)
+    want = reference_idefics3_tile(W, pixels[:, :32, :32])
+    assert rel_err(got, want) < 2e-4
+    pixels[:, 32:, :] = 9.0
+    pixels[:, :, 32:] = -9.0
+    np.testing.assert_array_equal(vision.encode_pixels(proj, pixels), got)
+
+
 @pytest.mark.parametrize(
     "size,grid",
     [

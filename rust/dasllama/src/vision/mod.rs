@@ -177,13 +177,24 @@ impl Vision {
             return Err(Error::InvalidArgument(format!("this vision tower takes {s} x {s} pixels, got {width} x {height}")));
         }
         let unit = p * self.merge();
-        if width == 0 || height == 0 || !width.is_multiple_of(unit) || !height.is_multiple_of(unit) {
+        if self.dynamic_size() && (width == 0 || height == 0 || !width.is_multiple_of(unit) || !height.is_multiple_of(unit)) {
             return Err(Error::InvalidArgument(format!("an image's sides must be positive multiples of {unit} pixels, got {width} x {height}")));
         }
         if pixels.len() != 3 * width * height {
             return Err(Error::InvalidArgument(format!("a {width} x {height} image takes 3 x {height} x {width} values, got {}", pixels.len())));
         }
         let (gw, gh) = (width / p, height / p);
+        // A fixed size that is not a whole number of patches (SmolVLM2's 384 in patches of 14):
+        // the patch convolution (stride one patch, no padding) never reads the last columns and
+        // rows, so they are dropped here, as ggml's conv does.
+        let cropped: Vec<f32>;
+        let pixels = if width == gw * p && height == gh * p {
+            pixels
+        } else {
+            let (cw, ch) = (gw * p, gh * p);
+            cropped = pixels.chunks_exact(width).enumerate().filter(|(r, _)| r % height < ch).flat_map(|(_, row)| &row[..cw]).copied().collect();
+            &cropped[..]
+        };
         let mut out = Vec::new();
         self.rt.host().run(Numerics::Fast, &mut Vec::new(), &mut |ops| {
             out = match &self.projector {

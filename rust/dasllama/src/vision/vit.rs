@@ -43,8 +43,10 @@ impl VitConfig {
     pub(crate) fn from_meta(m: &Metadata) -> Result<VitConfig> {
         let image_size = m.req_positive("vision.image_size")?;
         let patch_size = m.req_positive("vision.patch_size")?;
-        if !image_size.is_multiple_of(patch_size) {
-            return Err(Error::Gguf(format!("clip.vision.image_size {image_size} is not a multiple of clip.vision.patch_size {patch_size}")));
+        // Not necessarily a multiple (SmolVLM2: 384 in patches of 14): the patch convolution
+        // leaves the rest out.
+        if image_size < patch_size {
+            return Err(Error::Gguf(format!("clip.vision.image_size {image_size} is smaller than clip.vision.patch_size {patch_size}")));
         }
         let dim = m.req_positive("vision.embedding_length")?;
         let n_heads = m.req_positive("vision.attention.head_count")?;
