@@ -229,8 +229,9 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
                 assert!(w.tiled, "a {} weight in GGUF rows met the tile kernels: it was laid out for another runtime's kernels", w.ty.name());
                 let tb = tile::tile_bytes(w.ty, k);
                 if amx::worth(k, n) && amx::usable(w.ty) {
-                    // AMX: a pair of tiles (sixteen weight rows) against up to `amx::MAX_ROWS` activation rows
-                    // a call, bit-identical to the vector kernels (one-row decode stays on those).
+                    // AMX: a pair of tiles (sixteen weight rows) against up to `amx::MAX_ROWS`
+                    // activation rows a call, bit-identical to the vector kernels (one-row decode
+                    // stays on those).
                     let mut out = [[0.0f32; amx::COLS]; amx::MAX_ROWS];
                     // Walks of as many rows as L2 holds beside the weights (`amx::walk_rows`),
                     // evenly cut in whole A tiles: each pair's B tiles are unpacked once a walk,
