@@ -87,7 +87,10 @@ fn main() {
 fn variants(ty: GgmlType, n: usize) {
     use dasllama::quant::tile::{tile_bytes, TILE_ROWS};
     use dasllama::quant::{act_row_bytes, quantize_row};
-    for (rows, cols) in [(8192, 2048), (2048, 8192), (64, 256), (256, 2048)] {
+    // GEMM_RATE_AMX_ONLY=1: the AMX line alone at the two FFN shapes (quicker A/B of its kernel).
+    let amx_only = std::env::var_os("GEMM_RATE_AMX_ONLY").is_some();
+    let shapes: &[(usize, usize)] = if amx_only { &[(8192, 2048), (2048, 8192)] } else { &[(8192, 2048), (2048, 8192), (64, 256), (256, 2048)] };
+    for &(rows, cols) in shapes {
         let w = Weight::random_blocks(ty, rows, cols, &Cpu::new(1));
         let vt = ty.vec_dot_type();
         let arb = act_row_bytes(vt, cols);
@@ -99,7 +102,7 @@ fn variants(ty: GgmlType, n: usize) {
         let tb = tile_bytes(ty, cols);
         let wb = w.data.as_slice();
         // This thread's CPU time, interleaved, best of many: the box is shared.
-        let vs = dasllama::quant::avx2::tile_variants(ty);
+        let vs = if amx_only { Vec::new() } else { dasllama::quant::avx2::tile_variants(ty) };
         let mut best = vec![f64::MAX; vs.len()];
         let mut out = [[0.0f32; TILE_ROWS]; 16];
         for _ in 0..15 {

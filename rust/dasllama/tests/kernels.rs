@@ -524,7 +524,7 @@ fn amx_kernel_matches_its_twin() {
         let mut rng = Lcg(ty as u64 + 777);
         for (n, weight_rows, edge) in [(512, 16, false), (256, 12, true), (2048, 8, false), (if is_kquant(ty) { 256 } else { 32 }, 16, true)] {
             let c = amx_case(ty, n, weight_rows, MAX_ROWS, &mut rng, edge);
-            for rows in [1, 2, 15, 16, 17, 31, 33, 48, 63, 64] {
+            for rows in [1, 2, 15, 16, 17, 31, 33, 48, 63, 64, 65, 97, MAX_ROWS - 1, MAX_ROWS] {
                 let (mut want, mut got) = (vec![[0.0f32; COLS]; rows], vec![[0.0f32; COLS]; rows]);
                 gemm_twin(ty, &c.tiles, c.ntiles, Acts { bytes: &c.act, stride: c.arb, rows }, n, &mut want);
                 gemm(ty, &c.tiles, c.ntiles, Acts { bytes: &c.act, stride: c.arb, rows }, n, &mut got);

@@ -230,12 +230,15 @@ pub fn matmul_many(segs: &mut [(&Weight, &mut [f32])], x: &[f32], counts: &[usiz
                 assert!(w.tiled, "a {} weight in GGUF rows met the tile kernels: it was laid out for another runtime's kernels", w.ty.name());
                 let tb = tile::tile_bytes(w.ty, k);
                 if amx::worth(k, n) && amx::usable(w.ty) {
-                    // AMX: a pair of tiles (sixteen weight rows) against up to 64 activation rows
-                    // a call, bit-identical to the vector kernels (one-row decode stays on those).
+                    // AMX: a pair of tiles (sixteen weight rows) against up to `amx::MAX_ROWS`
+                    // activation rows a call, bit-identical to the vector kernels (one-row decode
+                    // stays on those).
                     let mut out = [[0.0f32; amx::COLS]; amx::MAX_ROWS];
-                    // Walks of up to 64 rows, evenly cut: each pair's B tiles are unpacked once
-                    // a walk, for every A tile of it (the A tiles load from L2 as well as L1).
-                    let tt = n.div_ceil(n.div_ceil(amx::MAX_ROWS));
+                    // Walks of as many rows as L2 holds beside the weights (`amx::walk_rows`),
+                    // evenly cut in whole A tiles: each pair's B tiles are unpacked once a walk,
+                    // for every A tile of it (the A tiles load from L2 as well as L1).
+                    let cap = amx::walk_rows(arb);
+                    let tt = n.div_ceil(n.div_ceil(cap)).next_multiple_of(16).min(cap);
                     for t0 in (0..n).step_by(tt) {
                         let t1 = (t0 + tt).min(n);
                         // Tasks start on multiples of sixteen rows, so pairs of tiles line up.
