@@ -131,10 +131,13 @@ def test_bad_requests_are_refused_and_scheduler_stays_usable(smollm: dl.Model, p
     with pytest.raises(ValueError, match="already queued or running"):
         dl.submit(smollm, sch, dl.PendingReq(id=1, prompt=prompts[1]))
     assert dl.submit(smollm, sch, dl.PendingReq(id=2, prompt=prompts[1], max_new=MAX_NEW))
-    assert not dl.submit(smollm, sch, dl.PendingReq(id=3, prompt=prompts[2]))  # queue full
-    assert dl.n_queued(sch) == 2
+    # Two free streams and a queue of two: four wait for the first step, a fifth is refused.
+    for i in (3, 4):
+        assert dl.submit(smollm, sch, dl.PendingReq(id=i, prompt=prompts[i - 1], max_new=MAX_NEW))
+    assert not dl.submit(smollm, sch, dl.PendingReq(id=5, prompt=prompts[4]))  # queue full
+    assert dl.n_queued(sch) == 4
     got = run(smollm, sch)
-    assert tokens_of(got[1]) == reference[0] and tokens_of(got[2]) == reference[1]
+    assert [tokens_of(got[i]) for i in (1, 2, 3, 4)] == reference[:4]
     with pytest.raises(ValueError, match="paged pool"):
         dl.create_scheduler(smollm, page_rows=0, kv_dtype=dl.KVDtype.q8_0)
     assert not dl.evict(smollm, sch, 99, [])

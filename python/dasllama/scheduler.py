@@ -82,7 +82,8 @@ def create_scheduler(
     kv_dtype: KVDtype = KVDtype.f16,
     mtp: bool = False,
 ) -> Scheduler:
-    """A scheduler of ``max_streams`` concurrent streams over ``m``. ``page_rows > 0`` gives them a
+    """A scheduler of ``max_streams`` concurrent streams over ``m``, taking up to ``max_queue`` more
+    requests waiting for a free stream (``submit`` returns False past that). ``page_rows > 0`` gives them a
     paged pool and a prefix cache (of at most ``prefix_groups`` pages; 0: as the pool allows):
     a finished stream donates its full pages and a new request attaches the longest cached prefix.
     ``mtp=True`` speculates with the drafter attached to ``m``, else with the MTP head its file

@@ -69,7 +69,11 @@ impl Scheduler {
         if self.known(req.id) {
             return bad("this id is already queued or running; ids must be unique".into());
         }
-        if self.queue.len() >= self.max_queue {
+        // The queue limit counts requests waiting for a stream: one submitted while a slot is free
+        // is not waiting, though the next step admits it. (Counting it made a burst into an idle
+        // server with one stream and a queue of one refuse its second request.)
+        let free = self.max_streams.saturating_sub(self.streams.len());
+        if self.queue.len() >= self.max_queue + free {
             return Ok(false);
         }
         let constraint = match &req.grammar {

@@ -154,11 +154,12 @@ fn assert_pages_back(s: &mut Scheduler) {
 fn requests_are_admitted_in_order_and_wait_for_a_free_stream() {
     let m = tiny_model(1);
     let mut s = Scheduler::new(m.clone(), 2, 3, 64, 16, 0, KvCodec::F16).unwrap();
-    for id in 1..=3 {
+    // Two free streams and a queue of three: five are taken before any step runs.
+    for id in 1..=5 {
         assert!(s.submit(req(id, prompt(10, id as u32), 4)).unwrap());
     }
-    // The queue holds three at most: a fourth is refused (not an error), a repeated id is one.
-    assert!(!s.submit(req(4, prompt(10, 4), 4)).unwrap());
+    // A sixth is refused (not an error), a repeated id is an error.
+    assert!(!s.submit(req(6, prompt(10, 6), 4)).unwrap());
     assert!(s.submit(req(1, prompt(10, 1), 4)).is_err());
     assert!(s.submit(req(9, vec![], 4)).is_err());
     assert!(s.submit(req(9, vec![300], 4)).is_err());
@@ -167,7 +168,9 @@ fn requests_are_admitted_in_order_and_wait_for_a_free_stream() {
     s.step(&mut events).unwrap();
     let live: Vec<i64> = s.stream_positions().iter().map(|p| p.0).collect();
     assert_eq!(live, vec![1, 2], "the oldest two run");
-    assert_eq!(s.n_queued(), 1);
+    assert_eq!(s.n_queued(), 3);
+    // With both streams busy, the queue's three places are all taken.
+    assert!(!s.submit(req(6, prompt(10, 6), 4)).unwrap());
     // Streams are numbered by the free slot they took.
     let first: Vec<(i64, usize)> = events.iter().map(|e| (e.id, e.stream)).collect();
     assert_eq!(first, vec![(1, 0), (2, 1)]);
@@ -176,11 +179,11 @@ fn requests_are_admitted_in_order_and_wait_for_a_free_stream() {
     let first_3 = events.iter().position(|e| e.id == 3).unwrap();
     let done = events.iter().position(|e| e.kind == EventKind::Finished).unwrap();
     assert!(first_3 > done, "request 3 started before a stream was free");
-    for id in 1..=3 {
+    for id in 1..=5 {
         let f = finished(&events, id);
         assert_eq!((f.finish, f.n_gen, f.n_prompt), (Finish::Length, 4, 10));
     }
-    assert_eq!(s.stats.finished, 3);
+    assert_eq!(s.stats.finished, 5);
     assert_eq!((s.n_active(), s.n_queued()), (0, 0));
     assert_pages_back(&mut s);
 }
