@@ -72,6 +72,12 @@ impl KvCodec {
         let (rb, heads) = (self.bytes(hd), q.len() / hd);
         assert!(k.len() >= n * rb && out.len() >= (heads - 1) * stride + n, "KV rows or scores too short");
         #[cfg(target_arch = "x86_64")]
+        if self == KvCodec::F16 && hd.is_multiple_of(8) && n >= 8 && heads >= Z_HEADS && crate::quant::avx2::has_avx512() {
+            // SAFETY: AVX-512 F (and AVX2/FMA/F16C) detected; bounds asserted above.
+            unsafe { simd::dot_rows_f16_z(q, hd, k, n, out, stride) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if self == KvCodec::F16 && hd.is_multiple_of(8) && crate::quant::avx2::has_avx2() {
             for (g0, qg) in q.chunks(QK_GROUP * hd).enumerate() {
                 // SAFETY: AVX2/FMA/F16C detected; bounds asserted above.
@@ -124,6 +130,10 @@ impl KvCodec {
 const QK_GROUP: usize = 6;
 #[cfg(target_arch = "x86_64")]
 const PV_GROUP: usize = 4;
+/// Query heads from which q·k takes the AVX-512 pairs (same bits either way): below it (a decode
+/// row's few heads) converting the keys to f32 first costs more than reloading the queries.
+#[cfg(target_arch = "x86_64")]
+const Z_HEADS: usize = 8;
 #[cfg(target_arch = "x86_64")]
 const PV_GROUP_512: usize = 6;
 
@@ -294,6 +304,123 @@ mod simd {
                     _mm256_storeu_ps(y.add(g * hd + c + 8 * m), *a);
                 }
             }
+        }
+    }
+
+    // ---- AVX-512 q·k for several query heads: two heads share a 512-bit register (each 256-bit
+    // half one head's eight lane chains, `dot_f16`'s), against a key converted to f32 once per
+    // call and broadcast to both halves. Eight keys' chains stay in registers while the queries
+    // stream from L1, so an FMA serves 16 products with no query reload per key; the folds run
+    // on both heads at once in `scores`' order, so a score keeps `dot_f16`'s bits.
+
+    thread_local! {
+        /// The call's keys as f32 (prefill reads each key once per two query heads).
+        static KEYS_F32: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+
+    /// `dot_rows` for `Z_HEADS` or more heads and eight or more keys: the keys up to a multiple of
+    /// eight here, the rest through `dot_rows_f16`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub unsafe fn dot_rows_f16_z(q: &[f32], hd: usize, k: &[u8], n: usize, out: &mut [f32], stride: usize) {
+        let heads = q.len() / hd;
+        let n8 = n - n % 8;
+        KEYS_F32.with_borrow_mut(|(kf, qz)| {
+            // Grown, never cleared: every value read below is written first.
+            if kf.len() < n8 * hd {
+                kf.resize(n8 * hd, 0.0);
+            }
+            // n8 * hd is a multiple of 64: whole 16-value conversions.
+            for (i, dst) in kf[..n8 * hd].chunks_exact_mut(16).enumerate() {
+                let src = _mm256_loadu_si256(k.as_ptr().add(32 * i) as *const __m256i);
+                _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_cvtph_ps(src));
+            }
+            // Heads in pairs, each pair's queries interleaved by eight values ([lo 8 | hi 8] per
+            // step); an odd last head pairs with itself and only its low half is stored.
+            let pairs = heads.div_ceil(2);
+            if qz.len() < pairs * 2 * hd {
+                qz.resize(pairs * 2 * hd, 0.0);
+            }
+            for pr in 0..pairs {
+                let (lo, hi) = (2 * pr, (2 * pr + 1).min(heads - 1));
+                for c in (0..hd).step_by(8) {
+                    let at = pr * 2 * hd + 2 * c;
+                    qz[at..at + 8].copy_from_slice(&q[lo * hd + c..lo * hd + c + 8]);
+                    qz[at + 8..at + 16].copy_from_slice(&q[hi * hd + c..hi * hd + c + 8]);
+                }
+            }
+            let o = out.as_mut_ptr();
+            let mut pr = 0;
+            while pr < pairs {
+                let take = (pairs - pr).min(2);
+                let outs: [[Option<*mut f32>; 2]; 2] = std::array::from_fn(|i| {
+                    std::array::from_fn(|h| {
+                        let head = 2 * (pr + i) + h;
+                        // SAFETY (of the offset): head < heads, so head * stride + n <= out.len().
+                        (i < take && head < heads).then(|| o.add(head * stride))
+                    })
+                });
+                let qp = qz.as_ptr().add(pr * 2 * hd);
+                if take == 2 {
+                    scores_z::<2>(qp, hd, kf.as_ptr(), n8, outs);
+                } else {
+                    scores_z::<1>(qp, hd, kf.as_ptr(), n8, outs);
+                }
+                pr += take;
+            }
+        });
+        if n8 < n {
+            for (g0, qg) in q.chunks(super::QK_GROUP * hd).enumerate() {
+                dot_rows_f16(qg, hd, k.as_ptr().add(2 * hd * n8), n - n8, &mut out[super::QK_GROUP * g0 * stride + n8..], stride);
+            }
+        }
+    }
+
+    /// [a.i + b.i] of `fold_halves`, for two heads at once: lanes of 128 bits in, per head
+    /// [x.L0 + x.L1 | y.L0 + y.L1], out as [lo.L0, hi.L0, lo.L1, hi.L1].
+    #[inline(always)]
+    unsafe fn fold_halves_z(x: __m512, y: __m512) -> __m512 {
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(x, y), _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y))
+    }
+
+    #[inline(always)]
+    unsafe fn fold_pairs_z(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(a, b), _mm512_shuffle_ps::<0b11_10_11_10>(a, b))
+    }
+
+    #[inline(always)]
+    unsafe fn fold_last_z(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(_mm512_shuffle_ps::<0b10_00_10_00>(a, b), _mm512_shuffle_ps::<0b11_01_11_01>(a, b))
+    }
+
+    /// Scores of `P` head pairs (`qp`: their interleaved queries, `2 * hd` values a pair) against
+    /// keys 0..n (`n` a multiple of 8, `kf` f32 rows of `hd`), stored through `outs[pair][half]`.
+    #[inline(always)]
+    unsafe fn scores_z<const P: usize>(qp: *const f32, hd: usize, kf: *const f32, n: usize, outs: [[Option<*mut f32>; 2]; 2]) {
+        let mut j = 0;
+        while j < n {
+            let mut acc = [[_mm512_setzero_ps(); 8]; P];
+            for c in (0..hd).step_by(8) {
+                let kb: [__m512; 8] = std::array::from_fn(|t| _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(kf.add((j + t) * hd + c) as *const f64))));
+                for (p, ap) in acc.iter_mut().enumerate() {
+                    let qv = _mm512_loadu_ps(qp.add(p * 2 * hd + 2 * c));
+                    for t in 0..8 {
+                        ap[t] = _mm512_fmadd_ps(qv, kb[t], ap[t]);
+                    }
+                }
+            }
+            for (p, ap) in acc.iter().enumerate() {
+                let s: [__m512; 4] = std::array::from_fn(|t| fold_halves_z(ap[t], ap[t + 4]));
+                let r = fold_last_z(fold_pairs_z(s[0], s[1]), fold_pairs_z(s[2], s[3]));
+                // [lo.L0, hi.L0, lo.L1, hi.L1] -> [lo | hi]
+                let r = _mm512_shuffle_f32x4::<0b11_01_10_00>(r, r);
+                if let Some(lo) = outs[p][0] {
+                    _mm256_storeu_ps(lo.add(j), _mm512_castps512_ps256(r));
+                }
+                if let Some(hi) = outs[p][1] {
+                    _mm256_storeu_ps(hi.add(j), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(r))));
+                }
+            }
+            j += 8;
         }
     }
 
@@ -472,8 +599,9 @@ mod tests {
     }
 
     /// A score is the single-query dot's bits whatever the call takes with it (heads in groups of
-    /// one to four, keys eight at a time or in the tail), which is what keeps a row's attention
-    /// independent of the rows batched beside it.
+    /// one to six or, with AVX-512, in pairs two pairs a pass, an odd head alone; keys eight at a
+    /// time or in the tail), which is what keeps a row's attention independent of the rows
+    /// batched beside it.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn f16_scores_do_not_depend_on_grouping() {
@@ -481,7 +609,7 @@ mod tests {
             eprintln!("this CPU has no AVX2: the scalar products run, checked by row_products_match_the_decoded_rows");
             return;
         }
-        for (hd, n, heads) in [(128, 37, 4), (64, 19, 7), (72, 9, 3)] {
+        for (hd, n, heads) in [(128, 37, 4), (64, 19, 7), (72, 9, 3), (64, 16, 9), (256, 24, 8), (64, 41, 30)] {
             let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
             let mut rows = vec![0u8; 2 * n * hd];
             KvCodec::F16.encode(&vals, &mut rows);
