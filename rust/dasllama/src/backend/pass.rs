@@ -89,6 +89,9 @@ pub struct PassIn<'a> {
     /// Per batch row, the end (exclusive) of the positions it attends, where some row attends
     /// past its own (the rows of one image see each other); empty: causal, each row up to its own.
     pub key_ends: Vec<usize>,
+    /// `key_ends` applies to the sliding-window layers only (`Config::image_spans_sliding_only`):
+    /// a full layer's rows stay causal.
+    pub key_ends_sliding_only: bool,
 }
 
 /// Input rows given as values (`PassIn::embeds`): batch row `rows[i]` takes the first `dim` of

@@ -193,7 +193,10 @@ impl Ops for HostPass<'_, '_> {
 
     fn attention(&mut self, a: &AttnShape, slot: usize, q: Act, out: Act) {
         let inp = self.inp;
-        self.with(out, |s, o| s.ops.attention(a, slot, s.kvs, &inp.rows, &inp.key_ends, inp.counts, s.acts.get(q), o));
+        // A full layer of a model whose images see each other in the sliding layers only stays
+        // causal (gemma4).
+        let ends: &[usize] = if inp.key_ends_sliding_only && a.window == 0 { &[] } else { &inp.key_ends };
+        self.with(out, |s, o| s.ops.attention(a, slot, s.kvs, &inp.rows, ends, inp.counts, s.acts.get(q), o));
     }
 
     /// Route every row, then run each chosen expert once over the rows that chose it (gathered

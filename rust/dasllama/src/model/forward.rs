@@ -174,6 +174,7 @@ pub fn forward_batch_with(
                 ends[first..first + n].iter_mut().for_each(|e| *e = end);
             }
             inp.key_ends = ends;
+            inp.key_ends_sliding_only = m.config.image_spans_sliding_only;
         }
     }
     let keep = s.keep_hidden;
@@ -243,6 +244,7 @@ pub fn pass_inputs<'a>(m: &Model, descs: &[LayerDesc], lens: &[usize], counts: &
         rows,
         embeds: None,
         key_ends: Vec::new(),
+        key_ends_sliding_only: false,
     }
 }
 
