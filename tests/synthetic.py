@@ -951,7 +951,7 @@ def write_family(
         put("rope_factors_long.weight", long)
         put("rope_factors_short.weight", short)
     if "gemma4" in f:
-        _gemma4_globals(f, layers, mat, vec, put, weights)
+        _gemma4_globals(f, layers, mat, vec, put, weights, len(VOCAB) + len(specials))
     vec("output_norm.weight", DIM)
     if f.get("output"):
         mat("output.weight", len(VOCAB) + len(specials), DIM, *f["output"])
@@ -1043,7 +1043,7 @@ def _gemma4_block(f: dict[str, Any], i: int, mat: Any, stack: Any, vec: Any, put
     vec(p + "layer_output_scale.weight", 1, 0.8, 0.1)
 
 
-def _gemma4_globals(f: dict[str, Any], layers: int, mat: Any, vec: Any, put: Any, weights: dict[str, np.ndarray]) -> None:
+def _gemma4_globals(f: dict[str, Any], layers: int, mat: Any, vec: Any, put: Any, weights: dict[str, np.ndarray], n_vocab: int) -> None:
     """gemma4's tensors outside the blocks: the full layers' p-RoPE factors (1 on the pairs that
     turn, 1e30 on the rest, as the converter writes them) and the per-layer embeddings."""
     g = f["gemma4"]
@@ -1052,7 +1052,7 @@ def _gemma4_globals(f: dict[str, Any], layers: int, mat: Any, vec: Any, put: Any
     weights["rope_freqs.weight"] = factors
     put("rope_freqs.weight", factors)
     if g.get("ple"):
-        mat("per_layer_token_embd.weight", len(VOCAB), layers * g["ple"], 0.5, QT.F16)
+        mat("per_layer_token_embd.weight", n_vocab, layers * g["ple"], 0.5, QT.F16)
         mat("per_layer_model_proj.weight", layers * g["ple"], DIM, 0.08, QT.Q8_0)
         vec("per_layer_proj_norm.weight", g["ple"])
 
@@ -1097,7 +1097,9 @@ def _gemma4_logits(
         ends[first : first + n] = first + n
     if g.get("ple"):
         np_ = g["ple"]
-        tok = W["per_layer_token_embd.weight"][ids].reshape(T, L, np_) * np.sqrt(np_)
+        # A given row's per-layer token input is the padding token's (0), as llama.cpp's.
+        ple_ids = [0 if t in (embeds or {}) else i for t, i in enumerate(ids)]
+        tok = W["per_layer_token_embd.weight"][ple_ids].reshape(T, L, np_) * np.sqrt(np_)
         proj = (x @ W["per_layer_model_proj.weight"].T / np.sqrt(DIM)).reshape(T, L, np_)
         ple = (_rms(proj, W["per_layer_proj_norm.weight"], eps) + tok) / np.sqrt(2)
     kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}

@@ -124,6 +124,28 @@ def test_image_rows_see_each_other_in_the_sliding_layers_only(files: dict) -> No
     assert rel_err(causal, want) > 10 * err and rel_err(every, want) > 10 * err
 
 
+def test_image_rows_of_a_model_with_per_layer_inputs(tmp_path: Path) -> None:
+    # The E-series' per-layer inputs: an image row's token part is the padding token's (0), its
+    # projected part the image row's own (llama.cpp's gemma4 graph for rows given as embeddings).
+    text = tmp_path / "gemma4-e.gguf"
+    tw = write_family(text, "gemma4-e", meta=META, specials=SPECIALS)
+    proj = tmp_path / "mmproj.gguf"
+    write_gemma4v_mmproj(proj)
+    m = dl.load_model(text, dl.QuantMode.fp32, mmproj=proj)
+    img = Image.fromarray(np.random.default_rng(5).integers(0, 256, size=(30, 40, 3), dtype=np.uint8))
+    p = vision.tokenize_with_images(m, "the cat <__media__> at", [img])
+    ((first, n),) = p.spans
+    got = vision.eval_image_prompt(m, dl.create_session(m), p, all=True)
+    embeds = {r: p.values[i].astype(np.float64) for i, r in enumerate(p.rows)}
+    want = family_reference_logits(tw, "gemma4-e", p.ids, META, embeds=embeds, spans=((first, n),))
+    assert rel_err(got, want) < 5e-3, rel_err(got, want)
+    # Causal, as E2B and E4B decode theirs: the same rows without the span.
+    causal = vision.ImagePrompt(p.ids, p.rows, p.values, p.spans, non_causal=False, grids=p.grids)
+    got = vision.eval_image_prompt(m, dl.create_session(m), causal, all=True)
+    want = family_reference_logits(tw, "gemma4-e", p.ids, META, embeds=embeds)
+    assert rel_err(got, want) < 5e-3, rel_err(got, want)
+
+
 def test_scheduler_runs_gemma4_images_as_sessions_do(files: dict) -> None:
     m = dl.load_model(files["text"], mmproj=files["mmproj"])
     rng = np.random.default_rng(12)
