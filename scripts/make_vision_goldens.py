@@ -1,10 +1,12 @@
-"""Write tests/golden/vision/{gemma3,gemma4v,pixtral,qwen25vl,qwen3vl,idefics3}-tiny.json: llama.cpp's own multimodal path
+"""Write tests/golden/vision/{gemma3,gemma4v,gemma4v-e,pixtral,qwen25vl,qwen3vl,idefics3}-tiny.json: llama.cpp's own multimodal path
 (tools/mtmd) on the tiny synthetic text models and mmproj files of tests/synthetic_vision.py, for
 tests/test_vision_golden.py: the prompt's text chunks as mtmd tokenizes them, the image's
 embeddings (its preprocessing included: for Gemma 3 a 48 x 40 picture fitted on black into
 32 x 32 with bilinear resampling; for Gemma 4 a 45 x 37 picture resized bicubically up to
 120 x 96, 10 x 8 tokens of 3 x 3 patches (its minimum of 70 tokens), into the tiny gemma4 text
-family of tests/synthetic.py, whose sliding layers see the image's rows both ways; for Pixtral a 45 x 37 picture resized bicubically to 48 x 40,
+family of tests/synthetic.py, whose sliding layers see the image's rows both ways (and into the
+E-series family, ``gemma4v-e``, whose per-layer inputs take the padding token's row for an image
+row); for Pixtral a 45 x 37 picture resized bicubically to 48 x 40,
 its own aspect ratio in multiples of 8; for Qwen2.5-VL a 125 x 37 picture resized to
 128 x 40, 16 x 5 tokens, wide enough for two of its 112-pixel windows, on M-RoPE axes in a qwen2vl
 text model; for Qwen3-VL a 61 x 45 picture resized to 64 x 48, 8 x 6 tokens, its learned 8 x 8
@@ -57,6 +59,15 @@ CASES = {
     # only), its context raised for the 80 image rows.
     "gemma4v": dict(
         family="gemma4",
+        specials=("<|image>", "<image|>"),
+        write=write_gemma4v_mmproj,
+        image=dict(seed=17, width=45, height=37),
+        meta={"context_length": 128},
+    ),
+    # The same image into the E-series family (per-layer inputs: an image row's token part is
+    # the padding token's; two layers reading earlier layers' K/V).
+    "gemma4v-e": dict(
+        family="gemma4-e",
         specials=("<|image>", "<image|>"),
         write=write_gemma4v_mmproj,
         image=dict(seed=17, width=45, height=37),
