@@ -1,7 +1,7 @@
 """dasllama's vision paths against llama.cpp's own (tools/mtmd), on the tiny synthetic models, one
-golden per projector (Gemma 3, Gemma 4 and its E-series, Pixtral, Qwen2.5-VL, Qwen3-VL, Idefics3): the prompt's tokens, the image's embeddings
-(preprocessing included) and the greedy steps after the prompt (golden:
-scripts/make_vision_goldens.py)."""
+golden per projector (Gemma 3, Gemma 4 and its E-series, Pixtral, Qwen2.5-VL, Qwen3-VL, Idefics3):
+the prompt's tokens, the image's embeddings (preprocessing included) and the greedy steps after
+the prompt (golden: scripts/make_vision_goldens.py)."""
 
 from __future__ import annotations
 
