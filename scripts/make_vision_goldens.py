@@ -1,8 +1,12 @@
-"""Write tests/golden/vision/{gemma3,pixtral,qwen25vl,qwen3vl,idefics3}-tiny.json: llama.cpp's own multimodal path
+"""Write tests/golden/vision/{gemma3,gemma4v,gemma4v-e,pixtral,qwen25vl,qwen3vl,idefics3}-tiny.json: llama.cpp's own multimodal path
 (tools/mtmd) on the tiny synthetic text models and mmproj files of tests/synthetic_vision.py, for
 tests/test_vision_golden.py: the prompt's text chunks as mtmd tokenizes them, the image's
 embeddings (its preprocessing included: for Gemma 3 a 48 x 40 picture fitted on black into
-32 x 32 with bilinear resampling; for Pixtral a 45 x 37 picture resized bicubically to 48 x 40,
+32 x 32 with bilinear resampling; for Gemma 4 a 45 x 37 picture resized bicubically up to
+120 x 96, 10 x 8 tokens of 3 x 3 patches (its minimum of 70 tokens), into the tiny gemma4 text
+family of tests/synthetic.py, whose sliding layers see the image's rows both ways (and into the
+E-series family, ``gemma4v-e``, whose per-layer inputs take the padding token's row for an image
+row); for Pixtral a 45 x 37 picture resized bicubically to 48 x 40,
 its own aspect ratio in multiples of 8; for Qwen2.5-VL a 125 x 37 picture resized to
 128 x 40, 16 x 5 tokens, wide enough for two of its 112-pixel windows, on M-RoPE axes in a qwen2vl
 text model; for Qwen3-VL a 61 x 45 picture resized to 64 x 48, 8 x 6 tokens, its learned 8 x 8
@@ -20,7 +24,7 @@ Needs the harness scripts/mtmd_golden.cpp built against a static build of llama-
     g++ -std=c++17 -O2 -I$V/include -I$V/ggml/include -I$V/tools/mtmd scripts/mtmd_golden.cpp \\
         $B/tools/mtmd/libmtmd.a $B/vendor/hash/libvendor-hash.a $B/src/libllama.a $B/ggml/src/libggml.a \\
         $B/ggml/src/libggml-cpu.a $B/ggml/src/libggml-base.a -fopenmp -lpthread -ldl -o /tmp/mtmd_golden
-    python scripts/make_vision_goldens.py --harness /tmp/mtmd_golden [--case gemma3|pixtral]
+    python scripts/make_vision_goldens.py --harness /tmp/mtmd_golden [--case gemma3|gemma4v|...]
 
 The files are written deterministically (fixed seeds); the golden records their sha256, which the
 test checks before comparing.
@@ -41,8 +45,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from synthetic import write_model  # noqa: E402
-from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj, write_qwen3vl_mmproj  # noqa: E402
+from synthetic import write_family, write_model  # noqa: E402
+from synthetic_vision import write_gemma3_mmproj, write_gemma4v_mmproj, write_idefics3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj, write_qwen3vl_mmproj  # noqa: E402
 
 PROMPT = "the cat <__media__> at"
 STEPS = 6
@@ -50,6 +54,25 @@ STEPS = 6
 # picture (a seeded random RGB of this size).
 CASES = {
     "gemma3": dict(arch="gemma3", specials=("<start_of_image>", "<end_of_image>"), write=write_gemma3_mmproj, image=dict(seed=7, width=48, height=40)),
+    # The text model: tests/synthetic.py's gemma4 family (three sliding layers with a window of 6
+    # and one full layer; llama.cpp lets an image's rows see each other in the sliding layers
+    # only), its context raised for the 80 image rows.
+    "gemma4v": dict(
+        family="gemma4",
+        specials=("<|image>", "<image|>"),
+        write=write_gemma4v_mmproj,
+        image=dict(seed=17, width=45, height=37),
+        meta={"context_length": 128},
+    ),
+    # The same image into the E-series family (per-layer inputs: an image row's token part is
+    # the padding token's; two layers reading earlier layers' K/V).
+    "gemma4v-e": dict(
+        family="gemma4-e",
+        specials=("<|image>", "<image|>"),
+        write=write_gemma4v_mmproj,
+        image=dict(seed=17, width=45, height=37),
+        meta={"context_length": 128},
+    ),
     "pixtral": dict(arch="llama", specials=("[IMG]", "[IMG_BREAK]", "[IMG_END]"), write=write_pixtral_mmproj, image=dict(seed=9, width=45, height=37)),
     # 125 x 37 pixels: 16 x 5 tokens, the windowed layer's windows 14 tokens wide.
     # The text tower on M-RoPE (Qwen2-VL's consecutive sections, 8/12/12/0 of its 32 pairs; a
@@ -99,7 +122,10 @@ def write_files(d: Path, case: str = "gemma3") -> tuple[Path, Path]:
     c = CASES[case]
     text, proj = d / f"{case}-tiny.gguf", d / f"mmproj-{case}-tiny.gguf"
     extra = {**(_biases() if c.get("biases") else {}), **(_qk_norms() if c.get("qk_norm") else {})} or None
-    write_model(text, arch=c["arch"], specials=c["specials"], ctx=128, meta=c.get("meta"), extra=extra)
+    if "family" in c:
+        write_family(text, c["family"], meta=c.get("meta"), specials=c["specials"])
+    else:
+        write_model(text, arch=c["arch"], specials=c["specials"], ctx=128, meta=c.get("meta"), extra=extra)
     c["write"](proj)
     return text, proj
 

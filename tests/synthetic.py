@@ -751,6 +751,7 @@ def write_family(
     mtp: bool | Path = False,
     legacy_qkvz: bool = False,
     fuse_gate_up: bool = False,
+    specials: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray]:
     """Write family ``name`` of ``FAMILIES`` deterministically (the same bytes on every call with
     the same gguf and numpy); return the exact weights (numpy order: rows x cols). ``drop`` leaves
@@ -760,7 +761,8 @@ def write_family(
     same values, grouped per key head (query, key, its value heads' values, their gates).
     ``fuse_gate_up`` (gemma4-moe and the hybrids with experts) writes each trunk layer's expert
     gates and ups as one F32 ``ffn_gate_up_exps`` of the same values (each expert's gate rows,
-    then its up rows).
+    then its up rows). ``specials`` adds control tokens after the vocabulary (an image's
+    markers), with their embedding and output rows.
 
     ``mtp`` (hybrid families): True adds an MTP head after the trunk (block ``layers``: gated
     attention and the family's FFN, ``nextn.eh_proj``, ``enorm``, ``hnorm`` and
@@ -795,7 +797,7 @@ def write_family(
     if not sidecar:
         keys.update(meta or {})
     _add_keys(w, arch, keys)
-    _write_vocab(w)
+    _write_vocab(w, specials)
     weights: dict[str, np.ndarray] = {}
     count = [0]
     out = [w]
@@ -843,7 +845,7 @@ def write_family(
         put(name, v)
 
     embd_std, embd_type = f.get("embd", (0.5, QT.Q8_0))
-    mat("token_embd.weight", len(VOCAB), DIM, embd_std, embd_type)
+    mat("token_embd.weight", len(VOCAB) + len(specials), DIM, embd_std, embd_type)
     def fuse(p: str) -> None:
         # The layer's expert gates and ups once more, as one F32 stack of the same values.
         if fuse_gate_up and p + "ffn_gate_exps.weight" in weights:
@@ -949,10 +951,10 @@ def write_family(
         put("rope_factors_long.weight", long)
         put("rope_factors_short.weight", short)
     if "gemma4" in f:
-        _gemma4_globals(f, layers, mat, vec, put, weights)
+        _gemma4_globals(f, layers, mat, vec, put, weights, len(VOCAB) + len(specials))
     vec("output_norm.weight", DIM)
     if f.get("output"):
-        mat("output.weight", len(VOCAB), DIM, *f["output"])
+        mat("output.weight", len(VOCAB) + len(specials), DIM, *f["output"])
     if f.get("glm", {}).get("nextn"):
         p = f"blk.{layers}."
         vec(p + "attn_norm.weight", DIM)
@@ -1041,7 +1043,7 @@ def _gemma4_block(f: dict[str, Any], i: int, mat: Any, stack: Any, vec: Any, put
     vec(p + "layer_output_scale.weight", 1, 0.8, 0.1)
 
 
-def _gemma4_globals(f: dict[str, Any], layers: int, mat: Any, vec: Any, put: Any, weights: dict[str, np.ndarray]) -> None:
+def _gemma4_globals(f: dict[str, Any], layers: int, mat: Any, vec: Any, put: Any, weights: dict[str, np.ndarray], n_vocab: int) -> None:
     """gemma4's tensors outside the blocks: the full layers' p-RoPE factors (1 on the pairs that
     turn, 1e30 on the rest, as the converter writes them) and the per-layer embeddings."""
     g = f["gemma4"]
@@ -1050,7 +1052,7 @@ def _gemma4_globals(f: dict[str, Any], layers: int, mat: Any, vec: Any, put: Any
     weights["rope_freqs.weight"] = factors
     put("rope_freqs.weight", factors)
     if g.get("ple"):
-        mat("per_layer_token_embd.weight", len(VOCAB), layers * g["ple"], 0.5, QT.F16)
+        mat("per_layer_token_embd.weight", n_vocab, layers * g["ple"], 0.5, QT.F16)
         mat("per_layer_model_proj.weight", layers * g["ple"], DIM, 0.08, QT.Q8_0)
         vec("per_layer_proj_norm.weight", g["ple"])
 
@@ -1059,8 +1061,17 @@ def _gelu(g: np.ndarray) -> np.ndarray:
     return 0.5 * g * (1 + np.tanh(0.7978845608 * (g + 0.044715 * g**3)))
 
 
-def _gemma4_logits(W: dict[str, np.ndarray], f: dict[str, Any], meta: dict[str, Any], ids: list[int]) -> np.ndarray:
-    """Float64 forward pass of a gemma4 family, as llama.cpp's gemma4 graph computes it."""
+def _gemma4_logits(
+    W: dict[str, np.ndarray],
+    f: dict[str, Any],
+    meta: dict[str, Any],
+    ids: list[int],
+    embeds: dict[int, np.ndarray] | None = None,
+    spans: tuple[tuple[int, int], ...] = (),
+    every_layer: bool = False,
+) -> np.ndarray:
+    """Float64 forward pass of a gemma4 family, as llama.cpp's gemma4 graph computes it (rows
+    given and non-causal spans as ``family_reference_logits`` says)."""
     g, eps, T = f["gemma4"], meta["attention.layer_norm_rms_epsilon"], len(ids)
     L = f.get("layers", LAYERS)
     first_shared = L - g.get("shared", 0)
@@ -1078,9 +1089,17 @@ def _gemma4_logits(W: dict[str, np.ndarray], f: dict[str, Any], meta: dict[str, 
         return out
 
     x = W["token_embd.weight"][ids] * np.sqrt(DIM)
+    for r, val in (embeds or {}).items():
+        x[r] = val
+    # Where each row's keys end in a sliding layer: its own position, or its span's end.
+    ends = np.arange(1, T + 1)
+    for first, n in spans:
+        ends[first : first + n] = first + n
     if g.get("ple"):
         np_ = g["ple"]
-        tok = W["per_layer_token_embd.weight"][ids].reshape(T, L, np_) * np.sqrt(np_)
+        # A given row's per-layer token input is the padding token's (0), as llama.cpp's.
+        ple_ids = [0 if t in (embeds or {}) else i for t, i in enumerate(ids)]
+        tok = W["per_layer_token_embd.weight"][ple_ids].reshape(T, L, np_) * np.sqrt(np_)
         proj = (x @ W["per_layer_model_proj.weight"].T / np.sqrt(DIM)).reshape(T, L, np_)
         ple = (_rms(proj, W["per_layer_proj_norm.weight"], eps) + tok) / np.sqrt(2)
     kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -1102,10 +1121,11 @@ def _gemma4_logits(W: dict[str, np.ndarray], f: dict[str, Any], meta: dict[str, 
         att = np.zeros((T, H, HD))
         for t in range(T):
             lo = max(0, t - window + 1) if window else 0
+            hi = ends[t] if swa or every_layer else t + 1
             for hh in range(H):
-                sc = k[lo : t + 1, hh // (H // KVH)] @ q[t, hh]
+                sc = k[lo:hi, hh // (H // KVH)] @ q[t, hh]
                 pr = np.exp(sc - sc.max())
-                att[t, hh] = (pr / pr.sum()) @ v[lo : t + 1, hh // (H // KVH)]
+                att[t, hh] = (pr / pr.sum()) @ v[lo:hi, hh // (H // KVH)]
         x = x + _rms(att.reshape(T, -1) @ W[p + "attn_output.weight"].T, W[p + "post_attention_norm.weight"], eps)
         hf = _rms(x, W[p + "ffn_norm.weight"], eps)
         d = (_gelu(hf @ W[p + "ffn_gate.weight"].T) * (hf @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
@@ -1258,15 +1278,29 @@ def _note_gap(t: int, sel: np.ndarray, used: int) -> None:
     ROUTING_GAPS[t] = min(ROUTING_GAPS[t], float(s[used - 1] - s[used]))
 
 
-def family_reference_logits(wt: dict[str, np.ndarray], name: str, ids: list[int], meta_over: dict[str, Any] | None = None) -> np.ndarray:
+def family_reference_logits(
+    wt: dict[str, np.ndarray],
+    name: str,
+    ids: list[int],
+    meta_over: dict[str, Any] | None = None,
+    embeds: dict[int, np.ndarray] | None = None,
+    spans: tuple[tuple[int, int], ...] = (),
+    every_layer: bool = False,
+) -> np.ndarray:
     """Float64 forward pass of ``write_family(name)``'s weights; logits after each position.
     ``meta_over``: the keys ``write_family`` was given as ``meta``. Leaves each row's router
-    margin in ``ROUTING_GAPS``."""
+    margin in ``ROUTING_GAPS``. gemma4 families only: ``embeds`` gives rows' inputs instead of
+    their tokens' (unscaled), and the rows of each (first, count) of ``spans`` see each other in
+    the sliding layers (within the window), the full layers staying causal (llama.cpp's
+    LLAMA_NON_CAUSAL_TYPE_SWA_ONLY; ``every_layer``: in the full layers too, as llama.cpp's other
+    models)."""
     ROUTING_GAPS.clear()
     f = FAMILIES[name] if name in FAMILIES else DEVICE_LIMIT_FAMILIES[name]
     meta: dict[str, Any] = {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": 64, **f.get("meta", {}), **(meta_over or {})}
     if "gemma4" in f:
-        return _gemma4_logits({k: v.astype(np.float64) for k, v in wt.items()}, f, meta, ids)
+        return _gemma4_logits({k: v.astype(np.float64) for k, v in wt.items()}, f, meta, ids, embeds, spans, every_layer)
+    if embeds or spans:
+        raise ValueError(f"family_reference_logits takes embeds and spans for gemma4 families only, not {name}")
     arch, H, KVH, HD = f["arch"], f["heads"], f["kv_heads"], f["head_dim"]
     qd, kvd = H * HD, KVH * HD
     eps = meta["attention.layer_norm_rms_epsilon"]

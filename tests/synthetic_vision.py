@@ -1,7 +1,7 @@
 """Tiny random-weight mmproj files (llama.cpp's ``clip`` architecture) written with
 gguf.GGUFWriter, with a NumPy float64 reference of the tower and projector to check the engine
-against: Gemma 3, Pixtral, Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Idefics3 (SmolVLM), each described beside
-its writer."""
+against: Gemma 3, Gemma 4, Pixtral, Qwen2-VL / Qwen2.5-VL, Qwen3-VL and Idefics3 (SmolVLM), each
+described beside its writer."""
 
 from __future__ import annotations
 
@@ -649,3 +649,148 @@ def reference_idefics3_tile(W: dict[str, np.ndarray], pixels: np.ndarray, **over
     side = g // s
     shuffled = x.reshape(side, s, side, s, d).transpose(0, 2, 1, 3, 4).reshape(side * side, s * s * d)
     return shuffled @ X["mm.model.fc.weight"].T
+
+
+# Gemma 4 (projector ``gemma4v``): patches of 4 pooled 3 x 3 (clip.cpp's default merge, no
+# scale_factor key, as the converted files), so an image is a multiple of 12 pixels a side and
+# 70 to 1120 tokens; learned column and row tables for up to 40 patches a side; RMS norms
+# without biases, per-head Q/K norms, a NeoX 2-D RoPE of base 100, V normed without a weight,
+# unscaled attention, post norms, a gated GELU-quick MLP (no use_gelu key, as the converted
+# files), each layer's output scaled by a scalar; clamps on some matrices' inputs and outputs
+# (Gemma4ClippableLinear) that bind on some values; std_bias / std_scale, an RMS norm and the
+# projection to the text width.
+GEMMA4V_VISION: dict[str, Any] = dict(image_size=48, patch=4, dim=64, ff=96, heads=4, layers=2, merge=3, eps=1e-6, pos=40, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
+# (matrix, side): (min, max), where the synthetic file has them.
+GEMMA4V_CLAMPS: dict[tuple[str, str], tuple[float, float]] = {
+    ("v.blk.0.attn_q", "input"): (-1.5, 1.5),
+    ("v.blk.1.ffn_down", "input"): (-0.4, 0.4),
+    ("v.blk.1.attn_out", "output"): (-0.3, 0.3),
+    ("mm.input_projection", "output"): (-4.0, 4.0),
+}
+
+
+def write_gemma4v_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, drop: str | None = None, **over: Any) -> dict[str, np.ndarray]:
+    """Write a tiny Gemma 4 mmproj (``drop`` leaves a tensor out); return its exact weights
+    (numpy order)."""
+    c = {**GEMMA4V_VISION, **over}
+    rng = np.random.default_rng(4444)
+    w = _clip_writer(path, "gemma4v", "gelu_quick", c, text_dim)
+    if c["merge"] != 3:
+        w.add_uint32("clip.vision.projector.scale_factor", c["merge"])
+    weights: dict[str, np.ndarray] = {}
+    d, p, hd = c["dim"], c["patch"], c["dim"] // c["heads"]
+
+    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
+        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
+        weights[name] = exact
+        if name == drop:
+            return
+        if data.dtype == np.uint8:
+            w.add_tensor(name, data, raw_dtype=kind)
+        else:
+            w.add_tensor(name, data)
+
+    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.12) -> None:
+        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
+
+    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
+        put(name, mean + rng.normal(0, std, size=n))
+
+    put("v.patch_embd.weight", rng.normal(0, 0.1, size=(d, 3, p, p)))
+    # GGUF shape [dim, pos, 2]: the column table, then the row table.
+    put("v.position_embd.weight", rng.normal(0, 0.5, size=(2, c["pos"], d)))
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        vec(b + "ln1.weight", d)
+        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            mat(b + t + ".weight", d, d, scale=0.15)
+        vec(b + "attn_q_norm.weight", hd)
+        vec(b + "attn_k_norm.weight", hd)
+        vec(b + "attn_post_norm.weight", d, 0.5)
+        vec(b + "ln2.weight", d)
+        mat(b + "ffn_gate.weight", c["ff"], d)
+        mat(b + "ffn_up.weight", c["ff"], d)
+        mat(b + "ffn_down.weight", d, c["ff"])
+        vec(b + "ffn_post_norm.weight", d, 0.5)
+        put(b + "out_scale.weight", np.array([0.8 + 0.1 * i]))
+    vec("v.std_bias", d, 0.0, 0.5)
+    vec("v.std_scale", d, 1.0, 0.2)
+    mat("mm.input_projection.weight", text_dim, d, scale=0.2)
+    for (m, side), (lo, hi) in GEMMA4V_CLAMPS.items():
+        put(f"{m}.{side}_min", np.array([lo]))
+        put(f"{m}.{side}_max", np.array([hi]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return weights
+
+
+def _neox_2d(x: np.ndarray, gw: int, heads: int, theta: float = 100.0) -> np.ndarray:
+    """Gemma 4's tower RoPE: in each head, the first half turned by the patch's column and the
+    second by its row, each a NeoX RoPE of hd/2 dimensions (pair i with pair i + hd/4,
+    frequencies base^(-4i/hd))."""
+    n, d = x.shape
+    hd = d // heads
+    q = hd // 4
+    cols, rows = np.arange(n) % gw, np.arange(n) // gw
+    out = x.reshape(n, heads, hd).copy()
+    freq = theta ** (-2.0 * np.arange(q) / (hd // 2))
+    for half, pos in ((0, cols), (1, rows)):
+        ang = pos[:, None] * freq[None, :]
+        cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        base = half * hd // 2
+        x0, x1 = out[:, :, base : base + q].copy(), out[:, :, base + q : base + 2 * q].copy()
+        out[:, :, base : base + q] = x0 * cos - x1 * sin
+        out[:, :, base + q : base + 2 * q] = x0 * sin + x1 * cos
+    return out.reshape(n, d)
+
+
+def reference_gemma4v_image(W: dict[str, np.ndarray], pixels: np.ndarray, **over: Any) -> np.ndarray:
+    """Float64 tower + projector over planar normalized pixels (3, H, W): (tokens, text_dim)."""
+    c = {**GEMMA4V_VISION, **over}
+    X = {k: v.astype(np.float64) for k, v in W.items()}
+    p, d, H, eps, k = c["patch"], c["dim"], c["heads"], c["eps"], c["merge"]
+    _, hh, ww = pixels.shape
+    gh, gw = hh // p, ww // p
+    n, hd = gh * gw, d // H
+    clamps = GEMMA4V_CLAMPS
+
+    def lin(name: str, x: np.ndarray) -> np.ndarray:
+        if (name, "input") in clamps:
+            x = np.clip(x, *clamps[(name, "input")])
+        y = x @ X[name + ".weight"].T
+        return np.clip(y, *clamps[(name, "output")]) if (name, "output") in clamps else y
+
+    def rms(x: np.ndarray, wt: np.ndarray | float = 1.0) -> np.ndarray:
+        return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * wt
+
+    px = pixels.astype(np.float64) * 2 - 1
+    patches = px.reshape(3, gh, p, gw, p).transpose(1, 3, 0, 2, 4).reshape(n, 3 * p * p)
+    x = patches @ X["v.patch_embd.weight"].reshape(d, -1).T
+    tab = X["v.position_embd.weight"]
+    x = x + tab[0][np.arange(n) % gw] + tab[1][np.arange(n) // gw]
+    for i in range(c["layers"]):
+        b = f"v.blk.{i}."
+        h = rms(x, X[b + "ln1.weight"])
+        q, kk, v = (lin(b + t, h) for t in ("attn_q", "attn_k", "attn_v"))
+        q = rms(q.reshape(n, H, hd), X[b + "attn_q_norm.weight"]).reshape(n, d)
+        kk = rms(kk.reshape(n, H, hd), X[b + "attn_k_norm.weight"]).reshape(n, d)
+        q, kk = _neox_2d(q, gw, H), _neox_2d(kk, gw, H)
+        v = rms(v.reshape(n, H, hd)).reshape(n, d)
+        att = np.zeros((n, d))
+        for j in range(H):
+            s = slice(j * hd, (j + 1) * hd)
+            sc = q[:, s] @ kk[:, s].T
+            pr = np.exp(sc - sc.max(-1, keepdims=True))
+            pr /= pr.sum(-1, keepdims=True)
+            att[:, s] = pr @ v[:, s]
+        x = x + rms(lin(b + "attn_out", att), X[b + "attn_post_norm.weight"])
+        h = rms(x, X[b + "ln2.weight"])
+        g, u = lin(b + "ffn_gate", h), lin(b + "ffn_up", h)
+        x = x + rms(lin(b + "ffn_down", g / (1 + np.exp(-1.702 * g)) * u), X[b + "ffn_post_norm.weight"])
+        x = x * X[b + "out_scale.weight"][0]
+    oy, ox = gh // k, gw // k
+    pooled = x.reshape(oy, k, ox, k, d).mean(axis=(1, 3)).reshape(oy * ox, d) * np.sqrt(d)
+    pooled = (pooled - X["v.std_bias"]) * X["v.std_scale"]
+    return lin("mm.input_projection", rms(pooled))

@@ -2,7 +2,11 @@
 as llama.cpp's ``tools/mtmd`` does it, and an image's embeddings from the vision tower.
 
 Projector types: ``gemma3`` (SigLIP at a fixed size, 2-D average pooling, soft-embedding norm,
-projection; the image's rows see each other) and ``pixtral`` (Pixtral and Mistral Small 3.x: the
+projection; the image's rows see each other), ``gemma4v`` (Gemma 4: the image at its own aspect
+ratio, 70 to 1120 tokens of 3 x 3 patches, a tower with learned column and row tables and a 2-D
+RoPE, average pooling, a standardisation, an RMS norm and the projection, between ``<|image>``
+and ``<image|>``; its rows see each other in the text model's sliding-window layers, but for
+E2B and E4B, whose are causal) and ``pixtral`` (Pixtral and Mistral Small 3.x: the
 image at its own aspect ratio, a 2-D RoPE tower, patch merger, GELU MLP, a ``[IMG_BREAK]`` row
 after each row of tokens, causal), ``qwen2vl_merger``/``qwen2.5vl_merger`` (Qwen2-VL and
 Qwen2.5-VL: the image at its own aspect ratio in 2 x 2 patch blocks, one token each, causal, its
@@ -38,6 +42,7 @@ log = logging.getLogger("dasllama")
 # How each projector's image is marked in the prompt (mtmd.cpp's img_beg / img_end).
 _MARKERS: dict[str, tuple[str, str]] = {
     "gemma3": ("<start_of_image>", "<end_of_image>"),
+    "gemma4v": ("<|image>", "<image|>"),
     "pixtral": ("", "[IMG_END]"),
     "qwen2vl_merger": ("<|vision_start|>", "<|vision_end|>"),
     "qwen2.5vl_merger": ("<|vision_start|>", "<|vision_end|>"),
@@ -46,7 +51,7 @@ _MARKERS: dict[str, tuple[str, str]] = {
 }
 # A dynamic-size tower's token budget per image (clip.cpp's set_limit_image_tokens), in merged
 # tokens.
-_TOKENS: dict[str, tuple[int, int]] = {"pixtral": (8, 1024), "qwen2vl_merger": (8, 4096), "qwen2.5vl_merger": (8, 4096), "qwen3vl_merger": (8, 4096)}
+_TOKENS: dict[str, tuple[int, int]] = {"gemma4v": (70, 1120), "pixtral": (8, 1024), "qwen2vl_merger": (8, 4096), "qwen2.5vl_merger": (8, 4096), "qwen3vl_merger": (8, 4096)}
 # Idefics3's longest image side before tiling (clip.cpp's image_longest_edge).
 _LONGEST_EDGE_KEY = "clip.vision.preproc_image_size"
 # Images past this many pixels are refused before decoding (a decompression bomb's guard).
@@ -156,10 +161,10 @@ def decode_image(data: bytes) -> Any:
 
 def target_size(proj: Projector, width: int, height: int) -> tuple[int, int]:
     """The size (width, height) an image of ``width`` x ``height`` is preprocessed to: the tower's
-    square for a fixed-size projector; for Pixtral and Qwen-VL, clip.cpp's
+    square for a fixed-size projector; for Gemma 4, Pixtral and Qwen-VL, clip.cpp's
     ``calc_size_preserved_ratio``: each side rounded to a multiple of patch x merge, then scaled
-    (keeping the aspect ratio) into the projector's budget (8 to 1024 tokens for Pixtral, 8 to
-    4096 for Qwen-VL), f32 arithmetic as there."""
+    (keeping the aspect ratio) into the projector's budget (70 to 1120 tokens for Gemma 4, 8 to
+    1024 for Pixtral, 8 to 4096 for Qwen-VL), f32 arithmetic as there."""
     nat = proj.native
     if not nat.dynamic_size:
         return proj.image_size, proj.image_size
@@ -189,7 +194,7 @@ def preprocess_sized(img: Any, proj: Projector) -> tuple[np.ndarray, int, int]:
 
     As mtmd's preprocessors with llama.cpp's default padding: scaled to fit ``target_size``
     keeping its aspect ratio (Pillow's resampling, which clip.cpp reproduces: bilinear for
-    Gemma 3, bicubic for Pixtral and Qwen-VL; sizes rounded up), centered on black, then x / 255, minus the
+    Gemma 3, bicubic for Gemma 4, Pixtral and Qwen-VL; sizes rounded up), centered on black, then x / 255, minus the
     file's mean, over its std."""
     from PIL import Image
 

@@ -12,7 +12,7 @@ mod pass;
 mod placement;
 mod recurrent;
 
-pub use pass::{Act, Buf, ExpertSet, HostActs, Ops, PassIn, RowEmbeds, Scratch};
+pub use pass::{Act, Buf, ExpertSet, Given, HostActs, Ops, PassIn, RowEmbeds, Scratch};
 
 pub use placement::{DevKv, KvHome, Placeable, Placement, PlacementStatus};
 pub use recurrent::{DeltaNet, DnParams, HeadMap};

@@ -89,6 +89,9 @@ pub struct PassIn<'a> {
     /// Per batch row, the end (exclusive) of the positions it attends, where some row attends
     /// past its own (the rows of one image see each other); empty: causal, each row up to its own.
     pub key_ends: Vec<usize>,
+    /// `key_ends` applies to the sliding-window layers only (`Config::image_spans_sliding_only`):
+    /// a full layer's rows stay causal.
+    pub key_ends_sliding_only: bool,
 }
 
 /// Input rows given as values (`PassIn::embeds`): batch row `rows[i]` takes the first `dim` of
@@ -121,6 +124,16 @@ pub struct ExpertSet<'a> {
     pub hidden: usize,
 }
 
+/// What `Ops::embed` writes in the rows given as values (`PassIn::embeds`, an image's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Given {
+    /// Their given values (the token embedding's place).
+    Values,
+    /// Row `id` of the table, times the scale, as if that were their token (gemma4's per-layer
+    /// inputs of an image's rows: llama.cpp reads the padding token's, 0).
+    Token(u32),
+}
+
 /// The ops of one forward pass. Each computes every row with the same arithmetic whatever else
 /// the batch holds. A device that cannot run an op remembers why, runs nothing more, and says
 /// so when the pass ends; ops return nothing, so the skeleton reads as the arithmetic it is.
@@ -129,8 +142,8 @@ pub trait Ops {
     fn alloc(&mut self, buf: Buf, len: usize) -> Act;
 
     /// Row t of `out` = row `tokens[t]` of `w`, times `scale`; the rows `PassIn::embeds` names
-    /// take their given values instead.
-    fn embed(&mut self, w: &Weight, scale: f32, out: Act);
+    /// take what `given` says instead.
+    fn embed(&mut self, w: &Weight, scale: f32, given: Given, out: Act);
 
     /// out_j = x · W_jᵀ for several weights of one input (Q/K/V, gate/up) in one pass over the
     /// rows. `alone`: every row is a matrix of its own to ggml's summation order (expert rows,

@@ -2,7 +2,7 @@
 //! host kernels (`CpuOps`) over the pass's buffers in host memory and the sessions' paged K/V.
 
 use super::backend::CpuOps;
-use crate::backend::{Act, AttnShape, DeltaNet, DnParams, ExpertSet, HostActs, HostOps, Ops, PassIn, RopeTable, Route};
+use crate::backend::{Act, AttnShape, DeltaNet, DnParams, ExpertSet, Given, HostActs, HostOps, Ops, PassIn, RopeTable, Route};
 use crate::kv::{KvCache, RecIo};
 use crate::quant::Weight;
 
@@ -45,19 +45,26 @@ impl Ops for HostPass<'_, '_> {
         Act { buf, off: 0, len }
     }
 
-    fn embed(&mut self, w: &Weight, scale: f32, out: Act) {
+    fn embed(&mut self, w: &Weight, scale: f32, given: Given, out: Act) {
         let (tokens, embeds) = (self.inp.tokens, self.inp.embeds);
         self.with(out, |_, x| {
-            for (row, &tok) in x.chunks_exact_mut(w.cols).zip(tokens) {
+            let look_up = |row: &mut [f32], tok: u32| {
                 w.dequantize_row(tok as usize, row);
                 if scale != 1.0 {
                     row.iter_mut().for_each(|v| *v *= scale);
                 }
+            };
+            for (row, &tok) in x.chunks_exact_mut(w.cols).zip(tokens) {
+                look_up(row, tok);
             }
             if let Some(e) = embeds {
                 let stride = e.width();
                 for (i, &r) in e.rows.iter().enumerate() {
-                    x[r * w.cols..(r + 1) * w.cols].copy_from_slice(&e.values[i * stride..i * stride + w.cols]);
+                    let row = &mut x[r * w.cols..(r + 1) * w.cols];
+                    match given {
+                        Given::Values => row.copy_from_slice(&e.values[i * stride..i * stride + w.cols]),
+                        Given::Token(id) => look_up(row, id),
+                    }
                 }
             }
         });
@@ -193,7 +200,10 @@ impl Ops for HostPass<'_, '_> {
 
     fn attention(&mut self, a: &AttnShape, slot: usize, q: Act, out: Act) {
         let inp = self.inp;
-        self.with(out, |s, o| s.ops.attention(a, slot, s.kvs, &inp.rows, &inp.key_ends, inp.counts, s.acts.get(q), o));
+        // A full layer of a model whose images see each other in the sliding layers only stays
+        // causal (gemma4).
+        let ends: &[usize] = if inp.key_ends_sliding_only && a.window == 0 { &[] } else { &inp.key_ends };
+        self.with(out, |s, o| s.ops.attention(a, slot, s.kvs, &inp.rows, ends, inp.counts, s.acts.get(q), o));
     }
 
     /// Route every row, then run each chosen expert once over the rows that chose it (gathered

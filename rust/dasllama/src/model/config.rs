@@ -253,6 +253,10 @@ pub struct Config {
     /// carries this many extra slices of `dim` after its input, slice k added to the output of
     /// layer k - 1 (llama.cpp's `n_embd_inp`); a token's row has none.
     pub deepstack: usize,
+    /// An image's non-causal rows (`Injected::spans`) see each other in the sliding-window
+    /// layers only; the full layers stay causal (gemma4: llama.cpp's
+    /// `LLAMA_NON_CAUSAL_TYPE_SWA_ONLY`). Otherwise every layer lets them (gemma3).
+    pub image_spans_sliding_only: bool,
 }
 
 impl Config {
@@ -516,6 +520,7 @@ pub(crate) fn bare_config(m: &Metadata, arch: &str, heads: Heads, layers: Vec<La
         extra_biases: false,
         expert_act: Activation::Silu,
         deepstack: 0,
+        image_spans_sliding_only: false,
     })
 }
 

@@ -8,7 +8,7 @@ use crate::backend::Gating;
 pub use crate::backend::LogitRows;
 pub use crate::backend::Scratch;
 use crate::backend::{
-    rope_cache, Act, Activation, Buf, DevKv, DnParams, ExpertSet, HostActs, MatmulOffload, Numerics, Ops, PassIn, Placeable, Placement, Route, RowEmbeds,
+    rope_cache, Act, Activation, Buf, DevKv, DnParams, ExpertSet, Given, HostActs, MatmulOffload, Numerics, Ops, PassIn, Placeable, Placement, Route, RowEmbeds,
 };
 use crate::kv::{Grid, KvCache};
 use crate::quant::Weight;
@@ -174,6 +174,7 @@ pub fn forward_batch_with(
                 ends[first..first + n].iter_mut().for_each(|e| *e = end);
             }
             inp.key_ends = ends;
+            inp.key_ends_sliding_only = m.config.image_spans_sliding_only;
         }
     }
     let keep = s.keep_hidden;
@@ -243,6 +244,7 @@ pub fn pass_inputs<'a>(m: &Model, descs: &[LayerDesc], lens: &[usize], counts: &
         rows,
         embeds: None,
         key_ends: Vec::new(),
+        key_ends_sliding_only: false,
     }
 }
 
@@ -385,14 +387,6 @@ impl Placeable for Model {
 /// the model's width each, a span that is empty, leaves the pass or crosses a session.
 fn check_injected(m: &Model, counts: &[usize], inj: &Injected<'_>) -> Result<()> {
     let n: usize = counts.iter().sum();
-    if m.ple.is_some() {
-        // Its per-layer inputs are looked up by token too (Gemma 4): what an image row's are is
-        // not defined here yet.
-        return Err(Error::InvalidArgument(format!(
-            "rows given as values (an image's) are not supported for {} yet: its per-layer inputs are read by token",
-            m.config.arch
-        )));
-    }
     let e = &inj.embeds;
     if e.rows.windows(2).any(|w| w[0] >= w[1]) || e.rows.last().is_some_and(|&r| r >= n) {
         return Err(Error::InvalidArgument(format!("embedding rows must be increasing row numbers below {n}")));
@@ -477,7 +471,7 @@ pub fn forward_span(m: &Model, b: &mut dyn Ops, inp: &PassIn<'_>, span: Span<'_>
         // are made from the embedding.
         Some(rows) => b.load(rows, x),
         None => {
-            b.embed(&m.tok_embd, c.embed_scale.unwrap_or(1.0), x);
+            b.embed(&m.tok_embd, c.embed_scale.unwrap_or(1.0), Given::Values, x);
             if let Some(p) = &m.ple {
                 per_layer_inputs(m, b, p, x, n);
             }
@@ -536,7 +530,9 @@ fn per_layer_inputs(m: &Model, b: &mut dyn Ops, p: &super::Ple, x: Act, n: usize
     b.scale(proj, 1.0 / (c.dim as f32).sqrt());
     b.rms_norm(proj, proj, Some(&p.proj_norm), np, c.norm_eps);
     let tok = b.alloc(Buf::PleOne, n * width);
-    b.embed(&p.tok_embd, (np as f32).sqrt(), tok);
+    // An image's rows take the padding token's (0) row, as llama.cpp's gemma4 graph does for
+    // rows given as embeddings.
+    b.embed(&p.tok_embd, (np as f32).sqrt(), Given::Token(0), tok);
     b.add(proj, tok);
     b.scale(proj, 1.0 / 2f32.sqrt());
 }

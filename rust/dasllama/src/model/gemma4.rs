@@ -120,6 +120,8 @@ pub fn configure(m: &Metadata) -> Result<Config> {
     no_yarn(m, &c)?;
     c.norm_eps = m.float("attention.layer_norm_rms_epsilon")?.ok_or_else(|| bad("attention.layer_norm_rms_epsilon", "is missing".into()))? as f32;
     c.embed_scale = Some((c.dim as f32).sqrt());
+    // Image rows see each other in the sliding layers only (llama.cpp: LLAMA_NON_CAUSAL_TYPE_SWA_ONLY).
+    c.image_spans_sliding_only = true;
     c.final_softcap = m.float("final_logit_softcapping")?.filter(|&f| f != 0.0).map(|f| f as f32);
     c.rope_factors = Some("rope_freqs.weight");
     c.rope_factors_required = swa.contains(&false);

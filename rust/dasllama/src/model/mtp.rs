@@ -13,7 +13,7 @@
 
 use super::forward::{block, pass_inputs, take_rows, LogitRows};
 use super::{lookup_arch, Config, Layer, LayerDesc, Metadata, Mixer, Model, QuantMode, TensorInfo, TensorTable};
-use crate::backend::{Buf, HostActs};
+use crate::backend::{Buf, Given, HostActs};
 use crate::kv::{Geometry, KvCache, KvCodec, PRIVATE_PAGE_ROWS};
 use crate::quant::Weight;
 use crate::{Error, Result};
@@ -175,7 +175,7 @@ pub fn forward(
     m.rt.host().pass(m.numerics, acts, kvs, &inp, None, &mut |b| {
         // The embedding and the hidden state, each normed, side by side: [e, h] per row.
         let (e, h) = (b.alloc(Buf::Q, n * d), b.alloc(Buf::K, n * d));
-        b.embed(head.embed.as_ref().unwrap_or(&m.tok_embd), 1.0, e);
+        b.embed(head.embed.as_ref().unwrap_or(&m.tok_embd), 1.0, Given::Values, e);
         b.rms_norm(e, e, Some(&head.enorm), d, c.norm_eps);
         b.load(hidden, h);
         b.rms_norm(h, h, Some(&head.hnorm), d, c.norm_eps);

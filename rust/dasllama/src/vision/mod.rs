@@ -1,14 +1,16 @@
 //! Vision towers from llama.cpp's `mmproj` files (its `clip` architecture): the ViT that turns
 //! a preprocessed image into patch features (`vit`), and the projector that turns those into rows
-//! of the text model's embedding width (one module each: `gemma3`, `pixtral`, `qwen2vl` with
-//! `qwen3vl`, `idefics3`). The result enters
+//! of the text model's embedding width (one module each: `gemma3`, `gemma4v`, `pixtral`,
+//! `qwen2vl` with `qwen3vl`, `idefics3`). The result enters
 //! the text model's input in place of token embeddings (`backend::PassIn::embeds`).
 //!
 //! Preprocessing (decode, resize, normalize) is the Python side's: the tower takes planar f32
 //! pixels, channel by channel, `image_size` square (Gemma 3) or any multiple of
-//! `patch_size * merge` on each side (Pixtral, Qwen-VL); each tile of Idefics3 is `image_size` square.
+//! `patch_size * merge` on each side (Gemma 4, Pixtral, Qwen-VL); each tile of Idefics3 is
+//! `image_size` square.
 
 mod gemma3;
+mod gemma4v;
 mod idefics3;
 mod pixtral;
 mod qwen2vl;
@@ -25,13 +27,17 @@ use std::sync::Arc;
 pub use vit::{VitAct, VitConfig};
 
 /// The projector types this build runs (llama.cpp's `clip.projector_type`).
-pub const PROJECTORS: &[&str] = &["gemma3", "idefics3", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"];
+pub const PROJECTORS: &[&str] = &["gemma3", "gemma4v", "idefics3", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"];
 
 /// What follows the ViT.
 pub(crate) enum Projector {
     /// Average pooling of the patch grid by `merge` per side, an RMS norm (`soft_emb_norm`),
     /// then the projection to the text width.
     Gemma3(gemma3::Gemma3),
+    /// Gemma 4: its own tower at the image's own size (learned column and row tables, a 2-D
+    /// NeoX RoPE, per-head Q/K/V norms, post norms), average pooling by `merge` per side, a
+    /// standardisation, an RMS norm and the projection to the text width.
+    Gemma4v(Box<gemma4v::Gemma4v>),
     /// The tower at the image's own size, a patch merger where the file has one, a GELU MLP,
     /// and a break row after each row of tokens.
     Pixtral(Box<pixtral::Pixtral>),
@@ -84,6 +90,9 @@ impl Vision {
         // RMS norms and a 2-D RoPE of base 10000 (clip.cpp sets it) for Pixtral.
         let style = match ptype.as_str() {
             "pixtral" => vit::VitStyle { rms: true, rope_2d: Some(10000.0) },
+            // Its positions (tables by column and row, a NeoX RoPE of base 100) are the
+            // projector's own (`gemma4v`), as is its layer loop.
+            "gemma4v" => vit::VitStyle { rms: true, rope_2d: Some(100.0) },
             // No learned positions (the RoPE is the projector's own, `qwen2vl`); Qwen2-VL's
             // norms are LayerNorms, Qwen2.5-VL's RMS.
             "qwen2vl_merger" => vit::VitStyle { rms: false, rope_2d: Some(10000.0) },
@@ -95,6 +104,7 @@ impl Vision {
         let mut vit = vit::Vit::load(&table, &config, style).map_err(in_file)?;
         let projector = match ptype.as_str() {
             "gemma3" => Projector::Gemma3(gemma3::Gemma3::load(&table, meta, &config).map_err(in_file)?),
+            "gemma4v" => Projector::Gemma4v(Box::new(gemma4v::Gemma4v::load(&table, meta, &config, &vit).map_err(in_file)?)),
             "pixtral" => Projector::Pixtral(Box::new(pixtral::Pixtral::load(&table, meta, &config).map_err(in_file)?)),
             "qwen2vl_merger" | "qwen2.5vl_merger" | "qwen3vl_merger" => {
                 let version = match ptype.as_str() {
@@ -113,7 +123,7 @@ impl Vision {
     /// Whether the tower takes an image of any size (a multiple of `patch_size * merge()` on each
     /// side) rather than its fixed `image_size` square.
     pub fn dynamic_size(&self) -> bool {
-        matches!(self.projector, Projector::Pixtral(_) | Projector::Qwen2vl(_))
+        matches!(self.projector, Projector::Gemma4v(_) | Projector::Pixtral(_) | Projector::Qwen2vl(_))
     }
 
     /// Patches per side of one output token (the size an image's sides are a multiple of, in
@@ -121,6 +131,7 @@ impl Vision {
     pub fn merge(&self) -> usize {
         match &self.projector {
             Projector::Gemma3(_) | Projector::Idefics3(_) => 1,
+            Projector::Gemma4v(g) => g.merge(),
             Projector::Pixtral(p) => p.merge(),
             Projector::Qwen2vl(_) => 2,
         }
@@ -135,9 +146,15 @@ impl Vision {
     }
 
     /// Whether an image's rows see each other in the text model (llama.cpp's
-    /// `mtmd_decode_use_non_causal`: Gemma 3's do; Pixtral's are causal as text).
+    /// `mtmd_decode_use_non_causal`: Gemma 3's do, and Gemma 4's but for E2B and E4B, which
+    /// mtmd tells by their text width, 1536 and 2560; Pixtral's are causal as text). Gemma 4's
+    /// text model lets them in its sliding layers only (`Config::image_spans_sliding_only`).
     pub fn non_causal(&self) -> bool {
-        matches!(self.projector, Projector::Gemma3(_))
+        match &self.projector {
+            Projector::Gemma3(_) => true,
+            Projector::Gemma4v(g) => !matches!(g.text_dim(), 1536 | 2560),
+            _ => false,
+        }
     }
 
     /// How many rows one image of the tower's own size becomes in the text model's input.
@@ -151,6 +168,7 @@ impl Vision {
         let p = self.config.patch_size;
         match &self.projector {
             Projector::Gemma3(g) => g.n_tokens(&self.config),
+            Projector::Gemma4v(x) => x.n_tokens(width / p, height / p),
             Projector::Pixtral(x) => x.n_tokens(width / p, height / p),
             Projector::Qwen2vl(x) => x.n_tokens(width / p, height / p),
             Projector::Idefics3(x) => x.n_tokens(&self.config),
@@ -162,6 +180,7 @@ impl Vision {
     pub fn text_dim(&self) -> usize {
         match &self.projector {
             Projector::Gemma3(g) => g.text_dim(),
+            Projector::Gemma4v(g) => g.text_dim(),
             Projector::Pixtral(p) => p.text_dim(),
             Projector::Qwen2vl(p) => p.text_dim(),
             Projector::Idefics3(x) => x.text_dim(),
@@ -184,6 +203,14 @@ impl Vision {
             return Err(Error::InvalidArgument(format!("a {width} x {height} image takes 3 x {height} x {width} values, got {}", pixels.len())));
         }
         let (gw, gh) = (width / p, height / p);
+        if let Projector::Gemma4v(g) = &self.projector {
+            if gw.max(gh) > g.max_side() {
+                return Err(Error::InvalidArgument(format!(
+                    "this vision tower's position tables cover {} patches a side; a {width} x {height} image has {gw} x {gh}",
+                    g.max_side()
+                )));
+            }
+        }
         // A fixed size that is not a whole number of patches (SmolVLM2's 384 in patches of 14):
         // the patch convolution (stride one patch, no padding) never reads the last columns and
         // rows, so they are dropped here, as ggml's conv does.
@@ -202,6 +229,8 @@ impl Vision {
                     let feats = self.vit.forward(ops, &self.config, pixels, gw, gh);
                     g.forward(ops, &self.config, &feats)
                 }
+                // Its own layer loop and positions: the tower's layers run there.
+                Projector::Gemma4v(x) => x.forward(ops, &self.config, &self.vit, pixels, gw, gh),
                 Projector::Pixtral(x) => {
                     let feats = self.vit.forward(ops, &self.config, pixels, gw, gh);
                     x.forward(ops, &self.config, &feats, gw, gh)

@@ -11,7 +11,7 @@ use super::engine::{Engine, MetaAt};
 use super::kernels::{Kernels, Runner};
 use super::moe::{elt, eltwise, round, round_mode};
 use super::shaders::{self as sh, u, Shader};
-use crate::backend::{Act, Activation, AttnShape, Buf, DeltaNet, DnParams, ExpertSet, Ops, PassIn, Route};
+use crate::backend::{Act, Activation, AttnShape, Buf, DeltaNet, DnParams, ExpertSet, Given, Ops, PassIn, Route};
 use crate::kv::KvCodec;
 use crate::quant::{GgmlType, Weight};
 use crate::{Error, Result};
@@ -173,7 +173,8 @@ impl Ops for Recorder<'_, '_> {
         Act { buf, off: 0, len }
     }
 
-    fn embed(&mut self, w: &Weight, scale: f32, out: Act) {
+    // Rows given as values run on host K/V only (`forward_batch_with`): `given` never applies.
+    fn embed(&mut self, w: &Weight, scale: f32, _given: Given, out: Act) {
         let n = self.rows();
         self.op(0, bit(out), |r| {
             let w = r.weight(w)?;
