@@ -20,6 +20,33 @@ from synthetic import encode_weight
 GEMMA3_VISION: dict[str, Any] = dict(image_size=32, patch=4, dim=64, ff=128, heads=4, layers=2, merge=2, eps=1e-6, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
 
 
+
+class _Tensors:
+    """A writer's tensors: `put` adds one to the file (quantized when ``kind`` is not F32) and keeps
+    the exact values it stands for in ``weights``; ``drop`` keeps one out of the file (the
+    refusals' tests), ``as_name`` stores it under another name."""
+
+    def __init__(self, w: GGUFWriter, rng: np.random.Generator, qt: QT, drop: str | None = None, mat_scale: float = 0.1) -> None:
+        self.w, self.rng, self.qt, self.drop, self.mat_scale = w, rng, qt, drop, mat_scale
+        self.weights: dict[str, np.ndarray] = {}
+
+    def put(self, name: str, arr: np.ndarray, kind: QT = QT.F32, as_name: str | None = None) -> None:
+        data, exact = encode_weight(arr, kind, self.rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
+        self.weights[name] = exact
+        if name == self.drop:
+            return
+        if data.dtype == np.uint8:
+            self.w.add_tensor(as_name or name, data, raw_dtype=kind)
+        else:
+            self.w.add_tensor(as_name or name, data)
+
+    def mat(self, name: str, rows: int, cols: int, kind: QT | None = None, scale: float | None = None, as_name: str | None = None) -> None:
+        self.put(name, self.rng.normal(0, self.mat_scale if scale is None else scale, size=(rows, cols)), self.qt if kind is None else kind, as_name)
+
+    def vec(self, name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
+        self.put(name, mean + self.rng.normal(0, std, size=n))
+
+
 def _clip_writer(path: Path, projector: str, act: str, c: dict[str, Any], text_dim: int) -> GGUFWriter:
     """A clip GGUF's writer with the keys every projector's tower has (llama.cpp's clip loader)."""
     w = GGUFWriter(str(path), "clip")
@@ -53,22 +80,11 @@ def write_gemma3_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, p
     w = _clip_writer(path, projector, "gelu", c, text_dim)
     if c["merge"] != 4:
         w.add_uint32("clip.vision.projector.scale_factor", c["merge"])
-    weights: dict[str, np.ndarray] = {}
+    t = _Tensors(w, rng, qt)
+    weights = t.weights
     d, p, g = c["dim"], c["patch"], c["image_size"] // c["patch"]
 
-    def put(name: str, arr: np.ndarray, kind: QT = QT.F32, as_name: str | None = None) -> None:
-        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
-        weights[name] = exact
-        if data.dtype == np.uint8:
-            w.add_tensor(as_name or name, data, raw_dtype=kind)
-        else:
-            w.add_tensor(as_name or name, data)
-
-    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1, as_name: str | None = None) -> None:
-        put(name, rng.normal(0, scale, size=(rows, cols)), kind, as_name)
-
-    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
-        put(name, mean + rng.normal(0, std, size=n))
+    put, mat, vec = t.put, t.mat, t.vec
 
     put("v.patch_embd.weight", rng.normal(0, 0.2, size=(d, 3, p, p)))
     vec("v.patch_embd.bias", d, 0.0)
@@ -156,22 +172,11 @@ def write_pixtral_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, 
     w = _clip_writer(path, "pixtral", "silu", c, text_dim)
     if merger:
         w.add_uint32("clip.vision.spatial_merge_size", c["merge"])
-    weights: dict[str, np.ndarray] = {}
+    t = _Tensors(w, rng, qt)
+    weights = t.weights
     d, p, m = c["dim"], c["patch"], c["merge"]
 
-    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
-        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
-        weights[name] = exact
-        if data.dtype == np.uint8:
-            w.add_tensor(name, data, raw_dtype=kind)
-        else:
-            w.add_tensor(name, data)
-
-    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1) -> None:
-        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
-
-    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
-        put(name, mean + rng.normal(0, std, size=n))
+    put, mat, vec = t.put, t.mat, t.vec
 
     put("v.patch_embd.weight", rng.normal(0, 0.2, size=(d, 3, p, p)))
     vec("v.pre_ln.weight", d)
@@ -292,22 +297,11 @@ def write_qwen2vl_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, 
     w.add_uint32("clip.vision.spatial_merge_size", 2)
     if qwen25:
         w.add_uint32("clip.vision.n_wa_pattern", c["wa"])
-    weights: dict[str, np.ndarray] = {}
+    t = _Tensors(w, rng, qt)
+    weights = t.weights
     d, p = c["dim"], c["patch"]
 
-    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
-        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
-        weights[name] = exact
-        if data.dtype == np.uint8:
-            w.add_tensor(name, data, raw_dtype=kind)
-        else:
-            w.add_tensor(name, data)
-
-    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1) -> None:
-        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
-
-    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
-        put(name, mean + rng.normal(0, std, size=n))
+    put, mat, vec = t.put, t.mat, t.vec
 
     put("v.patch_embd.weight", rng.normal(0, 0.15, size=(d, 3, p, p)))
     put("v.patch_embd.weight.1", rng.normal(0, 0.15, size=(d, 3, p, p)))
@@ -432,24 +426,11 @@ def write_qwen3vl_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, 
     w = _clip_writer(path, "qwen3vl_merger", "gelu", c, text_dim)
     w.add_uint32("clip.vision.spatial_merge_size", 2)
     w.add_array("clip.vision.is_deepstack_layers", [i in c["deepstack"] for i in range(c["layers"])])
-    weights: dict[str, np.ndarray] = {}
+    t = _Tensors(w, rng, qt, drop=drop)
+    weights = t.weights
     d, p, g = c["dim"], c["patch"], c["image_size"] // c["patch"]
 
-    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
-        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
-        weights[name] = exact
-        if name == drop:
-            return
-        if data.dtype == np.uint8:
-            w.add_tensor(name, data, raw_dtype=kind)
-        else:
-            w.add_tensor(name, data)
-
-    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1) -> None:
-        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
-
-    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
-        put(name, mean + rng.normal(0, std, size=n))
+    put, mat, vec = t.put, t.mat, t.vec
 
     put("v.patch_embd.weight", rng.normal(0, 0.15, size=(d, 3, p, p)))
     put("v.patch_embd.weight.1", rng.normal(0, 0.15, size=(d, 3, p, p)))
@@ -576,22 +557,11 @@ def write_idefics3_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM,
         w.add_uint32("clip.vision.projector.scale_factor", c["scale"])
     if c["longest"]:
         w.add_uint32("clip.vision.preproc_image_size", c["longest"])
-    weights: dict[str, np.ndarray] = {}
+    t = _Tensors(w, rng, qt)
+    weights = t.weights
     d, p, g, s = c["dim"], c["patch"], c["image_size"] // c["patch"], c["scale"] or 2
 
-    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
-        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
-        weights[name] = exact
-        if data.dtype == np.uint8:
-            w.add_tensor(name, data, raw_dtype=kind)
-        else:
-            w.add_tensor(name, data)
-
-    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.1) -> None:
-        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
-
-    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
-        put(name, mean + rng.normal(0, std, size=n))
+    put, mat, vec = t.put, t.mat, t.vec
 
     put("v.patch_embd.weight", rng.normal(0, 0.2, size=(d, 3, p, p)))
     vec("v.patch_embd.bias", d, 0.0)
@@ -677,24 +647,11 @@ def write_gemma4v_mmproj(path: Path, qt: QT = QT.F32, text_dim: int = TEXT_DIM, 
     w = _clip_writer(path, "gemma4v", "gelu_quick", c, text_dim)
     if c["merge"] != 3:
         w.add_uint32("clip.vision.projector.scale_factor", c["merge"])
-    weights: dict[str, np.ndarray] = {}
+    t = _Tensors(w, rng, qt, drop=drop, mat_scale=0.12)
+    weights = t.weights
     d, p, hd = c["dim"], c["patch"], c["dim"] // c["heads"]
 
-    def put(name: str, arr: np.ndarray, kind: QT = QT.F32) -> None:
-        data, exact = encode_weight(arr, kind, rng) if arr.ndim == 2 and kind != QT.F32 else (arr.astype(np.float32), arr.astype(np.float32))
-        weights[name] = exact
-        if name == drop:
-            return
-        if data.dtype == np.uint8:
-            w.add_tensor(name, data, raw_dtype=kind)
-        else:
-            w.add_tensor(name, data)
-
-    def mat(name: str, rows: int, cols: int, kind: QT = qt, scale: float = 0.12) -> None:
-        put(name, rng.normal(0, scale, size=(rows, cols)), kind)
-
-    def vec(name: str, n: int, mean: float = 1.0, std: float = 0.1) -> None:
-        put(name, mean + rng.normal(0, std, size=n))
+    put, mat, vec = t.put, t.mat, t.vec
 
     put("v.patch_embd.weight", rng.normal(0, 0.1, size=(d, 3, p, p)))
     # GGUF shape [dim, pos, 2]: the column table, then the row table.
