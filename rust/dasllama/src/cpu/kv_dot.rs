@@ -400,7 +400,8 @@ mod simd {
         while j < n {
             let mut acc = [[_mm512_setzero_ps(); 8]; P];
             for c in (0..hd).step_by(8) {
-                let kb: [__m512; 8] = std::array::from_fn(|t| _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(kf.add((j + t) * hd + c) as *const f64))));
+                let kb: [__m512; 8] =
+                    std::array::from_fn(|t| _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(kf.add((j + t) * hd + c) as *const f64))));
                 for (p, ap) in acc.iter_mut().enumerate() {
                     let qv = _mm512_loadu_ps(qp.add(p * 2 * hd + 2 * c));
                     for t in 0..8 {

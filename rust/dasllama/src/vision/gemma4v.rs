@@ -17,7 +17,7 @@
 //!   `(x - v.std_bias) * v.std_scale` where the file has them, an RMS norm without a weight, and
 //!   `mm.input_projection.weight` to the text width.
 
-use super::vit::{activate, full_attention, layer_norm, matmul, Vit};
+use super::vit::{activate, full_attention, layer_norm, matmul, patch_rows, Vit};
 use super::VitConfig;
 use crate::backend::HostOps;
 use crate::model::{Metadata, TensorTable};
@@ -203,22 +203,10 @@ impl Gemma4v {
     pub(crate) fn forward(&self, ops: &mut dyn HostOps, c: &VitConfig, vit: &Vit, pixels: &[f32], gw: usize, gh: usize) -> Vec<f32> {
         let (d, p, nh) = (c.dim, c.patch_size, c.n_heads);
         let hd = d / nh;
-        let (n, w, h) = (gw * gh, gw * p, gh * p);
-        debug_assert_eq!(pixels.len(), 3 * w * h);
-        // Each patch as a row of channel, row, column (the convolution's kernel order), each
-        // value v taken to 2v - 1 as the graph does (after the file's mean and std).
-        let mut cols = vec![0.0f32; n * 3 * p * p];
-        for (pi, row) in cols.chunks_exact_mut(3 * p * p).enumerate() {
-            let (py, px) = (pi / gw, pi % gw);
-            for ch in 0..3 {
-                for ky in 0..p {
-                    let src = ch * w * h + (py * p + ky) * w + px * p;
-                    for (o, &v) in row[(ch * p + ky) * p..(ch * p + ky + 1) * p].iter_mut().zip(&pixels[src..src + p]) {
-                        *o = v * 2.0 - 1.0;
-                    }
-                }
-            }
-        }
+        let n = gw * gh;
+        // Each value v taken to 2v - 1 as the graph does (after the file's mean and std).
+        let mut cols = patch_rows(pixels, gw, gh, p);
+        cols.iter_mut().for_each(|v| *v = *v * 2.0 - 1.0);
         let mut x = vec![0.0f32; n * d];
         matmul(ops, &mut [(&vit.patch, &mut x)], &cols, n);
         let (tx, ty) = self.pos.split_at(self.pos_rows * d);

@@ -225,20 +225,8 @@ impl Vit {
     /// Patch features after the post norm: gw x gh rows of `dim`, patches row by row, from
     /// planar pixels of gw x gh patches. A tower with learned positions takes its own grid only.
     pub(crate) fn forward(&self, ops: &mut dyn HostOps, c: &VitConfig, pixels: &[f32], gw: usize, gh: usize) -> Vec<f32> {
-        let (d, p) = (c.dim, c.patch_size);
-        let (n, w, h) = (gw * gh, gw * p, gh * p);
-        debug_assert_eq!(pixels.len(), 3 * w * h);
-        // Each patch as a row of channel, row, column: the convolution's kernel order.
-        let mut cols = vec![0.0f32; n * 3 * p * p];
-        for (pi, row) in cols.chunks_exact_mut(3 * p * p).enumerate() {
-            let (py, px) = (pi / gw, pi % gw);
-            for ch in 0..3 {
-                for ky in 0..p {
-                    let src = ch * w * h + (py * p + ky) * w + px * p;
-                    row[(ch * p + ky) * p..(ch * p + ky + 1) * p].copy_from_slice(&pixels[src..src + p]);
-                }
-            }
-        }
+        let (d, n) = (c.dim, gw * gh);
+        let cols = patch_rows(pixels, gw, gh, c.patch_size);
         let mut x = vec![0.0f32; n * d];
         matmul(ops, &mut [(&self.patch, &mut x)], &cols, n);
         if let Some(b) = &self.patch_bias {
@@ -486,4 +474,22 @@ pub(super) fn full_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f
             out[t * d + h * hd..t * d + (h + 1) * hd].copy_from_slice(&oh[t * hd..(t + 1) * hd]);
         }
     }
+}
+
+/// Each of gw x gh patches of planar pixels as a row of channel, row, column: the patch
+/// convolution's kernel order, so the convolution is one matmul.
+pub(crate) fn patch_rows(pixels: &[f32], gw: usize, gh: usize, p: usize) -> Vec<f32> {
+    let (n, w, h) = (gw * gh, gw * p, gh * p);
+    debug_assert_eq!(pixels.len(), 3 * w * h);
+    let mut cols = vec![0.0f32; n * 3 * p * p];
+    for (pi, row) in cols.chunks_exact_mut(3 * p * p).enumerate() {
+        let (py, px) = (pi / gw, pi % gw);
+        for ch in 0..3 {
+            for ky in 0..p {
+                let src = ch * w * h + (py * p + ky) * w + px * p;
+                row[(ch * p + ky) * p..(ch * p + ky + 1) * p].copy_from_slice(&pixels[src..src + p]);
+            }
+        }
+    }
+    cols
 }
