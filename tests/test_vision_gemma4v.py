@@ -3,18 +3,22 @@ tables, per-head Q/K/V norms, a NeoX 2-D RoPE, post norms, clamped matrices), th
 standardisation and the projection against a float64 NumPy reference; the dynamic resize in its
 70..1120-token budget; the image's rows between ``<|image>`` and ``<image|>``, seeing each other
 in the gemma4 text model's sliding layers only, through a session and the scheduler; files that
-lack a tensor refused by name."""
+lack a tensor refused by name; a chat with a picture through dasllama-server and the openai client."""
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 from PIL import Image
 
 import dasllama as dl
 from dasllama import GgufError, vision
+from serverproc import start, stop
 from synthetic import family_reference_logits, write_family
 from synthetic_vision import GEMMA4V_VISION, reference_gemma4v_image, rel_err, write_gemma4v_mmproj
 from vision_checks import assert_scheduler_matches_sessions
@@ -153,3 +157,28 @@ def test_scheduler_runs_gemma4_images_as_sessions_do(files: dict) -> None:
     prompts = [vision.tokenize_with_images(m, "the cat <__media__> at", [im]) for im in imgs]
     assert all(p.non_causal for p in prompts)
     assert_scheduler_matches_sessions(m, prompts)
+
+
+def test_served_chat_with_a_picture_streamed_and_not_then_cached(files: dict, tmp_path: Path) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{{ bos_token }}{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+    )
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(21).integers(0, 256, size=(40, 48, 3), dtype=np.uint8)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "the cat "}, {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": " at"}]}]
+    proc, base = start("-m", str(files["text"]), "-mm", str(files["mmproj"]), "--chat-template-file", str(template), "-a", "g4", module="dasllama.serve.llama_server")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x")
+        r = client.chat.completions.create(model="g4", messages=msgs, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+        # 80 image rows (the 70-token minimum, in 3 x 3 patches of 12 pixels) and the text.
+        assert r.usage is not None and r.usage.prompt_tokens > 80, r.usage
+        chunks = list(client.chat.completions.create(model="g4", messages=msgs, max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}))  # type: ignore[arg-type]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+        usage = chunks[-1].usage
+        # The same picture again: its rows come from the prefix cache.
+        assert usage is not None and usage.prompt_tokens == r.usage.prompt_tokens
+        assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= 80, usage
+    finally:
+        assert stop(proc) == 0
