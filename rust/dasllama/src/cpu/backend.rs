@@ -289,6 +289,9 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             }
         }
     }
+    // One KV head's blocks one after another: a thread reads that head's K/V run again while it
+    // is still in L2 (block-major order walked every head's prefix between two reads of one).
+    tasks.sort_by_key(|t| t.kvh);
     let one = |_: usize, task: &mut [AttnTask]| {
         let AttnTask { t0, kvh, outs } = &mut task[0];
         let (t0, kvh, nb) = (*t0, *kvh, outs.len());
