@@ -320,6 +320,10 @@ mod simd {
 
     /// `dot_rows` for `Z_HEADS` or more heads and eight or more keys: the keys up to a multiple of
     /// eight here, the rest through `dot_rows_f16`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F (and AVX2/FMA/F16C); `k` holds `n` f16 rows of `hd` values, `hd` is
+    /// a multiple of 8 and `out` holds `(heads - 1) * stride + n` scores (`dot_rows` asserts both).
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
     pub unsafe fn dot_rows_f16_z(q: &[f32], hd: usize, k: &[u8], n: usize, out: &mut [f32], stride: usize) {
         let heads = q.len() / hd;
