@@ -1643,7 +1643,8 @@ def write_gpt4o_vocab_model(path: Path) -> None:
     merges = [("\u0120", "t"), ("h", "e"), ("\u0120t", "he"), ("i", "n"), ("e", "r"), ("\u0120", "a"), ("o", "n"), ("\u0120", "W"), ("\u0120", "n"), ("\u00c3", "\u00af"), ("'", "s")]
     toks = [bmap[b] for b in range(256)] + [a + b for a, b in merges]
 
-    def vocab(w: GGUFWriter) -> None:
+    def vocab(w: GGUFWriter, specials: tuple[str, ...] = ()) -> None:
+        assert not specials, "the gpt-4o vocabulary takes no extra control tokens"
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-4o")
         w.add_token_list(toks)
