@@ -5,6 +5,7 @@ several block formats) whose llama.cpp outputs are the goldens under ``golden/fa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -752,6 +753,7 @@ def write_family(
     legacy_qkvz: bool = False,
     fuse_gate_up: bool = False,
     specials: tuple[str, ...] = (),
+    vocab: Callable[[GGUFWriter], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write family ``name`` of ``FAMILIES`` deterministically (the same bytes on every call with
     the same gguf and numpy); return the exact weights (numpy order: rows x cols). ``drop`` leaves
@@ -762,7 +764,8 @@ def write_family(
     ``fuse_gate_up`` (gemma4-moe and the hybrids with experts) writes each trunk layer's expert
     gates and ups as one F32 ``ffn_gate_up_exps`` of the same values (each expert's gate rows,
     then its up rows). ``specials`` adds control tokens after the vocabulary (an image's
-    markers), with their embedding and output rows.
+    markers), with their embedding and output rows; ``vocab`` writes another tokenizer in place of
+    the synthetic one (as many tokens as the embedding has rows, no ``specials``).
 
     ``mtp`` (hybrid families): True adds an MTP head after the trunk (block ``layers``: gated
     attention and the family's FFN, ``nextn.eh_proj``, ``enorm``, ``hnorm`` and
@@ -797,7 +800,11 @@ def write_family(
     if not sidecar:
         keys.update(meta or {})
     _add_keys(w, arch, keys)
-    _write_vocab(w, specials)
+    if vocab is not None:
+        assert not specials, "a given vocabulary takes no extra control tokens"
+        vocab(w)
+    else:
+        _write_vocab(w, specials)
     weights: dict[str, np.ndarray] = {}
     count = [0]
     out = [w]
@@ -1643,8 +1650,7 @@ def write_gpt4o_vocab_model(path: Path) -> None:
     merges = [("\u0120", "t"), ("h", "e"), ("\u0120t", "he"), ("i", "n"), ("e", "r"), ("\u0120", "a"), ("o", "n"), ("\u0120", "W"), ("\u0120", "n"), ("\u00c3", "\u00af"), ("'", "s")]
     toks = [bmap[b] for b in range(256)] + [a + b for a, b in merges]
 
-    def vocab(w: GGUFWriter, specials: tuple[str, ...] = ()) -> None:
-        assert not specials, "the gpt-4o vocabulary takes no extra control tokens"
+    def vocab(w: GGUFWriter) -> None:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-4o")
         w.add_token_list(toks)
@@ -1653,9 +1659,4 @@ def write_gpt4o_vocab_model(path: Path) -> None:
         w.add_bos_token_id(0)
         w.add_eos_token_id(1)
 
-    global _write_vocab
-    plain, _write_vocab = _write_vocab, vocab
-    try:
-        write_family(path, "gpt-oss")
-    finally:
-        _write_vocab = plain
+    write_family(path, "gpt-oss", vocab=vocab)
