@@ -47,20 +47,9 @@ impl Gemma3 {
     }
 
     pub(crate) fn forward(&self, ops: &mut dyn HostOps, c: &VitConfig, feats: &[f32]) -> Vec<f32> {
-        let (d, g, k) = (c.dim, c.grid(), self.merge);
+        let (g, k) = (c.grid(), self.merge);
         let side = g / k;
-        let mut pooled = vec![0.0f32; side * side * d];
-        let inv = 1.0 / (k * k) as f32;
-        for (ti, row) in pooled.chunks_exact_mut(d).enumerate() {
-            let (oy, ox) = (ti / side, ti % side);
-            for ky in 0..k {
-                for kx in 0..k {
-                    let p = (oy * k + ky) * g + ox * k + kx;
-                    row.iter_mut().zip(&feats[p * d..(p + 1) * d]).for_each(|(a, &b)| *a += b);
-                }
-            }
-            row.iter_mut().for_each(|a| *a *= inv);
-        }
+        let mut pooled = super::vit::avg_pool(feats, g, g, k, c.dim);
         ops.rms_norm(&mut pooled, &self.soft_norm, c.eps);
         let mut out = vec![0.0f32; side * side * self.proj.rows];
         super::vit::matmul(ops, &mut [(&self.proj, &mut out)], &pooled, side * side);

@@ -17,7 +17,7 @@
 //!   `(x - v.std_bias) * v.std_scale` where the file has them, an RMS norm without a weight, and
 //!   `mm.input_projection.weight` to the text width.
 
-use super::vit::{activate, full_attention, layer_norm, matmul, patch_rows, Vit};
+use super::vit::{activate, avg_pool, full_attention, layer_norm, matmul, patch_rows, Vit};
 use super::VitConfig;
 use crate::backend::HostOps;
 use crate::model::{Metadata, TensorTable};
@@ -220,6 +220,8 @@ impl Gemma4v {
         }
         let rope = rope_table(hd, gw, gh);
         let sq = (hd as f32).sqrt();
+        // The weightless RMS norms' weight (ggml_rms_norm without a ggml_mul).
+        let ones_hd = vec![1.0f32; hd];
         // The normed input, Q, K, V, the attention's output and a projection's.
         let [mut hbuf, mut q, mut k, mut v, mut att, mut o]: [Vec<f32>; 6] = std::array::from_fn(|_| vec![0.0f32; n * d]);
         let mut up = vec![0.0f32; n * c.ff];
@@ -234,15 +236,15 @@ impl Gemma4v {
                 }
             }
             if let Some(wn) = &l.q_norm {
-                rms(&mut q, wn.len(), Some(wn), c.eps);
+                ops.rms_norm(&mut q, wn, c.eps);
             }
             if let Some(wn) = &l.k_norm {
-                rms(&mut k, wn.len(), Some(wn), c.eps);
+                ops.rms_norm(&mut k, wn, c.eps);
             }
             apply_rope(&mut q, &rope, hd);
             apply_rope(&mut k, &rope, hd);
             // V per head, no weight (clip.cpp's gemma4v branch of build_vit).
-            rms(&mut v, hd, None, c.eps);
+            ops.rms_norm(&mut v, &ones_hd, c.eps);
             // The graph's attention scale is 1; the shared attention scales by 1/sqrt(hd), so the
             // queries carry sqrt(hd) in.
             q.iter_mut().for_each(|a| *a *= sq);
@@ -252,7 +254,7 @@ impl Gemma4v {
                 ops.add_bias(&mut o, b);
             }
             if let Some(wn) = &l.attn_post {
-                rms(&mut o, d, Some(wn), c.eps);
+                ops.rms_norm(&mut o, wn, c.eps);
             }
             ops.add(&mut x, &o);
             hbuf.copy_from_slice(&x);
@@ -282,7 +284,7 @@ impl Gemma4v {
                 ops.add_bias(&mut o, b);
             }
             if let Some(wn) = &l.ffn_post {
-                rms(&mut o, d, Some(wn), c.eps);
+                ops.rms_norm(&mut o, wn, c.eps);
             }
             ops.add(&mut x, &o);
             if let Some(s) = &l.out_scale {
@@ -294,23 +296,11 @@ impl Gemma4v {
         if let Some(ln) = &vit.post_ln {
             layer_norm(&mut x, ln, c.eps);
         }
-        // Average pooling of merge x merge patches, row by row over the pooled grid, times
-        // sqrt(dim).
-        let kk = self.merge;
-        let (ox, oy) = (gw / kk, gh / kk);
-        let mut pooled = vec![0.0f32; ox * oy * d];
-        let inv = 1.0 / (kk * kk) as f32;
+        // Average pooling of merge x merge patches, times sqrt(dim).
+        let rows = self.n_tokens(gw, gh);
+        let mut pooled = avg_pool(&x, gw, gh, self.merge, d);
         let up_scale = (d as f32).sqrt();
-        for (ti, row) in pooled.chunks_exact_mut(d).enumerate() {
-            let (ty_, tx_) = (ti / ox, ti % ox);
-            for ky in 0..kk {
-                for kx in 0..kk {
-                    let pi = (ty_ * kk + ky) * gw + tx_ * kk + kx;
-                    row.iter_mut().zip(&x[pi * d..(pi + 1) * d]).for_each(|(a, &b)| *a += b);
-                }
-            }
-            row.iter_mut().for_each(|a| *a = *a * inv * up_scale);
-        }
+        pooled.iter_mut().for_each(|a| *a *= up_scale);
         if let (Some(b), Some(s)) = (&self.std_bias, &self.std_scale) {
             for row in pooled.chunks_exact_mut(d) {
                 for (i, a) in row.iter_mut().enumerate() {
@@ -318,23 +308,10 @@ impl Gemma4v {
                 }
             }
         }
-        rms(&mut pooled, d, None, c.eps);
-        let mut out = vec![0.0f32; ox * oy * self.text_dim()];
-        lin(ops, &self.proj, &pooled, ox * oy, &mut out);
+        ops.rms_norm(&mut pooled, &vec![1.0; d], c.eps);
+        let mut out = vec![0.0f32; rows * self.text_dim()];
+        lin(ops, &self.proj, &pooled, rows, &mut out);
         out
-    }
-}
-
-/// ggml_rms_norm over rows of `width` (the sum of squares in f64, the scale in f32), times `w`
-/// where given.
-fn rms(x: &mut [f32], width: usize, w: Option<&[f32]>, eps: f32) {
-    for row in x.chunks_exact_mut(width) {
-        let mean = (row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / width as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        match w {
-            Some(w) => row.iter_mut().zip(w).for_each(|(a, &g)| *a = *a * scale * g),
-            None => row.iter_mut().for_each(|a| *a *= scale),
-        }
     }
 }
 

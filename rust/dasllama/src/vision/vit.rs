@@ -476,6 +476,25 @@ pub(super) fn full_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f
     }
 }
 
+/// The average of each k x k block of a gw x gh grid of rows of `d` values: (gw / k) x (gh / k)
+/// rows, row by row over the pooled grid (ggml's 2-D average pooling of the patch grid).
+pub(crate) fn avg_pool(x: &[f32], gw: usize, gh: usize, k: usize, d: usize) -> Vec<f32> {
+    let (ox, oy) = (gw / k, gh / k);
+    let mut pooled = vec![0.0f32; ox * oy * d];
+    let inv = 1.0 / (k * k) as f32;
+    for (ti, row) in pooled.chunks_exact_mut(d).enumerate() {
+        let (ty, tx) = (ti / ox, ti % ox);
+        for ky in 0..k {
+            for kx in 0..k {
+                let p = (ty * k + ky) * gw + tx * k + kx;
+                row.iter_mut().zip(&x[p * d..(p + 1) * d]).for_each(|(a, &b)| *a += b);
+            }
+        }
+        row.iter_mut().for_each(|a| *a *= inv);
+    }
+    pooled
+}
+
 /// Each of gw x gh patches of planar pixels as a row of channel, row, column: the patch
 /// convolution's kernel order, so the convolution is one matmul.
 pub(crate) fn patch_rows(pixels: &[f32], gw: usize, gh: usize, p: usize) -> Vec<f32> {
