@@ -4,7 +4,7 @@
 use super::deltanet;
 use super::{convert_weight, matmul_many, ops, Cpu, Team, Weight};
 use crate::backend::{Activation, AttnShape, DeltaNet, DnParams, Gating, Host, HostActs, HostOps, MatmulOffload, Numerics, Ops, PassIn, RopeTable, Route};
-use crate::kv::{KvCache, RecIo};
+use crate::kv::{KvCache, KvCodec, RecIo};
 use crate::quant::GgmlType;
 
 /// The CPU as the host backend (a runtime's `Runtime::host`).
@@ -230,10 +230,11 @@ fn round_queries(a: &AttnShape, qs: &mut [f32]) {
 }
 
 thread_local! {
-    /// Queries, scores and outputs of the attention task a thread runs, kept for its next one (a
+    /// Queries, scores, outputs and widened K/V rows of the attention task a thread runs, kept
+    /// for its next one (a
     /// task per block of rows, KV head and layer would otherwise allocate them thousands of times
     /// a step).
-    static ATTENTION_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    static ATTENTION_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// Query heads one attention task takes together: a block of a session's consecutive rows times
@@ -319,7 +320,19 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             }
         };
         fetch(false, kb);
-        ATTENTION_SCRATCH.with_borrow_mut(|(qs, sc, os)| {
+        // Rows widened to f32 a block at a time (across pages), converted once for every head.
+        let wide = codec.widens(hdim, heads);
+        let blk = KvCodec::wide_block(hdim);
+        let widen = |v: bool, b0: usize, b1: usize, wf: &mut [f32]| {
+            for (first, run) in lv.rows(v, kvh, b0, b1) {
+                codec.widen(run, &mut wf[(first - b0) * hdim..]);
+            }
+            let next = if b1 < ke { lv.rows(v, kvh, b1, (b1 + blk).min(ke)).next() } else if v { None } else { lv.rows(true, kvh, kb, ke).next() };
+            if let Some((_, run)) = next {
+                ops::prefetch(run);
+            }
+        };
+        ATTENTION_SCRATCH.with_borrow_mut(|(qs, sc, os, wf)| {
             qs.clear();
             for t in t0..t0 + nb {
                 let base = t * qd + kvh * width;
@@ -329,10 +342,21 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             codec.prepare_query(qs, hdim);
             sc.clear();
             sc.resize(heads * nk, 0.0);
-            for (first, run) in lv.rows(false, kvh, kb, ke) {
-                let cnt = run.len() / codec.bytes(hdim);
-                fetch(false, first + cnt);
-                codec.dot_rows(qs, hdim, run, cnt, &mut sc[first - kb..], nk);
+            if wide {
+                if wf.len() < blk * hdim {
+                    wf.resize(blk * hdim, 0.0);
+                }
+                for b0 in (kb..ke).step_by(blk) {
+                    let b1 = (b0 + blk).min(ke);
+                    widen(false, b0, b1, wf);
+                    KvCodec::dot_rows_wide(qs, hdim, wf, b1 - b0, &mut sc[b0 - kb..], nk);
+                }
+            } else {
+                for (first, run) in lv.rows(false, kvh, kb, ke) {
+                    let cnt = run.len() / codec.bytes(hdim);
+                    fetch(false, first + cnt);
+                    codec.dot_rows(qs, hdim, run, cnt, &mut sc[first - kb..], nk);
+                }
             }
             if let Some(cap) = a.softcap {
                 ops::softcap(sc, cap);
@@ -348,11 +372,10 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             os.clear();
             os.resize(heads * hdim, 0.0);
             let rb = codec.bytes(hdim);
-            for (first, run) in lv.rows(true, kvh, kb, ke) {
-                let cnt = run.len() / rb;
-                fetch(true, first + cnt);
-                // Keys every row attends, with all heads at once; the others row by row, in key
-                // order so that each head's sum runs over its keys in order.
+            // V rows first..first + cnt into the outputs through `axpy(o, weights, from, n)`: keys
+            // every row attends with all heads at once, the others row by row, in key order so
+            // that each head's sum runs over its keys in order.
+            let add = |os: &mut [f32], first: usize, cnt: usize, axpy: &dyn Fn(&mut [f32], &[f32], usize, usize)| {
                 let (lo, hi) = (first.max(cs).min(first + cnt), (first + cnt).min(ce).max(first));
                 let (lo, hi) = if cs < ce { (lo, hi.max(lo)) } else { (first + cnt, first + cnt) };
                 let part = |os: &mut [f32], from: usize, to: usize| {
@@ -360,16 +383,29 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
                         let (s, e) = span(t);
                         let (f, l) = (from.max(s), to.min(e));
                         if f < l {
-                            let run = &run[(f - first) * rb..(l - first) * rb];
-                            codec.axpy_rows(&mut os[r * width..(r + 1) * width], hdim, &sc[r * group * nk + f - kb..], nk, run, l - f);
+                            axpy(&mut os[r * width..(r + 1) * width], &sc[r * group * nk + f - kb..], f, l - f);
                         }
                     }
                 };
                 part(os, first, lo);
                 if lo < hi {
-                    codec.axpy_rows(os, hdim, &sc[lo - kb..], nk, &run[(lo - first) * rb..(hi - first) * rb], hi - lo);
+                    axpy(os, &sc[lo - kb..], lo, hi - lo);
                 }
                 part(os, hi, first + cnt);
+            };
+            if wide {
+                for b0 in (kb..ke).step_by(blk) {
+                    let b1 = (b0 + blk).min(ke);
+                    widen(true, b0, b1, wf);
+                    let wf = &wf[..];
+                    add(os, b0, b1 - b0, &|o, p, from, n| KvCodec::axpy_rows_wide(o, hdim, p, nk, &wf[(from - b0) * hdim..], n));
+                }
+            } else {
+                for (first, run) in lv.rows(true, kvh, kb, ke) {
+                    let cnt = run.len() / rb;
+                    fetch(true, first + cnt);
+                    add(os, first, cnt, &|o, p, from, n| codec.axpy_rows(o, hdim, p, nk, &run[(from - first) * rb..(from - first + n) * rb], n));
+                }
             }
             codec.finish_output(os, hdim);
             for (o, src) in outs.iter_mut().zip(os.chunks_exact(width)) {

@@ -122,6 +122,92 @@ impl KvCodec {
     }
 }
 
+/// Rows widened to f32 for attention (`KvCodec::widens`): converted once for every query head
+/// of a block instead of once per group of heads, a block at a time that stays in L1.
+impl KvCodec {
+    /// Whether attention over this codec's rows widens them to f32 first (`widen`,
+    /// `dot_rows_wide`, `axpy_rows_wide`) for `heads` query heads of `hd` values: f16 on AVX-512,
+    /// with enough heads that converting beats reading f16 (a decode row's few do not). The
+    /// products keep `dot_rows`' and `axpy_rows`' bits, the conversion being exact.
+    pub fn widens(self, hd: usize, heads: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self == KvCodec::F16 && hd.is_multiple_of(32) && heads >= Z_HEADS && crate::quant::avx2::has_avx512();
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
+    }
+
+    /// Rows that fit a widened block for rows of `hd` values: enough that a call's fixed work
+    /// (the queries interleaved, the outputs loaded and stored) stays small beside its products.
+    pub fn wide_block(hd: usize) -> usize {
+        (WIDE_BLOCK_F32 / hd).max(32)
+    }
+
+    /// The rows in `run` (whole rows of this codec's bytes) as f32 into the front of `dst`.
+    pub fn widen(self, run: &[u8], dst: &mut [f32]) {
+        assert!(self == KvCodec::F16 && run.len() % 32 == 0 && dst.len() >= run.len() / 2, "widen takes whole f16 rows of 16 values");
+        #[cfg(target_arch = "x86_64")]
+        if crate::quant::avx2::has_avx512() {
+            // SAFETY: AVX-512 F detected; `run` holds whole 16-value groups and `dst` room for them (asserted).
+            unsafe { simd::widen_f16(run, dst) };
+            return;
+        }
+        self.decode(run, &mut dst[..run.len() / 2]);
+    }
+
+    /// `dot_rows` over `n` rows already widened (`kf`, `hd` f32 each), with its bits.
+    pub fn dot_rows_wide(q: &[f32], hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
+        let heads = q.len() / hd;
+        assert!(hd.is_multiple_of(8) && kf.len() >= n * hd && out.len() >= (heads - 1) * stride + n, "widened keys or scores too short");
+        let n8 = n - n % 8;
+        #[cfg(target_arch = "x86_64")]
+        if crate::quant::avx2::has_avx512() {
+            // SAFETY: AVX-512 F detected; bounds asserted above.
+            unsafe { simd::scores_wide(q, hd, kf, n8, out, stride) };
+        } else {
+            scores_wide_scalar(q, hd, kf, 0, n8, out, stride);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        scores_wide_scalar(q, hd, kf, 0, n8, out, stride);
+        scores_wide_scalar(q, hd, kf, n8, n, out, stride);
+    }
+
+    /// `axpy_rows` over `n` rows already widened (`vf`, `hd` f32 each), with its bits.
+    pub fn axpy_rows_wide(o: &mut [f32], hd: usize, p: &[f32], stride: usize, vf: &[f32], n: usize) {
+        let heads = o.len() / hd;
+        assert!(vf.len() >= n * hd && p.len() >= (heads - 1) * stride + n, "widened values or weights too short");
+        #[cfg(target_arch = "x86_64")]
+        if hd.is_multiple_of(32) && crate::quant::avx2::has_avx512() {
+            for (g0, og) in o.chunks_mut(PV_GROUP_512 * hd).enumerate() {
+                // SAFETY: AVX-512 F detected; bounds asserted above.
+                unsafe { simd::axpy_rows_wide(og, hd, &p[PV_GROUP_512 * g0 * stride..], stride, vf.as_ptr(), n) };
+            }
+            return;
+        }
+        for (g, og) in o.chunks_exact_mut(hd).enumerate() {
+            for (j, v) in vf[..n * hd].chunks_exact(hd).enumerate() {
+                let w = p[g * stride + j];
+                og.iter_mut().zip(v).for_each(|(a, b)| *a = w.mul_add(*b, *a));
+            }
+        }
+    }
+}
+
+/// The scalar twin of the widened q·k: keys `from..to` of `kf`, each score `dot_f16`'s sum (eight
+/// lane chains of fused multiply-adds, then `hsum`'s order).
+fn scores_wide_scalar(q: &[f32], hd: usize, kf: &[f32], from: usize, to: usize, out: &mut [f32], stride: usize) {
+    for (g, qg) in q.chunks_exact(hd).enumerate() {
+        for j in from..to {
+            let mut a = [0.0f32; 8];
+            for (qc, kc) in qg.chunks_exact(8).zip(kf[j * hd..(j + 1) * hd].chunks_exact(8)) {
+                for l in 0..8 {
+                    a[l] = qc[l].mul_add(kc[l], a[l]);
+                }
+            }
+            out[g * stride + j] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        }
+    }
+}
+
 /// Query heads the f16 kernels take per pass over the K or V rows: each head holds two
 /// accumulators (two keys' scores, or 16 output values), so six heads plus the row being read
 /// fill the sixteen AVX2 registers for q·k; p·v measured best at four. The AVX-512 p·v kernel
@@ -136,6 +222,9 @@ const PV_GROUP: usize = 4;
 const Z_HEADS: usize = 8;
 #[cfg(target_arch = "x86_64")]
 const PV_GROUP_512: usize = 6;
+/// f32 values of the rows widened at a time (16 KiB): with the queries of a 32-head block they
+/// fit a 48 KiB L1.
+const WIDE_BLOCK_F32: usize = 4096;
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
@@ -314,30 +403,61 @@ mod simd {
     // on both heads at once in `scores`' order, so a score keeps `dot_f16`'s bits.
 
     thread_local! {
-        /// The call's keys as f32 (prefill reads each key once per two query heads).
-        static KEYS_F32: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+        /// A block of a call's keys as f32 (`dot_rows_f16_z`).
+        static WIDE_KEYS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        /// Query heads interleaved in pairs (`scores_wide`).
+        static QUERY_PAIRS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
 
     /// `dot_rows` for `Z_HEADS` or more heads and eight or more keys: the keys up to a multiple of
-    /// eight here, the rest through `dot_rows_f16`.
+    /// eight widened a block at a time (`widen_f16`, `scores_wide`), the rest through `dot_rows_f16`.
     ///
     /// # Safety
     /// The CPU has AVX-512 F (and AVX2/FMA/F16C); `k` holds `n` f16 rows of `hd` values, `hd` is
     /// a multiple of 8 and `out` holds `(heads - 1) * stride + n` scores (`dot_rows` asserts both).
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
     pub unsafe fn dot_rows_f16_z(q: &[f32], hd: usize, k: &[u8], n: usize, out: &mut [f32], stride: usize) {
-        let heads = q.len() / hd;
         let n8 = n - n % 8;
-        KEYS_F32.with_borrow_mut(|(kf, qz)| {
-            // Grown, never cleared: every value read below is written first.
-            if kf.len() < n8 * hd {
-                kf.resize(n8 * hd, 0.0);
+        let block = super::KvCodec::wide_block(hd) / 8 * 8;
+        WIDE_KEYS.with_borrow_mut(|kf| {
+            if kf.len() < block * hd {
+                kf.resize(block * hd, 0.0);
             }
-            // n8 * hd is a multiple of 64: whole 16-value conversions.
-            for (i, dst) in kf[..n8 * hd].chunks_exact_mut(16).enumerate() {
-                let src = _mm256_loadu_si256(k.as_ptr().add(32 * i) as *const __m256i);
-                _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_cvtph_ps(src));
+            for j0 in (0..n8).step_by(block) {
+                let nb = block.min(n8 - j0);
+                // nb * hd is a multiple of 64: whole 16-value conversions.
+                widen_f16(&k[2 * hd * j0..2 * hd * (j0 + nb)], kf);
+                scores_wide(q, hd, kf, nb, &mut out[j0..], stride);
             }
+        });
+        if n8 < n {
+            for (g0, qg) in q.chunks(super::QK_GROUP * hd).enumerate() {
+                dot_rows_f16(qg, hd, k.as_ptr().add(2 * hd * n8), n - n8, &mut out[super::QK_GROUP * g0 * stride + n8..], stride);
+            }
+        }
+    }
+
+    /// f16 values (`src`, whole groups of 16) as f32 into the front of `dst`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `dst` holds `src.len() / 2` values (`KvCodec::widen` asserts it).
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn widen_f16(src: &[u8], dst: &mut [f32]) {
+        for (i, d) in dst[..src.len() / 2].chunks_exact_mut(16).enumerate() {
+            _mm512_storeu_ps(d.as_mut_ptr(), _mm512_cvtph_ps(_mm256_loadu_si256(src.as_ptr().add(32 * i) as *const __m256i)));
+        }
+    }
+
+    /// `dot_rows`' scores against `n` widened keys (`n` a multiple of 8): the query heads in
+    /// pairs, two pairs a pass (`scores_z`).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `kf` holds `n` rows of `hd` values, `hd` is a multiple of 8 and
+    /// `out` holds `(heads - 1) * stride + n` scores.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores_wide(q: &[f32], hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
+        let heads = q.len() / hd;
+        QUERY_PAIRS.with_borrow_mut(|qz| {
             // Heads in pairs, each pair's queries interleaved by eight values ([lo 8 | hi 8] per
             // step); an odd last head pairs with itself and only its low half is stored.
             let pairs = heads.div_ceil(2);
@@ -365,18 +485,13 @@ mod simd {
                 });
                 let qp = qz.as_ptr().add(pr * 2 * hd);
                 if take == 2 {
-                    scores_z::<2>(qp, hd, kf.as_ptr(), n8, outs);
+                    scores_z::<2>(qp, hd, kf.as_ptr(), n, outs);
                 } else {
-                    scores_z::<1>(qp, hd, kf.as_ptr(), n8, outs);
+                    scores_z::<1>(qp, hd, kf.as_ptr(), n, outs);
                 }
                 pr += take;
             }
         });
-        if n8 < n {
-            for (g0, qg) in q.chunks(super::QK_GROUP * hd).enumerate() {
-                dot_rows_f16(qg, hd, k.as_ptr().add(2 * hd * n8), n - n8, &mut out[super::QK_GROUP * g0 * stride + n8..], stride);
-            }
-        }
     }
 
     /// [a.i + b.i] of `fold_halves`, for two heads at once: lanes of 128 bits in, per head
@@ -446,6 +561,35 @@ mod simd {
             for j in 0..n {
                 let row = v.add(2 * (hd * j + c));
                 let vv = [_mm512_cvtph_ps(_mm256_loadu_si256(row as *const __m256i)), _mm512_cvtph_ps(_mm256_loadu_si256(row.add(32) as *const __m256i))];
+                for (g, ac) in acc.iter_mut().enumerate() {
+                    let pv = _mm512_set1_ps(*p.get_unchecked(g * stride + j));
+                    ac[0] = _mm512_fmadd_ps(pv, vv[0], ac[0]);
+                    ac[1] = _mm512_fmadd_ps(pv, vv[1], ac[1]);
+                }
+            }
+            for (g, ac) in acc.iter().enumerate() {
+                for (m, a) in ac.iter().enumerate() {
+                    _mm512_storeu_ps(y.add(g * hd + c + 16 * m), *a);
+                }
+            }
+        }
+    }
+
+    /// `axpy_rows_f16_z` over widened rows (`vf`: f32 rows of `hd`).
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn axpy_rows_wide(o: &mut [f32], hd: usize, p: &[f32], stride: usize, vf: *const f32, n: usize) {
+        per_group!(values_wide, o.len() / hd, o, hd, p, stride, vf, n)
+    }
+
+    /// `values_z` with the rows already f32.
+    #[inline(always)]
+    unsafe fn values_wide<const G: usize>(o: &mut [f32], hd: usize, p: &[f32], stride: usize, vf: *const f32, n: usize) {
+        let y = o.as_mut_ptr();
+        for c in (0..hd).step_by(32) {
+            let mut acc: [[__m512; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm512_loadu_ps(y.add(g * hd + c + 16 * m))));
+            for j in 0..n {
+                let row = vf.add(hd * j + c);
+                let vv = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16))];
                 for (g, ac) in acc.iter_mut().enumerate() {
                     let pv = _mm512_set1_ps(*p.get_unchecked(g * stride + j));
                     ac[0] = _mm512_fmadd_ps(pv, vv[0], ac[0]);
@@ -599,6 +743,44 @@ mod tests {
                 }
                 let got: Vec<u32> = all[g * hd..(g + 1) * hd].iter().map(|v| v.to_bits()).collect();
                 assert_eq!(got, one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "hd {hd} head {g}");
+            }
+        }
+    }
+
+    /// Rows widened to f32 keep the f16 kernels' bits: a score is the single-query dot's (from
+    /// the AVX-512 pairs and from their scalar twin), an output the single-row axpy's row after row.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn widened_rows_keep_the_f16_bits() {
+        if !crate::quant::avx2::has_avx2() {
+            eprintln!("this CPU has no AVX2: nothing widens, the f16 kernels run");
+            return;
+        }
+        for (hd, n, heads) in [(64, 41, 30), (128, 19, 9), (256, 13, 8), (64, 8, 1), (96, 5, 3)] {
+            let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
+            let mut rows = vec![0u8; 2 * n * hd];
+            KvCodec::F16.encode(&vals, &mut rows);
+            let mut wide = vec![0.0f32; n * hd];
+            KvCodec::F16.widen(&rows, &mut wide);
+            let q: Vec<f32> = (0..heads * hd).map(|i| crate::cpu::ops::round_f16(((i * 31 % 97) as f32 - 48.0) * 0.02)).collect();
+            let (mut simd, mut scalar) = (vec![0.0f32; heads * n], vec![0.0f32; heads * n]);
+            KvCodec::dot_rows_wide(&q, hd, &wide, n, &mut simd, n);
+            scores_wide_scalar(&q, hd, &wide, 0, n, &mut scalar, n);
+            let p: Vec<f32> = (0..heads * n).map(|i| ((i * 13 % 29) as f32) * 0.01).collect();
+            let start: Vec<f32> = (0..heads * hd).map(|i| (i % 5) as f32 * 0.25).collect();
+            let mut all = start.clone();
+            KvCodec::axpy_rows_wide(&mut all, hd, &p, n, &wide, n);
+            for (g, qg) in q.chunks_exact(hd).enumerate() {
+                let mut one = start[g * hd..(g + 1) * hd].to_vec();
+                for j in 0..n {
+                    let row = &rows[2 * hd * j..2 * hd * (j + 1)];
+                    let want = KvCodec::F16.dot(qg, row).to_bits();
+                    assert_eq!(simd[g * n + j].to_bits(), want, "hd {hd} head {g} key {j}");
+                    assert_eq!(scalar[g * n + j].to_bits(), want, "hd {hd} head {g} key {j} (scalar)");
+                    KvCodec::F16.axpy(&mut one, p[g * n + j], row);
+                }
+                let got: Vec<u32> = all[g * hd..(g + 1) * hd].iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "hd {hd} head {g} values");
             }
         }
     }
