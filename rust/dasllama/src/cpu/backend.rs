@@ -234,7 +234,7 @@ thread_local! {
     /// for its next one (a
     /// task per block of rows, KV head and layer would otherwise allocate them thousands of times
     /// a step).
-    static ATTENTION_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+    static ATTENTION_SCRATCH: std::cell::RefCell<[Vec<f32>; 4]> = const { std::cell::RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
 }
 
 /// Query heads one attention task takes together: a block of a session's consecutive rows times
@@ -243,6 +243,9 @@ thread_local! {
 /// the prefix once per block instead of once per row. Scores take 4 * heads * d bytes, which stay
 /// in L2 at 32 heads and a few thousand keys.
 const BLOCK_HEADS: usize = 32;
+
+/// o += weights · V rows `from..from + n`, for one row's heads or a block's: `(o, weights, from, n)`.
+type RowsAxpy<'a> = &'a dyn Fn(&mut [f32], &[f32], usize, usize);
 
 /// One attention task: rows `t0..t0 + n` of one session (consecutive in the pass), one KV head,
 /// and the output slices those rows have for the query heads of that KV head.
@@ -327,12 +330,18 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             for (first, run) in lv.rows(v, kvh, b0, b1) {
                 codec.widen(run, &mut wf[(first - b0) * hdim..]);
             }
-            let next = if b1 < ke { lv.rows(v, kvh, b1, (b1 + blk).min(ke)).next() } else if v { None } else { lv.rows(true, kvh, kb, ke).next() };
+            let next = if b1 < ke {
+                lv.rows(v, kvh, b1, (b1 + blk).min(ke)).next()
+            } else if v {
+                None
+            } else {
+                lv.rows(true, kvh, kb, ke).next()
+            };
             if let Some((_, run)) = next {
                 ops::prefetch(run);
             }
         };
-        ATTENTION_SCRATCH.with_borrow_mut(|(qs, sc, os, wf)| {
+        ATTENTION_SCRATCH.with_borrow_mut(|[qs, sc, os, wf]| {
             qs.clear();
             for t in t0..t0 + nb {
                 let base = t * qd + kvh * width;
@@ -375,7 +384,7 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             // V rows first..first + cnt into the outputs through `axpy(o, weights, from, n)`: keys
             // every row attends with all heads at once, the others row by row, in key order so
             // that each head's sum runs over its keys in order.
-            let add = |os: &mut [f32], first: usize, cnt: usize, axpy: &dyn Fn(&mut [f32], &[f32], usize, usize)| {
+            let add = |os: &mut [f32], first: usize, cnt: usize, axpy: RowsAxpy| {
                 let (lo, hi) = (first.max(cs).min(first + cnt), (first + cnt).min(ce).max(first));
                 let (lo, hi) = if cs < ce { (lo, hi.max(lo)) } else { (first + cnt, first + cnt) };
                 let part = |os: &mut [f32], from: usize, to: usize| {

@@ -144,7 +144,7 @@ impl KvCodec {
 
     /// The rows in `run` (whole rows of this codec's bytes) as f32 into the front of `dst`.
     pub fn widen(self, run: &[u8], dst: &mut [f32]) {
-        assert!(self == KvCodec::F16 && run.len() % 32 == 0 && dst.len() >= run.len() / 2, "widen takes whole f16 rows of 16 values");
+        assert!(self == KvCodec::F16 && run.len().is_multiple_of(32) && dst.len() >= run.len() / 2, "widen takes whole f16 rows of 16 values");
         #[cfg(target_arch = "x86_64")]
         if crate::quant::avx2::has_avx512() {
             // SAFETY: AVX-512 F detected; `run` holds whole 16-value groups and `dst` room for them (asserted).
