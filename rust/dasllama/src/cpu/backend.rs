@@ -330,15 +330,11 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             for (first, run) in lv.rows(v, kvh, b0, b1) {
                 codec.widen(run, &mut wf[(first - b0) * hdim..]);
             }
-            let next = if b1 < ke {
-                lv.rows(v, kvh, b1, (b1 + blk).min(ke)).next()
-            } else if v {
-                None
-            } else {
-                lv.rows(true, kvh, kb, ke).next()
-            };
-            if let Some((_, run)) = next {
-                ops::prefetch(run);
+            // The next block's rows (after the last K block, the first V block) are fetched
+            // while this one is scored: pages are scattered, so no hardware prefetcher follows.
+            let (nv, from) = if b1 < ke { (v, b1) } else { (true, kb) };
+            if b1 < ke || !v {
+                lv.rows(nv, kvh, from, (from + blk).min(ke)).for_each(|(_, run)| ops::prefetch(run));
             }
         };
         ATTENTION_SCRATCH.with_borrow_mut(|[qs, sc, os, wf]| {
@@ -349,8 +345,11 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             }
             round_queries(a, qs);
             codec.prepare_query(qs, hdim);
-            sc.clear();
-            sc.resize(heads * nk, 0.0);
+            // Every score of the block's keys is written below before it is read.
+            if sc.len() < heads * nk {
+                sc.resize(heads * nk, 0.0);
+            }
+            let sc = &mut sc[..heads * nk];
             if wide {
                 if wf.len() < blk * hdim {
                     wf.resize(blk * hdim, 0.0);

@@ -158,17 +158,26 @@ impl KvCodec {
     pub fn dot_rows_wide(q: &[f32], hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
         let heads = q.len() / hd;
         assert!(hd.is_multiple_of(8) && kf.len() >= n * hd && out.len() >= (heads - 1) * stride + n, "widened keys or scores too short");
-        let n8 = n - n % 8;
         #[cfg(target_arch = "x86_64")]
         if crate::quant::avx2::has_avx512() {
+            let n8 = n - n % 8;
             // SAFETY: AVX-512 F detected; bounds asserted above.
             unsafe { simd::scores_wide(q, hd, kf, n8, out, stride) };
-        } else {
-            scores_wide_scalar(q, hd, kf, 0, n8, out, stride);
+            if n8 < n {
+                // The last keys padded with zero keys to eight (a score depends on its own key
+                // only), scored apart and copied out.
+                let mut keys = vec![0.0f32; 8 * hd];
+                keys[..(n - n8) * hd].copy_from_slice(&kf[n8 * hd..n * hd]);
+                let mut sc = vec![0.0f32; heads * 8];
+                // SAFETY: as above, on eight keys and a score row of eight per head.
+                unsafe { simd::scores_wide(q, hd, &keys, 8, &mut sc, 8) };
+                for (g, s8) in sc.chunks_exact(8).enumerate() {
+                    out[g * stride + n8..g * stride + n].copy_from_slice(&s8[..n - n8]);
+                }
+            }
+            return;
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        scores_wide_scalar(q, hd, kf, 0, n8, out, stride);
-        scores_wide_scalar(q, hd, kf, n8, n, out, stride);
+        scores_wide_scalar(q, hd, kf, n, out, stride);
     }
 
     /// `axpy_rows` over `n` rows already widened (`vf`, `hd` f32 each), with its bits.
@@ -192,11 +201,11 @@ impl KvCodec {
     }
 }
 
-/// The scalar twin of the widened q·k: keys `from..to` of `kf`, each score `dot_f16`'s sum (eight
+/// The scalar twin of the widened q·k: keys `0..n` of `kf`, each score `dot_f16`'s sum (eight
 /// lane chains of fused multiply-adds, then `hsum`'s order).
-fn scores_wide_scalar(q: &[f32], hd: usize, kf: &[f32], from: usize, to: usize, out: &mut [f32], stride: usize) {
+fn scores_wide_scalar(q: &[f32], hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
     for (g, qg) in q.chunks_exact(hd).enumerate() {
-        for j in from..to {
+        for j in 0..n {
             let mut a = [0.0f32; 8];
             for (qc, kc) in qg.chunks_exact(8).zip(kf[j * hd..(j + 1) * hd].chunks_exact(8)) {
                 for l in 0..8 {
@@ -765,7 +774,7 @@ mod tests {
             let q: Vec<f32> = (0..heads * hd).map(|i| crate::cpu::ops::round_f16(((i * 31 % 97) as f32 - 48.0) * 0.02)).collect();
             let (mut simd, mut scalar) = (vec![0.0f32; heads * n], vec![0.0f32; heads * n]);
             KvCodec::dot_rows_wide(&q, hd, &wide, n, &mut simd, n);
-            scores_wide_scalar(&q, hd, &wide, 0, n, &mut scalar, n);
+            scores_wide_scalar(&q, hd, &wide, n, &mut scalar, n);
             let p: Vec<f32> = (0..heads * n).map(|i| ((i * 13 % 29) as f32) * 0.01).collect();
             let start: Vec<f32> = (0..heads * hd).map(|i| (i % 5) as f32 * 0.25).collect();
             let mut all = start.clone();
