@@ -89,6 +89,17 @@ pub fn attention_weights(x: &mut [f32], scale: f32) {
 /// not scaled, as ggml adds it after the scaling).
 pub fn attention_weights_sink(x: &mut [f32], scale: f32, sink: Option<f32>) {
     #[cfg(target_arch = "x86_64")]
+    if crate::quant::avx2::has_avx512() {
+        // SAFETY: AVX-512 F (and AVX2/FMA/F16C) detected; the kernels stay inside `x`.
+        unsafe {
+            let max = simd::scale_max_z(x, scale);
+            let max = sink.map_or(max, |s| max.max(s));
+            let total = simd::exp_sub_total_z(x, max) + sink_term(sink, max);
+            simd::scale_round_f16_z(x, (1.0 / total) as f32);
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if crate::quant::avx2::has_avx2() {
         // SAFETY: AVX2/FMA/F16C detected; the kernels stay inside `x`.
         unsafe {
@@ -268,6 +279,101 @@ pub(crate) mod simd {
         _mm256_blendv_ps(scaled, _mm256_mul_ps(s1, s1), d)
     }
 
+    /// `expf` sixteen at a time, lane for lane the same operations (and so the same bits).
+    #[inline(always)]
+    pub unsafe fn expf_z(x: __m512) -> __m512 {
+        let f = _mm512_set1_ps;
+        let r = f(f32::from_bits(0x4b40_0000));
+        let z = _mm512_fmadd_ps(x, f(f32::from_bits(0x3fb8_aa3b)), r);
+        let n = _mm512_sub_ps(z, r);
+        let b = _mm512_fnmadd_ps(n, f(f32::from_bits(0x35bf_be8e)), _mm512_fnmadd_ps(n, f(f32::from_bits(0x3f31_7200)), x));
+        let e = _mm512_slli_epi32::<23>(_mm512_castps_si512(z));
+        let k = _mm512_castsi512_ps(_mm512_add_epi32(e, _mm512_castps_si512(f(1.0))));
+        let abs_n = _mm512_abs_ps(n);
+        let c = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(abs_n, f(126.0));
+        let u = _mm512_mul_ps(b, b);
+        let j = _mm512_fmadd_ps(
+            _mm512_fmadd_ps(
+                _mm512_fmadd_ps(f(f32::from_bits(0x3c07_2010)), b, f(f32::from_bits(0x3d2b_9f17))),
+                u,
+                _mm512_fmadd_ps(f(f32::from_bits(0x3e2a_af33)), b, f(f32::from_bits(0x3efffedb))),
+            ),
+            u,
+            _mm512_mul_ps(f(f32::from_bits(0x3f7f_fff6)), b),
+        );
+        if c == 0 {
+            return _mm512_fmadd_ps(j, k, k);
+        }
+        let le = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
+        let g = _mm512_maskz_mov_epi32(le, _mm512_set1_epi32(0x8200_0000u32 as i32));
+        let s1 = _mm512_castsi512_ps(_mm512_add_epi32(g, _mm512_set1_epi32(0x7f00_0000)));
+        let s2 = _mm512_castsi512_ps(_mm512_sub_epi32(e, g));
+        let d = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(abs_n, f(192.0));
+        let scaled = _mm512_mask_blend_ps(c, _mm512_fmadd_ps(k, j, k), _mm512_mul_ps(_mm512_fmadd_ps(s2, j, s2), s1));
+        _mm512_mask_blend_ps(d, scaled, _mm512_mul_ps(s1, s1))
+    }
+
+    /// `exp_sub_total` sixteen at a time: a vector's low half is what `exp_sub_total` adds into its
+    /// first accumulator and its high half into its second, so the lanes sum alike.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn exp_sub_total_z(x: &mut [f32], max: f32) -> f64 {
+        let (n, m) = (x.len() / 16 * 16, _mm512_set1_ps(max));
+        let mut acc = _mm512_setzero_ps();
+        for i in (0..n).step_by(16) {
+            let p = x.as_mut_ptr().add(i);
+            let v = expf_z(_mm512_sub_ps(_mm512_loadu_ps(p), m));
+            _mm512_storeu_ps(p, v);
+            acc = _mm512_add_ps(acc, v);
+        }
+        // The rest (under sixteen) goes to the first accumulator, as `exp_sub_total`'s last
+        // group of eight and its partial group do: padded with -inf, whose exponential is 0 (and
+        // adding 0 to a sum of exponentials leaves it as it is).
+        if n < x.len() {
+            let (mut tail, rest) = ([f32::NEG_INFINITY; 16], x.len() - n);
+            tail[..rest].copy_from_slice(&x[n..]);
+            let v = expf_z(_mm512_sub_ps(_mm512_loadu_ps(tail.as_ptr()), m));
+            _mm512_storeu_ps(tail.as_mut_ptr(), v);
+            x[n..].copy_from_slice(&tail[..rest]);
+            // Its eight and then the rest into the first accumulator, in that order.
+            acc = _mm512_mask_add_ps(acc, 0x00ff, acc, v);
+            acc = _mm512_mask_add_ps(acc, 0x00ff, acc, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v));
+        }
+        let mut lanes = [0.0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), acc);
+        lanes.iter().map(|&v| v as f64).sum::<f64>()
+    }
+
+    /// `scale_max` sixteen at a time.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scale_max_z(x: &mut [f32], scale: f32) -> f32 {
+        let n = x.len() / 16 * 16;
+        let (sv, mut m) = (_mm512_set1_ps(scale), _mm512_set1_ps(f32::NEG_INFINITY));
+        for i in (0..n).step_by(16) {
+            let p = x.as_mut_ptr().add(i);
+            let v = _mm512_mul_ps(_mm512_loadu_ps(p), sv);
+            _mm512_storeu_ps(p, v);
+            m = _mm512_max_ps(m, v);
+        }
+        let mut max = _mm512_reduce_max_ps(m);
+        for v in &mut x[n..] {
+            *v *= scale;
+            max = max.max(*v);
+        }
+        max
+    }
+
+    /// `scale_round_f16` sixteen at a time.
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    pub unsafe fn scale_round_f16_z(x: &mut [f32], inv: f32) {
+        let n = x.len() / 16 * 16;
+        let iv = _mm512_set1_ps(inv);
+        for i in (0..n).step_by(16) {
+            let p = x.as_mut_ptr().add(i);
+            _mm512_storeu_ps(p, _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm512_mul_ps(_mm512_loadu_ps(p), iv))));
+        }
+        scale_round_f16(&mut x[n..], inv);
+    }
+
     /// x[i] = e^(x[i] - max) for whole groups of eight; returns (values done, their f64 sum).
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn exp_sub_sum(x: &mut [f32], max: f32) -> (usize, f64) {
@@ -411,6 +517,35 @@ pub(crate) mod simd {
 mod tests {
     use super::*;
     use crate::backend::Rope;
+
+    /// The AVX-512 softmax steps give the AVX2 ones' bits (lane for lane the same operations, the
+    /// sum's lanes in the same accumulators) at every length's tail and on exponents that take
+    /// expf's slow paths (below -126 ln 2 and -192 ln 2).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn softmax_steps_on_512_bits_are_the_256_bit_ones() {
+        if !crate::quant::avx2::has_avx512() {
+            eprintln!("this CPU has no AVX-512: the AVX2 steps run, tested by the other softmax tests");
+            return;
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for len in 1..80 {
+            for spread in [3.0f32, 60.0, 2000.0] {
+                let x: Vec<f32> = (0..len).map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * spread).collect();
+                let (mut a, mut b) = (x.clone(), x);
+                // SAFETY: AVX-512 F (and AVX2/FMA/F16C) detected; the kernels stay inside their slices.
+                unsafe {
+                    let (ma, mb) = (simd::scale_max(&mut a, 0.125), simd::scale_max_z(&mut b, 0.125));
+                    assert_eq!((ma.to_bits(), bits(&a)), (mb.to_bits(), bits(&b)), "scale_max, {len} values of spread {spread}");
+                    let (ta, tb) = (simd::exp_sub_total(&mut a, ma), simd::exp_sub_total_z(&mut b, mb));
+                    assert_eq!((ta.to_bits(), bits(&a)), (tb.to_bits(), bits(&b)), "exp_sub_total, {len} values of spread {spread}");
+                    simd::scale_round_f16(&mut a, (1.0 / ta) as f32);
+                    simd::scale_round_f16_z(&mut b, (1.0 / tb) as f32);
+                    assert_eq!(bits(&a), bits(&b), "scale_round_f16, {len} values of spread {spread}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn rope_cache_scaling_is_the_identity_when_off_and_divides_angles_when_on() {
