@@ -11,6 +11,12 @@ real models':
 - ``pixtral``: Pixtral 12B's tower (24 layers, 1024 wide, 2-D RoPE, patches of 16) at a typical
   512 x 512 (1024 tokens and 31 row breaks of the text's 5120; the tower takes any size up to
   1024 x 1024);
+- ``qwen25vl``: Qwen2.5-VL 3B's tower (32 layers, 1280 wide, 16 heads, patches of 14, windows of
+  112 pixels in all layers but every eighth, a SiLU-gated MLP) at 448 x 448 (1024 patches merged
+  2 x 2 into 256 tokens of the text's 2048; the tower takes any size);
+- ``qwen3vl``: Qwen3-VL 2B's tower (24 layers, 1024 wide, 16 heads, patches of 16, learned
+  positions for 48 x 48 interpolated, deepstack mergers after layers 5, 11 and 17) at 512 x 512
+  (1024 patches, 256 tokens of the text's 2048 plus three deepstack slices);
 - ``idefics3``: SmolVLM2 2.2B's tower (SigLIP-So400m at 384 x 384, patches of 14, a pixel shuffle
   of 3 x 3 into 81 tokens of the text's 2048) with its longest side set to one tile, so an image
   is one tile and the overview: two tower passes (the real file's 1536 cuts a picture into up to
@@ -55,6 +61,7 @@ from machine import cpu_name
 log = logging.getLogger("bench_vision")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
 BENCH_DIR = Path("~/.cache/dasllama/bench/vision").expanduser()
 LLAMA_BIN = Path("~/.cache/dasllama/llama.cpp/bin").expanduser()
 
@@ -74,6 +81,18 @@ REAL: dict[str, dict[str, Any]] = {
         merger=False,
         image=(512, 512),
     ),
+    "qwen25vl": dict(
+        label="Qwen2.5-VL 3B",
+        tower=dict(image_size=448, patch=14, dim=1280, ff=3420, heads=16, layers=32, eps=1e-6, hidden=5120, window=112, wa=8),
+        text_dim=2048,
+        image=(448, 448),
+    ),
+    "qwen3vl": dict(
+        label="Qwen3-VL 2B",
+        tower=dict(image_size=768, patch=16, dim=1024, ff=4096, heads=16, layers=24, eps=1e-6, hidden=4096, deepstack=(5, 11, 17)),
+        text_dim=2048,
+        image=(512, 512),
+    ),
     "idefics3": dict(
         label="SmolVLM2 2.2B (1 tile + ov.)",
         tower=dict(image_size=384, patch=14, dim=1152, ff=4304, heads=16, layers=27, scale=3, longest=384, eps=1e-6),
@@ -84,11 +103,15 @@ REAL: dict[str, dict[str, Any]] = {
 TINY: dict[str, dict[str, Any]] = {
     "gemma3": dict(label="Gemma 3 (tiny)", tower={}, text_dim=256, image=(32, 32)),
     "pixtral": dict(label="Pixtral (tiny)", tower={}, text_dim=256, image=(64, 48)),
+    "qwen25vl": dict(label="Qwen2.5-VL (tiny)", tower={}, text_dim=256, image=(64, 48)),
+    "qwen3vl": dict(label="Qwen3-VL (tiny)", tower={}, text_dim=256, image=(64, 48)),
     "idefics3": dict(label="Idefics3 (tiny)", tower={}, text_dim=256, image=(48, 40)),
 }
 TEXT = {
     "gemma3": ("gemma3", ("<start_of_image>", "<end_of_image>")),
     "pixtral": ("llama", ("[IMG]", "[IMG_BREAK]", "[IMG_END]")),
+    "qwen25vl": ("qwen2vl", ("<|vision_start|>", "<|vision_end|>")),
+    "qwen3vl": ("qwen3vl", ("<|vision_start|>", "<|vision_end|>")),
     "idefics3": ("llama", ("<fake_token_around_image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>", "<row_2_col_1>", "<row_2_col_2>", "\n\n")),
 }
 
@@ -111,12 +134,13 @@ def llama_tool(name: str, build_dir: Path | None) -> Path:
 def files(case: str, shapes: str, layers: int | None = None) -> tuple[Path, Path, Path]:
     """(text model, mmproj, picture) for ``case``, written into the bench cache when missing;
     ``layers`` cuts the tower to that many layers (a quicker run of the same widths)."""
+    import make_vision_goldens as goldens
     import numpy as np
     from gguf import GGMLQuantizationType as QT
     from PIL import Image
 
     import synthetic
-    from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj
+    from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj, write_qwen3vl_mmproj
 
     c = (REAL if shapes == "real" else TINY)[case]
     cut = ""
@@ -134,19 +158,32 @@ def files(case: str, shapes: str, layers: int | None = None) -> tuple[Path, Path
             write_gemma3_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
         elif case == "idefics3":
             write_idefics3_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
+        elif case == "qwen25vl":
+            write_qwen2vl_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
+        elif case == "qwen3vl":
+            write_qwen3vl_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
         else:
             write_pixtral_mmproj(tmp, qt=qt, text_dim=c["text_dim"], merger=c.get("merger", True), **c["tower"])
         tmp.rename(proj)
     if not text.exists():
         # One layer of the projector's output width: mtmd checks the two agree, and the text's
         # cost is not what is measured.
+        # The Qwen text towers as the goldens' (M-RoPE sections, Q/K/V biases or Q/K norms);
+        # Qwen3-VL's takes a deepstack slice per deepstack layer of the tower, and llama.cpp
+        # needs a layer after the last of them.
         arch, specials = TEXT[case]
-        saved = synthetic.DIM, synthetic.LAYERS
-        synthetic.DIM, synthetic.LAYERS = c["text_dim"], 1
+        g = goldens.CASES.get(case, {})
+        deepstack = len(c["tower"].get("deepstack", (1,))) if case == "qwen3vl" else 0
+        # llama.cpp's qwen2vl takes no key length: its heads span the width.
+        heads = c["text_dim"] // synthetic.HEAD_DIM if arch == "qwen2vl" else synthetic.HEADS
+        saved = synthetic.DIM, synthetic.LAYERS, synthetic.HEADS
+        synthetic.DIM, synthetic.LAYERS, synthetic.HEADS = c["text_dim"], deepstack + 1, heads
         try:
-            synthetic.write_model(text, arch=arch, specials=specials, ctx=8192)
+            extra = {**(goldens.biases() if g.get("biases") else {}), **(goldens.qk_norms() if g.get("qk_norm") else {})} or None
+            meta = {**g.get("meta", {}), **({"n_deepstack_layers": deepstack} if deepstack else {})} or None
+            synthetic.write_model(text, arch=arch, specials=specials, ctx=8192, meta=meta, extra=extra)
         finally:
-            synthetic.DIM, synthetic.LAYERS = saved
+            synthetic.DIM, synthetic.LAYERS, synthetic.HEADS = saved
     if not pic.exists():
         w, h = c["image"]
         Image.fromarray(np.random.default_rng(5).integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(pic)

@@ -121,7 +121,7 @@ def image_rgb(case: str = "gemma3") -> np.ndarray:
 def write_files(d: Path, case: str = "gemma3") -> tuple[Path, Path]:
     c = CASES[case]
     text, proj = d / f"{case}-tiny.gguf", d / f"mmproj-{case}-tiny.gguf"
-    extra = {**(_biases() if c.get("biases") else {}), **(_qk_norms() if c.get("qk_norm") else {})} or None
+    extra = {**(biases() if c.get("biases") else {}), **(qk_norms() if c.get("qk_norm") else {})} or None
     if "family" in c:
         write_family(text, c["family"], meta=c.get("meta"), specials=c["specials"])
     else:
@@ -130,7 +130,7 @@ def write_files(d: Path, case: str = "gemma3") -> tuple[Path, Path]:
     return text, proj
 
 
-def _biases() -> dict[str, np.ndarray]:
+def biases() -> dict[str, np.ndarray]:
     """Q/K/V biases for the tiny text model (qwen2's layers need them), K's large as in the real
     models."""
     from synthetic import HEAD_DIM, HEADS, KV_HEADS, LAYERS
@@ -143,7 +143,7 @@ def _biases() -> dict[str, np.ndarray]:
     return out
 
 
-def _qk_norms() -> dict[str, np.ndarray]:
+def qk_norms() -> dict[str, np.ndarray]:
     """Per-head Q and K RMS-norm weights for the tiny text model (qwen3's layers need them)."""
     from synthetic import HEAD_DIM, LAYERS
 

@@ -117,7 +117,7 @@ def test_through_the_server_with_the_openai_client(tmp_path: Path) -> None:
     # server's prompt is the one tokenized directly below.
     c = mk.CASES["qwen25vl"]
     text = tmp_path / "qwen-vis.gguf"
-    write_model(text, arch="qwen2vl", specials=c["specials"], ctx=128, meta=c["meta"], extra=mk._biases(), template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    write_model(text, arch="qwen2vl", specials=c["specials"], ctx=128, meta=c["meta"], extra=mk.biases(), template="{% for m in messages %}{{ m.content }}{% endfor %}")
     proj = tmp_path / "vision" / "mmproj-q.gguf"
     proj.parent.mkdir()
     write_qwen2vl_mmproj(proj)

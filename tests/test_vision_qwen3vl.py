@@ -140,7 +140,7 @@ def test_scheduler_and_prefix_cache_carry_the_deepstack_rows(files: dict) -> Non
 def test_through_the_server_with_the_openai_client(tmp_path: Path) -> None:
     c = mk.CASES["qwen3vl"]
     text = tmp_path / "qwen3-vis.gguf"
-    write_model(text, arch="qwen3vl", specials=c["specials"], ctx=128, meta=c["meta"], extra=mk._qk_norms(), template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    write_model(text, arch="qwen3vl", specials=c["specials"], ctx=128, meta=c["meta"], extra=mk.qk_norms(), template="{% for m in messages %}{{ m.content }}{% endfor %}")
     proj = tmp_path / "mmproj-q3.gguf"
     write_qwen3vl_mmproj(proj)
     rgb = np.random.default_rng(5).integers(0, 256, size=(45, 61, 3), dtype=np.uint8)
