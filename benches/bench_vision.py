@@ -11,6 +11,10 @@ real models':
 - ``pixtral``: Pixtral 12B's tower (24 layers, 1024 wide, 2-D RoPE, patches of 16) at a typical
   512 x 512 (1024 tokens and 31 row breaks of the text's 5120; the tower takes any size up to
   1024 x 1024);
+- ``gemma4v``: Gemma 4's vision tower as published with the 31B (27 layers, 1152 wide, 16 heads
+  of 72, patches of 16, per-head Q/K norms, a 2-D RoPE, 3 x 3 pooling) at 768 x 768 (2304
+  patches pooled into 256 tokens), projected to the tests' small gemma4 text model (256 wide; the
+  projection is a sliver of the work);
 - ``qwen25vl``: Qwen2.5-VL 3B's tower (32 layers, 1280 wide, 16 heads, patches of 14, windows of
   112 pixels in all layers but every eighth, a SiLU-gated MLP) at 448 x 448 (1024 patches merged
   2 x 2 into 256 tokens of the text's 2048; the tower takes any size);
@@ -81,6 +85,12 @@ REAL: dict[str, dict[str, Any]] = {
         merger=False,
         image=(512, 512),
     ),
+    "gemma4v": dict(
+        label="Gemma 4 (27 x 1152)",
+        tower=dict(image_size=768, patch=16, dim=1152, ff=4304, heads=16, layers=27, merge=3, eps=1e-6, pos=10240),
+        text_dim=256,
+        image=(768, 768),
+    ),
     "qwen25vl": dict(
         label="Qwen2.5-VL 3B",
         tower=dict(image_size=448, patch=14, dim=1280, ff=3420, heads=16, layers=32, eps=1e-6, hidden=5120, window=112, wa=8),
@@ -103,6 +113,7 @@ REAL: dict[str, dict[str, Any]] = {
 TINY: dict[str, dict[str, Any]] = {
     "gemma3": dict(label="Gemma 3 (tiny)", tower={}, text_dim=256, image=(32, 32)),
     "pixtral": dict(label="Pixtral (tiny)", tower={}, text_dim=256, image=(64, 48)),
+    "gemma4v": dict(label="Gemma 4 (tiny)", tower={}, text_dim=256, image=(48, 48)),
     "qwen25vl": dict(label="Qwen2.5-VL (tiny)", tower={}, text_dim=256, image=(64, 48)),
     "qwen3vl": dict(label="Qwen3-VL (tiny)", tower={}, text_dim=256, image=(64, 48)),
     "idefics3": dict(label="Idefics3 (tiny)", tower={}, text_dim=256, image=(48, 40)),
@@ -110,6 +121,7 @@ TINY: dict[str, dict[str, Any]] = {
 TEXT = {
     "gemma3": ("gemma3", ("<start_of_image>", "<end_of_image>")),
     "pixtral": ("llama", ("[IMG]", "[IMG_BREAK]", "[IMG_END]")),
+    "gemma4v": ("gemma4", ("<|image>", "<image|>")),
     "qwen25vl": ("qwen2vl", ("<|vision_start|>", "<|vision_end|>")),
     "qwen3vl": ("qwen3vl", ("<|vision_start|>", "<|vision_end|>")),
     "idefics3": ("llama", ("<fake_token_around_image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>", "<row_2_col_1>", "<row_2_col_2>", "\n\n")),
@@ -134,13 +146,11 @@ def llama_tool(name: str, build_dir: Path | None) -> Path:
 def files(case: str, shapes: str, layers: int | None = None) -> tuple[Path, Path, Path]:
     """(text model, mmproj, picture) for ``case``, written into the bench cache when missing;
     ``layers`` cuts the tower to that many layers (a quicker run of the same widths)."""
-    import make_vision_goldens as goldens
     import numpy as np
     from gguf import GGMLQuantizationType as QT
     from PIL import Image
 
-    import synthetic
-    from synthetic_vision import write_gemma3_mmproj, write_idefics3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj, write_qwen3vl_mmproj
+    from synthetic_vision import write_gemma3_mmproj, write_gemma4v_mmproj, write_idefics3_mmproj, write_pixtral_mmproj, write_qwen2vl_mmproj, write_qwen3vl_mmproj
 
     c = (REAL if shapes == "real" else TINY)[case]
     cut = ""
@@ -158,6 +168,8 @@ def files(case: str, shapes: str, layers: int | None = None) -> tuple[Path, Path
             write_gemma3_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
         elif case == "idefics3":
             write_idefics3_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
+        elif case == "gemma4v":
+            write_gemma4v_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
         elif case == "qwen25vl":
             write_qwen2vl_mmproj(tmp, qt=qt, text_dim=c["text_dim"], **c["tower"])
         elif case == "qwen3vl":
@@ -166,28 +178,40 @@ def files(case: str, shapes: str, layers: int | None = None) -> tuple[Path, Path
             write_pixtral_mmproj(tmp, qt=qt, text_dim=c["text_dim"], merger=c.get("merger", True), **c["tower"])
         tmp.rename(proj)
     if not text.exists():
-        # One layer of the projector's output width: mtmd checks the two agree, and the text's
-        # cost is not what is measured.
-        # The Qwen text towers as the goldens' (M-RoPE sections, Q/K/V biases or Q/K norms);
-        # Qwen3-VL's takes a deepstack slice per deepstack layer of the tower, and llama.cpp
-        # needs a layer after the last of them.
-        arch, specials = TEXT[case]
-        g = goldens.CASES.get(case, {})
-        deepstack = len(c["tower"].get("deepstack", (1,))) if case == "qwen3vl" else 0
-        # llama.cpp's qwen2vl takes no key length: its heads span the width.
-        heads = c["text_dim"] // synthetic.HEAD_DIM if arch == "qwen2vl" else synthetic.HEADS
-        saved = synthetic.DIM, synthetic.LAYERS, synthetic.HEADS
-        synthetic.DIM, synthetic.LAYERS, synthetic.HEADS = c["text_dim"], deepstack + 1, heads
-        try:
-            extra = {**(goldens.biases() if g.get("biases") else {}), **(goldens.qk_norms() if g.get("qk_norm") else {})} or None
-            meta = {**g.get("meta", {}), **({"n_deepstack_layers": deepstack} if deepstack else {})} or None
-            synthetic.write_model(text, arch=arch, specials=specials, ctx=8192, meta=meta, extra=extra)
-        finally:
-            synthetic.DIM, synthetic.LAYERS, synthetic.HEADS = saved
+        write_text(case, c, text)
     if not pic.exists():
         w, h = c["image"]
         Image.fromarray(np.random.default_rng(5).integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(pic)
     return text, proj, pic
+
+
+def write_text(case: str, c: dict[str, Any], text: Path) -> None:
+    """The text model beside ``case``'s mmproj: mtmd checks that its width is the projection's,
+    and its cost is not what is measured, so it is small. One layer of the projector's output
+    width; the Qwen text towers as the goldens' (M-RoPE sections, Q/K/V biases or Q/K norms), with
+    a deepstack slice per deepstack layer of the tower for Qwen3-VL and a layer after the last of
+    them (llama.cpp needs one); Gemma 4's the tests' gemma4 family (the image's projection to its
+    width is a sliver of the encode)."""
+    import make_vision_goldens as goldens
+
+    import synthetic
+
+    arch, specials = TEXT[case]
+    g = goldens.CASES.get(case, {})
+    if "family" in g:
+        synthetic.write_family(text, g["family"], meta={"context_length": 8192}, specials=specials)
+        return
+    deepstack = len(c["tower"].get("deepstack", (1,))) if case == "qwen3vl" else 0
+    # llama.cpp's qwen2vl takes no key length: its heads span the width.
+    heads = c["text_dim"] // synthetic.HEAD_DIM if arch == "qwen2vl" else synthetic.HEADS
+    saved = synthetic.DIM, synthetic.LAYERS, synthetic.HEADS
+    synthetic.DIM, synthetic.LAYERS, synthetic.HEADS = c["text_dim"], deepstack + 1, heads
+    try:
+        extra = {**(goldens.biases() if g.get("biases") else {}), **(goldens.qk_norms() if g.get("qk_norm") else {})} or None
+        meta = {**g.get("meta", {}), **({"n_deepstack_layers": deepstack} if deepstack else {})} or None
+        synthetic.write_model(text, arch=arch, specials=specials, ctx=8192, meta=meta, extra=extra)
+    finally:
+        synthetic.DIM, synthetic.LAYERS, synthetic.HEADS = saved
 
 
 def ours(proj: Path, pic: Path, threads: int, runs: int) -> tuple[list[float], int, int, int]:
