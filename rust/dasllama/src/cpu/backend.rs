@@ -230,11 +230,10 @@ fn round_queries(a: &AttnShape, qs: &mut [f32]) {
 }
 
 thread_local! {
-    /// Queries, scores, outputs and widened K/V rows of the attention task a thread runs, kept
-    /// for its next one (a
-    /// task per block of rows, KV head and layer would otherwise allocate them thousands of times
-    /// a step).
-    static ATTENTION_SCRATCH: std::cell::RefCell<[Vec<f32>; 4]> = const { std::cell::RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
+    /// Queries (as given and paired), scores, outputs and widened K/V rows of the attention task a
+    /// thread runs, kept for its next one (a task per block of rows, KV head and layer would
+    /// otherwise allocate them thousands of times a step).
+    static ATTENTION_SCRATCH: std::cell::RefCell<[Vec<f32>; 5]> = const { std::cell::RefCell::new([Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()]) };
 }
 
 /// Query heads one attention task takes together: a block of a session's consecutive rows times
@@ -337,7 +336,7 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
                 lv.rows(nv, kvh, from, (from + blk).min(ke)).for_each(|(_, run)| ops::prefetch(run));
             }
         };
-        ATTENTION_SCRATCH.with_borrow_mut(|[qs, sc, os, wf]| {
+        ATTENTION_SCRATCH.with_borrow_mut(|[qs, qz, sc, os, wf]| {
             qs.clear();
             for t in t0..t0 + nb {
                 let base = t * qd + kvh * width;
@@ -354,10 +353,11 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
                 if wf.len() < blk * hdim {
                     wf.resize(blk * hdim, 0.0);
                 }
+                KvCodec::pair_queries(qs, hdim, qz);
                 for b0 in (kb..ke).step_by(blk) {
                     let b1 = (b0 + blk).min(ke);
                     widen(false, b0, b1, wf);
-                    KvCodec::dot_rows_wide(qs, hdim, wf, b1 - b0, &mut sc[b0 - kb..], nk);
+                    KvCodec::dot_rows_wide(qz, heads, hdim, wf, b1 - b0, &mut sc[b0 - kb..], nk);
                 }
             } else {
                 for (first, run) in lv.rows(false, kvh, kb, ke) {

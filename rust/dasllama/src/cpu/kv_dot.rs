@@ -154,15 +154,33 @@ impl KvCodec {
         self.decode(run, &mut dst[..run.len() / 2]);
     }
 
-    /// `dot_rows` over `n` rows already widened (`kf`, `hd` f32 each), with its bits.
-    pub fn dot_rows_wide(q: &[f32], hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
+    /// Query heads (`hd` values each, `hd` a multiple of 8) as the widened q·k reads them: in
+    /// pairs, each pair's values interleaved by eight (eight of the first head, eight of the
+    /// second), an odd last head paired with itself. Done once for all the blocks of a call.
+    pub fn pair_queries(q: &[f32], hd: usize, qz: &mut Vec<f32>) {
         let heads = q.len() / hd;
-        assert!(hd.is_multiple_of(8) && kf.len() >= n * hd && out.len() >= (heads - 1) * stride + n, "widened keys or scores too short");
+        qz.clear();
+        for pr in 0..heads.div_ceil(2) {
+            let (lo, hi) = (2 * pr * hd, (2 * pr + 1).min(heads - 1) * hd);
+            for c in (0..hd).step_by(8) {
+                qz.extend_from_slice(&q[lo + c..lo + c + 8]);
+                qz.extend_from_slice(&q[hi + c..hi + c + 8]);
+            }
+        }
+    }
+
+    /// `dot_rows` for `heads` query heads (paired by `pair_queries` into `qz`) over `n` rows
+    /// already widened (`kf`, `hd` f32 each), with its bits.
+    pub fn dot_rows_wide(qz: &[f32], heads: usize, hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
+        assert!(
+            hd.is_multiple_of(8) && qz.len() >= heads.div_ceil(2) * 2 * hd && kf.len() >= n * hd && out.len() >= (heads - 1) * stride + n,
+            "paired queries, widened keys or scores too short"
+        );
         #[cfg(target_arch = "x86_64")]
         if crate::quant::avx2::has_avx512() {
             let n8 = n - n % 8;
             // SAFETY: AVX-512 F detected; bounds asserted above.
-            unsafe { simd::scores_wide(q, hd, kf, n8, out, stride) };
+            unsafe { simd::scores_wide(qz, heads, hd, kf, n8, out, stride) };
             if n8 < n {
                 // The last keys padded with zero keys to eight (a score depends on its own key
                 // only), scored apart and copied out.
@@ -170,14 +188,14 @@ impl KvCodec {
                 keys[..(n - n8) * hd].copy_from_slice(&kf[n8 * hd..n * hd]);
                 let mut sc = vec![0.0f32; heads * 8];
                 // SAFETY: as above, on eight keys and a score row of eight per head.
-                unsafe { simd::scores_wide(q, hd, &keys, 8, &mut sc, 8) };
+                unsafe { simd::scores_wide(qz, heads, hd, &keys, 8, &mut sc, 8) };
                 for (g, s8) in sc.chunks_exact(8).enumerate() {
                     out[g * stride + n8..g * stride + n].copy_from_slice(&s8[..n - n8]);
                 }
             }
             return;
         }
-        scores_wide_scalar(q, hd, kf, n, out, stride);
+        scores_wide_scalar(qz, heads, hd, kf, n, out, stride);
     }
 
     /// `axpy_rows` over `n` rows already widened (`vf`, `hd` f32 each), with its bits.
@@ -201,15 +219,17 @@ impl KvCodec {
     }
 }
 
-/// The scalar twin of the widened q·k: keys `0..n` of `kf`, each score `dot_f16`'s sum (eight
-/// lane chains of fused multiply-adds, then `hsum`'s order).
-fn scores_wide_scalar(q: &[f32], hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
-    for (g, qg) in q.chunks_exact(hd).enumerate() {
+/// The scalar twin of the widened q·k: keys `0..n` of `kf` against the paired queries `qz`, each
+/// score `dot_f16`'s sum (eight lane chains of fused multiply-adds, then `hsum`'s order).
+fn scores_wide_scalar(qz: &[f32], heads: usize, hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
+    for g in 0..heads {
+        // Head g's eight values of step c sit at pair g / 2, half g % 2.
+        let at = |c: usize| (g / 2) * 2 * hd + 2 * c + (g % 2) * 8;
         for j in 0..n {
             let mut a = [0.0f32; 8];
-            for (qc, kc) in qg.chunks_exact(8).zip(kf[j * hd..(j + 1) * hd].chunks_exact(8)) {
+            for c in (0..hd).step_by(8) {
                 for l in 0..8 {
-                    a[l] = qc[l].mul_add(kc[l], a[l]);
+                    a[l] = qz[at(c) + l].mul_add(kf[j * hd + c + l], a[l]);
                 }
             }
             out[g * stride + j] = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
@@ -414,7 +434,7 @@ mod simd {
     thread_local! {
         /// A block of a call's keys as f32 (`dot_rows_f16_z`).
         static WIDE_KEYS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-        /// Query heads interleaved in pairs (`scores_wide`).
+        /// Query heads paired for `scores_wide` (`dot_rows_f16_z`).
         static QUERY_PAIRS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
 
@@ -428,16 +448,20 @@ mod simd {
     pub unsafe fn dot_rows_f16_z(q: &[f32], hd: usize, k: &[u8], n: usize, out: &mut [f32], stride: usize) {
         let n8 = n - n % 8;
         let block = super::KvCodec::wide_block(hd) / 8 * 8;
-        WIDE_KEYS.with_borrow_mut(|kf| {
-            if kf.len() < block * hd {
-                kf.resize(block * hd, 0.0);
-            }
-            for j0 in (0..n8).step_by(block) {
-                let nb = block.min(n8 - j0);
-                // nb * hd is a multiple of 64: whole 16-value conversions.
-                widen_f16(&k[2 * hd * j0..2 * hd * (j0 + nb)], kf);
-                scores_wide(q, hd, kf, nb, &mut out[j0..], stride);
-            }
+        let heads = q.len() / hd;
+        QUERY_PAIRS.with_borrow_mut(|qz| {
+            super::KvCodec::pair_queries(q, hd, qz);
+            WIDE_KEYS.with_borrow_mut(|kf| {
+                if kf.len() < block * hd {
+                    kf.resize(block * hd, 0.0);
+                }
+                for j0 in (0..n8).step_by(block) {
+                    let nb = block.min(n8 - j0);
+                    // nb * hd is a multiple of 64: whole 16-value conversions.
+                    widen_f16(&k[2 * hd * j0..2 * hd * (j0 + nb)], kf);
+                    scores_wide(qz, heads, hd, kf, nb, &mut out[j0..], stride);
+                }
+            });
         });
         if n8 < n {
             for (g0, qg) in q.chunks(super::QK_GROUP * hd).enumerate() {
@@ -458,49 +482,32 @@ mod simd {
     }
 
     /// `dot_rows`' scores against `n` widened keys (`n` a multiple of 8): the query heads in
-    /// pairs, two pairs a pass (`scores_z`).
+    /// pairs (`qz`, from `pair_queries`), two pairs a pass (`scores_z`).
     ///
     /// # Safety
-    /// The CPU has AVX-512 F; `kf` holds `n` rows of `hd` values, `hd` is a multiple of 8 and
-    /// `out` holds `(heads - 1) * stride + n` scores.
+    /// The CPU has AVX-512 F; `qz` holds the pairs of `heads` heads, `kf` `n` rows of `hd` values,
+    /// `hd` is a multiple of 8 and `out` holds `(heads - 1) * stride + n` scores.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn scores_wide(q: &[f32], hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
-        let heads = q.len() / hd;
-        QUERY_PAIRS.with_borrow_mut(|qz| {
-            // Heads in pairs, each pair's queries interleaved by eight values ([lo 8 | hi 8] per
-            // step); an odd last head pairs with itself and only its low half is stored.
-            let pairs = heads.div_ceil(2);
-            if qz.len() < pairs * 2 * hd {
-                qz.resize(pairs * 2 * hd, 0.0);
+    pub unsafe fn scores_wide(qz: &[f32], heads: usize, hd: usize, kf: &[f32], n: usize, out: &mut [f32], stride: usize) {
+        let (o, pairs) = (out.as_mut_ptr(), heads.div_ceil(2));
+        let mut pr = 0;
+        while pr < pairs {
+            let take = (pairs - pr).min(2);
+            let outs: [[Option<*mut f32>; 2]; 2] = std::array::from_fn(|i| {
+                std::array::from_fn(|h| {
+                    let head = 2 * (pr + i) + h;
+                    // SAFETY (of the offset): head < heads, so head * stride + n <= out.len().
+                    (i < take && head < heads).then(|| o.add(head * stride))
+                })
+            });
+            let (qp, k) = (qz.as_ptr().add(pr * 2 * hd), kf.as_ptr());
+            if take == 2 {
+                scores_z::<2>(qp, hd, k, n, outs);
+            } else {
+                scores_z::<1>(qp, hd, k, n, outs);
             }
-            for pr in 0..pairs {
-                let (lo, hi) = (2 * pr, (2 * pr + 1).min(heads - 1));
-                for c in (0..hd).step_by(8) {
-                    let at = pr * 2 * hd + 2 * c;
-                    qz[at..at + 8].copy_from_slice(&q[lo * hd + c..lo * hd + c + 8]);
-                    qz[at + 8..at + 16].copy_from_slice(&q[hi * hd + c..hi * hd + c + 8]);
-                }
-            }
-            let o = out.as_mut_ptr();
-            let mut pr = 0;
-            while pr < pairs {
-                let take = (pairs - pr).min(2);
-                let outs: [[Option<*mut f32>; 2]; 2] = std::array::from_fn(|i| {
-                    std::array::from_fn(|h| {
-                        let head = 2 * (pr + i) + h;
-                        // SAFETY (of the offset): head < heads, so head * stride + n <= out.len().
-                        (i < take && head < heads).then(|| o.add(head * stride))
-                    })
-                });
-                let qp = qz.as_ptr().add(pr * 2 * hd);
-                if take == 2 {
-                    scores_z::<2>(qp, hd, kf.as_ptr(), n, outs);
-                } else {
-                    scores_z::<1>(qp, hd, kf.as_ptr(), n, outs);
-                }
-                pr += take;
-            }
-        });
+            pr += take;
+        }
     }
 
     /// [a.i + b.i] of `fold_halves`, for two heads at once: lanes of 128 bits in, per head
@@ -765,16 +772,17 @@ mod tests {
             eprintln!("this CPU has no AVX2: nothing widens, the f16 kernels run");
             return;
         }
-        for (hd, n, heads) in [(64, 41, 30), (128, 19, 9), (256, 13, 8), (64, 8, 1), (96, 5, 3)] {
+        for (hd, n, heads) in [(64, 41, 30), (128, 19, 9), (256, 13, 8), (64, 8, 1), (96, 5, 3), (96, 29, 12)] {
             let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
             let mut rows = vec![0u8; 2 * n * hd];
             KvCodec::F16.encode(&vals, &mut rows);
             let mut wide = vec![0.0f32; n * hd];
             KvCodec::F16.widen(&rows, &mut wide);
             let q: Vec<f32> = (0..heads * hd).map(|i| crate::cpu::ops::round_f16(((i * 31 % 97) as f32 - 48.0) * 0.02)).collect();
-            let (mut simd, mut scalar) = (vec![0.0f32; heads * n], vec![0.0f32; heads * n]);
-            KvCodec::dot_rows_wide(&q, hd, &wide, n, &mut simd, n);
-            scores_wide_scalar(&q, hd, &wide, n, &mut scalar, n);
+            let (mut simd, mut scalar, mut qz) = (vec![0.0f32; heads * n], vec![0.0f32; heads * n], Vec::new());
+            KvCodec::pair_queries(&q, hd, &mut qz);
+            KvCodec::dot_rows_wide(&qz, heads, hd, &wide, n, &mut simd, n);
+            scores_wide_scalar(&qz, heads, hd, &wide, n, &mut scalar, n);
             let p: Vec<f32> = (0..heads * n).map(|i| ((i * 13 % 29) as f32) * 0.01).collect();
             let start: Vec<f32> = (0..heads * hd).map(|i| (i % 5) as f32 * 0.25).collect();
             let mut all = start.clone();
