@@ -571,24 +571,7 @@ mod simd {
     /// `values_f16` on 32 output values a step (two 512-bit accumulators a head).
     #[inline(always)]
     unsafe fn values_z<const G: usize>(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
-        let y = o.as_mut_ptr();
-        for c in (0..hd).step_by(32) {
-            let mut acc: [[__m512; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm512_loadu_ps(y.add(g * hd + c + 16 * m))));
-            for j in 0..n {
-                let row = v.add(2 * (hd * j + c));
-                let vv = [_mm512_cvtph_ps(_mm256_loadu_si256(row as *const __m256i)), _mm512_cvtph_ps(_mm256_loadu_si256(row.add(32) as *const __m256i))];
-                for (g, ac) in acc.iter_mut().enumerate() {
-                    let pv = _mm512_set1_ps(*p.get_unchecked(g * stride + j));
-                    ac[0] = _mm512_fmadd_ps(pv, vv[0], ac[0]);
-                    ac[1] = _mm512_fmadd_ps(pv, vv[1], ac[1]);
-                }
-            }
-            for (g, ac) in acc.iter().enumerate() {
-                for (m, a) in ac.iter().enumerate() {
-                    _mm512_storeu_ps(y.add(g * hd + c + 16 * m), *a);
-                }
-            }
-        }
+        values_512::<G, true>(o, hd, p, stride, v, n)
     }
 
     /// `axpy_rows_f16_z` over widened rows (`vf`: f32 rows of `hd`).
@@ -600,12 +583,28 @@ mod simd {
     /// `values_z` with the rows already f32.
     #[inline(always)]
     unsafe fn values_wide<const G: usize>(o: &mut [f32], hd: usize, p: &[f32], stride: usize, vf: *const f32, n: usize) {
+        values_512::<G, false>(o, hd, p, stride, vf as *const u8, n)
+    }
+
+    /// Sixteen values from `at` (in values) of f16 (`F16`) or f32 rows, as f32.
+    #[inline(always)]
+    unsafe fn value16<const F16: bool>(v: *const u8, at: usize) -> __m512 {
+        if F16 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(v.add(2 * at) as *const __m256i))
+        } else {
+            _mm512_loadu_ps((v as *const f32).add(at))
+        }
+    }
+
+    /// The 512-bit p·v over rows `v` of f16 (`F16`) or f32 values: each output summed over the
+    /// rows in order, whichever they are (the conversion is exact), so both give the same bits.
+    #[inline(always)]
+    unsafe fn values_512<const G: usize, const F16: bool>(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
         let y = o.as_mut_ptr();
         for c in (0..hd).step_by(32) {
             let mut acc: [[__m512; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm512_loadu_ps(y.add(g * hd + c + 16 * m))));
             for j in 0..n {
-                let row = vf.add(hd * j + c);
-                let vv = [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16))];
+                let vv = [value16::<F16>(v, hd * j + c), value16::<F16>(v, hd * j + c + 16)];
                 for (g, ac) in acc.iter_mut().enumerate() {
                     let pv = _mm512_set1_ps(*p.get_unchecked(g * stride + j));
                     ac[0] = _mm512_fmadd_ps(pv, vv[0], ac[0]);
