@@ -251,8 +251,8 @@ const PV_GROUP: usize = 4;
 const Z_HEADS: usize = 8;
 #[cfg(target_arch = "x86_64")]
 const PV_GROUP_512: usize = 6;
-/// f32 values of the rows widened at a time (16 KiB): with the queries of a 32-head block they
-/// fit a 48 KiB L1.
+/// f32 values of the rows widened at a time (16 KiB): with a 48-head block's queries, as given
+/// and paired (12 KiB each at head size 64), they fit a 48 KiB L1.
 const WIDE_BLOCK_F32: usize = 4096;
 
 #[cfg(target_arch = "x86_64")]
