@@ -70,7 +70,8 @@ BENCH_DIR = Path("~/.cache/dasllama/bench/vision").expanduser()
 LLAMA_BIN = Path("~/.cache/dasllama/llama.cpp/bin").expanduser()
 
 # Per projector: what it models, the tower's shape (synthetic_vision's writer keys), the text
-# width, the image's size, and the text model's architecture and control tokens (as the goldens').
+# width and the image's size. The text model's architecture and control tokens are the goldens'
+# (scripts/make_vision_goldens.py's CASES).
 REAL: dict[str, dict[str, Any]] = {
     "gemma3": dict(
         label="Gemma 3 4B (SigLIP-400M)",
@@ -117,14 +118,6 @@ TINY: dict[str, dict[str, Any]] = {
     "qwen25vl": dict(label="Qwen2.5-VL (tiny)", tower={}, text_dim=256, image=(64, 48)),
     "qwen3vl": dict(label="Qwen3-VL (tiny)", tower={}, text_dim=256, image=(64, 48)),
     "idefics3": dict(label="Idefics3 (tiny)", tower={}, text_dim=256, image=(48, 40)),
-}
-TEXT = {
-    "gemma3": ("gemma3", ("<start_of_image>", "<end_of_image>")),
-    "pixtral": ("llama", ("[IMG]", "[IMG_BREAK]", "[IMG_END]")),
-    "gemma4v": ("gemma4", ("<|image>", "<image|>")),
-    "qwen25vl": ("qwen2vl", ("<|vision_start|>", "<|vision_end|>")),
-    "qwen3vl": ("qwen3vl", ("<|vision_start|>", "<|vision_end|>")),
-    "idefics3": ("llama", ("<fake_token_around_image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>", "<row_2_col_1>", "<row_2_col_2>", "\n\n")),
 }
 
 
@@ -196,8 +189,8 @@ def write_text(case: str, c: dict[str, Any], text: Path) -> None:
 
     import synthetic
 
-    arch, specials = TEXT[case]
-    g = goldens.CASES.get(case, {})
+    g = goldens.CASES[case]
+    arch, specials = g.get("arch"), g["specials"]
     if "family" in g:
         synthetic.write_family(text, g["family"], meta={"context_length": 8192}, specials=specials)
         return
@@ -207,7 +200,7 @@ def write_text(case: str, c: dict[str, Any], text: Path) -> None:
     saved = synthetic.DIM, synthetic.LAYERS, synthetic.HEADS
     synthetic.DIM, synthetic.LAYERS, synthetic.HEADS = c["text_dim"], deepstack + 1, heads
     try:
-        extra = {**(goldens.biases() if g.get("biases") else {}), **(goldens.qk_norms() if g.get("qk_norm") else {})} or None
+        extra = goldens.text_extra(g)
         meta = {**g.get("meta", {}), **({"n_deepstack_layers": deepstack} if deepstack else {})} or None
         synthetic.write_model(text, arch=arch, specials=specials, ctx=8192, meta=meta, extra=extra)
     finally:

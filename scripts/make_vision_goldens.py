@@ -121,13 +121,19 @@ def image_rgb(case: str = "gemma3") -> np.ndarray:
 def write_files(d: Path, case: str = "gemma3") -> tuple[Path, Path]:
     c = CASES[case]
     text, proj = d / f"{case}-tiny.gguf", d / f"mmproj-{case}-tiny.gguf"
-    extra = {**(biases() if c.get("biases") else {}), **(qk_norms() if c.get("qk_norm") else {})} or None
+    extra = text_extra(c)
     if "family" in c:
         write_family(text, c["family"], meta=c.get("meta"), specials=c["specials"])
     else:
         write_model(text, arch=c["arch"], specials=c["specials"], ctx=128, meta=c.get("meta"), extra=extra)
     c["write"](proj)
     return text, proj
+
+
+def text_extra(c: dict) -> dict[str, np.ndarray] | None:
+    """The tensors a case's tiny text model adds to write_model's (Q/K/V biases, Q/K norms), at
+    the synthetic shapes in force when called."""
+    return {**(biases() if c.get("biases") else {}), **(qk_norms() if c.get("qk_norm") else {})} or None
 
 
 def biases() -> dict[str, np.ndarray]:
