@@ -701,6 +701,18 @@ mod simd {
 mod tests {
     use super::*;
 
+    /// `n` f16 rows of `hd` values, the same on every call.
+    fn f16_rows(n: usize, hd: usize) -> Vec<u8> {
+        let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
+        let mut rows = vec![0u8; 2 * n * hd];
+        KvCodec::F16.encode(&vals, &mut rows);
+        rows
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     /// What runs on this CPU (SIMD or not) against plain sums over the decoded rows, for every
     /// codec and for heads that take the grouped f16 kernels and heads that do not.
     #[test]
@@ -744,9 +756,7 @@ mod tests {
     #[test]
     fn f16_values_do_not_depend_on_grouping() {
         for (hd, n, heads) in [(128, 37, 4), (64, 19, 7), (96, 9, 3)] {
-            let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
-            let mut rows = vec![0u8; 2 * n * hd];
-            KvCodec::F16.encode(&vals, &mut rows);
+            let rows = f16_rows(n, hd);
             let p: Vec<f32> = (0..heads * n).map(|i| ((i * 13 % 29) as f32) * 0.01).collect();
             let start: Vec<f32> = (0..heads * hd).map(|i| (i % 5) as f32 * 0.25).collect();
             let mut all = start.clone();
@@ -756,8 +766,7 @@ mod tests {
                 for j in 0..n {
                     KvCodec::F16.axpy(&mut one, p[g * n + j], &rows[2 * hd * j..2 * hd * (j + 1)]);
                 }
-                let got: Vec<u32> = all[g * hd..(g + 1) * hd].iter().map(|v| v.to_bits()).collect();
-                assert_eq!(got, one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "hd {hd} head {g}");
+                assert_eq!(bits(&all[g * hd..(g + 1) * hd]), bits(&one), "hd {hd} head {g}");
             }
         }
     }
@@ -772,9 +781,7 @@ mod tests {
             return;
         }
         for (hd, n, heads) in [(64, 41, 30), (128, 19, 9), (256, 13, 8), (64, 8, 1), (96, 5, 3), (96, 29, 12)] {
-            let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
-            let mut rows = vec![0u8; 2 * n * hd];
-            KvCodec::F16.encode(&vals, &mut rows);
+            let rows = f16_rows(n, hd);
             let mut wide = vec![0.0f32; n * hd];
             KvCodec::F16.widen(&rows, &mut wide);
             let q: Vec<f32> = (0..heads * hd).map(|i| crate::cpu::ops::round_f16(((i * 31 % 97) as f32 - 48.0) * 0.02)).collect();
@@ -795,8 +802,7 @@ mod tests {
                     assert_eq!(scalar[g * n + j].to_bits(), want, "hd {hd} head {g} key {j} (scalar)");
                     KvCodec::F16.axpy(&mut one, p[g * n + j], row);
                 }
-                let got: Vec<u32> = all[g * hd..(g + 1) * hd].iter().map(|v| v.to_bits()).collect();
-                assert_eq!(got, one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "hd {hd} head {g} values");
+                assert_eq!(bits(&all[g * hd..(g + 1) * hd]), bits(&one), "hd {hd} head {g} values");
             }
         }
     }
@@ -813,9 +819,7 @@ mod tests {
             return;
         }
         for (hd, n, heads) in [(128, 37, 4), (64, 19, 7), (72, 9, 3), (64, 16, 9), (256, 24, 8), (64, 41, 30)] {
-            let vals: Vec<f32> = (0..n * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.003).collect();
-            let mut rows = vec![0u8; 2 * n * hd];
-            KvCodec::F16.encode(&vals, &mut rows);
+            let rows = f16_rows(n, hd);
             let q: Vec<f32> = (0..heads * hd).map(|i| ((i * 31 % 97) as f32 - 48.0) * 0.02).collect();
             let mut a = vec![0.0f32; heads * n];
             KvCodec::F16.dot_rows(&q, hd, &rows, n, &mut a, n);
