@@ -48,7 +48,9 @@ def test_mmproj_flags_reach_the_server() -> None:
     args, _ = translate(["-m", "x.gguf", "-mm", "mmproj-x.gguf"])
     assert args.mmproj == ["mmproj-x.gguf"] and not args.no_mmproj
     args, _ = translate(["-m", "x.gguf", "--no-mmproj"])
-    assert args.no_mmproj and not args.mmproj
+    assert args.no_mmproj and not args.mmproj and not args.no_mmproj_offload
+    args, _ = translate(["-m", "x.gguf", "--no-mmproj-offload"])
+    assert args.no_mmproj_offload and not args.no_mmproj
     r = subprocess.run([sys.executable, "-m", "dasllama.serve.llama_server", "-m", "x.gguf", "-mmu", "https://example.com/p.gguf"], check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--mmproj PATH" in r.stderr, r.stderr
 

@@ -18,6 +18,7 @@ status reads never wait for a step.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from .model import Model
 
 __all__ = ["Device", "PlacementStatus", "device", "devices"]
+
+log = logging.getLogger("dasllama")
 
 
 @dataclass(frozen=True)
@@ -193,11 +196,30 @@ def place(m: Model, d: Device, opts: PlaceOptions) -> tuple[str, str]:
     if d.kind == "cpu":
         _native.unplace_model(m._native)
         m._device = CPU
+        _place_projector(m, None, opts)
         return "cpu", "placed on the CPU"
     cfg = m.runtime.config
-    tier, why = _native.place_model(m._native, _open(d), opts.regions, opts.ctx_max, opts.ctx_strict, opts.kv_dtype or cfg.gpu_kv, opts.vram(), cfg.vk_log)
+    dev = _open(d)
+    tier, why = _native.place_model(m._native, dev, opts.regions, opts.ctx_max, opts.ctx_strict, opts.kv_dtype or cfg.gpu_kv, opts.vram(), cfg.vk_log)
     m._device = d if tier != "cpu" else CPU
+    _place_projector(m, dev if tier != "cpu" else None, opts)
     return tier, why
+
+
+def _place_projector(m: Model, dev: _native.VulkanDevice | None, opts: PlaceOptions) -> None:
+    """The model's vision tower follows it: onto ``dev`` (from what the model left of the
+    budget), or back to the CPU (None, or a projector loaded with offload=False)."""
+    proj = m.projector
+    if proj is None:
+        return
+    if not proj.offload:
+        dev = None
+    why = _native.place_vision(proj.native, dev, opts.vram())
+    if why:
+        log.warning("%s's vision tower stays on the CPU: %s", m.path.name, why)
+    elif dev is not None:
+        st = proj.placement or {}
+        log.info("%s's vision tower on the device: %s matrices (%.0f MiB), %s on the CPU", m.path.name, st.get("matrices"), st.get("weight_bytes", 0) / 2**20, st.get("left_on_cpu"))
 
 
 def placement(m: Model) -> PlacementStatus | None:

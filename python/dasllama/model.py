@@ -165,6 +165,7 @@ def load_model(
     device: str | Device | None = None,
     mmproj: str | os.PathLike[str] | bool | None = None,
     runtime: Runtime | None = None,
+    mmproj_offload: bool = True,
 ) -> Model:
     """Load a GGUF model: a path, a known name, or a Hugging Face model (``hf://owner/repo/file.gguf``
     or ``owner/repo[:quant]``, through ``huggingface_hub``), the last two fetched on first use.
@@ -173,7 +174,9 @@ def load_model(
     take images (``Model.projector``, ``dasllama.vision``). None loads the ``mmproj*.gguf``
     beside the model when there is one (the one in its folder, or the one named after it) and
     its width fits the model; False loads none. A file given that is not an mmproj, or does not
-    fit the model, raises.
+    fit the model, raises. Where the model goes on a Vulkan device, its vision tower's matmuls
+    and attention go there too (``Projector.placement``), unless ``mmproj_offload`` is False
+    (llama-server's ``--no-mmproj-offload``).
 
     ``numerics=Numerics.ggml`` adds every dot product up in the order of llama.cpp's x86 AVX2 CPU
     build, so logits equal that build's bit for bit (every format but BF16; f16 KV cache); the
@@ -211,7 +214,7 @@ def load_model(
     native = _native.load_model(rt._native, str(p), arch, meta_section(meta, arch), tensors, quant=qm.value, numerics=nm.value, **_tokenizer_args(meta, p))
     log.info("loaded %s (%s, %s, %s numerics) in %.2fs", p.name, arch, qm.value, nm.value, time.perf_counter() - t0)
     model = Model(native, meta, p, rt)
-    _attach_projector(model, mmproj)
+    _attach_projector(model, mmproj, mmproj_offload)
     if device is None:
         if rt.tier.armed is not None:
             # The tutorial's armed tier takes the model (or records why not).
@@ -223,7 +226,7 @@ def load_model(
     return model
 
 
-def _attach_projector(model: Model, mmproj: str | os.PathLike[str] | bool | None) -> None:
+def _attach_projector(model: Model, mmproj: str | os.PathLike[str] | bool | None, offload: bool) -> None:
     """Load ``mmproj`` (or the sidecar found beside the model, for None) into ``model.projector``."""
     if mmproj is False:
         return
@@ -233,7 +236,7 @@ def _attach_projector(model: Model, mmproj: str | os.PathLike[str] | bool | None
         if mmproj is True:
             raise GgufError(f"{model.path}: no mmproj*.gguf beside the model (pass its path as mmproj=)")
         return
-    proj = load_mmproj(path, model.runtime)
+    proj = load_mmproj(path, model.runtime, offload)
     # An image row's values: the embedding, and Qwen3-VL's deepstack slices after it.
     dim = int(model.config["embd_inp"])
     if proj.text_dim != dim:

@@ -69,6 +69,16 @@ class Projector:
     native: _native.Vision
     path: Path
     metadata: dict[str, Any]
+    # Whether the tower goes to the model's device with it (llama-server's --no-mmproj-offload
+    # keeps it on the CPU).
+    offload: bool = True
+
+    @property
+    def placement(self) -> dict[str, Any] | None:
+        """What the tower's device holds and has done (device, matrices, left_on_cpu,
+        weight_bytes, matmuls, attentions, failed); None while it runs on the CPU. It follows
+        its model (``Model.to``) unless loaded with ``mmproj_offload=False``."""
+        return _native.vision_placement(self.native)
 
     @property
     def projector_type(self) -> str:
@@ -104,8 +114,9 @@ class Projector:
         return repr(self.native)
 
 
-def load_mmproj(path: str | os.PathLike[str], runtime: Runtime | None = None) -> Projector:
-    """Load an mmproj GGUF (its passes run on ``runtime``, else the default runtime). Raises
+def load_mmproj(path: str | os.PathLike[str], runtime: Runtime | None = None, offload: bool = True) -> Projector:
+    """Load an mmproj GGUF (its passes run on ``runtime``, else the default runtime; on its
+    model's device too where ``offload``, once the model is placed on one). Raises
     GgufError for a file that is not one (not the ``clip`` architecture, no projector type) and
     UnsupportedModelError for a projector type this build does not run."""
     p = Path(path).expanduser()
@@ -125,7 +136,7 @@ def load_mmproj(path: str | os.PathLike[str], runtime: Runtime | None = None) ->
     clip = meta_section(meta, "clip")
     tensors = [(t.name, t.type_id, t.shape, t.offset) for t in hdr.tensors]
     rt = runtime if runtime is not None else default_runtime()
-    return Projector(_native.load_vision(rt._native, str(p), clip, tensors), p, meta)
+    return Projector(_native.load_vision(rt._native, str(p), clip, tensors), p, meta, offload)
 
 
 def find_sidecar(model_path: Path) -> Path | None:

@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m dasllama.serve", e
     ap.add_argument("--alias", action="append", help="the name clients use for the matching --model (default: the model's name)")
     ap.add_argument("--mmproj", action="append", help="the vision projector (mmproj-*.gguf) for the matching --model, so it takes images (default: the mmproj*.gguf beside the model, if any)")
     ap.add_argument("--no-mmproj", action="store_true", help="load no vision projector, not even one found beside a model")
+    ap.add_argument("--no-mmproj-offload", action="store_true", help="keep the vision tower on the CPU when the model goes on a GPU")
     ap.add_argument("--allow-image-urls", action="store_true", help="fetch http(s) image URLs in image_url parts (default: data: URLs only); anyone who may call the server can then make it fetch any URL it reaches")
     ap.add_argument("--image-url-max-bytes", type=int, default=10 * 1024 * 1024, metavar="N", help="with --allow-image-urls: the largest image fetched (llama-server's 10 MiB by default)")
     ap.add_argument("--image-url-timeout", type=float, default=10.0, metavar="S", help="with --allow-image-urls: seconds one image's whole fetch may take (default 10, as llama-server)")
@@ -235,7 +236,7 @@ def load_models(server: Server, args: argparse.Namespace) -> None:
             raise SystemExit(f"--gpu vulkan with --threads {args.threads}: the device belongs to this process's first server; run this one in a process of its own")
         log.info("serving on the CPU on %d threads of its own: the GPU tier belongs to this process's default runtime", rt.threads)
     for i, spec in enumerate(args.model):
-        m = load_model(spec, numerics=args.numerics, mmproj=False if args.no_mmproj else args.mmproj[i] if args.mmproj else None, runtime=rt)
+        m = load_model(spec, numerics=args.numerics, mmproj=False if args.no_mmproj else args.mmproj[i] if args.mmproj else None, runtime=rt, mmproj_offload=not args.no_mmproj_offload)
         on_device = False
         if armed:
             slot = gpu.gpu_model_marks_init()

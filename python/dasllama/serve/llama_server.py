@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-m", "--model", default=None, help="a .gguf path or dasllama model name")
     ap.add_argument("-mm", "--mmproj", default=None, help="the model's vision projector (default: an mmproj*.gguf beside the model)")
     ap.add_argument("--no-mmproj", dest="no_mmproj", action="store_true", help="load no vision projector")
+    ap.add_argument("--no-mmproj-offload", dest="no_mmproj_offload", action="store_true", help="keep the vision tower on the CPU when the model goes on a GPU")
     ap.add_argument("--allow-image-urls", dest="allow_image_urls", action="store_true", help="dasllama's: fetch http(s) image URLs (llama-server always does; dasllama only with this), at most 10 MiB in 10 s each")
     ap.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", default=None, help=f"a Hugging Face repo (not downloaded: resolves to ${HF_FALLBACK_ENV})")
     ap.add_argument("-hff", "--hf-file", dest="hf_file", default=None, help="a file in --hf-repo (as --hf-repo)")
@@ -212,6 +213,8 @@ def translate(argv: list[str]) -> tuple[argparse.Namespace, Options]:
             serve_argv += ["--mmproj", ns.mmproj]
     if ns.no_mmproj:
         serve_argv += ["--no-mmproj"]
+    if ns.no_mmproj_offload:
+        serve_argv += ["--no-mmproj-offload"]
     if ns.allow_image_urls:
         serve_argv += ["--allow-image-urls"]
     if ns.model_draft:

@@ -3,8 +3,8 @@
 //! sessions live in its placement. No state here outlives the objects; the GIL is released around
 //! everything that touches a device.
 
-use super::{map_err, native, PyModel, PyScheduler, PySession};
-use dasllama::backend::{DevKv, PlacementStatus};
+use super::{map_err, native, PyModel, PyScheduler, PySession, PyVision};
+use dasllama::backend::{DevKv, PlacementStatus, TowerStatus};
 use dasllama::kv::KvCodec;
 use dasllama::session::Session;
 use dasllama::vulkan::{self, DeviceInfo};
@@ -149,6 +149,48 @@ fn status_dict<'py>(py: Python<'py>, s: PlacementStatus) -> PyResult<Bound<'py, 
     Ok(o)
 }
 
+/// Put vision tower `v`'s matrices on `dev` (its matmuls and attention run there), or back on
+/// the host (`dev` None). Returns the reason when the device takes none of them (the tower
+/// stays on the host), else "".
+#[pyfunction]
+#[pyo3(signature = (v, dev, vram_mb=0))]
+fn place_vision(py: Python<'_>, v: &PyVision, dev: Option<&PyDevice>, vram_mb: u64) -> String {
+    let (vision, device) = (v.inner.clone(), dev.map(|d| d.inner.clone()));
+    py.allow_threads(|| {
+        // What the tower held counts as free for its new place.
+        drop(vision.place(None));
+        match device.map(|d| vulkan::place_tower(&d, &vision.matrices(), vram_mb)) {
+            None => String::new(),
+            Some(Ok(p)) => {
+                vision.place(Some(p));
+                String::new()
+            }
+            Some(Err(why)) => why,
+        }
+    })
+}
+
+fn tower_dict<'py>(py: Python<'py>, s: TowerStatus) -> PyResult<Bound<'py, PyDict>> {
+    let o = PyDict::new_bound(py);
+    o.set_item("device", s.device)?;
+    o.set_item("matrices", s.matrices)?;
+    o.set_item("left_on_cpu", s.left_on_cpu)?;
+    o.set_item("weight_bytes", s.weight_bytes)?;
+    o.set_item("matmuls", s.matmuls)?;
+    o.set_item("attentions", s.attentions)?;
+    o.set_item("failed", s.failed)?;
+    Ok(o)
+}
+
+/// What vision tower `v`'s device holds and has done; None on the host. Waits for an encode
+/// running now.
+#[pyfunction]
+fn vision_placement<'py>(py: Python<'py>, v: &PyVision) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let vision = v.inner.clone();
+    let st = py.allow_threads(|| vision.device_status());
+    st.map(|s| tower_dict(py, s)).transpose()
+}
+
 /// The snapshot `m`'s placement published after its last step; None on the CPU.
 #[pyfunction]
 fn placement_status<'py>(py: Python<'py>, m: &PyModel) -> PyResult<Option<Bound<'py, PyDict>>> {
@@ -230,6 +272,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         wrap_pyfunction!(unplace_model, m)?,
         wrap_pyfunction!(placement_status, m)?,
         wrap_pyfunction!(placement_cpu_passes, m)?,
+        wrap_pyfunction!(place_vision, m)?,
+        wrap_pyfunction!(vision_placement, m)?,
         wrap_pyfunction!(gpu_prefill_window, m)?,
         wrap_pyfunction!(create_device_session, m)?,
         wrap_pyfunction!(gpu_park, m)?,

@@ -1100,8 +1100,8 @@ fn amx_status() -> (bool, String) {
 
 /// A vision tower and projector loaded from an mmproj file (`dasllama::vision`).
 #[pyclass(module = "dasllama._native", name = "Vision", frozen)]
-struct PyVision {
-    inner: Arc<dasllama::vision::Vision>,
+pub(crate) struct PyVision {
+    pub(crate) inner: Arc<dasllama::vision::Vision>,
     #[pyo3(get)]
     path: String,
 }

@@ -14,7 +14,7 @@ mod recurrent;
 
 pub use pass::{Act, Buf, ExpertSet, Given, HostActs, Ops, PassIn, RowEmbeds, Scratch};
 
-pub use placement::{DevKv, KvHome, Placeable, Placement, PlacementStatus};
+pub use placement::{DevKv, KvHome, Placeable, Placement, PlacementStatus, TowerPlacement, TowerStatus};
 pub use recurrent::{DeltaNet, DnParams, HeadMap};
 
 use crate::kv::{KvCache, RecIo};
@@ -67,6 +67,13 @@ pub enum Numerics {
 /// returns true; false leaves the call to the backend (nothing was written).
 pub trait MatmulOffload {
     fn matmul(&mut self, segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize) -> bool;
+
+    /// A vision tower's attention (`HostOps::full_attention`'s contract) on the device; false
+    /// leaves it to the host (nothing was written).
+    #[allow(clippy::too_many_arguments)]
+    fn full_attention(&mut self, _q: &[f32], _k: &[f32], _v: &[f32], _n: usize, _heads: usize, _hd: usize, _out: &mut [f32]) -> bool {
+        false
+    }
 }
 
 /// One attention layer as the kernels see it.
@@ -296,6 +303,19 @@ pub trait HostOps {
         x.iter_mut().zip(y).for_each(|(a, b)| *a *= b);
     }
 
+    /// Hand `segs[i].1 = x · segs[i].0ᵀ` over `n` rows to the pass's offload (a device holding
+    /// a vision tower's matrices) where it takes the call: false leaves it to the caller, whose
+    /// own kernels (the tower's dense GEMM) run it instead.
+    fn offload_matmul(&mut self, _segs: &mut [(&Weight, &mut [f32])], _x: &[f32], _n: usize) -> bool {
+        false
+    }
+
+    /// `MatmulOffload::full_attention` on the pass's offload, where there is one that takes it.
+    #[allow(clippy::too_many_arguments)]
+    fn offload_attention(&mut self, _q: &[f32], _k: &[f32], _v: &[f32], _n: usize, _heads: usize, _hd: usize, _out: &mut [f32]) -> bool {
+        false
+    }
+
     /// Call `f(i)` for every i in 0..n, across the host's threads where it has them (work of
     /// a pass's own, such as the vision tower's attention tiles); returns when all are done.
     fn parallel_for(&mut self, n: usize, f: &(dyn Fn(usize) + Sync)) {
@@ -342,8 +362,9 @@ pub trait Host: Sync {
     /// None where ggml's summation order (`Numerics::Ggml`) is not reproduced for its format.
     fn prepare(&self, w: Weight, to: Option<GgmlType>, numerics: Numerics) -> Option<Weight>;
 
-    /// Run `f` with the host's kernels over activation rows (`act` is their scratch).
-    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, f: &mut dyn FnMut(&mut dyn HostOps));
+    /// Run `f` with the host's kernels over activation rows (`act` is their scratch); matmuls
+    /// over weights `offload` holds go there (a vision tower placed on a device).
+    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, offload: Option<&mut dyn MatmulOffload>, f: &mut dyn FnMut(&mut dyn HostOps));
 
     /// Run `f`, a forward pass, with the host executing its ops over `acts` and the sessions'
     /// K/V `kvs`; matmuls over weights `offload` holds go there.

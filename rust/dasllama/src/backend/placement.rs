@@ -81,6 +81,29 @@ pub trait Placement: Send + Sync {
     fn cpu_passes(&self) -> Vec<(u64, String)>;
 }
 
+/// A vision tower's place on a device (`vulkan::place_tower`): its matrices there, taking the
+/// tower's matmuls and attention; everything else of the tower stays on the host. Owned by the
+/// tower (`vision::Vision::place`) and dropped with it.
+pub trait TowerPlacement: MatmulOffload + Send {
+    fn status(&self) -> TowerStatus;
+}
+
+/// What a tower's device holds and has done.
+#[derive(Clone, Debug, Default)]
+pub struct TowerStatus {
+    pub device: String,
+    /// Matrices on the device, and those left on the host (over the budget, or in a form the
+    /// device kernels do not read).
+    pub matrices: usize,
+    pub left_on_cpu: usize,
+    pub weight_bytes: u64,
+    /// Matmuls and attention calls the device ran.
+    pub matmuls: u64,
+    pub attentions: u64,
+    /// Why the device stopped taking the tower's work (a lost device): the host runs it since.
+    pub failed: Option<String>,
+}
+
 /// What a device needs of a model to place it: the model implements it, so a device knows the
 /// pass's ops and the weights, never the model's types.
 pub trait Placeable: Sync {

@@ -23,8 +23,14 @@ impl Host for Cpu {
         })
     }
 
-    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, f: &mut dyn FnMut(&mut dyn HostOps)) {
-        self.team().session(|t| f(&mut CpuOps { team: t, act, numerics, offload: None }))
+    fn run(&self, numerics: Numerics, act: &mut Vec<u8>, mut offload: Option<&mut dyn MatmulOffload>, f: &mut dyn FnMut(&mut dyn HostOps)) {
+        self.team().session(|t| {
+            let offload: Option<&mut dyn MatmulOffload> = match offload.as_mut() {
+                Some(o) => Some(&mut **o),
+                None => None,
+            };
+            f(&mut CpuOps { team: t, act, numerics, offload })
+        })
     }
 
     fn pass(
@@ -124,6 +130,14 @@ impl HostOps for CpuOps<'_> {
 
     fn parallel_for(&mut self, n: usize, f: &(dyn Fn(usize) + Sync)) {
         self.team.parallel_for(n, f)
+    }
+
+    fn offload_matmul(&mut self, segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize) -> bool {
+        self.offload.as_deref_mut().is_some_and(|o| o.matmul(segs, x, n))
+    }
+
+    fn offload_attention(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) -> bool {
+        self.offload.as_deref_mut().is_some_and(|o| o.full_attention(q, k, v, n, heads, hd, out))
     }
 
     fn add_bias(&mut self, x: &mut [f32], bias: &[f32]) {
@@ -520,7 +534,7 @@ mod tests {
     fn route(logits: &[f32], r: &Route<'_>) -> Vec<(usize, f32)> {
         let mut out = Vec::new();
         let mut act = Vec::new();
-        Cpu::new(2).run(Numerics::Fast, &mut act, &mut |ops| ops.route(logits, r, &mut out));
+        Cpu::new(2).run(Numerics::Fast, &mut act, None, &mut |ops| ops.route(logits, r, &mut out));
         out
     }
 
@@ -576,7 +590,7 @@ mod tests {
             let shape =
                 AttnShape { n_heads: nh, n_kv_heads: nkv, head_dim: hd, window, scale: 1.0 / (hd as f32).sqrt(), scale_query: false, softcap: None, sinks };
             let mut out = vec![0.0f32; n * nh * hd];
-            Cpu::new(2).run(numerics, &mut Vec::new(), &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[], &[n], &q, &mut out));
+            Cpu::new(2).run(numerics, &mut Vec::new(), None, &mut |ops| ops.attention(&shape, 0, &[&mut kv], &rows, &[], &[n], &q, &mut out));
             out
         };
         let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;

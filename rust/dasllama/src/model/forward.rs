@@ -731,7 +731,7 @@ pub fn rewind(m: &Model, kv: &mut KvCache, pos: usize) {
         })
         .collect();
     let (mut q, mut bt, mut al, mut out) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    m.rt.host().run(m.numerics, &mut Vec::new(), &mut |ops| {
+    m.rt.host().run(m.numerics, &mut Vec::new(), None, &mut |ops| {
         kv.rewind(pos, |slot, io, qkv, beta, alpha, rows| {
             let (dn, w) = (&dns[slot], weights[slot]);
             // delta_net works in place: replay on copies, the journal keeps the raw rows.

@@ -237,7 +237,7 @@ pub fn step(
     let att_rows: Vec<(usize, usize)> = q_rows.iter().map(|&(i, p)| (i, p - 1)).collect();
     let tables = rope_tables_with(&[a.rope_swa, a.rope_full], &q_rows, a.factors.as_deref());
     let AssistantScratch { x, cat, h, q, att, o, gate, up, act } = ws;
-    m.rt.host().run(m.numerics, act, &mut |b| {
+    m.rt.host().run(m.numerics, act, None, &mut |b| {
         cat.clear();
         let mut row = vec![0f32; tw];
         let scale = (tw as f32).sqrt();

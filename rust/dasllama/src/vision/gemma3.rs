@@ -17,6 +17,10 @@ pub(crate) struct Gemma3 {
 }
 
 impl Gemma3 {
+    pub(crate) fn matrices(&self) -> Vec<&Weight> {
+        vec![&self.proj]
+    }
+
     pub(crate) fn load(t: &TensorTable<'_>, meta: &Metadata, c: &VitConfig) -> Result<Gemma3> {
         let merge = meta.size("vision.projector.scale_factor")?.unwrap_or(4);
         if merge == 0 || !c.grid().is_multiple_of(merge) {

@@ -104,6 +104,14 @@ pub(crate) struct Gemma4v {
 const ROPE_BASE: f32 = 100.0;
 
 impl Gemma4v {
+    /// Its layers' matrices (its own copies, which carry their bounds) and the projection.
+    pub(crate) fn matrices(&self) -> Vec<&Weight> {
+        fn layer(l: &Layer) -> impl Iterator<Item = &Weight> {
+            [&l.q, &l.k, &l.v, &l.o].into_iter().chain(&l.gate).chain([&l.up, &l.down]).map(|x| &x.w)
+        }
+        self.layers.iter().flat_map(layer).chain([&self.proj.w]).collect()
+    }
+
     /// `vit` holds the tower's tensors that every ViT has (patch embedding, norms, matrices,
     /// biases); this reads the rest, and the matrices' bounds.
     pub(crate) fn load(t: &TensorTable<'_>, meta: &Metadata, c: &VitConfig, vit: &Vit) -> Result<Gemma4v> {

@@ -19,6 +19,10 @@ pub(crate) struct Idefics3 {
 }
 
 impl Idefics3 {
+    pub(crate) fn matrices(&self) -> Vec<&Weight> {
+        vec![&self.fc]
+    }
+
     pub(crate) fn load(t: &TensorTable<'_>, meta: &Metadata, c: &VitConfig) -> Result<Idefics3> {
         // clip.cpp asserts a merge above 1 and has no default for this projector.
         let scale = meta

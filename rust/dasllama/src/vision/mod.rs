@@ -17,12 +17,13 @@ mod qwen2vl;
 mod qwen3vl;
 mod vit;
 
+use crate::backend::{MatmulOffload, TowerPlacement, TowerStatus};
 use crate::model::{MetaValue, Metadata, Numerics, QuantMode, TensorInfo, TensorTable};
 use crate::quant::{Bytes, GgmlType, Weight};
 use crate::runtime::Runtime;
 use crate::{Error, Result};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 pub use vit::{VitAct, VitConfig};
 
@@ -58,6 +59,9 @@ pub struct Vision {
     pub(crate) projector: Projector,
     /// Runs the tower's passes.
     rt: Arc<Runtime>,
+    /// The device holding its matrices (`place`), which takes its matmuls and attention; held
+    /// by an encode for its whole pass, so encodes on a device run one at a time.
+    device: Mutex<Option<Box<dyn TowerPlacement>>>,
 }
 
 impl Vision {
@@ -117,7 +121,41 @@ impl Vision {
             "idefics3" => Projector::Idefics3(idefics3::Idefics3::load(&table, meta, &config).map_err(in_file)?),
             _ => unreachable!("checked against PROJECTORS above"),
         };
-        Ok(Vision { config, projector_type: ptype, vit, projector, rt: rt.clone() })
+        Ok(Vision { config, projector_type: ptype, vit, projector, rt: rt.clone(), device: Mutex::new(None) })
+    }
+
+    /// Every matrix an encode multiplies by, the tower's layers first (a device short of memory
+    /// takes the first that fit): what `place` puts on a device.
+    pub fn matrices(&self) -> Vec<&Weight> {
+        let mut m = Vec::new();
+        match &self.projector {
+            // Its layer loop multiplies by its own copies of the layers' matrices.
+            Projector::Gemma4v(g) => m.extend(g.matrices()),
+            p => {
+                m.extend(self.vit.layers.iter().flat_map(vit::VitLayer::matrices));
+                m.extend(match p {
+                    Projector::Gemma3(g) => g.matrices(),
+                    Projector::Pixtral(x) => x.matrices(),
+                    Projector::Qwen2vl(x) => x.matrices(),
+                    Projector::Idefics3(x) => x.matrices(),
+                    Projector::Gemma4v(_) => unreachable!("matched above"),
+                });
+            }
+        }
+        m.push(&self.vit.patch);
+        m
+    }
+
+    /// Run the tower's matmuls and attention on a device (`vulkan::place_tower` over
+    /// `matrices()`), or on the host again (None); returns the place it had. Waits for an encode
+    /// running now.
+    pub fn place(&self, p: Option<Box<dyn TowerPlacement>>) -> Option<Box<dyn TowerPlacement>> {
+        std::mem::replace(&mut *self.device.lock().unwrap_or_else(|e| e.into_inner()), p)
+    }
+
+    /// What its device holds and has done (None on the host); waits for an encode running now.
+    pub fn device_status(&self) -> Option<TowerStatus> {
+        self.device.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|p| p.status())
     }
 
     /// Whether the tower takes an image of any size (a multiple of `patch_size * merge()` on each
@@ -223,7 +261,12 @@ impl Vision {
             &cropped[..]
         };
         let mut out = Vec::new();
-        self.rt.host().run(Numerics::Fast, &mut Vec::new(), &mut |ops| {
+        let mut device = self.device.lock().unwrap_or_else(|e| e.into_inner());
+        let offload: Option<&mut dyn MatmulOffload> = match device.as_mut() {
+            Some(p) => Some(&mut **p),
+            None => None,
+        };
+        self.rt.host().run(Numerics::Fast, &mut Vec::new(), offload, &mut |ops| {
             out = match &self.projector {
                 Projector::Gemma3(g) => {
                     let feats = self.vit.forward(ops, &self.config, pixels, gw, gh);

@@ -28,6 +28,10 @@ pub(crate) struct Pixtral {
 }
 
 impl Pixtral {
+    pub(crate) fn matrices(&self) -> Vec<&Weight> {
+        self.merger.iter().chain([&self.mm1, &self.mm2]).collect()
+    }
+
     pub(crate) fn load(t: &TensorTable<'_>, meta: &Metadata, c: &VitConfig) -> Result<Pixtral> {
         let merge = meta.size("vision.spatial_merge_size")?.unwrap_or(1);
         let d = c.dim;

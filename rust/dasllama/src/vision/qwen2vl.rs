@@ -53,6 +53,12 @@ pub(crate) enum Version {
 }
 
 impl Qwen2vl {
+    /// The merger's matrices and Qwen3-VL's deepstack mergers'.
+    pub(crate) fn matrices(&self) -> Vec<&Weight> {
+        let deep = self.v3.iter().flat_map(|v| &v.deepstack).flat_map(|d| d.matrices());
+        [&self.mm0, &self.mm2].into_iter().chain(deep).collect()
+    }
+
     /// The projector's weights; also adds the second patch kernel (`v.patch_embd.weight.1`) into
     /// the tower's.
     pub(crate) fn load(t: &TensorTable<'_>, meta: &Metadata, c: &VitConfig, version: Version, vit: &mut Vit) -> Result<Qwen2vl> {

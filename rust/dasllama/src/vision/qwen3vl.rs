@@ -26,6 +26,12 @@ pub(crate) struct Deepstack {
     fc2_b: Vec<f32>,
 }
 
+impl Deepstack {
+    pub(crate) fn matrices(&self) -> [&Weight; 2] {
+        [&self.fc1, &self.fc2]
+    }
+}
+
 pub(crate) struct Qwen3vl {
     /// side * side rows of dim: the learned positions, row by row over their grid.
     pos: Vec<f32>,

@@ -136,6 +136,12 @@ pub(crate) struct VitLayer {
     pub(super) b_down: Option<Vec<f32>>,
 }
 
+impl VitLayer {
+    pub(super) fn matrices(&self) -> Vec<&Weight> {
+        [&self.q, &self.k, &self.v, &self.o].into_iter().chain(&self.gate).chain([&self.up, &self.down]).collect()
+    }
+}
+
 pub(crate) struct Vit {
     /// dim x (3 * patch * patch): each output channel's kernel, channel, row, column.
     pub(super) patch: Weight,
@@ -339,9 +345,12 @@ impl LayerBufs {
     }
 }
 
-/// out_j = W_j x for n rows of x: the dense GEMM where it runs and takes the weights, else the
-/// host's kernels.
+/// out_j = W_j x for n rows of x: the device where the tower is placed on one that holds the
+/// weights, else the dense GEMM where it runs and takes them, else the host's kernels.
 pub(super) fn matmul(ops: &mut dyn HostOps, segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize) {
+    if ops.offload_matmul(segs, x, n) {
+        return;
+    }
     if dense::fast() && segs.iter().all(|(w, _)| dense::gemm_takes(w)) {
         for (w, out) in segs.iter_mut() {
             dense::gemm(ops, w, x, n, out);
@@ -436,10 +445,14 @@ pub(crate) fn activate(x: &mut [f32], act: VitAct) {
     )
 }
 
-/// Every row attends every row (an image's patches see each other), per head: scores and the
-/// weighted sum as matrices over the host's kernels, the softmax in f32 with an f64 total.
+/// Every row attends every row (an image's patches see each other), per head: on the device
+/// where the tower is placed on one, else scores and the weighted sum as matrices over the
+/// host's kernels, the softmax in f32 with an f64 total.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn full_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) {
+    if ops.offload_attention(q, k, v, n, heads, hd, out) {
+        return;
+    }
     if dense::fast() {
         return dense::attention(ops, q, k, v, n, heads, hd, out);
     }

@@ -24,19 +24,20 @@ mod placement;
 mod rails;
 mod regions;
 mod shaders;
+mod vit_attention;
 mod weights;
 
 pub use device::DeviceInfo;
 pub use engine::PREFILL_WINDOW;
 
-use crate::backend::{Placeable, Placement};
+use crate::backend::{Placeable, Placement, TowerPlacement};
 use crate::kv::KvCodec;
 use crate::Error;
 use crate::Result;
 use device::Gpu;
 use engine::Engine;
 use placement::{RailsPlacement, ResidentPlacement};
-use rails::Rails;
+use rails::{Rails, TowerRails};
 use regions::Regions;
 use std::sync::Arc;
 
@@ -273,6 +274,24 @@ fn place_rails(dev: &Arc<Device>, m: &dyn Placeable, o: &Options, why: String) -
         },
         Err(e) => Err(format!("{why}; and uploading its matrices for the per-op rails failed: {e}")),
     }
+}
+
+/// Put a vision tower's matrices on `dev` (`Vision::place`), as many as fit its budget (capped
+/// at `vram_mb` MiB where that is not 0): its matmuls and attention run there, the rest of the
+/// tower on the host. Err with the reason where no matrix goes.
+pub fn place_tower(dev: &Arc<Device>, matrices: &[&crate::quant::Weight], vram_mb: u64) -> std::result::Result<Box<dyn TowerPlacement>, String> {
+    if dev.lost() {
+        return Err(format!("the device '{}' was lost; open it again", dev.info().name));
+    }
+    let budget = dev.budget(vram_mb);
+    let r = Rails::upload(&dev.gpu, matrices, budget).map_err(|e| format!("uploading the vision tower's matrices failed: {e}"))?;
+    if r.matrices() == 0 {
+        return Err(match r.unread_words() {
+            Some(words) => format!("no matrix of the vision tower goes to the device: {words}"),
+            None => format!("no matrix of the vision tower fits the device budget of {} MiB", budget >> 20),
+        });
+    }
+    Ok(Box::new(TowerRails { rails: r, device: dev.info().name.clone() }))
 }
 
 #[cfg(test)]

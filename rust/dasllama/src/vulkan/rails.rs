@@ -11,8 +11,9 @@ use super::buffer::Buffer;
 use super::device::Gpu;
 use super::kernels::{Kernels, Runner};
 use super::ops::{mm, W};
+use super::vit_attention::VitAttention;
 use super::weights::{device_bytes, unsupported, upload_weight, DevWeight};
-use crate::backend::MatmulOffload;
+use crate::backend::{MatmulOffload, TowerPlacement, TowerStatus};
 use crate::quant::Weight;
 use crate::{Error, Result};
 use gpu_allocator::MemoryLocation;
@@ -45,6 +46,9 @@ pub struct Rails {
     pub unread: BTreeMap<&'static str, usize>,
     /// Matmuls run on the device.
     pub matmuls: u64,
+    /// A vision tower's attention (`MatmulOffload::full_attention`), and the calls it ran.
+    attn: VitAttention,
+    attentions: u64,
     /// Why the device stopped taking matmuls (the tier lets go of the rails after the pass).
     pub failed: Option<Error>,
 }
@@ -59,6 +63,55 @@ impl MatmulOffload for Rails {
             self.failed = Some(e);
             false
         })
+    }
+
+    fn full_attention(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) -> bool {
+        if self.failed.is_some() {
+            return false;
+        }
+        match self.attn.run(&self.gpu, &mut self.run, &mut self.kernels, q, k, v, n, heads, hd, out) {
+            Ok(()) => {
+                self.attentions += 1;
+                true
+            }
+            // A head size the shader does not take: this call runs on the host, the next may not.
+            Err(Error::UnsupportedModel(_)) => false,
+            Err(e) => {
+                self.failed = Some(e);
+                false
+            }
+        }
+    }
+}
+
+/// A vision tower's matrices on the rails (`super::place_tower`).
+pub struct TowerRails {
+    pub rails: Rails,
+    pub device: String,
+}
+
+impl MatmulOffload for TowerRails {
+    fn matmul(&mut self, segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize) -> bool {
+        self.rails.matmul(segs, x, n)
+    }
+
+    fn full_attention(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) -> bool {
+        self.rails.full_attention(q, k, v, n, heads, hd, out)
+    }
+}
+
+impl TowerPlacement for TowerRails {
+    fn status(&self) -> TowerStatus {
+        let r = &self.rails;
+        TowerStatus {
+            device: self.device.clone(),
+            matrices: r.matrices(),
+            left_on_cpu: r.left_on_cpu,
+            weight_bytes: r.weight_bytes,
+            matmuls: r.matmuls,
+            attentions: r.attentions,
+            failed: r.failed.as_ref().map(|e| e.to_string()),
+        }
     }
 }
 
@@ -92,6 +145,8 @@ impl Rails {
             left_on_cpu: left,
             unread,
             matmuls: 0,
+            attn: VitAttention::new(),
+            attentions: 0,
             failed: None,
         })
     }

@@ -153,7 +153,7 @@ fn eltwise_new_ops_match_cpu() {
 /// The CPU's route of `logits` (`Ops::route` through the CPU backend).
 fn cpu_route(logits: &[f32], r: &Route<'_>) -> Vec<(usize, f32)> {
     let mut out = Vec::new();
-    Cpu::new(2).run(Numerics::Fast, &mut Vec::new(), &mut |ops| ops.route(logits, r, &mut out));
+    Cpu::new(2).run(Numerics::Fast, &mut Vec::new(), None, &mut |ops| ops.route(logits, r, &mut out));
     out
 }
 
@@ -205,7 +205,7 @@ struct HostExperts {
 fn cpu_moe(e: &HostExperts, logits: &[f32], r: &Route<'_>, act: Activation, h: &[f32], d: usize, hd: usize) -> (Vec<(usize, f32)>, Vec<f32>) {
     let n = h.len() / d;
     let (mut route, mut o) = (Vec::new(), vec![0.0f32; n * d]);
-    Cpu::new(2).run(Numerics::Fast, &mut Vec::new(), &mut |b| {
+    Cpu::new(2).run(Numerics::Fast, &mut Vec::new(), None, &mut |b| {
         b.route(logits, r, &mut route);
         for ex in 0..r.n_expert {
             let rows: Vec<(usize, f32)> = route.iter().enumerate().filter(|(_, &(x, _))| x == ex).map(|(i, &(_, w))| (i / r.n_used, w)).collect();
