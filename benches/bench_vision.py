@@ -41,7 +41,9 @@ to build the target in instead).
     python benches/bench_vision.py [--shapes real|tiny] [--threads 2] [--runs 2] [--cases gemma3 pixtral] [--layers N]
 
 ``--layers N`` cuts every tower to N layers (files of their own in the cache): minutes become
-seconds while the widths, and so the kernels' shapes, stay the real ones.
+seconds while the widths, and so the kernels' shapes, stay the real ones. ``--device vulkan``
+runs dasllama's tower on the Vulkan device (``Projector.to``: its matmuls and attention there);
+scripts/gpu_check.sh runs it so on a lent GPU.
 
 Speed is compared, never asserted: on a shared box the figures move with the other work on it.
 """
@@ -207,13 +209,17 @@ def write_text(case: str, c: dict[str, Any], text: Path) -> None:
         synthetic.DIM, synthetic.LAYERS, synthetic.HEADS = saved
 
 
-def ours(proj: Path, pic: Path, threads: int, runs: int) -> tuple[list[float], int, int, int]:
+def ours(proj: Path, pic: Path, threads: int, runs: int, device: str) -> tuple[list[float], int, int, int]:
     """dasllama's encode times of the whole image (ms, the first dropped), its prompt rows, its
     patches and its tower passes (Idefics3: one a tile and one the overview)."""
     import dasllama as dl
     from dasllama import vision
 
     p = vision.load_mmproj(proj, runtime=dl.Runtime(threads=threads))
+    if device != "cpu":
+        why = p.to(device)
+        if why:
+            raise SystemExit(f"the tower cannot go on {device}: {why}")
     img = vision.decode_image(pic.read_bytes())
     if p.projector_type == "idefics3":
         s = p.image_size
@@ -225,6 +231,8 @@ def ours(proj: Path, pic: Path, threads: int, runs: int) -> tuple[list[float], i
         t0 = time.perf_counter()
         rows = sum(len(vision.encode_pixels(p, px, w, h)) for px, w, h in slices)
         times.append((time.perf_counter() - t0) * 1000)
+    if device != "cpu":
+        log.info("%s on %s: %s", proj.name, device, p.placement)
     patch = p.native.patch_size
     return times[1:], rows, sum((w // patch) * (h // patch) for _, w, h in slices), len(slices)
 
@@ -258,6 +266,7 @@ def main() -> None:
     ap.add_argument("--llama-build", type=Path, default=None, help="an existing cmake/ninja tree of the vendored llama.cpp to build llama-mtmd-cli in")
     ap.add_argument("--no-llama", action="store_true", help="dasllama's figures only")
     ap.add_argument("--layers", type=int, default=None, help="cut the towers to this many layers (a quicker run at the real widths)")
+    ap.add_argument("--device", default="cpu", help="where dasllama's tower runs: cpu, vulkan, vulkan:N (llama-mtmd-cli uses whatever its build has)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     tool = None if args.no_llama else llama_tool("llama-mtmd-cli", args.llama_build)
@@ -270,12 +279,12 @@ def main() -> None:
         text, proj, pic = files(case, args.shapes, args.layers)
         for t in args.threads:
             # Ours then theirs for each, so drift on a shared box hits both alike.
-            mine, n_rows, n_patches, passes = ours(proj, pic, t, args.runs)
+            mine, n_rows, n_patches, passes = ours(proj, pic, t, args.runs, args.device)
             ref = theirs(tool, text, proj, pic, t, args.runs, passes) if tool is not None else None
             rows.append((case, t, statistics.median(mine), statistics.median(ref) if ref else None, n_rows, n_patches))
             log.info("%s, %d threads: dasllama %s ms, llama.cpp %s ms", case, t, [round(x) for x in mine], [round(x) for x in ref] if ref else "n/a")
     print(f"\n{cpu_name()}; {os.cpu_count()} CPUs; load average {load:.1f} at the start")
-    print(f"image encode (tower + projector), median of {args.runs} after one dropped; llama.cpp: llama-mtmd-cli's mtmd_batch_encode")
+    print(f"image encode (tower + projector) on dasllama's {args.device}, median of {args.runs} after one dropped; llama.cpp: llama-mtmd-cli's mtmd_batch_encode")
     print(f"| {'projector (shape)':<26} | image     | patches | tokens | threads | dasllama ms | llama.cpp ms | ratio | dasllama tok/s | llama.cpp tok/s |")
     print(f"|{'-' * 28}|-----------|---------|--------|---------|-------------|--------------|-------|----------------|-----------------|")
     for case, t, mine, ref, n_rows, n_patches in rows:

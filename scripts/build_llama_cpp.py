@@ -45,7 +45,7 @@ log = logging.getLogger("build_llama_cpp")
 TOOLS = ("llama-server", "llama-batched-bench", "llama-bench", "llama-quantize")
 # The server is left out of the Vulkan build: the GPU check runs no server, and every tool links
 # the whole Vulkan backend, so each one costs megabytes of what may travel to the device machine.
-VULKAN_TOOLS = ("llama-batched-bench", "llama-bench", "llama-quantize")
+VULKAN_TOOLS = ("llama-batched-bench", "llama-bench", "llama-quantize", "llama-mtmd-cli")
 COMMON_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
 CPU_FLAGS = ["-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON"]
 # Built here, run on another machine: no -march=native (AVX2, FMA and F16C every x86-64 server

@@ -10,11 +10,14 @@
 #   4. llama.cpp's Vulkan build from the same sources on the same file: llama-bench -p 512 -n 64
 #      (pp512, tg64) and llama-batched-bench -npp 128 -ntg 64 -npl 16 (its S_TG);
 #   5. one table of both, with their ratio, on stdout and in $OUT/bench.txt;
-#   6. the kernel-level and model-level Vulkan tests (the device goldens), with whatever time the
+#   6. image encode of two vision towers (Gemma 3, Qwen2.5-VL; 4 layers at their real widths) on
+#      the device and on the host's cores, beside llama-mtmd-cli where the pack has it
+#      ($OUT/vision.txt);
+#   7. the kernel-level and model-level Vulkan tests (the device goldens), with whatever time the
 #      benches left: last, so that a slow or hung test cannot take the benches' time.
 # Every step runs under its own `timeout` and within one budget (GPU_CHECK_BUDGET, 420 s), and a
 # failed step is reported and passed over, never ending the run. $OUT gets bench.txt, steps.txt
-# (each step's outcome and seconds), devices.txt, tests.txt and log.txt (every step's output).
+# (each step's outcome and seconds), devices.txt, vision.txt, tests.txt and log.txt (every step's output).
 #
 # Prepare here (x86-64, Debian 12), in the repository root:
 #   printf '/.gl/\n/.whl/\n/.llama-vk/\n' >>.git/info/exclude
@@ -418,11 +421,25 @@ export -f table
 STEP_UNCUT=1 step table 30 table
 cat "$OUT/bench.txt" 2>/dev/null
 
+# Image encode: Gemma 3's tower (4096 patches of 896 x 896, full attention) and Qwen2.5-VL's
+# (windows), cut to 4 layers at their real widths, on the device, then on the host's cores,
+# beside llama-mtmd-cli where the pack has it (its Vulkan build: the tower on the GPU too).
+vision() {
+    local llama=(--no-llama) how=(--cases gemma3 qwen25vl --layers 4 --runs 2 --threads "$(nproc)")
+    [[ -x $LLAMA/llama-mtmd-cli ]] && llama=() && export PATH=$LLAMA:$PATH
+    [[ $GPU_CHECK_SMALL == 1 ]] && how+=(--shapes tiny)
+    python3 benches/bench_vision.py "${how[@]}" --device vulkan "${llama[@]}" || return 1
+    python3 benches/bench_vision.py "${how[@]}" --no-llama
+}
+export -f vision
+step vision 90 vision
+grep -A12 '^image encode' "$W/vision.txt" >"$OUT/vision.txt" 2>/dev/null
+
 # The device goldens and model-level tests: last, with what is left of the budget.
-step tests 240 python3 -m pytest -q tests/test_vulkan.py -k "not real_models and not server"
+step tests 240 python3 -m pytest -q tests/test_vulkan.py tests/test_vision_device.py -k "not real_models and not server"
 cp "$W/tests.txt" "$OUT/tests.txt" 2>/dev/null
 
 printf '\n== steps (budget %ss, used %ss)\n' "$BUDGET" "$((SECONDS - START))"
 cat "$OUT/steps.txt"
-cat "$OUT/bench.txt" 2>/dev/null
+cat "$OUT/bench.txt" "$OUT/vision.txt" 2>/dev/null
 echo done

@@ -214,6 +214,7 @@ def _place_projector(m: Model, dev: _native.VulkanDevice | None, opts: PlaceOpti
         return
     if not proj.offload:
         dev = None
+    # Not Projector.to: the model's cap on device memory holds for its tower too.
     why = _native.place_vision(proj.native, dev, opts.vram())
     if why:
         log.warning("%s's vision tower stays on the CPU: %s", m.path.name, why)

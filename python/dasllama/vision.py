@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from . import _native
+from .devices import Device, _open
+from .devices import device as resolve_device
 from .errors import GgufError, UnsupportedModelError
 from .gguf_file import meta_section, read_header
 from .runtime import Runtime, default_runtime
@@ -79,6 +81,15 @@ class Projector:
         weight_bytes, matmuls, attentions, failed); None while it runs on the CPU. It follows
         its model (``Model.to``) unless loaded with ``mmproj_offload=False``."""
         return _native.vision_placement(self.native)
+
+    def to(self, device: str | Device) -> str:
+        """Run the tower's matmuls and attention on ``device`` ("vulkan", "vulkan:N", a
+        :class:`Device`), or on the host again ("cpu"). A model's projector follows the model
+        (``Model.to``); this places one loaded alone (``load_mmproj``). Returns "" where it went,
+        else why it stays on the host (no matrix fits the budget, or none is in a format the
+        device reads)."""
+        d = resolve_device(device)
+        return _native.place_vision(self.native, None if d.kind == "cpu" else _open(d), 0)
 
     @property
     def projector_type(self) -> str:

@@ -60,6 +60,18 @@ impl Buffer {
         &mut self.alloc.as_mut().and_then(|a| a.mapped_slice_mut()).expect("a host-visible buffer")[..n]
     }
 
+    /// Write `src` at byte `off` of a host-visible buffer (the device reads little-endian f32s,
+    /// which every host we build for holds them as already: one memcpy).
+    pub fn put_f32s(&mut self, off: usize, src: &[f32]) {
+        self.mapped()[off..off + 4 * src.len()].copy_from_slice(bytemuck::cast_slice(src));
+    }
+
+    /// Read `dst.len()` f32s from byte `off` of a host-visible buffer.
+    pub fn get_f32s(&mut self, off: usize, dst: &mut [f32]) {
+        let n = 4 * dst.len();
+        bytemuck::cast_slice_mut(dst).copy_from_slice(&self.mapped()[off..off + n]);
+    }
+
     /// Address of byte `off`.
     pub fn at(&self, off: u64) -> u64 {
         self.addr + off

@@ -176,9 +176,7 @@ impl Rails {
         let out_floats = segs.iter().map(|(w, _)| n * w.rows).max().unwrap_or(0);
         self.reserve(in_floats, out_floats, segs.len())?;
         let io = self.io.as_mut().expect("reserved");
-        for (d, s) in io.up.mapped().chunks_exact_mut(4).zip(x) {
-            d.copy_from_slice(&s.to_le_bytes());
-        }
+        io.up.put_f32s(0, x);
         let (r, k) = (&mut self.run, &mut self.kernels);
         r.copy(&io.up, 0, &io.x, 0, (in_floats * 4) as u64)?;
         r.barrier()?;
@@ -190,9 +188,7 @@ impl Rails {
             debug_assert_eq!(out.len(), floats);
             r.copy(y, 0, &io.back, 0, (floats * 4) as u64)?;
             r.submit()?;
-            for (o, b) in out.iter_mut().zip(io.back.mapped()[..floats * 4].chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
+            io.back.get_f32s(0, out);
         }
         self.matmuls += 1;
         Ok(true)

@@ -76,10 +76,7 @@ impl VitAttention {
         let io = self.io.as_mut().expect("reserved");
         let bytes = (floats * 4) as u64;
         for (i, src) in [q, k, v].into_iter().enumerate() {
-            let dst = &mut io.up.mapped()[i * floats * 4..(i + 1) * floats * 4];
-            for (d, s) in dst.chunks_exact_mut(4).zip(src) {
-                d.copy_from_slice(&s.to_le_bytes());
-            }
+            io.up.put_f32s(i * floats * 4, src);
         }
         run.copy(&io.up, 0, &io.dev, 0, 3 * bytes)?;
         run.barrier()?;
@@ -97,9 +94,7 @@ impl VitAttention {
         run.barrier()?;
         run.copy(&io.dev, 3 * bytes, &io.back, 0, bytes)?;
         run.submit()?;
-        for (o, b) in out.iter_mut().zip(io.back.mapped()[..floats * 4].chunks_exact(4)) {
-            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
+        io.back.get_f32s(0, out);
         Ok(())
     }
 
