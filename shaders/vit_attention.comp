@@ -13,6 +13,9 @@
 #include "common.glsl"
 
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer Vec4s { vec4 v[]; };
+// Each row's window, [start, end): its keys. Rows come window after window, so a tile's rows
+// span the keys from its first row's start to its last row's end.
+layout(buffer_reference, std430, buffer_reference_align = 8) buffer Bounds { uvec2 b[]; };
 
 layout(local_size_x = 64) in;
 
@@ -21,10 +24,12 @@ layout(push_constant) uniform P {
     Vec4s k;
     Vec4s v;
     Vec4s out_;
+    Bounds bounds;
     uint n;
     uint heads;
     uint hd;
     float scale;
+    uint windowed;
 } p;
 
 #define BQ 32u
@@ -70,8 +75,19 @@ void main() {
     // The softmax state of row tid (threads below BQ).
     float m = NEG, l = 0.0;
 
-    for (uint k0 = 0u; k0 < p.n; k0 += BK) {
-        uint kn = min(BK, p.n - k0);
+    // The keys of the tile's rows, and of this thread's two score rows (all of them without
+    // windows; a row past n takes the last row's, and its results are never written).
+    bool windows = p.windowed != 0u;
+    uint last = min(q0 + BQ, p.n) - 1u;
+    uint kbeg = windows ? p.bounds.b[q0].x : 0u;
+    uint kend = windows ? p.bounds.b[last].y : p.n;
+    uvec2 own[2];
+    [[unroll]] for (uint i = 0u; i < 2u; i++) {
+        own[i] = windows ? p.bounds.b[min(q0 + srow + 16u * i, last)] : uvec2(0u, p.n);
+    }
+
+    for (uint k0 = kbeg; k0 < kend; k0 += BK) {
+        uint kn = min(BK, kend - k0);
         for (uint e = tid; e < BK * hd4; e += 64u) {
             uint r = e / hd4, c = e - r * hd4;
             kvs[r * STRIDE4 + c] = r < kn ? p.k.v[(k0 + r) * row4 + head4 + c] : vec4(0.0);
@@ -96,7 +112,8 @@ void main() {
         [[unroll]] for (uint i = 0u; i < 2u; i++) {
             [[unroll]] for (uint j = 0u; j < 4u; j++) {
                 uint key = kg + 4u * j;
-                ps[(srow + 16u * i) * (BK + 1u) + key] = key < kn ? s[i][j] * sl2 : NEG;
+                bool in_row = key < kn && k0 + key >= own[i].x && k0 + key < own[i].y;
+                ps[(srow + 16u * i) * (BK + 1u) + key] = in_row ? s[i][j] * sl2 : NEG;
             }
         }
         barrier();
@@ -114,7 +131,9 @@ void main() {
             }
             float sum = 0.0;
             [[unroll]] for (uint j = 0u; j < BK; j++) {
-                float e = exp2(ps[base + j] - mt);
+                // A key outside the row's window weighs nothing, even in a tile with no key of
+                // its window yet (there mt is still NEG, and exp2(NEG - NEG) would be 1).
+                float e = ps[base + j] > 0.5 * NEG ? exp2(ps[base + j] - mt) : 0.0;
                 ps[base + j] = e;
                 sum += e;
             }

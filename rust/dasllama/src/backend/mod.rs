@@ -68,10 +68,11 @@ pub enum Numerics {
 pub trait MatmulOffload {
     fn matmul(&mut self, segs: &mut [(&Weight, &mut [f32])], x: &[f32], n: usize) -> bool;
 
-    /// A vision tower's attention (`HostOps::full_attention`'s contract) on the device; false
-    /// leaves it to the host (nothing was written).
+    /// A vision tower's attention on the device: per head, each of the n rows attends every
+    /// row of its window, the windows being runs of consecutive rows of the lengths `spans`
+    /// gives (empty: one window of all n). False leaves it to the host (nothing was written).
     #[allow(clippy::too_many_arguments)]
-    fn full_attention(&mut self, _q: &[f32], _k: &[f32], _v: &[f32], _n: usize, _heads: usize, _hd: usize, _out: &mut [f32]) -> bool {
+    fn full_attention(&mut self, _q: &[f32], _k: &[f32], _v: &[f32], _n: usize, _heads: usize, _hd: usize, _spans: &[usize], _out: &mut [f32]) -> bool {
         false
     }
 }
@@ -312,7 +313,7 @@ pub trait HostOps {
 
     /// `MatmulOffload::full_attention` on the pass's offload, where there is one that takes it.
     #[allow(clippy::too_many_arguments)]
-    fn offload_attention(&mut self, _q: &[f32], _k: &[f32], _v: &[f32], _n: usize, _heads: usize, _hd: usize, _out: &mut [f32]) -> bool {
+    fn offload_attention(&mut self, _q: &[f32], _k: &[f32], _v: &[f32], _n: usize, _heads: usize, _hd: usize, _spans: &[usize], _out: &mut [f32]) -> bool {
         false
     }
 

@@ -136,8 +136,8 @@ impl HostOps for CpuOps<'_> {
         self.offload.as_deref_mut().is_some_and(|o| o.matmul(segs, x, n))
     }
 
-    fn offload_attention(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) -> bool {
-        self.offload.as_deref_mut().is_some_and(|o| o.full_attention(q, k, v, n, heads, hd, out))
+    fn offload_attention(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, spans: &[usize], out: &mut [f32]) -> bool {
+        self.offload.as_deref_mut().is_some_and(|o| o.full_attention(q, k, v, n, heads, hd, spans, out))
     }
 
     fn add_bias(&mut self, x: &mut [f32], bias: &[f32]) {

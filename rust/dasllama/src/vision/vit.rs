@@ -450,7 +450,7 @@ pub(crate) fn activate(x: &mut [f32], act: VitAct) {
 /// host's kernels, the softmax in f32 with an f64 total.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn full_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) {
-    if ops.offload_attention(q, k, v, n, heads, hd, out) {
+    if ops.offload_attention(q, k, v, n, heads, hd, &[], out) {
         return;
     }
     if dense::fast() {

@@ -65,11 +65,11 @@ impl MatmulOffload for Rails {
         })
     }
 
-    fn full_attention(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) -> bool {
+    fn full_attention(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, spans: &[usize], out: &mut [f32]) -> bool {
         if self.failed.is_some() {
             return false;
         }
-        match self.attn.run(&self.gpu, &mut self.run, &mut self.kernels, q, k, v, n, heads, hd, out) {
+        match self.attn.run(&self.gpu, &mut self.run, &mut self.kernels, q, k, v, n, heads, hd, spans, out) {
             Ok(()) => {
                 self.attentions += 1;
                 true
@@ -95,8 +95,8 @@ impl MatmulOffload for TowerRails {
         self.rails.matmul(segs, x, n)
     }
 
-    fn full_attention(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, out: &mut [f32]) -> bool {
-        self.rails.full_attention(q, k, v, n, heads, hd, out)
+    fn full_attention(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, heads: usize, hd: usize, spans: &[usize], out: &mut [f32]) -> bool {
+        self.rails.full_attention(q, k, v, n, heads, hd, spans, out)
     }
 }
 

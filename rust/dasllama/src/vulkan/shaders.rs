@@ -163,10 +163,11 @@ push_blocks! {
         src: u64, dst: u64,
         src_width: u32, src_col: u32, dst_width: u32, dst_col: u32, cols: u32, rows: u32,
     }
-    /// `vit_attention.comp`: a vision tower's full attention, per head, over `n` rows of each.
+    /// `vit_attention.comp`: a vision tower's full attention, per head, over `n` rows of each;
+    /// where `windowed`, `bounds` holds each row's window as [start, end).
     VitAttentionPush for ["vit_attention"] {
-        q: u64, k: u64, v: u64, out_: u64,
-        n: u32, heads: u32, hd: u32, scale: f32,
+        q: u64, k: u64, v: u64, out_: u64, bounds: u64,
+        n: u32, heads: u32, hd: u32, scale: f32, windowed: u32, _pad: u32,
     }
 }
 

@@ -19,12 +19,13 @@ const MAX_GROUPS: usize = 65535;
 
 /// Buffers for one call, grown to the largest call seen.
 struct Io {
-    /// q, k and v as written by the host, one after the other.
+    /// q, k and v as written by the host, one after the other, then the rows' window bounds.
     up: Buffer,
-    /// q, k, v and out, one after the other: the shader reads device-local memory.
+    /// q, k, v and out, one after the other, then the bounds: the shader reads device-local memory.
     dev: Buffer,
     back: Buffer,
     floats: usize,
+    rows: usize,
 }
 
 /// Device buffers for a tower's attention calls, grown to the largest call.
@@ -39,7 +40,9 @@ impl VitAttention {
     }
 
     /// out = per-head softmax(q kᵀ / sqrt(hd)) v over n rows of heads*hd values (the CPU's
-    /// `vision::vit::full_attention`), on the device: q, k, v go up, out comes back.
+    /// `vision::vit::full_attention`), on the device: q, k, v go up, out comes back. With
+    /// `spans`, a row attends only the rows of its window, the windows being runs of
+    /// consecutive rows of those lengths (Qwen2.5-VL's, every window in one call).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn run(
         &mut self,
@@ -52,6 +55,7 @@ impl VitAttention {
         n: usize,
         heads: usize,
         hd: usize,
+        spans: &[usize],
         out: &mut [f32],
     ) -> Result<()> {
         // Checked before anything is recorded, so that the caller can run this call on the host.
@@ -64,6 +68,9 @@ impl VitAttention {
                 return Err(Error::Internal(format!("vision attention: {name} has {len} values for {n} rows of {heads} x {hd}")));
             }
         }
+        if !spans.is_empty() && spans.iter().sum::<usize>() != n {
+            return Err(Error::Internal(format!("vision attention: windows of {} rows in all for {n} rows", spans.iter().sum::<usize>())));
+        }
         if floats == 0 {
             return Ok(());
         }
@@ -72,23 +79,41 @@ impl VitAttention {
         if floats / 4 > u32::MAX as usize || groups > MAX_GROUPS || heads > MAX_GROUPS {
             return Err(Error::UnsupportedModel(format!("vision attention over {n} rows of {heads} x {hd} values is too large for the device kernel")));
         }
-        self.reserve(gpu, floats)?;
+        // Each row's window as [start, end) (u32 pairs after q, k and v); none: every row.
+        let bounds: Vec<u32> = spans
+            .iter()
+            .scan(0usize, |at, &len| {
+                *at += len;
+                Some(std::iter::repeat_n([u(*at - len), u(*at)], len))
+            })
+            .flatten()
+            .flatten()
+            .collect();
+        self.reserve(gpu, floats, n)?;
         let io = self.io.as_mut().expect("reserved");
         let bytes = (floats * 4) as u64;
         for (i, src) in [q, k, v].into_iter().enumerate() {
             io.up.put_f32s(i * floats * 4, src);
         }
+        let at_bounds = 3 * io.floats * 4;
+        io.up.mapped()[at_bounds..at_bounds + 4 * bounds.len()].copy_from_slice(bytemuck::cast_slice(&bounds));
         run.copy(&io.up, 0, &io.dev, 0, 3 * bytes)?;
+        if !bounds.is_empty() {
+            run.copy(&io.up, at_bounds as u64, &io.dev, 4 * io.floats as u64 * 4, 4 * bounds.len() as u64)?;
+        }
         run.barrier()?;
         let push = VitAttentionPush {
             q: io.dev.at(0),
             k: io.dev.at(bytes),
             v: io.dev.at(2 * bytes),
             out_: io.dev.at(3 * bytes),
+            bounds: io.dev.at(4 * io.floats as u64 * 4),
             n: u(n),
             heads: u(heads),
             hd: u(hd),
             scale: 1.0 / (hd as f32).sqrt(),
+            windowed: u32::from(!bounds.is_empty()),
+            _pad: 0,
         };
         run.dispatch(kernels, Shader::VitAttention, push, [u(groups), u(heads), 1])?;
         run.barrier()?;
@@ -98,20 +123,22 @@ impl VitAttention {
         Ok(())
     }
 
-    fn reserve(&mut self, gpu: &Arc<Gpu>, floats: usize) -> Result<()> {
-        if self.io.as_ref().is_some_and(|io| io.floats >= floats) {
+    fn reserve(&mut self, gpu: &Arc<Gpu>, floats: usize, rows: usize) -> Result<()> {
+        if self.io.as_ref().is_some_and(|io| io.floats >= floats && io.rows >= rows) {
             return Ok(());
         }
         // Free the old buffers first: at a tower's largest image they are the bulk of the need.
-        let old = self.io.take().map_or(0, |io| io.floats);
+        let (old, old_rows) = self.io.take().map_or((0, 0), |io| (io.floats, io.rows));
         // A tower's calls share one shape per image size: grow with headroom, but not twice over.
-        let floats = floats.max(old + old / 2);
+        let (floats, rows) = (floats.max(old + old / 2), rows.max(old_rows + old_rows / 2));
         let b = |name: &str, n: usize, loc| Buffer::new(gpu, name, (n * 4) as u64, loc);
+        // After q, k, v (and out on the device): two u32s a row, its window's bounds.
         self.io = Some(Io {
-            up: b("vision attention input", 3 * floats, MemoryLocation::CpuToGpu)?,
-            dev: b("vision attention q/k/v/out", 4 * floats, MemoryLocation::GpuOnly)?,
+            up: b("vision attention input", 3 * floats + 2 * rows, MemoryLocation::CpuToGpu)?,
+            dev: b("vision attention q/k/v/out", 4 * floats + 2 * rows, MemoryLocation::GpuOnly)?,
             back: b("vision attention readback", floats, MemoryLocation::GpuToCpu)?,
             floats,
+            rows,
         });
         Ok(())
     }
@@ -167,12 +194,38 @@ mod tests {
             let q: Vec<f32> = rand(len, seed).iter().map(|x| 4.0 * x).collect();
             let (kk, v) = (rand(len, seed + 1), rand(len, seed + 2));
             let mut out = vec![f32::NAN; len];
-            attn.run(&g, &mut r, &mut k, &q, &kk, &v, n, heads, hd, &mut out).unwrap();
+            attn.run(&g, &mut r, &mut k, &q, &kk, &v, n, heads, hd, &[], &mut out).unwrap();
             let want = reference(&q, &kk, &v, n, heads, hd);
             let vmax = v.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
             let err = out.iter().zip(&want).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
             let tol = 1e-4 * vmax + 1e-5;
             assert!(err <= tol, "n {n}, heads {heads}, hd {hd}: max error {err:e} over {tol:e}");
+        }
+    }
+
+    #[test]
+    fn windows_attend_only_their_own_rows() {
+        let Some((g, mut k, mut r)) = gpu() else { return };
+        let mut attn = VitAttention::new();
+        // Qwen2.5-VL's windows: full ones and the narrower ones at the image's edge; windows
+        // that start inside a query tile, tiles whose first key tiles hold none of a row's keys,
+        // and a window of one row.
+        for (i, spans) in [vec![16, 16, 8, 8, 8, 4], vec![64, 64, 40, 64, 1, 37, 5], vec![200]].iter().enumerate() {
+            let (n, heads, hd) = (spans.iter().sum::<usize>(), 2, 80);
+            let (d, len) = (heads * hd, spans.iter().sum::<usize>() * heads * hd);
+            let seed = 900 + 10 * i as u64;
+            let q: Vec<f32> = rand(len, seed).iter().map(|x| 4.0 * x).collect();
+            let (kk, v) = (rand(len, seed + 1), rand(len, seed + 2));
+            let mut out = vec![f32::NAN; len];
+            attn.run(&g, &mut r, &mut k, &q, &kk, &v, n, heads, hd, spans, &mut out).unwrap();
+            let mut at = 0;
+            for &m in spans {
+                let rows = at * d..(at + m) * d;
+                let want = reference(&q[rows.clone()], &kk[rows.clone()], &v[rows.clone()], m, heads, hd);
+                let err = out[rows].iter().zip(&want).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
+                assert!(err <= 1e-4, "spans {spans:?}: the window at row {at} of {m} rows is {err:e} off");
+                at += m;
+            }
         }
     }
 
@@ -183,7 +236,7 @@ mod tests {
         for hd in [66, 132, 256] {
             let x = vec![0.0f32; 2 * hd];
             let mut out = vec![0.0f32; 2 * hd];
-            match attn.run(&g, &mut r, &mut k, &x, &x, &x, 2, 1, hd, &mut out) {
+            match attn.run(&g, &mut r, &mut k, &x, &x, &x, 2, 1, hd, &[], &mut out) {
                 Err(Error::UnsupportedModel(m)) => assert!(m.contains(&hd.to_string()), "{m}"),
                 other => panic!("hd {hd}: {other:?}"),
             }
