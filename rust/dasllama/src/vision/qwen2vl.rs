@@ -262,31 +262,26 @@ fn windows(bw: usize, bh: usize, side: usize) -> Vec<Vec<usize>> {
     out
 }
 
-/// Attention within each window: its rows gathered, attended among themselves, put back. A
-/// device takes every window in one call (the rows gathered window after window); the host
-/// takes them one at a time.
+/// Attention within each window: the rows gathered window after window, attended within their
+/// windows (by a device in one call, else window by window on the host), put back.
 #[allow(clippy::too_many_arguments)]
 fn windowed_attention(ops: &mut dyn HostOps, q: &[f32], k: &[f32], v: &[f32], windows: &[Vec<usize>], heads: usize, hd: usize, out: &mut [f32]) {
     let d = heads * hd;
     let order: Vec<usize> = windows.concat();
-    let gather_all = |src: &[f32]| order.iter().flat_map(|&r| src[r * d..(r + 1) * d].iter().copied()).collect::<Vec<f32>>();
+    let gather = |src: &[f32]| order.iter().flat_map(|&r| src[r * d..(r + 1) * d].iter().copied()).collect::<Vec<f32>>();
+    let (wq, wk, wv) = (gather(q), gather(k), gather(v));
     let spans: Vec<usize> = windows.iter().map(Vec::len).collect();
     let mut wo = vec![0.0f32; order.len() * d];
-    if ops.offload_attention(&gather_all(q), &gather_all(k), &gather_all(v), order.len(), heads, hd, &spans, &mut wo) {
-        for (i, &r) in order.iter().enumerate() {
-            out[r * d..(r + 1) * d].copy_from_slice(&wo[i * d..(i + 1) * d]);
+    if !ops.offload_attention(&wq, &wk, &wv, order.len(), heads, hd, &spans, &mut wo) {
+        let mut at = 0;
+        for &m in &spans {
+            let rows = at * d..(at + m) * d;
+            full_attention(ops, &wq[rows.clone()], &wk[rows.clone()], &wv[rows.clone()], m, heads, hd, &mut wo[rows]);
+            at += m;
         }
-        return;
     }
-    for rows in windows {
-        let m = rows.len();
-        let gather = |src: &[f32]| rows.iter().flat_map(|&r| src[r * d..(r + 1) * d].iter().copied()).collect::<Vec<f32>>();
-        let (wq, wk, wv) = (gather(q), gather(k), gather(v));
-        let mut wo = vec![0.0f32; m * d];
-        full_attention(ops, &wq, &wk, &wv, m, heads, hd, &mut wo);
-        for (i, &r) in rows.iter().enumerate() {
-            out[r * d..(r + 1) * d].copy_from_slice(&wo[i * d..(i + 1) * d]);
-        }
+    for (i, &r) in order.iter().enumerate() {
+        out[r * d..(r + 1) * d].copy_from_slice(&wo[i * d..(i + 1) * d]);
     }
 }
 

@@ -95,11 +95,12 @@ impl VitAttention {
         for (i, src) in [q, k, v].into_iter().enumerate() {
             io.up.put_f32s(i * floats * 4, src);
         }
-        let at_bounds = 3 * io.floats * 4;
-        io.up.mapped()[at_bounds..at_bounds + 4 * bounds.len()].copy_from_slice(bytemuck::cast_slice(&bounds));
+        // Where the bounds go: after q, k, v in `up`, after q, k, v and out on the device.
+        let (up_bounds, dev_bounds) = (3 * 4 * io.floats, 4 * 4 * io.floats as u64);
+        io.up.mapped()[up_bounds..up_bounds + 4 * bounds.len()].copy_from_slice(bytemuck::cast_slice(&bounds));
         run.copy(&io.up, 0, &io.dev, 0, 3 * bytes)?;
         if !bounds.is_empty() {
-            run.copy(&io.up, at_bounds as u64, &io.dev, 4 * io.floats as u64 * 4, 4 * bounds.len() as u64)?;
+            run.copy(&io.up, up_bounds as u64, &io.dev, dev_bounds, 4 * bounds.len() as u64)?;
         }
         run.barrier()?;
         let push = VitAttentionPush {
@@ -107,7 +108,7 @@ impl VitAttention {
             k: io.dev.at(bytes),
             v: io.dev.at(2 * bytes),
             out_: io.dev.at(3 * bytes),
-            bounds: io.dev.at(4 * io.floats as u64 * 4),
+            bounds: io.dev.at(dev_bounds),
             n: u(n),
             heads: u(heads),
             hd: u(hd),
