@@ -13,6 +13,8 @@
 // softmax's max and normalizer with no value behind it (unscaled, as cpu/backend.rs and ggml's
 // soft_max_ext take it): the running softmax starts from it (m = sink, l = e^0 = 1) instead of
 // from nothing (m = -inf, l = 0), so every later tile rescales it as it rescales the scores.
+// Key ends (an image's rows that see each other): where has_ends is set, row t attends up to
+// ends[t] (exclusive) instead of its own position + 1; a sliding window still starts from its own.
 // Workgroups: x = KV head * ceil(group / MAX_G) + chunk of query heads, y = batch row.
 #include "common.glsl"
 #include "kv.glsl"
@@ -40,6 +42,8 @@ layout(push_constant) uniform P {
     float rscale;
     F32s sinks;
     uint has_sinks;
+    uint has_ends;
+    U32s ends;
 } p;
 
 shared float qs[MAX_G][MAX_HD];
@@ -85,6 +89,7 @@ void main() {
 #endif
     uint pos = p.meta.v[2u * t + 1u];
     uint start = (p.window > 0u && pos + 1u > p.window) ? pos + 1u - p.window : 0u;
+    uint end = p.has_ends != 0u ? p.ends.v[t] : pos + 1u;
     uint kbase = p.meta.v[2u * t] + p.slot_off + kvh * HEAD_WORDS(hd);
     uint vbase = kbase + p.v_off;
     float m[MAX_G], l[MAX_G], acc[MAX_G][MAX_HD / WG];
@@ -95,8 +100,8 @@ void main() {
         [[unroll]] for (uint k = 0u; k < MAX_HD / WG; k++) acc[g][k] = 0.0;
     }
     barrier();
-    for (uint p0 = start; p0 <= pos; p0 += WG) {
-        uint cnt = min(WG, pos + 1u - p0);
+    for (uint p0 = start; p0 < end; p0 += WG) {
+        uint cnt = min(WG, end - p0);
         if (tid < cnt) {
             uint kr = kbase + (p0 + tid) * p.row_words;
             float s[MAX_G];

@@ -198,7 +198,7 @@ impl PySession {
     /// fewer positions than rows.
     #[getter]
     fn n_pos(&self) -> usize {
-        self.inner.kv.mrope_pos(self.inner.n_past())[0]
+        self.inner.mrope_pos(self.inner.n_past())[0]
     }
 
     /// Seed this session's sampling RNG.

@@ -69,6 +69,11 @@ impl Session {
         self.dev.as_ref().map_or(self.kv.len(), DevKv::len)
     }
 
+    /// Row `row`'s position on the M-RoPE axes, as the images recorded where its K/V lives place it.
+    pub fn mrope_pos(&self, row: usize) -> [usize; 3] {
+        self.dev.as_ref().map_or(self.kv.grids(), DevKv::grids).pos(row)
+    }
+
     /// Go back to position `pos`, wherever the K/V lives: K/V past it is forgotten, and a
     /// hybrid's recurrent state replayed over the rows of its last pass it keeps (a hybrid goes
     /// back no further than the start of its last pass: `KvCache::rewind_floor`).
@@ -99,7 +104,6 @@ impl Session {
     /// Run `tokens` with some rows' inputs given (`Injected`: an image's embeddings in place of
     /// its placeholder tokens, its rows seeing each other). Logits after every row land in
     /// `rows` where `all`, else after the last only; the session keeps the last row's either way.
-    /// Host K/V only: a device-home session is refused, nothing run.
     pub fn eval_injected(&mut self, m: &Model, tokens: &[u32], inj: Injected<'_>, all: bool, rows: &mut Vec<f32>) -> Result<()> {
         let want = if all { LogitRows::All } else { LogitRows::Last };
         run(m, &mut [self], &[tokens.len()], tokens, Some(inj), want, &mut m.rt.scratch(), rows)?;
@@ -221,9 +225,6 @@ fn run(
         p.host_pass(&mut |offload| out = forward_batch_with(m, &mut kvs, counts, tokens, Span::whole(m), injected, want, scratch, logits, offload));
         return out;
     }
-    if injected.is_some() {
-        return Err(Error::InvalidArgument("image rows run over host K/V only for now; use a host session for a prompt with images".into()));
-    }
     if on_device != sessions.len() {
         return Err(Error::InvalidArgument("a batch mixes device-home and host sessions; evaluate them in separate batches".into()));
     }
@@ -233,7 +234,7 @@ fn run(
         .ok_or_else(|| Error::Device("this device session's model is no longer on the device (it was dropped or switched out); create a new session".into()))?;
     let Some(layers) = p.split() else {
         let mut kvs: Vec<&mut DevKv> = sessions.iter_mut().filter_map(|s| s.dev.as_mut()).collect();
-        return crate::model::forward::forward_device(m, &*p, &mut kvs, counts, tokens, want, logits);
+        return crate::model::forward::forward_device(m, &*p, &mut kvs, counts, tokens, injected, want, logits);
     };
     // A split model: the device runs the first layers and leaves every row's hidden state; the
     // CPU runs the rest and the head over the sessions' host K/V.
@@ -243,10 +244,10 @@ fn run(
         return Err(Error::Internal("a split device session's host rows and device rows differ in number".into()));
     }
     let mut x = std::mem::take(&mut scratch.split);
-    let mut done = crate::model::forward::forward_device(m, &*p, &mut devs, counts, tokens, LogitRows::All, &mut x);
+    let mut done = crate::model::forward::forward_device(m, &*p, &mut devs, counts, tokens, injected, LogitRows::All, &mut x);
     if done.is_ok() {
         let span = Span { layers: layers..m.layers.len(), x: Some(&x) };
-        done = forward_batch_with(m, &mut hosts, counts, tokens, span, None, want, scratch, logits, None);
+        done = forward_batch_with(m, &mut hosts, counts, tokens, span, injected, want, scratch, logits, None);
     }
     scratch.split = x;
     if done.is_err() {

@@ -8,7 +8,7 @@
 //! model's pass never waits behind a device step.
 
 use super::{Act, MatmulOffload, Ops, PassIn};
-use crate::kv::{KvCache, KvCodec};
+use crate::kv::{Grid, Grids, KvCache, KvCodec};
 use crate::quant::Weight;
 use crate::{Error, Result};
 use std::sync::{Arc, Weak};
@@ -158,6 +158,8 @@ pub struct DevKv {
     len: usize,
     /// None once parked: the region is the table's again.
     home: Option<Weak<dyn KvHome>>,
+    /// Images on M-RoPE axes in its rows (as a host cache keeps them).
+    grids: Grids,
 }
 
 impl std::fmt::Debug for DevKv {
@@ -172,7 +174,7 @@ fn stale() -> Error {
 
 impl DevKv {
     pub fn new(region: usize, home: Weak<dyn KvHome>) -> DevKv {
-        DevKv { region, len: 0, home: Some(home) }
+        DevKv { region, len: 0, home: Some(home), grids: Grids::default() }
     }
 
     pub fn region(&self) -> usize {
@@ -191,10 +193,21 @@ impl DevKv {
     /// overwritten by the next ones.
     pub fn truncate(&mut self, pos: usize) {
         self.len = self.len.min(pos);
+        self.grids.truncate(self.len);
     }
 
     pub fn reset(&mut self) {
         self.len = 0;
+        self.grids.clear();
+    }
+
+    /// Record an image on M-RoPE axes at its rows (`Grids::add`).
+    pub fn add_grid(&mut self, g: Grid) {
+        self.grids.add(g);
+    }
+
+    pub fn grids(&self) -> &Grids {
+        &self.grids
     }
 
     /// After a pass wrote `n` more rows.
@@ -219,6 +232,7 @@ impl DevKv {
         let claim = home.park(self.region, self.len);
         self.home = None;
         self.len = 0;
+        self.grids.clear();
         claim
     }
 

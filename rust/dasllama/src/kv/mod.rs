@@ -547,9 +547,8 @@ pub struct KvCache {
     owner: u64,
     /// Where private pages come from (a paged cache's come from its pool).
     bin: Arc<PageBin>,
-    /// Images on M-RoPE axes in these rows, in order (`Grid`): they set the rows' rotary
-    /// positions, which are then no longer the row indices.
-    grids: Vec<Grid>,
+    /// Images on M-RoPE axes in these rows: they set the rows' rotary positions.
+    grids: Grids,
 }
 
 /// An image laid out on M-RoPE's axes (Qwen-VL, as llama.cpp's mtmd does it): its `nx` x `ny`
@@ -561,6 +560,55 @@ pub struct Grid {
     pub at: usize,
     pub nx: usize,
     pub ny: usize,
+}
+
+/// The images on M-RoPE axes in a session's rows, in order (`Grid`): they set the rows' rotary
+/// positions, which are then no longer the row indices. Host and device K/V keep them alike.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Grids(Vec<Grid>);
+
+impl Grids {
+    /// Record an image at its rows; it replaces any recorded from its first row on, so
+    /// recording a prompt's images again in order is harmless.
+    pub fn add(&mut self, g: Grid) {
+        self.0.retain(|o| o.at < g.at);
+        self.0.push(g);
+    }
+
+    /// Forget the images that start at or past row `len`.
+    pub fn truncate(&mut self, len: usize) {
+        self.0.retain(|g| g.at < len);
+    }
+
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    pub fn as_slice(&self) -> &[Grid] {
+        &self.0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Row `row`'s position on the time, height and width axes: the row index where no image
+    /// is recorded before it (the same on all three), else as `Grid` says.
+    pub fn pos(&self, row: usize) -> [usize; 3] {
+        let mut shift = 0isize;
+        for g in &self.0 {
+            if row < g.at {
+                break;
+            }
+            let (t0, n) = ((g.at as isize + shift) as usize, g.nx * g.ny);
+            if row < g.at + n {
+                let i = row - g.at;
+                return [t0, t0 + i / g.nx, t0 + i % g.nx];
+            }
+            shift += g.nx.max(g.ny) as isize - n as isize;
+        }
+        [(row as isize + shift) as usize; 3]
+    }
 }
 
 /// The recurrent state of a session's DeltaNet layers after its `len` positions: per layer the
@@ -685,11 +733,20 @@ impl LayerView<'_> {
 impl KvCache {
     /// A session's private store of `geo` (its pages grown on demand, their buffers from `bin`).
     pub fn private(geo: Geometry, bin: &Arc<PageBin>) -> Self {
-        KvCache { geo, len: 0, pages: Vec::new(), pool: None, rec: None, owner: 0, bin: bin.clone(), grids: Vec::new() }
+        KvCache { geo, len: 0, pages: Vec::new(), pool: None, rec: None, owner: 0, bin: bin.clone(), grids: Grids::default() }
     }
 
     pub fn paged(pool: &KvPool) -> Self {
-        KvCache { geo: pool.geometry(), len: 0, pages: Vec::new(), pool: Some(pool.clone()), rec: None, owner: 0, bin: pool.0.bin.clone(), grids: Vec::new() }
+        KvCache {
+            geo: pool.geometry(),
+            len: 0,
+            pages: Vec::new(),
+            pool: Some(pool.clone()),
+            rec: None,
+            owner: 0,
+            bin: pool.0.bin.clone(),
+            grids: Grids::default(),
+        }
     }
 
     /// Mark this K/V as `owner`'s (a model's `uid`), so that the prefix cache never gives it
@@ -916,38 +973,22 @@ impl KvCache {
         assert!(self.rec.is_none() || pos >= self.len, "a recurrent state cannot go back from position {} to {pos}", self.len);
         self.len = self.len.min(pos);
         self.pages.truncate(self.len.div_ceil(self.geo.page_rows));
-        let len = self.len;
-        self.grids.retain(|g| g.at < len);
+        self.grids.truncate(self.len);
     }
 
-    /// Record an image on M-RoPE axes at its rows (`Grid`); it replaces any recorded from its
-    /// first row on, so recording a prompt's images again in order is harmless.
+    /// Record an image on M-RoPE axes at its rows (`Grids::add`).
     pub fn add_grid(&mut self, g: Grid) {
-        self.grids.retain(|o| o.at < g.at);
-        self.grids.push(g);
+        self.grids.add(g);
     }
 
     /// The images recorded on M-RoPE axes.
-    pub fn grids(&self) -> &[Grid] {
+    pub fn grids(&self) -> &Grids {
         &self.grids
     }
 
-    /// Row `row`'s position on the time, height and width axes: the row index where no image
-    /// is recorded before it (the same on all three), else as `Grid` says.
+    /// Row `row`'s position on the M-RoPE axes (`Grids::pos`).
     pub fn mrope_pos(&self, row: usize) -> [usize; 3] {
-        let mut shift = 0isize;
-        for g in &self.grids {
-            if row < g.at {
-                break;
-            }
-            let (t0, n) = ((g.at as isize + shift) as usize, g.nx * g.ny);
-            if row < g.at + n {
-                let i = row - g.at;
-                return [t0, t0 + i / g.nx, t0 + i % g.nx];
-            }
-            shift += g.nx.max(g.ny) as isize - n as isize;
-        }
-        [(row as isize + shift) as usize; 3]
+        self.grids.pos(row)
     }
 
     /// Forget every position and give all pages back.
@@ -1047,10 +1088,10 @@ mod tests {
         // Going back before an image forgets it; recording one again replaces those after it.
         fill(&mut kv, 16, 0.0);
         kv.truncate(13);
-        assert_eq!(kv.grids(), &[Grid { at: 3, nx: 4, ny: 2 }]);
+        assert_eq!(kv.grids().as_slice(), &[Grid { at: 3, nx: 4, ny: 2 }]);
         kv.add_grid(Grid { at: 13, nx: 1, ny: 3 });
         kv.add_grid(Grid { at: 3, nx: 2, ny: 4 });
-        assert_eq!(kv.grids(), &[Grid { at: 3, nx: 2, ny: 4 }]);
+        assert_eq!(kv.grids().as_slice(), &[Grid { at: 3, nx: 2, ny: 4 }]);
         assert_eq!(kv.mrope_pos(11), [7; 3]);
         kv.release();
         assert!(kv.grids().is_empty());

@@ -10,7 +10,7 @@ pub use crate::backend::Scratch;
 use crate::backend::{
     rope_cache, Act, Activation, Buf, DevKv, DnParams, ExpertSet, Given, HostActs, MatmulOffload, Numerics, Ops, PassIn, Placeable, Placement, Route, RowEmbeds,
 };
-use crate::kv::{Grid, KvCache};
+use crate::kv::{Grid, Grids, KvCache};
 use crate::quant::Weight;
 use crate::{Error, Result};
 
@@ -163,17 +163,13 @@ pub fn forward_batch_with(
     let lens: Vec<usize> = kvs.iter().map(|kv| kv.len()).collect();
     let mut inp = pass_inputs(m, &m.config.layers, &lens, counts, tokens, want);
     if inp.ropes.iter().any(|r| r.mrope.is_some()) && kvs.iter().any(|kv| !kv.grids().is_empty()) {
-        inp.tables = mrope_tables(m, &inp.ropes, &inp.rows, kvs);
+        let grids: Vec<&Grids> = kvs.iter().map(|kv| kv.grids()).collect();
+        inp.tables = mrope_tables(m, &inp.ropes, &inp.rows, &grids);
     }
     if let Some(inj) = injected {
         inp.embeds = Some(inj.embeds);
         if !inj.spans.is_empty() {
-            let mut ends: Vec<usize> = inp.rows.iter().map(|&(_, pos)| pos + 1).collect();
-            for &(first, n) in inj.spans {
-                let end = inp.rows[first + n - 1].1 + 1;
-                ends[first..first + n].iter_mut().for_each(|e| *e = end);
-            }
-            inp.key_ends = ends;
+            inp.key_ends = key_ends(&inp.rows, inj.spans);
             inp.key_ends_sliding_only = m.config.image_spans_sliding_only;
         }
     }
@@ -248,20 +244,27 @@ pub fn pass_inputs<'a>(m: &Model, descs: &[LayerDesc], lens: &[usize], counts: &
     }
 }
 
-/// `forward_batch` for sessions whose K/V lives on `p`'s device: the call runs in windows of
-/// the device's size (a session's rows in order, so a later window reads the K/V an earlier one
-/// wrote), each one device pass of the same skeleton. A pass that fails leaves every session's
+/// `forward_batch` for sessions whose K/V lives on `p`'s device, with some rows' inputs given
+/// (`Injected`, as `forward_batch_with` takes them): the call runs in windows of the device's
+/// size (a session's rows in order, so a later window reads the K/V an earlier one wrote), each
+/// one device pass of the same skeleton. A span of rows that see each other goes into one
+/// window whole (a window holds a longer one alone). A pass that fails leaves every session's
 /// length as it was.
+#[allow(clippy::too_many_arguments)]
 pub fn forward_device(
     m: &Model,
     p: &dyn Placement,
     kvs: &mut [&mut DevKv],
     counts: &[usize],
     tokens: &[u32],
+    injected: Option<Injected<'_>>,
     want: LogitRows<'_>,
     out: &mut Vec<f32>,
 ) -> Result<()> {
     check(m, kvs.iter().map(|kv| kv.len()), counts, tokens, want)?;
+    if let Some(inj) = injected {
+        check_injected(m, counts, &inj)?;
+    }
     if kvs.iter().any(|kv| !p.owns(kv)) {
         return Err(Error::Device(
             "this device session's model is no longer on the device (it was dropped, switched out, or the device was lost); create a new session".into(),
@@ -276,9 +279,43 @@ pub fn forward_device(
             )));
         }
     }
+    let inj = injected.unwrap_or(Injected { embeds: RowEmbeds { rows: &[], values: &[] }, spans: &[], grids: &[] });
+    for &(si, g) in inj.grids {
+        kvs[si].add_grid(g);
+    }
+    let done = device_windows(m, p, kvs, counts, tokens, &inj, want, out);
+    for (kv, &c) in kvs.iter_mut().zip(counts) {
+        match done {
+            Ok(()) => kv.advance(c),
+            // Forget the images recorded for rows the call did not add.
+            Err(_) => {
+                let len = kv.len();
+                kv.truncate(len);
+            }
+        }
+    }
+    done
+}
+
+/// `forward_device`'s windows, after its checks.
+#[allow(clippy::too_many_arguments)]
+fn device_windows(
+    m: &Model,
+    p: &dyn Placement,
+    kvs: &[&mut DevKv],
+    counts: &[usize],
+    tokens: &[u32],
+    inj: &Injected<'_>,
+    want: LogitRows<'_>,
+    out: &mut Vec<f32>,
+) -> Result<()> {
     let hidden = want == LogitRows::Hidden;
     let (max_rows, max_out) = p.window();
     out.clear();
+    // Every row of the call, (session, position), and where it stops attending.
+    let all: Vec<(usize, usize)> = counts.iter().enumerate().flat_map(|(i, &c)| (0..c).map(move |j| (i, kvs[i].len() + j))).collect();
+    let ends = if inj.spans.is_empty() { Vec::new() } else { key_ends(&all, inj.spans) };
+    let width = inj.embeds.width();
     // Pieces of the window being gathered: (session, first row, rows, rows before its first logit row).
     let mut win: Vec<(usize, usize, usize, usize)> = Vec::new();
     let (mut rows, mut outs, mut tok_at) = (0, 0, Vec::with_capacity(counts.len()));
@@ -291,14 +328,36 @@ pub fn forward_device(
         let regions: Vec<usize> = win.iter().map(|&(i, ..)| kvs[i].region()).collect();
         let lens: Vec<usize> = win.iter().map(|&(i, done, ..)| kvs[i].len() + done).collect();
         let wc: Vec<usize> = win.iter().map(|w| w.2).collect();
-        let toks: Vec<u32> = win.iter().flat_map(|&(i, done, len, _)| tokens[tok_at[i] + done..tok_at[i] + done + len].iter().copied()).collect();
+        // The window's rows by their index in the call.
+        let at: Vec<usize> = win.iter().flat_map(|&(i, done, len, _)| tok_at[i] + done..tok_at[i] + done + len).collect();
+        let toks: Vec<u32> = at.iter().map(|&g| tokens[g]).collect();
         let mut picked = Vec::new();
         let mut r0 = 0;
         for &(_, _, len, from) in win.iter() {
             picked.extend(r0 + from..r0 + len);
             r0 += len;
         }
-        let inp = m.pass_in(&lens, &wc, &toks, picked);
+        let mut inp = m.pass_in(&lens, &wc, &toks, picked);
+        if inp.ropes.iter().any(|r| r.mrope.is_some()) && win.iter().any(|&(i, ..)| !kvs[i].grids().is_empty()) {
+            let grids: Vec<&Grids> = win.iter().map(|&(i, ..)| kvs[i].grids()).collect();
+            inp.tables = mrope_tables(m, &inp.ropes, &inp.rows, &grids);
+        }
+        // The window's given rows, renumbered, and their values.
+        let (mut given, mut values) = (Vec::new(), Vec::new());
+        for (r, &g) in at.iter().enumerate() {
+            if let Ok(k) = inj.embeds.rows.binary_search(&g) {
+                given.push(r);
+                values.extend_from_slice(&inj.embeds.values[k * width..(k + 1) * width]);
+            }
+        }
+        if !given.is_empty() {
+            inp.embeds = Some(RowEmbeds { rows: &given, values: &values });
+        }
+        // Only a window holding such a span takes a chain that reads the ends.
+        if at.iter().any(|&g| ends.get(g).is_some_and(|&e| e != all[g].1 + 1)) {
+            inp.key_ends = at.iter().map(|&g| ends[g]).collect();
+            inp.key_ends_sliding_only = m.config.image_spans_sliding_only;
+        }
         win.clear();
         p.forward(m, &regions, &inp, hidden, out)
     };
@@ -307,7 +366,8 @@ pub fn forward_device(
         let mut done = 0;
         while done < cnt {
             let first_out = out_from.max(done);
-            let take = (cnt - done).min(max_rows - rows).min(max_out - outs + first_out - done);
+            let room = max_rows.saturating_sub(rows).min((max_out + first_out - done).saturating_sub(outs));
+            let take = span_cut(inj.spans, tok_at[i] + done, (cnt - done).min(room), win.is_empty());
             if take == 0 {
                 run(&mut win, out)?;
                 (rows, outs) = (0, 0);
@@ -322,10 +382,20 @@ pub fn forward_device(
     if !win.is_empty() {
         run(&mut win, out)?;
     }
-    for (kv, &c) in kvs.iter_mut().zip(counts) {
-        kv.advance(c);
-    }
     Ok(())
+}
+
+/// How many of `take` rows from row `from` of a call a window takes so that no span of rows
+/// that see each other is cut: up to the span the cut falls in, or, where the window would
+/// start with it (`empty`), the whole span, however long; 0: close the window first.
+fn span_cut(spans: &[(usize, usize)], from: usize, take: usize, empty: bool) -> usize {
+    let to = from + take;
+    match spans.iter().find(|&&(a, n)| a < to && to < a + n) {
+        Some(&(a, _)) if a > from => a - from,
+        Some(&(a, n)) if empty => a + n - from,
+        Some(_) => 0,
+        None => take,
+    }
 }
 
 impl Placeable for Model {
@@ -561,9 +631,20 @@ pub(super) fn rope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)]) ->
     rope_tables_with(ropes, rows, m.rope_factors.as_deref())
 }
 
+/// Where each of `rows` (session, position) stops attending: after its own position, or, in a
+/// span of rows that see each other (`Injected::spans`), after the span's last.
+fn key_ends(rows: &[(usize, usize)], spans: &[(usize, usize)]) -> Vec<usize> {
+    let mut ends: Vec<usize> = rows.iter().map(|&(_, pos)| pos + 1).collect();
+    for &(first, n) in spans {
+        let end = rows[first + n - 1].1 + 1;
+        ends[first..first + n].iter_mut().for_each(|e| *e = end);
+    }
+    ends
+}
+
 /// `rope_tables` for rows whose sessions hold images on M-RoPE axes: each row's three axis
-/// positions from its session's K/V (`KvCache::mrope_pos`).
-fn mrope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)], kvs: &[&mut KvCache]) -> Vec<Vec<(f32, f32)>> {
+/// positions from its session's images (`Grids::pos`).
+fn mrope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)], grids: &[&Grids]) -> Vec<Vec<(f32, f32)>> {
     let factors = m.rope_factors.as_deref();
     let mut one = Vec::new();
     ropes
@@ -571,7 +652,7 @@ fn mrope_tables(m: &Model, ropes: &[Rope], rows: &[(usize, usize)], kvs: &[&mut 
         .map(|r| {
             let mut tab = Vec::with_capacity(rows.len() * r.dim / 2);
             for &(si, pos) in rows {
-                crate::backend::rope_cache_axes(r, kvs[si].mrope_pos(pos), factors, &mut one);
+                crate::backend::rope_cache_axes(r, grids[si].pos(pos), factors, &mut one);
                 tab.extend_from_slice(&one);
             }
             tab
@@ -744,4 +825,24 @@ pub fn rewind(m: &Model, kv: &mut KvCache, pos: usize) {
             ops.delta_net(dn, &p, &mut [io], &[rows], &mut q, &mut bt, &mut al, &mut out);
         })
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::span_cut;
+
+    #[test]
+    fn a_window_never_cuts_a_span_of_rows_that_see_each_other() {
+        let spans = [(10, 20), (40, 300)];
+        // A cut outside every span stands.
+        assert_eq!(span_cut(&spans, 0, 10, false), 10);
+        assert_eq!(span_cut(&spans, 30, 10, false), 10);
+        // A cut inside a span moves before it, or closes a window that would start with it ...
+        assert_eq!(span_cut(&spans, 5, 10, false), 5);
+        assert_eq!(span_cut(&spans, 10, 5, false), 0);
+        // ... and a window that starts with it takes it whole, however long.
+        assert_eq!(span_cut(&spans, 10, 5, true), 20);
+        assert_eq!(span_cut(&spans, 40, 256, true), 300);
+        assert_eq!(span_cut(&[], 3, 7, true), 7);
+    }
 }

@@ -63,9 +63,6 @@ impl Scheduler {
             }
             after = im.at + im.n;
         }
-        if !req.images.is_empty() && self.device_kv {
-            return bad("image rows run over host K/V only for now; this scheduler keeps its K/V on the device".into());
-        }
         if self.known(req.id) {
             return bad("this id is already queued or running; ids must be unique".into());
         }

@@ -31,9 +31,23 @@ pub const MAX_OUT: usize = 64;
 /// logits): decode steps at each batch size and the common prefill windows.
 const MAX_CHAINS: usize = 64;
 
+/// The shape of a window, which one recorded chain serves: its rows and output rows, whether
+/// it leaves hidden states, its sessions (a recurrent layer's kernels take one workgroup each;
+/// 0 for other models), and whether some rows are given as values or attend past their own
+/// position (an image's: the chain then reads the metadata buffer's parts for them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Shape {
+    rows: usize,
+    out: usize,
+    hidden: bool,
+    sessions: usize,
+    given: bool,
+    ends: bool,
+}
+
 /// A kept chain: the window shape it serves, and the rows it leaves (read back after each run).
 struct Kept {
-    key: (usize, usize, bool, usize),
+    key: Shape,
     chain: Chain,
     out: Act,
 }
@@ -93,6 +107,13 @@ pub(super) struct MetaAt {
     pub scales: Vec<u64>,
     /// Per recurrent slot: each session's record (`deltanet::meta_words`).
     pub dn: Vec<u64>,
+    /// Rows given as values (`PassIn::embeds`; 0 where none): per batch row the given row it
+    /// takes or u32::MAX, the tokens with those rows' set to 0 (`Given::Token(0)`), the values.
+    pub given: u64,
+    pub pad_tokens: u64,
+    pub values: u64,
+    /// Per batch row the end of the positions it attends (`PassIn::key_ends`; 0 where causal).
+    pub ends: u64,
 }
 
 impl Engine {
@@ -327,6 +348,27 @@ impl Engine {
             }
             debug_assert_eq!(words.len() - dn.last().copied().unwrap_or(0), META_WORDS * regions.len());
         }
+        // What only a window with images has; the values go last, so every part before them
+        // lies where the chain of this shape reads it whatever the images' sizes.
+        let (mut given, mut pad_tokens, mut ends, mut values) = (None, None, None, None);
+        if let Some(e) = &inp.embeds {
+            let mut map = vec![u32::MAX; inp.tokens.len()];
+            for (k, &r) in e.rows.iter().enumerate() {
+                map[r] = k as u32;
+            }
+            pad_tokens = Some(words.len());
+            words.extend(inp.tokens.iter().zip(&map).map(|(&t, &k)| if k == u32::MAX { t } else { 0 }));
+            given = Some(words.len());
+            words.extend(map);
+        }
+        if !inp.key_ends.is_empty() {
+            ends = Some(words.len());
+            words.extend(inp.key_ends.iter().map(|&e| e as u32));
+        }
+        if let Some(e) = &inp.embeds {
+            values = Some(words.len());
+            words.extend(e.values.iter().map(|v| v.to_bits()));
+        }
         let bytes = 4 * words.len() as u64;
         Engine::ensure(&self.gpu, &mut self.meta, bytes, MemoryLocation::CpuToGpu, "step metadata", &mut self.retired, &mut self.grew)?;
         let meta = self.meta.as_mut().expect("ensured above");
@@ -341,6 +383,10 @@ impl Engine {
             ropes: ropes.into_iter().map(at).collect(),
             scales: scales.into_iter().map(at).collect(),
             dn: dn.into_iter().map(at).collect(),
+            given: given.map_or(0, at),
+            pad_tokens: pad_tokens.map_or(0, at),
+            values: values.map_or(0, at),
+            ends: ends.map_or(0, at),
         })
     }
 
@@ -355,8 +401,14 @@ impl Engine {
     /// One window of `m`'s pass: session i of `inp` in region `regions[i]`. The rows the pass
     /// leaves are appended to `out`.
     pub fn forward(&mut self, m: &dyn Placeable, regions: &[usize], inp: &PassIn<'_>, hidden: bool, out: &mut Vec<f32>) -> Result<()> {
-        // A recurrent layer's kernels take one workgroup per session: the sessions' count is part of the shape.
-        let key = (inp.tokens.len(), inp.picked.len(), hidden, if self.rec.is_empty() { 0 } else { inp.counts.len() });
+        let key = Shape {
+            rows: inp.tokens.len(),
+            out: inp.picked.len(),
+            hidden,
+            sessions: if self.rec.is_empty() { 0 } else { inp.counts.len() },
+            given: inp.embeds.is_some(),
+            ends: !inp.key_ends.is_empty(),
+        };
         let at = self.write_meta(regions, inp)?;
         if let Some(states) = &self.states {
             // A session at its first position starts from a zero state.
@@ -398,7 +450,7 @@ impl Engine {
 
     /// Record the chain of a window of this shape, keeping it. A recording that outgrew a
     /// buffer is thrown away and done again over the grown buffers.
-    fn record(&mut self, m: &dyn Placeable, inp: &PassIn<'_>, hidden: bool, key: (usize, usize, bool, usize), at: &MetaAt) -> Result<()> {
+    fn record(&mut self, m: &dyn Placeable, inp: &PassIn<'_>, hidden: bool, key: Shape, at: &MetaAt) -> Result<()> {
         for _ in 0..3 {
             self.run.record_chain()?;
             let layers = self.layers;

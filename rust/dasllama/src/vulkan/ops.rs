@@ -154,6 +154,27 @@ impl<'e, 'i> Recorder<'e, 'i> {
         self.e.addr(x)
     }
 
+    /// The rows given as values (`PassIn::embeds`) into `x` (rows of `width`): columns
+    /// `slice * width..` of each given row, in place of the row's own or added to it.
+    fn given(&mut self, x: Act, width: usize, slice: usize, add: bool) {
+        let n = self.rows();
+        let src_width = self.inp.embeds.map_or(0, |e| e.width());
+        self.op(bit(x), bit(x), |r| {
+            let push = sh::GivenRowsPush {
+                x: r.a(x),
+                map: r.at.given,
+                values: r.at.values,
+                width: u(width),
+                src_width: u(src_width),
+                src_off: u(slice * width),
+                n: u(n),
+                add: add as u32,
+                _pad: 0,
+            };
+            r.e.run.dispatch_flat(&mut r.e.kernels, Shader::GivenRows, push, n * width)
+        });
+    }
+
     /// `eltwise.comp` op `op` on `x` in place (`moe::elt`), with `y`, the per-row values `z`
     /// and the scalar `a` (addresses; 0 where unused); `reads`: the other buffers it reads.
     #[allow(clippy::too_many_arguments)]
@@ -173,14 +194,24 @@ impl Ops for Recorder<'_, '_> {
         Act { buf, off: 0, len }
     }
 
-    // Rows given as values run on host K/V only (`forward_batch_with`): `given` never applies.
-    fn embed(&mut self, w: &Weight, scale: f32, _given: Given, out: Act) {
+    fn embed(&mut self, w: &Weight, scale: f32, given: Given, out: Act) {
         let n = self.rows();
+        let images = self.at.given != 0;
+        let ids = match given {
+            Given::Token(0) if images => self.at.pad_tokens,
+            // The metadata holds the tokens with an image's rows set to 0 (gemma4's padding), no other.
+            Given::Token(id) if images => return self.fail(missing(&format!("an image row's embedding taken from token {id}"))),
+            _ => self.at.tokens,
+        };
         self.op(0, bit(out), |r| {
             let w = r.weight(w)?;
-            let push = sh::GetRowsPush { w: w.addr, out_: r.a(out), ids: r.at.tokens, cols: u(w.cols), row_words: u(w.row_words), scale, _pad: 0 };
+            let push = sh::GetRowsPush { w: w.addr, out_: r.a(out), ids, cols: u(w.cols), row_words: u(w.row_words), scale, _pad: 0 };
             r.e.run.dispatch(&mut r.e.kernels, Shader::GetRows(w.ty), push, [(w.cols / 16).div_ceil(64) as u32, n as u32, 1])
         });
+        if images && given == Given::Values {
+            let width = out.len / n;
+            self.given(out, width, 0, false);
+        }
     }
 
     fn matmul(&mut self, segs: &[(&Weight, Act)], x: Act, _alone: bool) {
@@ -352,6 +383,9 @@ impl Ops for Recorder<'_, '_> {
             return self.fail(Error::UnsupportedModel(format!("heads of {} values; the device attention takes even sizes up to 256", a.head_dim)));
         }
         let n = self.rows();
+        // An image's rows attend past their own position, except in the full layers of a
+        // family whose images see each other in the sliding ones only.
+        let ends = if self.inp.key_ends_sliding_only && a.window == 0 { 0 } else { self.at.ends };
         self.op(bit(q) | KV, bit(out), |r| {
             let (slot_off, v_off) = r.e.regions.slot_offsets(slot);
             let push = sh::AttentionPush {
@@ -374,7 +408,8 @@ impl Ops for Recorder<'_, '_> {
                 _pad: 0,
                 sinks: sinks.unwrap_or(0),
                 has_sinks: sinks.is_some() as u32,
-                _pad2: 0,
+                has_ends: (ends != 0) as u32,
+                ends,
             };
             // One workgroup per KV head (per eight of the query heads sharing it) and row.
             let groups = (a.n_kv_heads * (a.n_heads / a.n_kv_heads).div_ceil(8)) as u32;
@@ -394,9 +429,11 @@ impl Ops for Recorder<'_, '_> {
         self.op(bit(qkv) | bit(beta) | bit(alpha) | STATE, bit(qkv) | bit(out) | STATE, |r| r.e.delta_net(dn, p, [qkv, beta, alpha, out], meta, sessions));
     }
 
-    fn add_given(&mut self, _x: Act, _width: usize, _slice: usize) {
-        // A device pass never takes given rows (`forward_batch_with` runs them on the host).
-        self.fail(missing("rows given as values (an image's deepstack features)"));
+    fn add_given(&mut self, x: Act, width: usize, slice: usize) {
+        // A window without image rows has nothing to add.
+        if self.at.given != 0 {
+            self.given(x, width, slice, true);
+        }
     }
 
     fn load(&mut self, _src: &[f32], _x: Act) {

@@ -153,8 +153,9 @@ impl Placement for ResidentPlacement {
         let mut engine = lock(&self.engine);
         let Some(r) = engine.as_mut() else { return Err(self.stale()) };
         let out = r.read_rows(kv.region(), kv.len(), host);
-        if let Err(e) = &out {
-            self.dev.gpu.note(e);
+        match &out {
+            Ok(()) => kv.grids().as_slice().iter().for_each(|&g| host.add_grid(g)),
+            Err(e) => self.dev.gpu.note(e),
         }
         out
     }

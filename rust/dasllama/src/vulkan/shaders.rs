@@ -112,6 +112,11 @@ push_blocks! {
         src: u64, dst: u64, idx: u64,
         width: u32, count: u32,
     }
+    /// `given_rows.comp`: the rows `map` names take (or, with `add`, add) their given values.
+    GivenRowsPush for ["given_rows"] {
+        x: u64, map: u64, values: u64,
+        width: u32, src_width: u32, src_off: u32, n: u32, add: u32, _pad: u32,
+    }
     /// `round_act.comp`: activations rounded as a block format would store them.
     RoundActPush for ["round_act"] {
         x: u64, out_: u64,
@@ -129,7 +134,7 @@ push_blocks! {
         n_heads: u32, n_kv_heads: u32, head_dim: u32, window: u32,
         qmul: f32, smul: f32, softcap: f32,
         slot_off: u32, v_off: u32, row_words: u32, rscale: f32, _pad: u32,
-        sinks: u64, has_sinks: u32, _pad2: u32,
+        sinks: u64, has_sinks: u32, has_ends: u32, ends: u64,
     }
     /// `moe_route.comp`: rows of router logits to n_used (expert, weight) pairs each.
     MoeRoutePush for ["moe_route"] {

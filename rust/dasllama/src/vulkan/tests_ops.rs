@@ -79,7 +79,8 @@ fn attention_with_sinks_matches_a_reference() {
                 _pad: 0,
                 sinks: if with_sinks { snb.addr } else { 0 },
                 has_sinks: with_sinks as u32,
-                _pad2: 0,
+                has_ends: 0,
+                ends: 0,
             };
             run.dispatch(&mut k, Shader::Attention(codec), push, [(nkv * (nh / nkv).div_ceil(8)) as u32, n as u32, 1]).unwrap();
             let got = read(&g, &mut run, &ob, n * nh * hd);
