@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 from test_vulkan import (
+    arm,
     device,  # noqa: F401 (the fixture needs_device names)
     needs_device,
+    tier_off_after,  # noqa: F401 (autouse: the GPU tier is left off after each test)
 )
 
 import dasllama as dl
@@ -102,6 +104,9 @@ def test_an_image_prompt_over_device_kv_matches_the_host_and_llama_cpp(tmp_path:
     # parts from the host by 0.2 there, the other families' by under 0.01). An image row wrong on
     # the device (its values, its keys, its positions, its per-layer input) is off by far more.
     assert worst_dev < 1.5 * worst_host + 0.05, (worst_dev, worst_host)
+    # Moved to host memory, the session keeps the image's positions.
+    gpu.moe_gpu_hydrate_session(m, dev)
+    assert not gpu.is_device_session(dev) and dev.n_pos == host.n_pos
 
 
 @needs_device
@@ -134,3 +139,25 @@ def test_a_device_kv_scheduler_serves_image_prompts(tmp_path: Path, case: str) -
         got = run_scheduler(m, sch, [req(base + i, p) for i, p in enumerate(prompts)])
         for i in range(len(prompts)):
             assert [e.token for e in got[base + i] if e.kind == "piece"] == want[i], (base, i)
+
+
+@needs_device
+def test_a_split_model_takes_an_image_prompt_and_hydrates_with_its_positions(tmp_path: Path) -> None:
+    """Qwen3-VL under a budget that holds one of its layers ("gpu:partial"): a device session's
+    image prompt runs its first layer on the device and the rest on the CPU (both with the image's
+    M-RoPE positions and deepstack slices), as the host session does; hydrated, it keeps the
+    image's positions and goes on alike."""
+    g = json.loads(mk.golden_path("qwen3vl").read_text())
+    text, proj = mk.write_files(tmp_path, "qwen3vl")
+    arm(regions=2, ctx=128, vram_mb=3)
+    m = dl.load_model(text, mmproj=proj)
+    assert m.placement is not None and m.placement.tier == "gpu:partial" and m.placement.resident_layers == 1
+    p = vision.tokenize_with_images(m, g["prompt"], [Image.fromarray(mk.image_rgb("qwen3vl"))])
+    dev, host = gpu.create_device_session(m), dl.create_session(m)
+    got, want = vision.eval_image_prompt(m, dev, p), vision.eval_image_prompt(m, host, p)
+    assert np.abs(_lsm(got) - _lsm(want)).max() < 0.02
+    assert dev.n_pos == host.n_pos == g["n_past"] < len(p.ids)
+    gpu.moe_gpu_hydrate_session(m, dev)
+    assert not gpu.is_device_session(dev) and dev.n_pos == g["n_past"]
+    t = int(np.argmax(want))
+    assert np.abs(_lsm(dl.eval(m, dev, [t])) - _lsm(dl.eval(m, host, [t]))).max() < 0.02

@@ -8,6 +8,7 @@ import base64
 import io
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,15 +16,16 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from test_vulkan import (
+    device,  # noqa: F401 (the fixture needs_device names)
+    needs_device,
+)
 
 from serverproc import start, stop
 from synthetic import write_model
 from synthetic_vision import write_gemma3_mmproj
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
+TEMPLATE = "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 
 
 def _data_url(seed: int, fmt: str = "PNG") -> str:
@@ -141,6 +143,33 @@ def test_ollama_images_take_the_same_path(server: str) -> None:
 
 
 # ---- the chat page in a browser ----------------------------------------------------------------
+
+
+@needs_device
+def test_a_server_on_the_device_answers_an_image_chat_from_device_kv(server: str, tmp_path: Path) -> None:
+    """--gpu vulkan: the vision model resident, its streams' K/V on the device, an image chat
+    answered there (no pass counted on the CPU), with the CPU server's reply, and its second turn's
+    image rows from the device's prefix claims."""
+    text = tmp_path / "gemma3-vis.gguf"
+    write_model(text, arch="gemma3", specials=("<start_of_image>", "<end_of_image>"), template=TEMPLATE, ctx=128)
+    write_gemma3_mmproj(tmp_path / "mmproj-gemma3-vis.gguf")
+    msgs = _msgs(_data_url(1))
+    want = openai.OpenAI(base_url=server + "/v1", api_key="x").chat.completions.create(model="vis", messages=msgs, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    proc, base = start("--model", str(text), "--alias", "vis", "--gpu", "vulkan", "--streams", "2")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x")
+        r = client.chat.completions.create(model="vis", messages=msgs, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+        assert r.choices[0].message.content == want.choices[0].message.content
+        again = client.chat.completions.create(model="vis", messages=msgs, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+        assert again.choices[0].message.content == r.choices[0].message.content
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16, again.usage
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        mem = [ln for ln in metrics.splitlines() if ln.startswith("dasllama_gpu_memory_bytes")]
+        assert mem and int(mem[0].split()[-1]) > 0, mem
+        assert "dasllama_gpu_cpu_passes_total{" not in metrics
+    finally:
+        assert stop(proc) == 0
 
 
 def test_chat_page_attaches_and_pastes_a_picture(browser: Any, server: str) -> None:
