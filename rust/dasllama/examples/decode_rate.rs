@@ -6,7 +6,8 @@
 //!
 //! The matrix is copied until the copies hold MIB (default 1024) MiB, and a pass multiplies each
 //! in turn, as a decode step walks its layers: no copy is still in the caches when its turn comes.
-//! With one thread the rate is also given per second of the thread's CPU time, which another
+//! `DASLLAMA_PREFETCH=BYTES[:l1|l2]` sets decode's prefetch distance and cache, as it does for
+//! the Python package. With one thread the rate is also given per second of the thread's CPU time, which another
 //! process on a shared box does not stretch. Under valgrind (which has no AVX-512: the AVX2
 //! kernels run) `--toggle-collect='*matmul_many*'` with a small MIB counts the instructions.
 
@@ -35,6 +36,14 @@ fn main() {
         [] => (8192, 2048, 1024),
         _ => panic!("give ROWS COLS MIB"),
     };
+    // `DASLLAMA_PREFETCH=BYTES[:l1|l2]`, as the Python edge reads it: decode's prefetch distance.
+    if let Some((b, cache)) = std::env::var("DASLLAMA_PREFETCH").ok().and_then(|v| {
+        let (b, c) = v.split_once(':').unwrap_or((&v, ""));
+        Some((b.parse().ok()?, [("l1", 0), ("l2", 1)].iter().find(|(n, _)| *n == c).map(|p| p.1)))
+    }) {
+        let s = dasllama::quant::switches::Switches { prefetch: Some((b, cache)), ..Default::default() };
+        dasllama::quant::switches::set(s).expect("the switches are set before any kernel runs");
+    }
     let cpu = cpu();
     let one_thread = cpu.threads() == 1;
     for ty in types {

@@ -549,6 +549,12 @@ pub(super) const PREFETCH: usize = 8192;
 /// ahead gave Q4_K 14.8 GB/s and Q6_K 14.3 (4 KB within the tile, as before: 12.7 and 11.2;
 /// 16 KB into L2: 13.3 and 12.1), and L1 and 4 KB gave Q4_0 16.1 (before: 14.0). On AMD Zen 4
 /// an earlier round measured 16 KB into L2 best; that is the default there, unmeasured since.
+/// On an AMD EPYC without AVX-512 (Zen 2/3, 2 vCPUs; interleaved runs) the K-quants ran best
+/// with no distance: Q4_K 14.4-15.4 GB/s (16 KB into L2: 10.8-11.3; one superblock pair ahead:
+/// 8.7-10.6), Q5_K 14.4-15.0 with no prefetch at all (12.7-13.0 asking for the superblock being
+/// read), and Q6_K 12.7-13.8 asking for the superblock being read (none: 8.3; 16 KB into L2:
+/// 7.4-7.9; `kquant_tiles`' `scattered`). Q4_0 was alike either way (16.5-19.3), so the 32-value
+/// formats keep 16 KB into L2 there. A K-quant distance of 0 prefetches nothing ahead.
 /// `DASLLAMA_PREFETCH=BYTES[:l1|l2]` sets both distances and the cache, for such measurements.
 #[derive(Clone, Copy)]
 pub(super) struct Prefetch {
@@ -562,7 +568,12 @@ pub(super) fn prefetch() -> Prefetch {
     *P.get_or_init(|| {
         let id = __cpuid(0);
         let amd = [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163]; // "AuthenticAMD"
-        let mut p = if amd { Prefetch { kquant: 16384, block32: 16384, hint: 1 } } else { Prefetch { kquant: 6144, block32: 4096, hint: 0 } };
+        let zen4 = amd && is_x86_feature_detected!("avx512f");
+        let mut p = match (amd, zen4) {
+            (true, true) => Prefetch { kquant: 16384, block32: 16384, hint: 1 },
+            (true, false) => Prefetch { kquant: 0, block32: 16384, hint: 1 },
+            _ => Prefetch { kquant: 6144, block32: 4096, hint: 0 },
+        };
         if let Some((b, hint)) = super::switches::get().prefetch {
             (p.kquant, p.block32) = (b, b);
             p.hint = hint.unwrap_or(p.hint);
@@ -804,6 +815,7 @@ pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
     a: [*const u8; R],
     nsb: usize,
     sb_bytes: usize,
+    scattered: bool,
     body: impl Fn(*const u8, &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>),
 ) -> [[__m256; R]; T] {
     let mut acc = [[_mm256_setzero_ps(); R]; T];
@@ -813,7 +825,10 @@ pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
     let steps = ahead / (T * sb_bytes);
     for i in 0..nsb {
         let ab: [*const u8; R] = std::array::from_fn(|r| a[r].add(i * K_BYTES));
-        if R == 1 {
+        // With no distance (`Prefetch`), a `scattered` format still asks for the superblock it is
+        // about to read, all of it at once: its body jumps between the superblock's regions
+        // (Q6_K's low and high bits), which the hardware prefetcher does not follow.
+        if R == 1 && (ahead > 0 || scattered) {
             prefetch_superblock(t, nsb, sb_bytes, T, i + steps, hint);
         }
         for (k, acc) in acc.iter_mut().enumerate() {
@@ -954,7 +969,7 @@ unsafe fn q45k_sums<const R: usize, const ISA: u8, const FIVE: bool>(sb: *const 
 impl TileFormat for Q4K {
     #[inline(always)]
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
-        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q4K_TILE_BLOCK, |sb, ab| q45k_sums::<R, ISA, false>(sb, ab))
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q4K_TILE_BLOCK, false, |sb, ab| q45k_sums::<R, ISA, false>(sb, ab))
     }
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
         check_kquant(super::tile::Q4K_TILE_BLOCK, t, a, n, out)
@@ -964,7 +979,7 @@ impl TileFormat for Q4K {
 impl TileFormat for Q5K {
     #[inline(always)]
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
-        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q5K_TILE_BLOCK, |sb, ab| q45k_sums::<R, ISA, true>(sb, ab))
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q5K_TILE_BLOCK, false, |sb, ab| q45k_sums::<R, ISA, true>(sb, ab))
     }
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
         check_kquant(super::tile::Q5K_TILE_BLOCK, t, a, n, out)
@@ -975,7 +990,7 @@ impl TileFormat for Q6K {
     #[inline(always)]
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
         let (m4, m30) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
-        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q6K_TILE_BLOCK, |sb, ab| {
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q6K_TILE_BLOCK, true, |sb, ab| {
             let mut total = [_mm256_setzero_si256(); R];
             // Each quarter a constant, for its shifts (see `avx2_kquant`'s Q6_K).
             for h in 0..2 {

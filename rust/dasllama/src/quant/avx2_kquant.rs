@@ -37,6 +37,8 @@ pub fn tile_fn(ty: GgmlType) -> Option<TileFn> {
 /// sum and (Q4_K, Q5_K) the mins' sum, as `kquant_tiles` takes them.
 trait KSums {
     const TILE_BLOCK: usize;
+    /// Decode asks for each superblock as it starts (`avx2::kquant_tiles`' `scattered`).
+    const SCATTERED: bool = false;
     unsafe fn sums<const R: usize>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>);
 }
 
@@ -140,6 +142,7 @@ impl KSums for Q5K {
 
 impl KSums for Q6K {
     const TILE_BLOCK: usize = Q6K_TILE_BLOCK;
+    const SCATTERED: bool = true;
     #[inline(always)]
     unsafe fn sums<const R: usize>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
         let (m4, m30) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
@@ -245,7 +248,7 @@ unsafe fn q6k_offset<const R: usize>(sb: *const u8, ab: &[*const u8; R], mut tot
 /// T tiles against R activation rows, stored to `out` as the tile kernels' contract says.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn kernel<F: KSums, const T: usize, const R: usize>(t: *const u8, a: &[&[u8]], nsb: usize, out: &mut [[f32; 8]]) {
-    let acc = kquant_tiles::<T, R>(t, std::array::from_fn(|r| a[r].as_ptr()), nsb, F::TILE_BLOCK, |sb, ab| F::sums::<R>(sb, ab));
+    let acc = kquant_tiles::<T, R>(t, std::array::from_fn(|r| a[r].as_ptr()), nsb, F::TILE_BLOCK, F::SCATTERED, |sb, ab| F::sums::<R>(sb, ab));
     for (k, tile) in acc.iter().enumerate() {
         for (r, v) in tile.iter().enumerate() {
             _mm256_storeu_ps(out[k * R + r].as_mut_ptr(), *v);
