@@ -336,6 +336,11 @@ fn tile_kernel_variants_match_the_scalar_twin() {
                 f(&t, &a, n, &mut one);
                 f(&t, &a, n, &mut pair);
                 assert_eq!(one, pair[..7], "{}: a pair of tiles differs from its first tile alone", ty.name());
+                // One activation row (decode's own kernels), over a tile and over a pair.
+                let (mut row, mut rows) = (vec![[0.0f32; TILE_ROWS]; 1], vec![[0.0f32; TILE_ROWS]; 2]);
+                f(&t[..t.len() / 2], &a[..1], n, &mut row);
+                f(&t, &a[..1], n, &mut rows);
+                assert_eq!((row[0], rows[0], rows[1]), (one[0], pair[0], pair[7]), "{}: one activation row differs from the batch's", ty.name());
                 pair
             };
             let bits = |o: &[[f32; TILE_ROWS]]| o.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();

@@ -187,42 +187,40 @@ unsafe fn q6k_quarter<const Q: usize, const R: usize>(sb: *const u8, ab: &[*cons
 }
 
 /// A Q6_K superblock's scale-weighted sum against one activation row (decode), walked by chunk
-/// position: the four quarters of a chunk share its qh vector and pairs of them an ql vector,
-/// each loaded once, and every shift is a constant. The same runs (two chunks of a sub-block)
-/// and integers as the general loop.
+/// position: quarters 0 and 2 of a chunk take the low and high nibbles of one ql vector, 1 and
+/// 3 of another, each pair with the chunk's qh vector, and every shift is a constant. A pair at
+/// a time keeps its accumulators, scales and vectors in the sixteen registers (all four
+/// quarters at once spilled to the stack). The same runs (two chunks of a sub-block) and
+/// integers as the general loop.
 #[inline(always)]
 unsafe fn q6k_one(sb: *const u8, a: *const u8, m4: __m256i, m30: __m256i) -> __m256i {
     let mut total = _mm256_setzero_si256();
     for h in 0..2 {
-        let mut sc = [_mm256_setzero_si256(); 4];
         for cp in 0..4 {
-            if cp % 2 == 0 {
-                // Chunks 4·half.. of quarter q are sub-block 8h + 2q + half: its scales serve two runs.
-                sc = std::array::from_fn(|q| scale_pairs::<true>(sb.add(Q6K_SC + 8 * (8 * h + 2 * q + cp / 2))));
-            }
-            let mut acc = [_mm256_setzero_si256(); 4];
-            for c in 2 * cp..2 * cp + 2 {
-                let qh = _mm256_loadu_si256(sb.add(Q6K_QH + 256 * h + 32 * c) as *const __m256i);
-                // Quarters 0 and 2 take the low and high nibbles of one ql vector, 1 and 3 of another.
-                let qa = _mm256_loadu_si256(sb.add(Q6K_QL + 512 * h + 32 * c) as *const __m256i);
-                let qb = _mm256_loadu_si256(sb.add(Q6K_QL + 512 * h + 32 * (c + 8)) as *const __m256i);
-                let w = [
-                    _mm256_or_si256(_mm256_and_si256(qa, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-                    _mm256_or_si256(_mm256_and_si256(qb, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), _mm256_and_si256(qh, m30)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
-                ];
-                for (q, w) in w.into_iter().enumerate() {
-                    let y = bcast4(a.add(K_QS + 128 * h + 32 * q + 4 * c));
-                    acc[q] = _mm256_add_epi16(acc[q], _mm256_maddubs_epi16(w, y));
-                }
-            }
-            for (acc, sc) in acc.into_iter().zip(sc) {
-                total = _mm256_add_epi32(total, _mm256_madd_epi16(acc, sc));
-            }
+            total = q6k_one_pair::<0>(sb, a, h, cp, total, m4, m30);
+            total = q6k_one_pair::<1>(sb, a, h, cp, total, m4, m30);
         }
     }
     total
+}
+
+/// Quarters `P` and `P + 2` of chunks 2cp and 2cp + 1 of half `h` (`q6k_one`), added to `total`.
+#[inline(always)]
+unsafe fn q6k_one_pair<const P: usize>(sb: *const u8, a: *const u8, h: usize, cp: usize, total: __m256i, m4: __m256i, m30: __m256i) -> __m256i {
+    // Chunks 4·half.. of quarter q are sub-block 8h + 2q + half.
+    let sc = |q: usize| scale_pairs::<true>(sb.add(Q6K_SC + 8 * (8 * h + 2 * q + cp / 2)));
+    let (mut lo, mut hi) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    for c in 2 * cp..2 * cp + 2 {
+        let qh = _mm256_loadu_si256(sb.add(Q6K_QH + 256 * h + 32 * c) as *const __m256i);
+        let ql = _mm256_loadu_si256(sb.add(Q6K_QL + 512 * h + 32 * (c + 8 * P)) as *const __m256i);
+        // The high bits of quarter q sit at bits 2q of each qh byte.
+        let (bits_lo, bits_hi) = if P == 0 { (_mm256_slli_epi16(qh, 4), qh) } else { (_mm256_slli_epi16(qh, 2), _mm256_srli_epi16(qh, 2)) };
+        let w_lo = _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256(bits_lo, m30));
+        let w_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m4), _mm256_and_si256(bits_hi, m30));
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w_lo, bcast4(a.add(K_QS + 128 * h + 32 * P + 4 * c))));
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w_hi, bcast4(a.add(K_QS + 128 * h + 32 * (P + 2) + 4 * c))));
+    }
+    _mm256_add_epi32(total, _mm256_add_epi32(_mm256_madd_epi16(lo, sc(P)), _mm256_madd_epi16(hi, sc(P + 2))))
 }
 
 /// `total` less what the stored values' +32 added: 32 x the sum over sub-blocks of scale x (the
