@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_families import KNIFE_EDGES
+from test_families import KNIFE_EDGES, past_edge
 
 import dasllama as dl
 from dasllama import _native
@@ -88,7 +88,7 @@ def test_head_logits_within_015_of_llamacpp(headed: dict[str, dl.Model], name: s
         assert lp.shape == (len(case["ids"]) - 1, m.n_vocab)
         for i, step in enumerate(case["steps"]):
             rows += 1
-            if any(ci == ec and i >= ej for ec, ej in edges):
+            if past_edge(edges, ci, i):
                 continue
             top = step["top"]
             for t, v in top:

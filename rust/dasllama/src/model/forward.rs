@@ -312,9 +312,11 @@ fn device_windows(
     let hidden = want == LogitRows::Hidden;
     let (max_rows, max_out) = p.window();
     out.clear();
-    // Every row of the call, (session, position), and where it stops attending.
-    let all: Vec<(usize, usize)> = counts.iter().enumerate().flat_map(|(i, &c)| (0..c).map(move |j| (i, kvs[i].len() + j))).collect();
-    let ends = if inj.spans.is_empty() { Vec::new() } else { key_ends(&all, inj.spans) };
+    // Where each row of the call stops attending, where some rows see past their own.
+    let ends = (!inj.spans.is_empty()).then(|| {
+        let all: Vec<(usize, usize)> = counts.iter().enumerate().flat_map(|(i, &c)| (0..c).map(move |j| (i, kvs[i].len() + j))).collect();
+        key_ends(&all, inj.spans)
+    });
     let width = inj.embeds.width();
     // Pieces of the window being gathered: (session, first row, rows, rows before its first logit row).
     let mut win: Vec<(usize, usize, usize, usize)> = Vec::new();
@@ -344,7 +346,7 @@ fn device_windows(
         }
         // The window's given rows, renumbered, and their values.
         let (mut given, mut values) = (Vec::new(), Vec::new());
-        for (r, &g) in at.iter().enumerate() {
+        for (r, &g) in at.iter().enumerate().filter(|_| !inj.embeds.rows.is_empty()) {
             if let Ok(k) = inj.embeds.rows.binary_search(&g) {
                 given.push(r);
                 values.extend_from_slice(&inj.embeds.values[k * width..(k + 1) * width]);
@@ -353,8 +355,8 @@ fn device_windows(
         if !given.is_empty() {
             inp.embeds = Some(RowEmbeds { rows: &given, values: &values });
         }
-        // Only a window holding such a span takes a chain that reads the ends.
-        if at.iter().any(|&g| ends.get(g).is_some_and(|&e| e != all[g].1 + 1)) {
+        // Only a window holding a span (whole, `span_cut`) takes a chain that reads the ends.
+        if let Some(ends) = ends.as_ref().filter(|_| inj.spans.iter().any(|&(a, _)| at.contains(&a))) {
             inp.key_ends = at.iter().map(|&g| ends[g]).collect();
             inp.key_ends_sliding_only = m.config.image_spans_sliding_only;
         }
@@ -367,7 +369,7 @@ fn device_windows(
         while done < cnt {
             let first_out = out_from.max(done);
             let room = max_rows.saturating_sub(rows).min((max_out + first_out - done).saturating_sub(outs));
-            let take = span_cut(inj.spans, tok_at[i] + done, (cnt - done).min(room), win.is_empty());
+            let take = span_cut(inj.spans.iter().copied(), tok_at[i] + done, (cnt - done).min(room), win.is_empty());
             if take == 0 {
                 run(&mut win, out)?;
                 (rows, outs) = (0, 0);
@@ -385,14 +387,15 @@ fn device_windows(
     Ok(())
 }
 
-/// How many of `take` rows from row `from` of a call a window takes so that no span of rows
-/// that see each other is cut: up to the span the cut falls in, or, where the window would
-/// start with it (`empty`), the whole span, however long; 0: close the window first.
-fn span_cut(spans: &[(usize, usize)], from: usize, take: usize, empty: bool) -> usize {
+/// How many of `take` rows from row `from` a pass takes so that no span of rows that see each
+/// other, (first row, rows), is cut: up to the span the cut falls in, or, where the pass would
+/// start with it (`empty`) or already holds its first rows, to its end, however long; 0: close
+/// the pass first. A device call's windows and the scheduler's prefill pieces cut so.
+pub(crate) fn span_cut(spans: impl IntoIterator<Item = (usize, usize)>, from: usize, take: usize, empty: bool) -> usize {
     let to = from + take;
-    match spans.iter().find(|&&(a, n)| a < to && to < a + n) {
-        Some(&(a, _)) if a > from => a - from,
-        Some(&(a, n)) if empty => a + n - from,
+    match spans.into_iter().find(|&(a, n)| a < to && to < a + n) {
+        Some((a, _)) if a > from => a - from,
+        Some((a, n)) if empty => a + n - from,
         Some(_) => 0,
         None => take,
     }
@@ -835,14 +838,16 @@ mod tests {
     fn a_window_never_cuts_a_span_of_rows_that_see_each_other() {
         let spans = [(10, 20), (40, 300)];
         // A cut outside every span stands.
-        assert_eq!(span_cut(&spans, 0, 10, false), 10);
-        assert_eq!(span_cut(&spans, 30, 10, false), 10);
+        assert_eq!(span_cut(spans, 0, 10, false), 10);
+        assert_eq!(span_cut(spans, 30, 10, false), 10);
         // A cut inside a span moves before it, or closes a window that would start with it ...
-        assert_eq!(span_cut(&spans, 5, 10, false), 5);
-        assert_eq!(span_cut(&spans, 10, 5, false), 0);
+        assert_eq!(span_cut(spans, 5, 10, false), 5);
+        assert_eq!(span_cut(spans, 10, 5, false), 0);
         // ... and a window that starts with it takes it whole, however long.
-        assert_eq!(span_cut(&spans, 10, 5, true), 20);
-        assert_eq!(span_cut(&spans, 40, 256, true), 300);
-        assert_eq!(span_cut(&[], 3, 7, true), 7);
+        assert_eq!(span_cut(spans, 10, 5, true), 20);
+        assert_eq!(span_cut(spans, 40, 256, true), 300);
+        // A pass that starts inside a span takes it to its end.
+        assert_eq!(span_cut(spans, 45, 100, true), 295);
+        assert_eq!(span_cut([], 3, 7, true), 7);
     }
 }

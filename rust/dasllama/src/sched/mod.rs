@@ -84,16 +84,9 @@ pub struct PromptImage {
 
 /// Where a prefill piece of `k` prompt rows from `fed` may end: never inside a non-causal image
 /// (its rows see each other, so they run in one pass): before the image where the piece reaches
-/// into it, or at its end where the piece starts inside it.
+/// into it, or at its end where the piece starts inside it (`forward::span_cut`).
 fn image_cut(images: &[PromptImage], fed: usize, k: usize) -> usize {
-    let end = fed + k;
-    for im in images.iter().filter(|im| im.non_causal) {
-        let (a, e) = (im.at, im.at + im.n);
-        if a < end && end < e {
-            return if a > fed { a - fed } else { e - fed };
-        }
-    }
-    k
+    crate::model::forward::span_cut(images.iter().filter(|im| im.non_causal).map(|im| (im.at, im.n)), fed, k, true)
 }
 
 /// The channel markers of a thinking template (Qwen3's `<think>` and `</think>`), for a turn
