@@ -554,7 +554,10 @@ pub(super) const PREFETCH: usize = 8192;
 /// 8.7-10.6), Q5_K 14.4-15.0 with no prefetch at all (12.7-13.0 asking for the superblock being
 /// read), and Q6_K 12.7-13.8 asking for the superblock being read (none: 8.3; 16 KB into L2:
 /// 7.4-7.9; `kquant_tiles`' `scattered`). Q4_0 was alike either way (16.5-19.3), so the 32-value
-/// formats keep 16 KB into L2 there. A K-quant distance of 0 prefetches nothing ahead.
+/// formats keep 16 KB into L2 there. Those K-quant figures asked for a superblock all at once;
+/// spread over the body's steps (`Ahead`), 6-12 KB ahead gave Q4_K 19.1 GB/s, Q6_K 16.7-17.1 and
+/// Q5_K 15.9-17.0 on that box (no distance: 13.8, 12.0, 13.9; probe 20-21), L1 and L2 alike, so
+/// it takes 12 KB into L2. A K-quant distance of 0 prefetches nothing ahead.
 /// `DASLLAMA_PREFETCH=BYTES[:l1|l2]` sets both distances and the cache, for such measurements.
 #[derive(Clone, Copy)]
 pub(super) struct Prefetch {
@@ -571,7 +574,7 @@ pub(super) fn prefetch() -> Prefetch {
         let zen4 = amd && is_x86_feature_detected!("avx512f");
         let mut p = match (amd, zen4) {
             (true, true) => Prefetch { kquant: 16384, block32: 16384, hint: 1 },
-            (true, false) => Prefetch { kquant: 0, block32: 16384, hint: 1 },
+            (true, false) => Prefetch { kquant: 12288, block32: 16384, hint: 1 },
             _ => Prefetch { kquant: 6144, block32: 4096, hint: 0 },
         };
         if let Some((b, hint)) = super::switches::get().prefetch {
@@ -623,10 +626,41 @@ pub(super) unsafe fn prefetch_block<F: Fmt>(t: *const u8, nb: usize, tiles: usiz
 /// reads side by side, counted on into the tiles after them as `prefetch_block` does.
 #[inline(always)]
 pub(super) unsafe fn prefetch_superblock(t: *const u8, nsb: usize, sb_bytes: usize, tiles: usize, j: usize, hint: u8) {
-    let tb = nsb * sb_bytes;
-    let p = t.wrapping_add(j / nsb * tiles * tb + j % nsb * sb_bytes);
     for k in 0..tiles {
-        prefetch_lines(p.wrapping_add(k * tb), sb_bytes, hint);
+        prefetch_lines(superblock_at(t, nsb, sb_bytes, tiles, j, k), sb_bytes, hint);
+    }
+}
+
+/// Where superblock `j` of tile `k` of the `tiles` tiles at `t` is, with `j` past the last
+/// superblock counted on into the tiles the caller walks next.
+#[inline(always)]
+fn superblock_at(t: *const u8, nsb: usize, sb_bytes: usize, tiles: usize, j: usize, k: usize) -> *const u8 {
+    let tb = nsb * sb_bytes;
+    t.wrapping_add(j / nsb * tiles * tb + k * tb + j % nsb * sb_bytes)
+}
+
+/// The superblock a K-quant body asks for while it reads its own (decode), in parts spread over
+/// its steps: asked for all at once at each superblock's start, 18 lines a tile, the requests
+/// queue behind each other and the walk waits on them, as with no prefetch at all (Q4_K, one
+/// thread, AMD EPYC Zen 3: 11-14 GB/s at any distance that way), where the 32-value formats,
+/// which ask for a block's few lines as they go, reach the probe's bandwidth.
+#[derive(Clone, Copy)]
+pub(super) struct Ahead {
+    p: *const u8,
+    bytes: usize,
+    hint: u8,
+}
+
+impl Ahead {
+    pub(super) const NONE: Ahead = Ahead { p: std::ptr::null(), bytes: 0, hint: 0 };
+
+    /// Part `part` of `parts` of the superblock ahead, by whole lines.
+    #[inline(always)]
+    pub(super) unsafe fn part(self, part: usize, parts: usize) {
+        let lines = self.bytes.div_ceil(64);
+        for line in part * lines / parts..(part + 1) * lines / parts {
+            prefetch_lines(self.p.wrapping_add(64 * line), 1, self.hint);
+        }
     }
 }
 
@@ -816,7 +850,7 @@ pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
     nsb: usize,
     sb_bytes: usize,
     scattered: bool,
-    body: impl Fn(*const u8, &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>),
+    body: impl Fn(*const u8, Ahead, &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>),
 ) -> [[__m256; R]; T] {
     let mut acc = [[_mm256_setzero_ps(); R]; T];
     // Decode reads the weights from memory, in the order `prefetch_superblock` follows; batches
@@ -828,8 +862,8 @@ pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
         // With no distance (`Prefetch`), a `scattered` format still asks for the superblock it is
         // about to read, all of it at once: its body jumps between the superblock's regions
         // (Q6_K's low and high bits), which the hardware prefetcher does not follow.
-        if R == 1 && (ahead > 0 || scattered) {
-            prefetch_superblock(t, nsb, sb_bytes, T, i + steps, hint);
+        if R == 1 && ahead == 0 && scattered {
+            prefetch_superblock(t, nsb, sb_bytes, T, i, hint);
         }
         for (k, acc) in acc.iter_mut().enumerate() {
             let sb = t.add((k * nsb + i) * sb_bytes);
@@ -838,7 +872,8 @@ pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
                     _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(PREFETCH + line) as *const i8);
                 }
             }
-            let (total, mins) = body(sb, &ab);
+            let pf = if R == 1 && ahead > 0 { Ahead { p: superblock_at(t, nsb, sb_bytes, T, i + steps, k), bytes: sb_bytes, hint } } else { Ahead::NONE };
+            let (total, mins) = body(sb, pf, &ab);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
             for r in 0..R {
                 let da = _mm256_set1_ps((ab[r] as *const f32).read_unaligned());
@@ -969,7 +1004,10 @@ unsafe fn q45k_sums<const R: usize, const ISA: u8, const FIVE: bool>(sb: *const 
 impl TileFormat for Q4K {
     #[inline(always)]
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
-        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q4K_TILE_BLOCK, false, |sb, ab| q45k_sums::<R, ISA, false>(sb, ab))
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q4K_TILE_BLOCK, false, |sb, pf, ab| {
+            pf.part(0, 1);
+            q45k_sums::<R, ISA, false>(sb, ab)
+        })
     }
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
         check_kquant(super::tile::Q4K_TILE_BLOCK, t, a, n, out)
@@ -979,7 +1017,10 @@ impl TileFormat for Q4K {
 impl TileFormat for Q5K {
     #[inline(always)]
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
-        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q5K_TILE_BLOCK, false, |sb, ab| q45k_sums::<R, ISA, true>(sb, ab))
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q5K_TILE_BLOCK, false, |sb, pf, ab| {
+            pf.part(0, 1);
+            q45k_sums::<R, ISA, true>(sb, ab)
+        })
     }
     fn check(t: &[u8], a: &[&[u8]], n: usize, out: &[[f32; 8]]) -> Checked {
         check_kquant(super::tile::Q5K_TILE_BLOCK, t, a, n, out)
@@ -990,7 +1031,8 @@ impl TileFormat for Q6K {
     #[inline(always)]
     unsafe fn kernel<const T: usize, const R: usize, const ISA: u8>(t: *const u8, a: [*const u8; R], nsb: usize) -> [[__m256; R]; T] {
         let (m4, m30) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
-        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q6K_TILE_BLOCK, true, |sb, ab| {
+        kquant_tiles::<T, R>(t, a, nsb, super::tile::Q6K_TILE_BLOCK, true, |sb, pf, ab| {
+            pf.part(0, 1);
             let mut total = [_mm256_setzero_si256(); R];
             // Each quarter a constant, for its shifts (see `avx2_kquant`'s Q6_K).
             for h in 0..2 {

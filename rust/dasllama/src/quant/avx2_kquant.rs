@@ -14,7 +14,7 @@
 //! is that kernel's own (`avx2::kquant_tiles`): the results are bit-identical to the other
 //! variants, and through them within the tested tolerance of the scalar twins (`scalar.rs`).
 
-use super::avx2::{bcast4, check_kquant, kquant_tiles, per_tile, q45k_chunk, q6k_chunk, Checked, K_BSUMS, K_QS};
+use super::avx2::{bcast4, check_kquant, kquant_tiles, per_tile, q45k_chunk, q6k_chunk, Ahead, Checked, K_BSUMS, K_QS};
 use super::tile::{K45_M, K45_SC, Q4K_TILE_BLOCK, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
 use super::{GgmlType, TileFn};
 use std::arch::x86_64::*;
@@ -39,7 +39,8 @@ trait KSums {
     const TILE_BLOCK: usize;
     /// Decode asks for each superblock as it starts (`avx2::kquant_tiles`' `scattered`).
     const SCATTERED: bool = false;
-    unsafe fn sums<const R: usize>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>);
+    /// `pf`: the superblock to ask for meanwhile, in parts over the body's steps (`Ahead`).
+    unsafe fn sums<const R: usize>(sb: *const u8, pf: Ahead, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>);
 }
 
 struct Q4K;
@@ -80,7 +81,7 @@ unsafe fn q45k_sub<const R: usize, const FIVE: bool>(sb: *const u8, ab: &[*const
 
 /// Q4_K and Q5_K (`FIVE`: a fifth bit per value from the tile's qh chunks, and runs of four).
 #[inline(always)]
-unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
+unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, pf: Ahead, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
     let (m4, b4) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x10));
     let mut total = [_mm256_setzero_si256(); R];
     // LLVM keeps a loop over the sub-blocks rolled, branching per chunk on its nibble half
@@ -89,6 +90,7 @@ unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, ab: &[*cons
     // Zen 3) chose per case: Q4_K in pairs (16 rows 81 -> 89 G MAC/s, one row 47 -> 50; spelled
     // out 67 and 41), Q5_K spelled out for several rows (44 -> 72 G), in pairs for one (26 -> 30).
     if FIVE && R > 1 {
+        pf.part(0, 1);
         q45k_sub::<R, FIVE>(sb, ab, 0, &mut total, m4, b4);
         q45k_sub::<R, FIVE>(sb, ab, 1, &mut total, m4, b4);
         q45k_sub::<R, FIVE>(sb, ab, 2, &mut total, m4, b4);
@@ -99,6 +101,7 @@ unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, ab: &[*cons
         q45k_sub::<R, FIVE>(sb, ab, 7, &mut total, m4, b4);
     } else {
         for j in 0..4 {
+            pf.part(j, 4);
             q45k_sub::<R, FIVE>(sb, ab, 2 * j, &mut total, m4, b4);
             q45k_sub::<R, FIVE>(sb, ab, 2 * j + 1, &mut total, m4, b4);
         }
@@ -127,16 +130,16 @@ unsafe fn q45k_sums<const R: usize, const FIVE: bool>(sb: *const u8, ab: &[*cons
 impl KSums for Q4K {
     const TILE_BLOCK: usize = Q4K_TILE_BLOCK;
     #[inline(always)]
-    unsafe fn sums<const R: usize>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
-        q45k_sums::<R, false>(sb, ab)
+    unsafe fn sums<const R: usize>(sb: *const u8, pf: Ahead, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
+        q45k_sums::<R, false>(sb, pf, ab)
     }
 }
 
 impl KSums for Q5K {
     const TILE_BLOCK: usize = Q5K_TILE_BLOCK;
     #[inline(always)]
-    unsafe fn sums<const R: usize>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
-        q45k_sums::<R, true>(sb, ab)
+    unsafe fn sums<const R: usize>(sb: *const u8, pf: Ahead, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
+        q45k_sums::<R, true>(sb, pf, ab)
     }
 }
 
@@ -144,13 +147,14 @@ impl KSums for Q6K {
     const TILE_BLOCK: usize = Q6K_TILE_BLOCK;
     const SCATTERED: bool = true;
     #[inline(always)]
-    unsafe fn sums<const R: usize>(sb: *const u8, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
+    unsafe fn sums<const R: usize>(sb: *const u8, pf: Ahead, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>) {
         let (m4, m30) = (_mm256_set1_epi8(0xF), _mm256_set1_epi8(0x30));
         let mut total = [_mm256_setzero_si256(); R];
         if R == 1 {
-            total[0] = q6k_one(sb, ab[0], m4, m30);
+            total[0] = q6k_one(sb, pf, ab[0], m4, m30);
             return (q6k_offset(sb, ab, total), None);
         }
+        pf.part(0, 1);
         // The quarter is a constant in each call, so that its shifts are too: LLVM leaves this
         // nest rolled, and a quarter taken from the loop became a jump table per chunk (16 rows:
         // 40 G MAC/s so, 63 G now; gemm_rate, one thread, Zen 3).
@@ -193,10 +197,11 @@ unsafe fn q6k_quarter<const Q: usize, const R: usize>(sb: *const u8, ab: &[*cons
 /// quarters at once spilled to the stack). The same runs (two chunks of a sub-block) and
 /// integers as the general loop.
 #[inline(always)]
-unsafe fn q6k_one(sb: *const u8, a: *const u8, m4: __m256i, m30: __m256i) -> __m256i {
+unsafe fn q6k_one(sb: *const u8, pf: Ahead, a: *const u8, m4: __m256i, m30: __m256i) -> __m256i {
     let mut total = _mm256_setzero_si256();
     for h in 0..2 {
         for cp in 0..4 {
+            pf.part(4 * h + cp, 8);
             total = q6k_one_pair::<0>(sb, a, h, cp, total, m4, m30);
             total = q6k_one_pair::<1>(sb, a, h, cp, total, m4, m30);
         }
@@ -246,7 +251,7 @@ unsafe fn q6k_offset<const R: usize>(sb: *const u8, ab: &[*const u8; R], mut tot
 /// T tiles against R activation rows, stored to `out` as the tile kernels' contract says.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn kernel<F: KSums, const T: usize, const R: usize>(t: *const u8, a: &[&[u8]], nsb: usize, out: &mut [[f32; 8]]) {
-    let acc = kquant_tiles::<T, R>(t, std::array::from_fn(|r| a[r].as_ptr()), nsb, F::TILE_BLOCK, F::SCATTERED, |sb, ab| F::sums::<R>(sb, ab));
+    let acc = kquant_tiles::<T, R>(t, std::array::from_fn(|r| a[r].as_ptr()), nsb, F::TILE_BLOCK, F::SCATTERED, |sb, pf, ab| F::sums::<R>(sb, pf, ab));
     for (k, tile) in acc.iter().enumerate() {
         for (r, v) in tile.iter().enumerate() {
             _mm256_storeu_ps(out[k * R + r].as_mut_ptr(), *v);

@@ -160,9 +160,7 @@ mod simd {
     unsafe fn xs_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let pf = crate::quant::avx2::prefetch();
-        // Where the K-quants' tiles take no distance (AMD Zen 2/3), these rows measured best
-        // at the 32-value formats' (10.75 GB/s against 10.3-10.4, one thread).
-        let ahead = if pf.kquant > 0 { pf.kquant } else { pf.block32 };
+        let ahead = pf.kquant;
         for ibl in 0..nb {
             let (wb, ab) = (w.add(ibl * XS_BLOCK_BYTES), a.add(ibl * 292));
             // As in `nl_impl`: the stream of rows, in the order the caller dots them.
