@@ -244,7 +244,7 @@ def test_prefix_cache_hits_give_the_same_output(smollm: dl.Model) -> None:
 def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch, step_ms: str, how: str) -> None:
     """A long prompt arriving while a stream decodes is prefilled in chunks sized by the step's
     time budget (DASLLAMA_STEP_MS, read when the runtime is made, or set_step_budget over a
-    contrary DASLLAMA_STEP_MS; a 1 ms budget leaves the least chunk, 16 tokens, per step) or in
+    contrary DASLLAMA_STEP_MS; a 1 ms budget leaves the least chunk, 4 tokens, per step) or in
     fixed chunks of chunk_tokens (0 / None); either way every token is what it is alone."""
     if how == "env":
         monkeypatch.setenv("DASLLAMA_STEP_MS", step_ms)
@@ -278,8 +278,8 @@ def test_time_budgeted_prefill(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch
     assert [tokens_of(by_id[i]) for i in (0, 1)] == want
     chunks = dl.scheduler_stats(sch)["prefill_chunks"] - 1
     # The long prompt's chunks while the short one decodes: 64 tokens until a step's cost is
-    # measured (three passes), then 16; or 128, 128 and 44.
-    assert chunks == (2 + (300 - 2 * 64 + 15) // 16 if step_ms == "1" else 3), chunks
+    # measured (three passes), then 4; or 128, 128 and 44.
+    assert chunks == (2 + (300 - 2 * 64 + 3) // 4 if step_ms == "1" else 3), chunks
 
 
 def test_step_budget_setter(smollm: dl.Model, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,7 +108,7 @@ def set_step_budget(sch: Scheduler, ms: float | None) -> float | None:
     """Size each step's prefill chunk so the whole step (the decode rows plus the chunk) takes about
     ``ms`` milliseconds: streams that are decoding keep a gap of about ``ms`` between tokens while a
     long prompt is prefilled, and the prompt gets what each step has left (at most ``chunk_tokens``,
-    at least 16 tokens). ``None`` turns the budget off: fixed chunks of ``chunk_tokens``. Overrides
+    at least 4 tokens; no stream drafts meanwhile). ``None`` turns the budget off: fixed chunks of ``chunk_tokens``. Overrides
     ``DASLLAMA_STEP_MS`` (default 60 ms) for this scheduler. Returns the budget now in force, in ms:
     ``None`` under ``numerics="ggml"``, where a prompt's sums depend on its chunking, so chunks stay
     fixed whatever is asked."""

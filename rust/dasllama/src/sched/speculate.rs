@@ -70,15 +70,15 @@ impl Scheduler {
     }
 
     /// Propose this step's drafts for the decoding streams (`Stream::spec.drafts`), as many as
-    /// the policy finds worth their rows in the pass `plan` makes without them.
-    /// Whether any stream drafts.
-    pub(super) fn draft(&mut self, all: &mut [Stream], decoding: &[usize], plan: &[(usize, usize)]) -> bool {
+    /// the policy finds worth their rows in the pass `plan` makes without them; none while
+    /// `prompt_waiting` (`step_streams` says why). Whether any stream drafts.
+    pub(super) fn draft(&mut self, all: &mut [Stream], decoding: &[usize], plan: &[(usize, usize)], prompt_waiting: bool) -> bool {
         let ctx = self.ctx();
         let Some(sp) = self.spec.as_mut() else { return false };
         for &i in decoding {
             all[i].spec.drafts.clear();
         }
-        if !sp.guard.allow() && sp.fixed_k.is_none() {
+        if prompt_waiting || (!sp.guard.allow() && sp.fixed_k.is_none()) {
             return false;
         }
         // Every plan entry has one logit row so far; each draft adds a row with logits.

@@ -53,3 +53,43 @@ fn prompt_lookup_drafts_are_verified_like_any_other() {
     assert!(s.stats.spec_accepted <= s.stats.spec_drafted);
     assert_pages_back(&mut s);
 }
+
+#[test]
+fn no_drafts_while_a_prompt_waits_under_a_step_budget() {
+    let m = tiny_model(9);
+    let p = prompt(20, 1);
+    let mut plain = sched(&m, 2, 64);
+    for (id, p) in [(1, p.clone()), (2, prompt(120, 4))] {
+        plain.submit(req(id, p, 40)).unwrap();
+    }
+    let want = tokens_by_id(&run(&mut plain));
+    for budget in [Some(1e-9), None] {
+        let mut s = sched(&m, 2, 64);
+        s.set_drafter(Some(Drafter::model(&m, m.clone(), 4).unwrap().unwrap())).unwrap();
+        s.fix_draft_len(Some(4)).unwrap();
+        s.set_step_budget(budget);
+        s.submit(req(1, p.clone(), 40)).unwrap();
+        let mut events = Vec::new();
+        // The first stream's prompt, then a few steps of it decoding (and drafting) alone.
+        for _ in 0..8 {
+            s.step(&mut events).unwrap();
+        }
+        assert!(s.stats.spec_drafted > 0, "{:?}", s.stats);
+        s.submit(req(2, prompt(120, 4), 40)).unwrap();
+        let (mut drafted_beside_prompt, mut prompt_steps) = (0, 0);
+        while s.n_active() + s.n_queued() > 0 {
+            let (drafted, fed) = (s.stats.spec_drafted, s.stats.prefill_tokens);
+            s.step(&mut events).unwrap();
+            if s.stats.prefill_tokens > fed {
+                prompt_steps += 1;
+                drafted_beside_prompt += s.stats.spec_drafted - drafted;
+            }
+        }
+        assert!(prompt_steps > 1, "the second prompt took {prompt_steps} steps");
+        // Under a budget the verify rows would take the prompt's place; with fixed chunks they
+        // take nothing from it, so the stream drafts on.
+        assert_eq!(drafted_beside_prompt == 0, budget.is_some(), "{drafted_beside_prompt} drafts beside the prompt (budget {budget:?})");
+        assert_eq!(tokens_by_id(&events), want, "budget {budget:?}");
+        assert_pages_back(&mut s);
+    }
+}
