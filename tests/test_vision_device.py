@@ -161,3 +161,25 @@ def test_a_split_model_takes_an_image_prompt_and_hydrates_with_its_positions(tmp
     assert not gpu.is_device_session(dev) and dev.n_pos == g["n_past"]
     t = int(np.argmax(want))
     assert np.abs(_lsm(dl.eval(m, dev, [t])) - _lsm(dl.eval(m, host, [t]))).max() < 0.02
+
+
+@needs_device
+def test_adopted_rows_keep_their_images_positions(tmp_path: Path) -> None:
+    """A device session's rows parked after a Qwen3-VL image prompt and adopted by a fresh one
+    carry the image's M-RoPE grid with them: the new session counts mtmd's positions and the rows
+    it adds after the image sit where the first session's would (a session placing them at their
+    row index instead is off by far more than the device's sums)."""
+    g = json.loads(mk.golden_path("qwen3vl").read_text())
+    text, proj = mk.write_files(tmp_path, "qwen3vl")
+    m = dl.load_model(text, mmproj=proj, device="vulkan")
+    p = vision.tokenize_with_images(m, g["prompt"], [Image.fromarray(mk.image_rgb("qwen3vl"))])
+    first, host = gpu.create_device_session(m), dl.create_session(m)
+    want = vision.eval_image_prompt(m, host, p)
+    t = int(np.argmax(vision.eval_image_prompt(m, first, p)))
+    claim = gpu.gpu_device_kv_park(first)
+    assert claim > 0
+    del first
+    again = gpu.create_device_session(m)
+    assert gpu.gpu_device_kv_adopt(again, claim, len(p.ids))
+    assert again.n_past == len(p.ids) and again.n_pos == g["n_past"] < len(p.ids)
+    assert np.abs(_lsm(dl.eval(m, again, [t])) - _lsm(dl.eval(m, host, [t]))).max() < 0.02

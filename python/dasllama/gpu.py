@@ -417,7 +417,8 @@ def gpu_device_kv_park(s: Session) -> int:
 
 def gpu_device_kv_adopt(s: Session, claim: int, rows: int) -> bool:
     """Hand the first ``rows`` rows a claim names to the fresh device session ``s``, so the next
-    turn prefills only its new tokens. False when the claim is stale."""
+    turn prefills only its new tokens; images on M-RoPE axes among those rows come with them
+    (they place the rows after them). False when the claim is stale."""
     return _native.gpu_adopt(s, int(claim), int(rows))
 
 

@@ -141,10 +141,11 @@ pub trait Placeable: Sync {
 /// lost) leaves its sessions stale instead of pointing them at another model's regions.
 pub trait KvHome: Send + Sync {
     fn release(&self, region: usize);
-    /// Keep `rows` of `region` for a later turn; the claim names them.
-    fn park(&self, region: usize, rows: usize) -> u64;
-    /// The region and row count `claim` names, now held; None when another stream took it.
-    fn adopt(&self, claim: u64) -> Option<(usize, usize)>;
+    /// Keep `rows` of `region` for a later turn, with their images on M-RoPE axes; the claim
+    /// names them.
+    fn park(&self, region: usize, rows: usize, grids: Grids) -> u64;
+    /// The region, row count and images `claim` names, now held; None when another stream took it.
+    fn adopt(&self, claim: u64) -> Option<(usize, usize, Grids)>;
     /// Whether a claim's rows are taken whole or not at all: a region that holds a recurrent
     /// state after its last row cannot give a shorter prefix.
     fn whole(&self) -> bool {
@@ -229,10 +230,9 @@ impl DevKv {
     /// holds no region; 0 when its placement is gone.
     pub fn park(&mut self) -> u64 {
         let Ok(home) = self.home() else { return 0 };
-        let claim = home.park(self.region, self.len);
+        let claim = home.park(self.region, self.len, std::mem::take(&mut self.grids));
         self.home = None;
         self.len = 0;
-        self.grids.clear();
         claim
     }
 
@@ -243,14 +243,17 @@ impl DevKv {
         if self.len != 0 {
             return Err(Error::InvalidArgument("adopt needs a fresh device session (n_past 0)".into()));
         }
-        let Some((region, held)) = home.adopt(claim) else { return Ok(false) };
+        let Some((region, held, mut grids)) = home.adopt(claim) else { return Ok(false) };
         if rows > held || (home.whole() && rows != held) {
-            home.park(region, held);
+            home.park(region, held, grids);
             return Ok(false);
         }
         home.release(self.region);
         self.region = region;
         self.len = rows;
+        // The images in the rows taken place the rows this session adds after them.
+        grids.truncate(rows);
+        self.grids = grids;
         Ok(true)
     }
 }

@@ -7,20 +7,22 @@
 use super::buffer::Buffer;
 use super::device::Gpu;
 use crate::backend::KvHome;
-use crate::kv::KvCodec;
+use crate::kv::{Grids, KvCodec};
 use crate::Result;
 use gpu_allocator::MemoryLocation;
 use std::sync::{Arc, Mutex};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum Slot {
     Free,
     Held,
     /// Rows kept for a later turn; `claim` names them, and the oldest parked region is reused
-    /// first when no region is free.
+    /// first when no region is free. `grids`: their images on M-RoPE axes, which place the rows
+    /// after them.
     Parked {
         claim: u64,
         rows: usize,
+        grids: Grids,
     },
 }
 
@@ -149,7 +151,7 @@ impl KvHome for Book {
         }
     }
 
-    fn park(&self, region: usize, rows: usize) -> u64 {
+    fn park(&self, region: usize, rows: usize, grids: Grids) -> u64 {
         let (slots, next) = &mut *self.slots();
         if !self.parks {
             slots[region] = Slot::Free;
@@ -157,15 +159,14 @@ impl KvHome for Book {
         }
         let claim = *next;
         *next += 1;
-        slots[region] = Slot::Parked { claim, rows };
+        slots[region] = Slot::Parked { claim, rows, grids };
         claim
     }
 
-    fn adopt(&self, claim: u64) -> Option<(usize, usize)> {
+    fn adopt(&self, claim: u64) -> Option<(usize, usize, Grids)> {
         let (slots, _) = &mut *self.slots();
         let i = slots.iter().position(|s| matches!(s, Slot::Parked { claim: c, .. } if *c == claim))?;
-        let Slot::Parked { rows, .. } = slots[i] else { unreachable!() };
-        slots[i] = Slot::Held;
-        Some((i, rows))
+        let Slot::Parked { rows, grids, .. } = std::mem::replace(&mut slots[i], Slot::Held) else { unreachable!() };
+        Some((i, rows, grids))
     }
 }
