@@ -853,7 +853,7 @@ pub(super) unsafe fn kquant_tiles<const T: usize, const R: usize>(
     body: impl Fn(*const u8, Ahead, &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>),
 ) -> [[__m256; R]; T] {
     let mut acc = [[_mm256_setzero_ps(); R]; T];
-    // Decode reads the weights from memory, in the order `prefetch_superblock` follows; batches
+    // Decode reads the weights from memory, in the order `superblock_at` follows; batches
     // read them from cache, where a near distance within each tile is enough.
     let Prefetch { kquant: ahead, hint, .. } = prefetch();
     let steps = ahead / (T * sb_bytes);

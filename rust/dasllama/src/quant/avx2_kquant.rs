@@ -37,7 +37,8 @@ pub fn tile_fn(ty: GgmlType) -> Option<TileFn> {
 /// sum and (Q4_K, Q5_K) the mins' sum, as `kquant_tiles` takes them.
 trait KSums {
     const TILE_BLOCK: usize;
-    /// Decode asks for each superblock as it starts (`avx2::kquant_tiles`' `scattered`).
+    /// With no prefetch distance, decode asks for each superblock as it starts
+    /// (`avx2::kquant_tiles`' `scattered`).
     const SCATTERED: bool = false;
     /// `pf`: the superblock to ask for meanwhile, in parts over the body's steps (`Ahead`).
     unsafe fn sums<const R: usize>(sb: *const u8, pf: Ahead, ab: &[*const u8; R]) -> ([__m256i; R], Option<[__m256i; R]>);
