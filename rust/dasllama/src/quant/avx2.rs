@@ -658,9 +658,8 @@ impl Ahead {
     #[inline(always)]
     pub(super) unsafe fn part(self, part: usize, parts: usize) {
         let lines = self.bytes.div_ceil(64);
-        for line in part * lines / parts..(part + 1) * lines / parts {
-            prefetch_lines(self.p.wrapping_add(64 * line), 1, self.hint);
-        }
+        let (a, b) = (part * lines / parts, (part + 1) * lines / parts);
+        prefetch_lines(self.p.wrapping_add(64 * a), 64 * (b - a), self.hint);
     }
 }
 

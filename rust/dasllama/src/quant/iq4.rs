@@ -160,11 +160,10 @@ mod simd {
     unsafe fn xs_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let pf = crate::quant::avx2::prefetch();
-        let ahead = pf.kquant;
         for ibl in 0..nb {
             let (wb, ab) = (w.add(ibl * XS_BLOCK_BYTES), a.add(ibl * 292));
             // As in `nl_impl`: the stream of rows, in the order the caller dots them.
-            crate::quant::avx2::prefetch_lines(wb.wrapping_add(ahead), XS_BLOCK_BYTES, pf.hint);
+            crate::quant::avx2::prefetch_lines(wb.wrapping_add(pf.kquant), XS_BLOCK_BYTES, pf.hint);
             let mut sh = (wb.add(2) as *const u16).read_unaligned() as i32;
             let mut isum = _mm256_setzero_si256();
             for ib in (0..8).step_by(2) {

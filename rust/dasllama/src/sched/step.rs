@@ -38,7 +38,7 @@ impl Scheduler {
         // prompt surely where a draft is only sometimes accepted: no drafts while a prompt waits
         // (SmolLM2 135M, 8 decoders drafting by prompt lookup, a 3,775-token prompt: its first
         // token after 21.7 s, 12.4 s without drafts; the decoders keep a token a step).
-        let prompt_waiting = self.step_budget.is_some() && prefilling.iter().any(|&i| streams[i].fed < streams[i].req.prompt.len());
+        let prompt_waiting = self.step_budget.is_some() && !prefilling.is_empty();
         let drafted = self.draft(streams, &decoding, &plan, prompt_waiting);
         for p in plan.iter_mut() {
             p.1 += streams[p.0].spec.drafts.len();
