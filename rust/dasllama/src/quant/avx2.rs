@@ -654,12 +654,24 @@ pub(super) struct Ahead {
 impl Ahead {
     pub(super) const NONE: Ahead = Ahead { p: std::ptr::null(), bytes: 0, hint: 0 };
 
-    /// Part `part` of `parts` of the superblock ahead, by whole lines.
+    /// Part `part` of `parts` of the superblock ahead: as many whole lines each as the largest
+    /// part needs, so that with `parts` a constant the count is one too and the prefetches are
+    /// spelled out (the last part runs on into the next superblock, asked for again later).
+    /// Counted per call and walked in a loop they cost Q6_K's one-row kernel a quarter of its rate
+    /// in L2 (0.63-0.83x the generic kernel's in the same run, now 0.98-1.08x) and Q4_K's a tenth;
+    /// from memory Q6_K read 10-16 GB/s so and 13-19 now (one thread, AMD EPYC Zen 3).
     #[inline(always)]
     pub(super) unsafe fn part(self, part: usize, parts: usize) {
-        let lines = self.bytes.div_ceil(64);
-        let (a, b) = (part * lines / parts, (part + 1) * lines / parts);
-        prefetch_lines(self.p.wrapping_add(64 * a), 64 * (b - a), self.hint);
+        if self.p.is_null() {
+            return;
+        }
+        let n = self.bytes.div_ceil(64).div_ceil(parts);
+        let q = self.p.wrapping_add(64 * n * part) as *const i8;
+        if self.hint == 0 {
+            (0..n).for_each(|i| _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(64 * i)));
+        } else {
+            (0..n).for_each(|i| _mm_prefetch::<_MM_HINT_T1>(q.wrapping_add(64 * i)));
+        }
     }
 }
 
