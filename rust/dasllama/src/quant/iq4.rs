@@ -127,13 +127,34 @@ mod simd {
         unsafe { nl_impl(w.as_ptr(), a.as_ptr(), n / 32) }
     }
 
+    /// Sixteen nibbles of each of two groups -> their levels as i8, by one 256-bit `pshufb` per
+    /// half: (group 0's values 0..16 | group 1's), then (16..32 of each). Half the lookups and no
+    /// lane insert per group, against `levels`.
+    #[inline(always)]
+    unsafe fn levels2(q: __m256i, table: __m256i, m4: __m256i) -> (__m256i, __m256i) {
+        let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(q, m4));
+        let hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+        (lo, hi)
+    }
+
+    /// The i32 sums of two groups of 32 (levels from `levels2`) against their activations `a0`,
+    /// `a1`, lined up with them: group 0's in lanes 0..4, group 1's in lanes 4..8.
+    #[inline(always)]
+    unsafe fn sums2(lo: __m256i, hi: __m256i, a0: __m256i, a1: __m256i) -> (__m256i, __m256i) {
+        let alo = _mm256_permute2x128_si256::<0x20>(a0, a1);
+        let ahi = _mm256_permute2x128_si256::<0x31>(a0, a1);
+        (pairs(lo, alo), pairs(hi, ahi))
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn nl_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
         let ones = _mm256_set1_epi16(1);
-        // Two accumulators: consecutive blocks' fmas do not wait on each other.
+        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES.as_ptr() as *const __m128i));
+        let m4 = _mm256_set1_epi8(0xF);
+        // Two accumulators: consecutive pairs' fmas do not wait on each other.
         let mut acc = [_mm256_setzero_ps(); 2];
         let pf = crate::quant::avx2::prefetch();
-        for ib in 0..nb {
+        for ib in (0..nb - nb % 2).step_by(2) {
             let (wb, ab) = (w.add(ib * NL_BLOCK_BYTES), a.add(ib * 34));
             if ib % 4 == 0 {
                 // Rows lie one after another, so bytes ahead in this row run on into the next
@@ -141,10 +162,20 @@ mod simd {
                 // blocks are 72 bytes, at most two lines.
                 crate::quant::avx2::prefetch_lines(wb.wrapping_add(pf.block32), 4 * NL_BLOCK_BYTES + 63, pf.hint);
             }
+            // Blocks ib and ib + 1 side by side, one per 128-bit lane.
+            let q = _mm256_set_m128i(_mm_loadu_si128(wb.add(NL_BLOCK_BYTES + 2) as *const __m128i), _mm_loadu_si128(wb.add(2) as *const __m128i));
+            let (lo, hi) = levels2(q, table, m4);
+            let (plo, phi) = sums2(lo, hi, _mm256_loadu_si256(ab.add(2) as *const __m256i), _mm256_loadu_si256(ab.add(36) as *const __m256i));
+            let lanes = _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones));
+            let d0 = _mm_set1_ps(f16(wb) * f16(ab));
+            let d1 = _mm_set1_ps(f16(wb.add(NL_BLOCK_BYTES)) * f16(ab.add(34)));
+            acc[ib / 2 % 2] = _mm256_fmadd_ps(_mm256_set_m128(d1, d0), _mm256_cvtepi32_ps(lanes), acc[ib / 2 % 2]);
+        }
+        if nb % 2 == 1 {
+            let (wb, ab) = (w.add((nb - 1) * NL_BLOCK_BYTES), a.add((nb - 1) * 34));
             let q8 = _mm256_loadu_si256(ab.add(2) as *const __m256i);
             let lanes = _mm256_madd_epi16(pairs(levels(wb.add(2)), q8), ones);
-            let d = _mm256_set1_ps(f16(wb) * f16(ab));
-            acc[ib % 2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lanes), acc[ib % 2]);
+            acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(f16(wb) * f16(ab)), _mm256_cvtepi32_ps(lanes), acc[0]);
         }
         hsum(_mm256_add_ps(acc[0], acc[1]))
     }
@@ -158,25 +189,34 @@ mod simd {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn xs_impl(w: *const u8, a: *const u8, nb: usize) -> f32 {
+        let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES.as_ptr() as *const __m128i));
+        let m4 = _mm256_set1_epi8(0xF);
+        // Sub-block ib's 6-bit scale: its low four bits at bit 4ib of scales_l, its high two at
+        // bit 2ib of scales_h; all eight at once, one per i32 lane.
+        let (lo_at, hi_at) = (_mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
         let mut acc = _mm256_setzero_ps();
         let pf = crate::quant::avx2::prefetch();
         for ibl in 0..nb {
             let (wb, ab) = (w.add(ibl * XS_BLOCK_BYTES), a.add(ibl * 292));
             // As in `nl_impl`: the stream of rows, in the order the caller dots them.
             crate::quant::avx2::prefetch_lines(wb.wrapping_add(pf.kquant), XS_BLOCK_BYTES, pf.hint);
-            let mut sh = (wb.add(2) as *const u16).read_unaligned() as i32;
+            let sl = _mm256_set1_epi32((wb.add(4) as *const i32).read_unaligned());
+            let sh = _mm256_set1_epi32((wb.add(2) as *const u16).read_unaligned() as i32);
+            let low = _mm256_and_si256(_mm256_srlv_epi32(sl, lo_at), _mm256_set1_epi32(0xF));
+            let high = _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(sh, hi_at), _mm256_set1_epi32(3)));
+            let ls = _mm256_sub_epi32(_mm256_or_si256(low, high), _mm256_set1_epi32(32));
+            // Each scale twice as an i16 pair, the `vpmaddwd` operand that scales a pair sum
+            // while widening it: |pair| <= 32258 and |ls| <= 32, exact in the i32 lanes.
+            let ls2 = _mm256_or_si256(_mm256_and_si256(ls, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(ls));
             let mut isum = _mm256_setzero_si256();
-            for ib in (0..8).step_by(2) {
-                let sl = *wb.add(4 + ib / 2) as i32;
-                let ls1 = ((sl & 0xF) | ((sh << 4) & 0x30)) - 32;
-                let ls2 = ((sl >> 4) | ((sh << 2) & 0x30)) - 32;
-                sh >>= 4;
-                let p1 = pairs(levels(wb.add(8 + 16 * ib)), _mm256_loadu_si256(ab.add(4 + 32 * ib) as *const __m256i));
-                let p2 = pairs(levels(wb.add(8 + 16 * ib + 16)), _mm256_loadu_si256(ab.add(4 + 32 * ib + 32) as *const __m256i));
-                // Scale the i16 pair sums by the sub-block scales while widening to i32:
-                // |pair| <= 32258 and |ls| <= 32, exact in the i32 lanes.
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p1, _mm256_set1_epi16(ls1 as i16)));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p2, _mm256_set1_epi16(ls2 as i16)));
+            for p in 0..4 {
+                // Sub-blocks 2p and 2p + 1: their quants are 32 bytes in a row.
+                let (lo, hi) = levels2(_mm256_loadu_si256(wb.add(8 + 32 * p) as *const __m256i), table, m4);
+                let act = ab.add(4 + 64 * p);
+                let (plo, phi) = sums2(lo, hi, _mm256_loadu_si256(act as *const __m256i), _mm256_loadu_si256(act.add(32) as *const __m256i));
+                let at = (2 * p) as i32;
+                let sc = _mm256_permutevar8x32_epi32(ls2, _mm256_setr_epi32(at, at, at, at, at + 1, at + 1, at + 1, at + 1));
+                isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(plo, sc), _mm256_madd_epi16(phi, sc)));
             }
             let d = _mm256_set1_ps(f16(wb) * (ab as *const f32).read_unaligned());
             acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
@@ -272,7 +312,9 @@ mod tests {
         let simd = dot_fn(ty);
         let scalar: crate::quant::DotFn = if ty == GgmlType::IQ4XS { dot_xs_scalar } else { dot_nl_scalar };
         let mut rng = Rng(ty as u64 * 31 + edge as u64);
-        for n in [256, 512, 2048] {
+        // IQ4_NL's kernel takes blocks in pairs: odd counts (one block, nine) end on a single one.
+        let ns: &[usize] = if ty == GgmlType::IQ4XS { &[256, 512, 2048] } else { &[32, 288, 512, 2048] };
+        for &n in ns {
             for _ in 0..40 {
                 let w = random_blocks(ty, n, &mut rng, edge);
                 let x: Vec<f32> = (0..n).map(|_| if edge { [0.0, 1e-3, -3.0, 7.5][rng.next() as usize % 4] } else { rng.f() * 4.0 }).collect();
