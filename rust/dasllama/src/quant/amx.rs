@@ -442,9 +442,8 @@ fn b_tile_scalar(f: Fmt, pair: &[u8], gap: usize, nb: usize, i: usize, out: &mut
                     let byte = pair[base + qs + 32 * (g % 4) + 4 * r + e];
                     let mut v = if g < 4 { byte & 0xF } else { byte >> 4 };
                     if f.five {
-                        // qh word g, bit 4r+e: the fifth bit of the same value (`tile`).
-                        let w = u32::from_le_bytes(pair[base + qh + 4 * g..][..4].try_into().unwrap());
-                        v |= (((w >> (4 * r + e)) & 1) as u8) << 4;
+                        // qh byte 4r+e, bit g: the fifth bit of the same value (`tile`).
+                        v |= ((pair[base + qh + 4 * r + e] >> g) & 1) << 4;
                     }
                     v as i8 - f.zero
                 };
@@ -534,11 +533,10 @@ mod x86 {
                 let raw = pair_load(qs.add(32 * p), gap);
                 let (mut lo, mut hi) = (_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4));
                 if f.five {
-                    let qh = t.add(8 * (f.head() - 4) * nb + 32 * i);
-                    let bits =
-                        |at: usize| (qh.add(at) as *const u32).read_unaligned() as u64 | ((qh.add(gap + at) as *const u32).read_unaligned() as u64) << 32;
-                    lo = _mm512_mask_add_epi8(lo, bits(4 * p), lo, b);
-                    hi = _mm512_mask_add_epi8(hi, bits(4 * p + 16), hi, b);
+                    let qh = pair_load(t.add(8 * (f.head() - 4) * nb + 32 * i), gap);
+                    let bit = |h: usize| _mm512_test_epi8_mask(qh, _mm512_set1_epi8(1 << h));
+                    lo = _mm512_mask_add_epi8(lo, bit(p), lo, b);
+                    hi = _mm512_mask_add_epi8(hi, bit(4 + p), hi, b);
                 }
                 (_mm512_sub_epi8(lo, z), _mm512_sub_epi8(hi, z))
             };

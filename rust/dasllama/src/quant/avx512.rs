@@ -97,11 +97,10 @@ unsafe fn pair_kernel<F: Fmt, const R: usize>(t: *const u8, a: [*const u8; R], n
                 let raw = pair_load(qs.add(32 * p), gap);
                 let (lo, hi) = (_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4));
                 if F::FIVE {
-                    // The fifth bits: a 32-bit word per tile, one bit per byte lane.
-                    let qh = t.add(8 * (F::HEAD - 4) * nb + 32 * i);
-                    let bits =
-                        |at: usize| (qh.add(at) as *const u32).read_unaligned() as u64 | ((qh.add(gap + at) as *const u32).read_unaligned() as u64) << 32;
-                    (_mm512_mask_add_epi8(lo, bits(4 * p), lo, b), _mm512_mask_add_epi8(hi, bits(4 * p + 16), hi, b))
+                    // The fifth bits: bit h of each byte lane for chunk h, in both tiles.
+                    let qh = pair_load(t.add(8 * (F::HEAD - 4) * nb + 32 * i), gap);
+                    let bit = |h: usize| _mm512_test_epi8_mask(qh, _mm512_set1_epi8(1 << h));
+                    (_mm512_mask_add_epi8(lo, bit(p), lo, b), _mm512_mask_add_epi8(hi, bit(4 + p), hi, b))
                 } else if F::MX {
                     (_mm512_shuffle_epi8(table, lo), _mm512_shuffle_epi8(table, hi))
                 } else {

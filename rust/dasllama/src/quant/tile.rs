@@ -6,8 +6,10 @@
 //! - `d[nb][8]` f16 scales (one `vcvtph2ps` converts the eight rows' scales of a block); for
 //!   MXFP4 `e[nb][8]`, the rows' E8M0 scale bytes,
 //! - `m[nb][8]` f16 mins (Q4_1, Q5_1),
-//! - `qh[nb][8]` u32 high bits (Q5_0, Q5_1): word `h` bit `4r+e` is row `r`'s bit for value
-//!   `4h+e` (h < 4) or `16+4(h-4)+e` (h >= 4), matching the quant chunks below,
+//! - `qh[nb][32]` high bits (Q5_0, Q5_1): byte `4r+e` bit `h` is row `r`'s bit for value
+//!   `4h+e` (h < 4) or `16+4(h-4)+e` (h >= 4), matching the quant chunks below: the byte sits
+//!   in the lane its value's quant byte takes, so a shift and a mask place a chunk's fifth bits,
+//!   as Q5_K's do,
 //! - quants `[nb][chunks][8 rows][4 bytes]`: for 4-bit formats chunk `c` (of 4) holds the GGUF
 //!   bytes `4c..4c+4` of each row, whose low nibbles are values `4c..` and high nibbles `16+4c..`;
 //!   for Q8_0 chunk `c` (of 8) holds values `4c..4c+4`. MXFP4's codes are nibbles in Q4_0's
@@ -118,8 +120,8 @@ pub fn tile_rows(ty: GgmlType, rows: &[&[u8]], tile: &mut [u8]) {
         for (row_at, words) in high_bits(ty, row.len()) {
             let qh = u32::from_le_bytes(row[row_at..row_at + 4].try_into().unwrap());
             for j in 0..32 {
-                let (w_at, bit) = high_bit_place(words, r, j);
-                tile[w_at + bit / 8] |= (((qh >> j) & 1) as u8) << (bit % 8);
+                let (at, bit) = high_bit_place(words, r, j);
+                tile[at] |= (((qh >> j) & 1) as u8) << bit;
             }
         }
         for (row_at, sb) in packed_scales(ty, row.len()) {
@@ -136,8 +138,8 @@ pub fn untile_row(ty: GgmlType, tile: &[u8], r: usize, row: &mut [u8]) {
     for (row_at, words) in high_bits(ty, row.len()) {
         let mut qh = 0u32;
         for j in 0..32 {
-            let (w_at, bit) = high_bit_place(words, r, j);
-            qh |= (((tile[w_at + bit / 8] >> (bit % 8)) & 1) as u32) << j;
+            let (at, bit) = high_bit_place(words, r, j);
+            qh |= (((tile[at] >> bit) & 1) as u32) << j;
         }
         row[row_at..row_at + 4].copy_from_slice(&qh.to_le_bytes());
     }
@@ -195,8 +197,8 @@ fn high_bits(ty: GgmlType, row_len: usize) -> impl Iterator<Item = (usize, usize
     (0..if hw > 0 { nb } else { 0 }).map(move |i| (i * bb + dw + mw, h_at + 32 * i))
 }
 
-/// Where value `j`'s high bit of row `r` lives: (byte offset of its word, bit in the word).
+/// Where value `j`'s high bit of row `r` lives: (byte offset, bit in the byte).
 fn high_bit_place(words: usize, r: usize, j: usize) -> (usize, usize) {
     let h = if j < 16 { j / 4 } else { 4 + (j - 16) / 4 };
-    (words + 4 * h, 4 * r + j % 4)
+    (words + 4 * r + j % 4, h)
 }
