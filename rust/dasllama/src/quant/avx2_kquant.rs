@@ -14,7 +14,7 @@
 //! is that kernel's own (`avx2::kquant_tiles`): the results are bit-identical to the other
 //! variants, and through them within the tested tolerance of the scalar twins (`scalar.rs`).
 
-use super::avx2::{bcast4, check_kquant, kquant_tiles, per_tile, q45k_chunk, q6k_chunk, Ahead, Checked, K_BSUMS, K_QS};
+use super::avx2::{bcast4, check_kquant, kquant_tiles, per_part, q45k_chunk, q6k_chunk, Ahead, Checked, K_BSUMS, K_QS};
 use super::tile::{K45_M, K45_SC, Q4K_TILE_BLOCK, Q5K_TILE_BLOCK, Q6K_QH, Q6K_QL, Q6K_SC, Q6K_TILE_BLOCK};
 use super::{GgmlType, TileFn};
 use std::arch::x86_64::*;
@@ -262,13 +262,16 @@ unsafe fn kernel<F: KSums, const T: usize, const R: usize>(t: *const u8, a: &[&[
 
 fn entry<F: KSums>(t: &[u8], a: &[&[u8]], n: usize, out: &mut [[f32; 8]]) {
     let Checked { nb: nsb, tiles, tile_bytes } = check_kquant(F::TILE_BLOCK, t, a, n, out);
-    if tiles == 2 && a.len() > 2 {
-        return per_tile(t, tile_bytes, a, n, out, entry::<F>);
-    }
-    if tiles == 1 && a.len() > MAX_R {
-        let (lo, hi) = out.split_at_mut(MAX_R);
-        entry::<F>(t, &a[..MAX_R], n, lo);
-        return entry::<F>(t, &a[MAX_R..], n, hi);
+    if a.len() > MAX_R || (tiles == 2 && a.len() > 2) {
+        // SAFETY: as below; each part is a tile and rows of the checked call.
+        return per_part(t, tile_bytes, tiles, a, MAX_R, out, |t, a, out| unsafe {
+            match a.len() {
+                1 => kernel::<F, 1, 1>(t, a, nsb, out),
+                2 => kernel::<F, 1, 2>(t, a, nsb, out),
+                3 => kernel::<F, 1, 3>(t, a, nsb, out),
+                _ => kernel::<F, 1, 4>(t, a, nsb, out),
+            }
+        });
     }
     // SAFETY: handed out (`avx2::tile_variants`) only after detecting AVX2, FMA and F16C;
     // `check_kquant` bounds every load the kernel makes.
