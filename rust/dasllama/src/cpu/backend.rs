@@ -317,16 +317,17 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
     // One KV head's blocks one after another: a thread reads that head's K/V run again while it
     // is still in L2 (block-major order walked every head's prefix between two reads of one).
     tasks.sort_by_key(|t| t.kvh);
+    // The keys row t attends.
+    let span = |t: usize| {
+        let pos = rows[t].1;
+        (if window > 0 { (pos + 1).saturating_sub(window) } else { 0 }, ends.get(t).copied().unwrap_or(pos + 1))
+    };
     let one = |_: usize, task: &mut [AttnTask]| {
         let AttnTask { t0, kvh, outs } = &mut task[0];
         let (t0, kvh, nb) = (*t0, *kvh, outs.len());
         let si = rows[t0].0;
         let lv = kvs[si].layer(il);
         let codec = lv.codec();
-        let span = |t: usize| {
-            let pos = rows[t].1;
-            (if window > 0 { (pos + 1).saturating_sub(window) } else { 0 }, ends.get(t).copied().unwrap_or(pos + 1))
-        };
         // Keys the block reads (kb..ke), and those every row of it attends (cs..ce).
         let (mut kb, mut ke, mut cs, mut ce) = (usize::MAX, 0, 0, usize::MAX);
         for t in t0..t0 + nb {
@@ -443,12 +444,93 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             }
         });
     };
+    // Fewer tasks than threads (a decode row over few KV heads: Gemma 3's one): deep enough, a
+    // task's keys and values are split across the team instead of leaving threads idle.
+    let splits = |task: &AttnTask| {
+        let (lo, hi) = span(task.t0);
+        task.outs.len() == 1 && kvs[rows[task.t0].0].layer(il).codec().splits_values(hdim) && (hi - lo) * width >= SPLIT_WORK
+    };
+    if team.threads() > tasks.len() && tasks.iter().all(splits) {
+        for task in tasks.iter_mut() {
+            let (t0, kvh) = (task.t0, task.kvh);
+            let q = &q[t0 * qd + kvh * width..][..width];
+            attend_split(a, &kvs[rows[t0].0].layer(il), kvh, span(t0), q, task.outs[0], team);
+        }
+        return;
+    }
     let work: usize = rows.iter().enumerate().map(|(t, r)| ends.get(t).copied().unwrap_or(r.1 + 1)).sum::<usize>() * a.n_heads;
     if work * hdim > 1 << 16 && tasks.len() > 1 {
         team.for_each_chunk_mut(&mut tasks, 1, &one);
     } else {
         tasks.chunks_mut(1).enumerate().for_each(|(i, t)| one(i, t));
     }
+}
+
+/// Multiply-adds of q·k (and as many of p·v) from which one row's attention over a KV head is
+/// split across the team (`attend_split`): a parallel loop costs a few microseconds.
+const SPLIT_WORK: usize = 1 << 18;
+
+/// Where the team's tasks of `attend_split` write: each writes elements no other task does.
+#[derive(Clone, Copy)]
+struct Scatter(*mut f32);
+// SAFETY: `attend_split`'s tasks write disjoint elements, and nothing reads the buffer until the
+// parallel loop has joined.
+unsafe impl Send for Scatter {}
+unsafe impl Sync for Scatter {}
+
+/// One row's attention over one KV head's keys `lo..hi` (the query heads `q` sharing it, their
+/// outputs `out`) on the whole team: the scores a run of keys per task, the softmax on this
+/// thread, then the values a range of columns per task, each over every key in order. Every
+/// score, weight and output is computed by the kernels `attention` uses, in the same order, so
+/// the result is bit for bit what one thread gives (`KvCodec::splits_values`).
+fn attend_split(a: &AttnShape, lv: &crate::kv::LayerView, kvh: usize, (lo, hi): (usize, usize), q: &[f32], out: &mut [f32], team: &Team) {
+    let (hdim, codec, nk) = (a.head_dim, lv.codec(), hi - lo);
+    let (group, rb, threads) = (q.len() / hdim, codec.bytes(hdim), team.threads());
+    let mut qs = q.to_vec();
+    round_queries(a, &mut qs);
+    codec.prepare_query(&mut qs, hdim);
+    let mut sc = vec![0.0f32; group * nk];
+    let dst = Scatter(sc.as_mut_ptr());
+    let parts = (2 * threads).min(nk.div_ceil(64));
+    team.parallel_for(parts, &|i| {
+        #[allow(clippy::redundant_locals)]
+        let dst = dst;
+        let (k0, k1) = (lo + nk * i / parts, lo + nk * (i + 1) / parts);
+        let mut part = vec![0.0f32; group * (k1 - k0)];
+        for (first, run) in lv.rows(false, kvh, k0, k1) {
+            let cnt = run.len() / rb;
+            codec.dot_rows(&qs, hdim, run, cnt, &mut part[first - k0..], k1 - k0);
+        }
+        for (g, row) in part.chunks_exact(k1 - k0).enumerate() {
+            // SAFETY: keys k0..k1 of head g are this task's alone, inside `sc` (group * nk).
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), dst.0.add(g * nk + k0 - lo), row.len()) };
+        }
+    });
+    if let Some(cap) = a.softcap {
+        ops::softcap(&mut sc, cap);
+    }
+    for (g, sg) in sc.chunks_exact_mut(nk).enumerate() {
+        ops::attention_weights_sink(sg, a.score_scale(), a.sinks.map(|sk| sk[kvh * group + g]));
+    }
+    let mut os = vec![0.0f32; group * hdim];
+    let dst = Scatter(os.as_mut_ptr());
+    let groups = hdim / 16;
+    let parts = threads.min(groups);
+    team.parallel_for(parts, &|i| {
+        #[allow(clippy::redundant_locals)]
+        let dst = dst;
+        let (c0, c1) = (16 * (groups * i / parts), 16 * (groups * (i + 1) / parts));
+        let mut part = vec![0.0f32; group * (c1 - c0)];
+        for (first, run) in lv.rows(true, kvh, lo, hi) {
+            codec.axpy_cols(&mut part, hdim, c0..c1, &sc[first - lo..], nk, run);
+        }
+        for (g, row) in part.chunks_exact(c1 - c0).enumerate() {
+            // SAFETY: columns c0..c1 of head g are this task's alone, inside `os` (group * hdim).
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), dst.0.add(g * hdim + c0), row.len()) };
+        }
+    });
+    codec.finish_output(&mut os, hdim);
+    out.copy_from_slice(&os);
 }
 
 /// Attention in ggml's order (`Numerics::Ggml`), as llama.cpp computes it without flash attention
@@ -621,6 +703,73 @@ mod tests {
                 let plain = run(numerics, window, None);
                 let off = plain.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0.0, f64::max);
                 assert!(off > 0.1, "{numerics:?} window {window}: the sinks moved nothing ({off})");
+            }
+        }
+    }
+
+    /// A decode row over one KV head deep enough to be split across the team (`attend_split`)
+    /// gives one thread's bits, with a window, sinks and a softcap, and pages it starts and ends
+    /// inside; and it is attention (against f64 over the cache's f16 K/V).
+    #[test]
+    fn a_split_decode_row_keeps_one_threads_bits() {
+        use crate::kv::{Geometry, KvCodec, PageBin};
+        let (nh, hd, n) = (4usize, 64usize, 1300usize);
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+                })
+                .collect()
+        };
+        let (k, v, q) = (rnd(n * hd), rnd(n * hd), rnd(nh * hd).iter().map(|x| x * 4.0).collect::<Vec<f32>>());
+        let sinks = [0.5f32, -1.0, 2.0, 0.0];
+        assert!(!KvCodec::F16.splits_values(hd) || 1100 * nh * hd >= SPLIT_WORK, "the row below must be deep enough to split");
+        for (window, softcap, with_sinks) in [(0, None, false), (1100, Some(30.0), true)] {
+            let run = |threads: usize| {
+                let geo = Geometry { n_layers: 1, kv_dim: hd, head_dim: hd, page_rows: 48, codec: KvCodec::F16, slots: None };
+                let mut kv = KvCache::private(geo, &PageBin::new());
+                kv.reserve(n).unwrap();
+                kv.append(0, &k, &v);
+                let shape = AttnShape {
+                    n_heads: nh,
+                    n_kv_heads: 1,
+                    head_dim: hd,
+                    window,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    scale_query: false,
+                    softcap,
+                    sinks: with_sinks.then_some(&sinks[..]),
+                };
+                let mut out = vec![0.0f32; nh * hd];
+                Cpu::new(threads)
+                    .run(Numerics::Fast, &mut Vec::new(), None, &mut |ops| ops.attention(&shape, 0, &[&mut kv], &[(0, n - 1)], &[], &[1], &q, &mut out));
+                out
+            };
+            let one = run(1);
+            assert_eq!(run(2).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "window {window}");
+            assert_eq!(
+                run(3).iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "window {window}, 3 threads"
+            );
+            let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;
+            let lo = if window > 0 { n - window } else { 0 };
+            for h in 0..nh {
+                let sc: Vec<f64> = (lo..n)
+                    .map(|j| {
+                        let s = (0..hd).map(|i| f16(q[h * hd + i]) * f16(k[j * hd + i])).sum::<f64>();
+                        softcap.map_or(s, |c: f32| c as f64 * (s / c as f64).tanh()) / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let sink = if with_sinks { sinks[h] as f64 } else { f64::NEG_INFINITY };
+                let m = sc.iter().cloned().fold(sink, f64::max);
+                let z = sc.iter().map(|s| (s - m).exp()).sum::<f64>() + (sink - m).exp();
+                for i in 0..hd {
+                    let want: f64 = sc.iter().enumerate().map(|(jj, s)| (s - m).exp() / z * f16(v[(lo + jj) * hd + i])).sum();
+                    assert!((one[h * hd + i] as f64 - want).abs() < 1e-2, "window {window} head {h} value {i}: {} vs {want}", one[h * hd + i]);
+                }
             }
         }
     }

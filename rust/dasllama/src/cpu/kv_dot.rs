@@ -120,6 +120,33 @@ impl KvCodec {
             }
         }
     }
+
+    /// Whether `axpy_cols` takes rows of `hd` values: f16 with AVX2, whose fused chains every
+    /// p·v kernel of that codec shares, so that a part of the columns gets the whole rows' bits.
+    pub fn splits_values(self, hd: usize) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return self == KvCodec::F16 && hd.is_multiple_of(16) && crate::quant::avx2::has_avx2();
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
+    }
+
+    /// `axpy_rows` over all the rows in `v` for values `cols` (multiples of 16) of each, into `o`
+    /// holding `cols.len()` values a head, with the bits `axpy_rows` gives them (`splits_values`).
+    pub fn axpy_cols(self, o: &mut [f32], hd: usize, cols: std::ops::Range<usize>, p: &[f32], stride: usize, v: &[u8]) {
+        let (rb, w) = (self.bytes(hd), cols.len());
+        let n = v.len() / rb;
+        assert!(
+            self.splits_values(hd) && w > 0 && cols.start.is_multiple_of(16) && w.is_multiple_of(16) && cols.end <= hd,
+            "axpy_cols takes f16 rows, whole groups of 16 values, with AVX2"
+        );
+        let heads = o.len() / w;
+        assert!(v.len() >= n * rb && p.len() >= (heads - 1) * stride + n, "KV rows or weights too short");
+        #[cfg(target_arch = "x86_64")]
+        for (g0, og) in o.chunks_mut(PV_GROUP * w).enumerate() {
+            // SAFETY: AVX2/FMA/F16C detected (`splits_values`); bounds asserted above.
+            unsafe { simd::axpy_cols_f16(og, hd, (cols.start, cols.end), &p[PV_GROUP * g0 * stride..], stride, v.as_ptr(), n) };
+        }
+    }
 }
 
 /// Rows widened to f32 for attention (`KvCodec::widens`): converted once for every query head
@@ -400,14 +427,22 @@ mod simd {
     /// broadcast, so nothing spills.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn axpy_rows_f16(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
-        per_group!(values_f16, o.len() / hd, o, hd, p, stride, v, n)
+        per_group!(values_f16, o.len() / hd, o, hd, (0, hd), p, stride, v, n)
     }
 
+    /// `axpy_rows_f16` over values `c0..c1` of each row only (multiples of 16), into `o` holding
+    /// that many values a head: each output's chain of fmas is the whole rows' own.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy_cols_f16(o: &mut [f32], hd: usize, (c0, c1): (usize, usize), p: &[f32], stride: usize, v: *const u8, n: usize) {
+        per_group!(values_f16, o.len() / (c1 - c0), o, hd, (c0, c1), p, stride, v, n)
+    }
+
+    /// Values `c0..c1` of `hd`-value rows (`o`: `c1 - c0` a head).
     #[inline(always)]
-    unsafe fn values_f16<const G: usize>(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
-        let y = o.as_mut_ptr();
-        for c in (0..hd).step_by(16) {
-            let mut acc: [[__m256; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm256_loadu_ps(y.add(g * hd + c + 8 * m))));
+    unsafe fn values_f16<const G: usize>(o: &mut [f32], hd: usize, (c0, c1): (usize, usize), p: &[f32], stride: usize, v: *const u8, n: usize) {
+        let (y, w) = (o.as_mut_ptr(), c1 - c0);
+        for c in (c0..c1).step_by(16) {
+            let mut acc: [[__m256; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm256_loadu_ps(y.add(g * w + c - c0 + 8 * m))));
             for j in 0..n {
                 let row = v.add(2 * (hd * j + c));
                 let vv = [f16x8(row), f16x8(row.add(16))];
@@ -419,7 +454,7 @@ mod simd {
             }
             for (g, ac) in acc.iter().enumerate() {
                 for (m, a) in ac.iter().enumerate() {
-                    _mm256_storeu_ps(y.add(g * hd + c + 8 * m), *a);
+                    _mm256_storeu_ps(y.add(g * w + c - c0 + 8 * m), *a);
                 }
             }
         }
