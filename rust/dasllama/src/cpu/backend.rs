@@ -648,19 +648,26 @@ mod tests {
         assert!((got[0].1 + got[1].1 - 1.0).abs() < 1e-6);
     }
 
+    /// Values in [-1, 1) from a fixed LCG stream: attention tests' K, V and Q.
+    struct Draw(u64);
+
+    impl Draw {
+        fn values(&mut self, len: usize) -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    ((self.0 >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+                })
+                .collect()
+        }
+    }
+
     #[test]
     fn attention_with_sinks_and_a_window_in_both_orders() {
         use crate::kv::{Geometry, KvCodec, PageBin};
         let (nh, nkv, hd, n) = (4usize, 2usize, 32usize, 12usize);
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = |len: usize| -> Vec<f32> {
-            (0..len)
-                .map(|_| {
-                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-                })
-                .collect()
-        };
+        let mut draw = Draw(0x2545_f491_4f6c_dd1d);
+        let mut rnd = |len: usize| draw.values(len);
         let (k, v, q) = (rnd(n * nkv * hd), rnd(n * nkv * hd), rnd(n * nh * hd).iter().map(|x| x * 4.0).collect::<Vec<f32>>());
         let sinks = [0.5f32, -1.0, 2.0, 0.0];
         let rows: Vec<(usize, usize)> = (0..n).map(|p| (0, p)).collect();
@@ -714,15 +721,8 @@ mod tests {
     fn a_split_decode_row_keeps_one_threads_bits() {
         use crate::kv::{Geometry, KvCodec, PageBin};
         let (nh, hd, n) = (4usize, 64usize, 1300usize);
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = |len: usize| -> Vec<f32> {
-            (0..len)
-                .map(|_| {
-                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-                })
-                .collect()
-        };
+        let mut draw = Draw(0x9e37_79b9_7f4a_7c15);
+        let mut rnd = |len: usize| draw.values(len);
         let (k, v, q) = (rnd(n * hd), rnd(n * hd), rnd(nh * hd).iter().map(|x| x * 4.0).collect::<Vec<f32>>());
         let sinks = [0.5f32, -1.0, 2.0, 0.0];
         assert!(!KvCodec::F16.splits_values(hd) || 1100 * nh * hd >= SPLIT_WORK, "the row below must be deep enough to split");
