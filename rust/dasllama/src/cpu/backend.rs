@@ -269,6 +269,67 @@ struct AttnTask<'o> {
     outs: Vec<&'o mut [f32]>,
 }
 
+/// The keys a task's block of rows (`t0..t0 + nb`, one session's, consecutive) reads and attends.
+struct Block<'s> {
+    t0: usize,
+    nb: usize,
+    /// The keys row t attends.
+    span: &'s (dyn Fn(usize) -> (usize, usize) + Sync),
+    /// Keys the block reads (kb..ke), and those every row of it attends (cs..ce).
+    kb: usize,
+    ke: usize,
+    cs: usize,
+    ce: usize,
+}
+
+impl<'s> Block<'s> {
+    fn new(t0: usize, nb: usize, span: &'s (dyn Fn(usize) -> (usize, usize) + Sync)) -> Self {
+        let (mut kb, mut ke, mut cs, mut ce) = (usize::MAX, 0, 0, usize::MAX);
+        for t in t0..t0 + nb {
+            let (s, e) = span(t);
+            (kb, ke, cs, ce) = (kb.min(s), ke.max(e), cs.max(s), ce.min(e));
+        }
+        Block { t0, nb, span, kb, ke, cs, ce }
+    }
+
+    /// Each row's weights over its own keys, from its scores (`sc`: `group` heads a row, `nk`
+    /// keys each from `kb`); the block's other keys are never read.
+    fn weights(&self, a: &AttnShape, kvh: usize, group: usize, sc: &mut [f32]) {
+        let nk = self.ke - self.kb;
+        for (r, t) in (self.t0..self.t0 + self.nb).enumerate() {
+            let (s, e) = (self.span)(t);
+            for (g, sg) in sc[r * group * nk..(r + 1) * group * nk].chunks_exact_mut(nk).enumerate() {
+                let sink = a.sinks.map(|sk| sk[kvh * group + g]);
+                ops::attention_weights_sink(&mut sg[s - self.kb..e - self.kb], a.score_scale(), sink);
+            }
+        }
+    }
+
+    /// V rows `first..first + cnt` into the outputs (`os`: rows of `width` values, `group` heads
+    /// each) through `axpy(o, weights, from, n)`: keys every row attends with all heads at once,
+    /// the others row by row, in key order so that each head's sum runs over its keys in order.
+    #[allow(clippy::too_many_arguments)]
+    fn add_values(&self, os: &mut [f32], width: usize, group: usize, sc: &[f32], first: usize, cnt: usize, axpy: RowsAxpy) {
+        let (kb, cs, ce, nk) = (self.kb, self.cs, self.ce, self.ke - self.kb);
+        let (lo, hi) = (first.max(cs).min(first + cnt), (first + cnt).min(ce).max(first));
+        let (lo, hi) = if cs < ce { (lo, hi.max(lo)) } else { (first + cnt, first + cnt) };
+        let part = |os: &mut [f32], from: usize, to: usize| {
+            for (r, t) in (self.t0..self.t0 + self.nb).enumerate() {
+                let (s, e) = (self.span)(t);
+                let (f, l) = (from.max(s), to.min(e));
+                if f < l {
+                    axpy(&mut os[r * width..(r + 1) * width], &sc[r * group * nk + f - kb..], f, l - f);
+                }
+            }
+        };
+        part(os, first, lo);
+        if lo < hi {
+            axpy(os, &sc[lo - kb..], lo, hi - lo);
+        }
+        part(os, hi, first + cnt);
+    }
+}
+
 /// Causal attention of each new query row over its own session's cached K/V (which already holds
 /// the row's own position).
 /// Q and the softmax weights are rounded to f16 as llama.cpp does against its f16 cache.
@@ -328,12 +389,8 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
         let si = rows[t0].0;
         let lv = kvs[si].layer(il);
         let codec = lv.codec();
-        // Keys the block reads (kb..ke), and those every row of it attends (cs..ce).
-        let (mut kb, mut ke, mut cs, mut ce) = (usize::MAX, 0, 0, usize::MAX);
-        for t in t0..t0 + nb {
-            let (s, e) = span(t);
-            (kb, ke, cs, ce) = (kb.min(s), ke.max(e), cs.max(s), ce.min(e));
-        }
+        let block = Block::new(t0, nb, &span);
+        let (kb, ke) = (block.kb, block.ke);
         let nk = ke - kb;
         let heads = nb * group;
         // Runs come in pages (contiguous per head); a batch's KV outgrows L3, so the next run
@@ -392,38 +449,11 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             if let Some(cap) = a.softcap {
                 ops::softcap(sc, cap);
             }
-            // Each row's weights over its own keys (the block's other keys are never read).
-            for (r, t) in (t0..t0 + nb).enumerate() {
-                let (s, e) = span(t);
-                for (g, sg) in sc[r * group * nk..(r + 1) * group * nk].chunks_exact_mut(nk).enumerate() {
-                    let sink = a.sinks.map(|sk| sk[kvh * group + g]);
-                    ops::attention_weights_sink(&mut sg[s - kb..e - kb], a.score_scale(), sink);
-                }
-            }
+            block.weights(a, kvh, group, sc);
             os.clear();
             os.resize(heads * hdim, 0.0);
             let rb = codec.bytes(hdim);
-            // V rows first..first + cnt into the outputs through `axpy(o, weights, from, n)`: keys
-            // every row attends with all heads at once, the others row by row, in key order so
-            // that each head's sum runs over its keys in order.
-            let add = |os: &mut [f32], first: usize, cnt: usize, axpy: RowsAxpy| {
-                let (lo, hi) = (first.max(cs).min(first + cnt), (first + cnt).min(ce).max(first));
-                let (lo, hi) = if cs < ce { (lo, hi.max(lo)) } else { (first + cnt, first + cnt) };
-                let part = |os: &mut [f32], from: usize, to: usize| {
-                    for (r, t) in (t0..t0 + nb).enumerate() {
-                        let (s, e) = span(t);
-                        let (f, l) = (from.max(s), to.min(e));
-                        if f < l {
-                            axpy(&mut os[r * width..(r + 1) * width], &sc[r * group * nk + f - kb..], f, l - f);
-                        }
-                    }
-                };
-                part(os, first, lo);
-                if lo < hi {
-                    axpy(os, &sc[lo - kb..], lo, hi - lo);
-                }
-                part(os, hi, first + cnt);
-            };
+            let add = |os: &mut [f32], first: usize, cnt: usize, axpy: RowsAxpy| block.add_values(os, width, group, sc, first, cnt, axpy);
             if wide {
                 for b0 in (kb..ke).step_by(blk) {
                     let b1 = (b0 + blk).min(ke);
@@ -447,14 +477,17 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
     // Fewer tasks than threads (a decode row over few KV heads: Gemma 3's one): deep enough, a
     // task's keys and values are split across the team instead of leaving threads idle.
     let splits = |task: &AttnTask| {
-        let (lo, hi) = span(task.t0);
-        task.outs.len() == 1 && kvs[rows[task.t0].0].layer(il).codec().splits_values(hdim) && (hi - lo) * width >= SPLIT_WORK
+        let block = Block::new(task.t0, task.outs.len(), &span);
+        kvs[rows[task.t0].0].layer(il).codec().splits_values(hdim) && (block.ke - block.kb) * task.outs.len() * width >= SPLIT_WORK
     };
     if team.threads() > tasks.len() && tasks.iter().all(splits) {
         for task in tasks.iter_mut() {
-            let (t0, kvh) = (task.t0, task.kvh);
-            let q = &q[t0 * qd + kvh * width..][..width];
-            attend_split(a, &kvs[rows[t0].0].layer(il), kvh, span(t0), q, task.outs[0], team);
+            let (t0, kvh, nb) = (task.t0, task.kvh, task.outs.len());
+            let qs: Vec<f32> = (t0..t0 + nb).flat_map(|t| &q[t * qd + kvh * width..][..width]).copied().collect();
+            let os = attend_split(a, &kvs[rows[t0].0].layer(il), kvh, &Block::new(t0, nb, &span), qs, team);
+            for (o, src) in task.outs.iter_mut().zip(os.chunks_exact(width)) {
+                o.copy_from_slice(src);
+            }
         }
         return;
     }
@@ -466,8 +499,8 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
     }
 }
 
-/// Multiply-adds of q·k (and as many of p·v) from which one row's attention over a KV head is
-/// split across the team (`attend_split`): a parallel loop costs a few microseconds.
+/// Multiply-adds of q·k (and as many of p·v) from which a task's attention is split across the
+/// team (`attend_split`): a parallel loop costs a few microseconds.
 const SPLIT_WORK: usize = 1 << 18;
 
 /// Where the team's tasks of `attend_split` write: each writes elements no other task does.
@@ -478,41 +511,38 @@ struct Scatter(*mut f32);
 unsafe impl Send for Scatter {}
 unsafe impl Sync for Scatter {}
 
-/// One row's attention over one KV head's keys `lo..hi` (the query heads `q` sharing it, their
-/// outputs `out`) on the whole team: the scores a run of keys per task, the softmax on this
-/// thread, then the values a range of columns per task, each over every key in order. Every
-/// score, weight and output is computed by the kernels `attention` uses, in the same order, so
-/// the result is bit for bit what one thread gives (`KvCodec::splits_values`).
-fn attend_split(a: &AttnShape, lv: &crate::kv::LayerView, kvh: usize, (lo, hi): (usize, usize), q: &[f32], out: &mut [f32], team: &Team) {
-    let (hdim, codec, nk) = (a.head_dim, lv.codec(), hi - lo);
-    let (group, rb, threads) = (q.len() / hdim, codec.bytes(hdim), team.threads());
-    let mut qs = q.to_vec();
+/// A task's attention (one KV head, a block of rows, the queries `qs` of its heads row by row)
+/// on the whole team: the scores a run of keys per task, the softmax on this thread, then the
+/// values a range of columns per task, each over every key in order. Every score, weight and
+/// output is computed by the kernels `attention` uses, in the same order, so the outputs
+/// (returned row by row) are bit for bit what one thread gives (`KvCodec::splits_values`).
+fn attend_split(a: &AttnShape, lv: &crate::kv::LayerView, kvh: usize, block: &Block, mut qs: Vec<f32>, team: &Team) -> Vec<f32> {
+    let (hdim, codec, threads) = (a.head_dim, lv.codec(), team.threads());
+    let (kb, ke, heads, rb) = (block.kb, block.ke, qs.len() / hdim, codec.bytes(hdim));
+    let (nk, group) = (ke - kb, heads / block.nb);
     round_queries(a, &mut qs);
     codec.prepare_query(&mut qs, hdim);
-    let mut sc = vec![0.0f32; group * nk];
+    let mut sc = vec![0.0f32; heads * nk];
     let dst = Scatter(sc.as_mut_ptr());
     let parts = (2 * threads).min(nk.div_ceil(64));
     team.parallel_for(parts, &|i| {
         #[allow(clippy::redundant_locals)]
         let dst = dst;
-        let (k0, k1) = (lo + nk * i / parts, lo + nk * (i + 1) / parts);
-        let mut part = vec![0.0f32; group * (k1 - k0)];
+        let (k0, k1) = (kb + nk * i / parts, kb + nk * (i + 1) / parts);
+        let mut part = vec![0.0f32; heads * (k1 - k0)];
         for (first, run) in lv.rows(false, kvh, k0, k1) {
-            let cnt = run.len() / rb;
-            codec.dot_rows(&qs, hdim, run, cnt, &mut part[first - k0..], k1 - k0);
+            codec.dot_rows(&qs, hdim, run, run.len() / rb, &mut part[first - k0..], k1 - k0);
         }
         for (g, row) in part.chunks_exact(k1 - k0).enumerate() {
-            // SAFETY: keys k0..k1 of head g are this task's alone, inside `sc` (group * nk).
-            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), dst.0.add(g * nk + k0 - lo), row.len()) };
+            // SAFETY: keys k0..k1 of head g are this task's alone, inside `sc` (heads * nk).
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), dst.0.add(g * nk + k0 - kb), row.len()) };
         }
     });
     if let Some(cap) = a.softcap {
         ops::softcap(&mut sc, cap);
     }
-    for (g, sg) in sc.chunks_exact_mut(nk).enumerate() {
-        ops::attention_weights_sink(sg, a.score_scale(), a.sinks.map(|sk| sk[kvh * group + g]));
-    }
-    let mut os = vec![0.0f32; group * hdim];
+    block.weights(a, kvh, group, &mut sc);
+    let mut os = vec![0.0f32; heads * hdim];
     let dst = Scatter(os.as_mut_ptr());
     let groups = hdim / 16;
     let parts = threads.min(groups);
@@ -520,17 +550,18 @@ fn attend_split(a: &AttnShape, lv: &crate::kv::LayerView, kvh: usize, (lo, hi): 
         #[allow(clippy::redundant_locals)]
         let dst = dst;
         let (c0, c1) = (16 * (groups * i / parts), 16 * (groups * (i + 1) / parts));
-        let mut part = vec![0.0f32; group * (c1 - c0)];
-        for (first, run) in lv.rows(true, kvh, lo, hi) {
-            codec.axpy_cols(&mut part, hdim, c0..c1, &sc[first - lo..], nk, run);
+        let mut part = vec![0.0f32; heads * (c1 - c0)];
+        for (first, run) in lv.rows(true, kvh, kb, ke) {
+            let axpy: RowsAxpy = &|o, p, from, n| codec.axpy_cols(o, hdim, c0..c1, p, nk, &run[(from - first) * rb..(from - first + n) * rb]);
+            block.add_values(&mut part, group * (c1 - c0), group, &sc, first, run.len() / rb, axpy);
         }
         for (g, row) in part.chunks_exact(c1 - c0).enumerate() {
-            // SAFETY: columns c0..c1 of head g are this task's alone, inside `os` (group * hdim).
+            // SAFETY: columns c0..c1 of head g are this task's alone, inside `os` (heads * hdim).
             unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), dst.0.add(g * hdim + c0), row.len()) };
         }
     });
     codec.finish_output(&mut os, hdim);
-    out.copy_from_slice(&os);
+    os
 }
 
 /// Attention in ggml's order (`Numerics::Ggml`), as llama.cpp computes it without flash attention
@@ -714,61 +745,66 @@ mod tests {
         }
     }
 
-    /// A decode row over one KV head deep enough to be split across the team (`attend_split`)
-    /// gives one thread's bits, with a window, sinks and a softcap, and pages it starts and ends
-    /// inside; and it is attention (against f64 over the cache's f16 K/V).
+    /// One KV head's attention deep enough to be split across the team (`attend_split`), for a
+    /// decode row and for a block of rows (a verify chunk: each row its own keys), gives one
+    /// thread's bits, with a window, sinks and a softcap, and pages it starts and ends inside; and
+    /// it is attention (against f64 over the cache's f16 K/V).
     #[test]
-    fn a_split_decode_row_keeps_one_threads_bits() {
+    fn split_attention_keeps_one_threads_bits() {
         use crate::kv::{Geometry, KvCodec, PageBin};
         let (nh, hd, n) = (4usize, 64usize, 1300usize);
         let mut draw = Draw(0x9e37_79b9_7f4a_7c15);
         let mut rnd = |len: usize| draw.values(len);
-        let (k, v, q) = (rnd(n * hd), rnd(n * hd), rnd(nh * hd).iter().map(|x| x * 4.0).collect::<Vec<f32>>());
+        let (k, v, q) = (rnd(n * hd), rnd(n * hd), rnd(5 * nh * hd).iter().map(|x| x * 4.0).collect::<Vec<f32>>());
         let sinks = [0.5f32, -1.0, 2.0, 0.0];
-        assert!(!KvCodec::F16.splits_values(hd) || 1100 * nh * hd >= SPLIT_WORK, "the row below must be deep enough to split");
-        for (window, softcap, with_sinks) in [(0, None, false), (1100, Some(30.0), true)] {
-            let run = |threads: usize| {
-                let geo = Geometry { n_layers: 1, kv_dim: hd, head_dim: hd, page_rows: 48, codec: KvCodec::F16, slots: None };
-                let mut kv = KvCache::private(geo, &PageBin::new());
-                kv.reserve(n).unwrap();
-                kv.append(0, &k, &v);
-                let shape = AttnShape {
-                    n_heads: nh,
-                    n_kv_heads: 1,
-                    head_dim: hd,
-                    window,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                    scale_query: false,
-                    softcap,
-                    sinks: with_sinks.then_some(&sinks[..]),
+        assert!(!KvCodec::F16.splits_values(hd) || 1100 * nh * hd >= SPLIT_WORK, "the rows below must be deep enough to split");
+        for rows in [1usize, 5] {
+            let pos: Vec<(usize, usize)> = (n - rows..n).map(|p| (0, p)).collect();
+            for (window, softcap, with_sinks) in [(0, None, false), (1100, Some(30.0), true)] {
+                let run = |threads: usize| {
+                    let geo = Geometry { n_layers: 1, kv_dim: hd, head_dim: hd, page_rows: 48, codec: KvCodec::F16, slots: None };
+                    let mut kv = KvCache::private(geo, &PageBin::new());
+                    kv.reserve(n).unwrap();
+                    kv.append(0, &k, &v);
+                    let shape = AttnShape {
+                        n_heads: nh,
+                        n_kv_heads: 1,
+                        head_dim: hd,
+                        window,
+                        scale: 1.0 / (hd as f32).sqrt(),
+                        scale_query: false,
+                        softcap,
+                        sinks: with_sinks.then_some(&sinks[..]),
+                    };
+                    let mut out = vec![0.0f32; rows * nh * hd];
+                    let q = &q[..rows * nh * hd];
+                    Cpu::new(threads)
+                        .run(Numerics::Fast, &mut Vec::new(), None, &mut |ops| ops.attention(&shape, 0, &[&mut kv], &pos, &[], &[rows], q, &mut out));
+                    out.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
                 };
-                let mut out = vec![0.0f32; nh * hd];
-                Cpu::new(threads)
-                    .run(Numerics::Fast, &mut Vec::new(), None, &mut |ops| ops.attention(&shape, 0, &[&mut kv], &[(0, n - 1)], &[], &[1], &q, &mut out));
-                out
-            };
-            let one = run(1);
-            assert_eq!(run(2).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "window {window}");
-            assert_eq!(
-                run(3).iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                "window {window}, 3 threads"
-            );
-            let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;
-            let lo = if window > 0 { n - window } else { 0 };
-            for h in 0..nh {
-                let sc: Vec<f64> = (lo..n)
-                    .map(|j| {
-                        let s = (0..hd).map(|i| f16(q[h * hd + i]) * f16(k[j * hd + i])).sum::<f64>();
-                        softcap.map_or(s, |c: f32| c as f64 * (s / c as f64).tanh()) / (hd as f64).sqrt()
-                    })
-                    .collect();
-                let sink = if with_sinks { sinks[h] as f64 } else { f64::NEG_INFINITY };
-                let m = sc.iter().cloned().fold(sink, f64::max);
-                let z = sc.iter().map(|s| (s - m).exp()).sum::<f64>() + (sink - m).exp();
-                for i in 0..hd {
-                    let want: f64 = sc.iter().enumerate().map(|(jj, s)| (s - m).exp() / z * f16(v[(lo + jj) * hd + i])).sum();
-                    assert!((one[h * hd + i] as f64 - want).abs() < 1e-2, "window {window} head {h} value {i}: {} vs {want}", one[h * hd + i]);
+                let one = run(1);
+                assert_eq!(run(2), one, "{rows} rows, window {window}");
+                assert_eq!(run(3), one, "{rows} rows, window {window}, 3 threads");
+                let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;
+                for (r, &(_, p)) in pos.iter().enumerate() {
+                    let lo = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+                    for h in 0..nh {
+                        let qh = &q[(r * nh + h) * hd..][..hd];
+                        let sc: Vec<f64> = (lo..=p)
+                            .map(|j| {
+                                let s = (0..hd).map(|i| f16(qh[i]) * f16(k[j * hd + i])).sum::<f64>();
+                                softcap.map_or(s, |c: f32| c as f64 * (s / c as f64).tanh()) / (hd as f64).sqrt()
+                            })
+                            .collect();
+                        let sink = if with_sinks { sinks[h] as f64 } else { f64::NEG_INFINITY };
+                        let m = sc.iter().cloned().fold(sink, f64::max);
+                        let z = sc.iter().map(|s| (s - m).exp()).sum::<f64>() + (sink - m).exp();
+                        for i in 0..hd {
+                            let want: f64 = sc.iter().enumerate().map(|(jj, s)| (s - m).exp() / z * f16(v[(lo + jj) * hd + i])).sum();
+                            let got = f32::from_bits(one[(r * nh + h) * hd + i]) as f64;
+                            assert!((got - want).abs() < 1e-2, "{rows} rows, window {window}, row {r} head {h} value {i}: {got} vs {want}");
+                        }
+                    }
                 }
             }
         }
