@@ -474,13 +474,15 @@ fn attention(a: &AttnShape, kvs: &[&mut KvCache], il: usize, rows: &[(usize, usi
             }
         });
     };
-    // Fewer tasks than threads (a decode row over few KV heads: Gemma 3's one): deep enough, a
-    // task's keys and values are split across the team instead of leaving threads idle.
+    // At most half as many tasks as threads (a decode row over few KV heads: Gemma 3's one):
+    // deep enough, a task's keys and values are split across the team instead of leaving threads
+    // idle. (With more tasks the idle share is under half, and a split's two parallel loops a
+    // task could cost more than it saves.)
     let splits = |task: &AttnTask| {
         let block = Block::new(task.t0, task.outs.len(), &span);
         kvs[rows[task.t0].0].layer(il).codec().splits_values(hdim) && (block.ke - block.kb) * task.outs.len() * width >= SPLIT_WORK
     };
-    if team.threads() > tasks.len() && tasks.iter().all(splits) {
+    if team.threads() >= 2 * tasks.len() && tasks.iter().all(splits) {
         for task in tasks.iter_mut() {
             let (t0, kvh, nb) = (task.t0, task.kvh, task.outs.len());
             let qs: Vec<f32> = (t0..t0 + nb).flat_map(|t| &q[t * qd + kvh * width..][..width]).copied().collect();
