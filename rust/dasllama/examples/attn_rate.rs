@@ -3,6 +3,9 @@
 //! head (a decode row's few, or a prefill block's many) against a prefix stored in pages.
 //!
 //!     cargo run --release -p dasllama --example attn_rate [-- heads ...]
+//!
+//! Heads of 64 values over 3,072 keys in pages of 16 rows, unless `ATTN_RATE_HD` and
+//! `ATTN_RATE_PAGE` say otherwise (a session's own pages hold 256 rows).
 
 use dasllama::kv::KvCodec;
 use std::time::Instant;
@@ -12,7 +15,8 @@ fn main() {
     if heads.is_empty() {
         heads = vec![3, 4, 12, 30, 32];
     }
-    let (hd, keys, page) = (64, 3072, 16);
+    let env = |name: &str, default: usize| std::env::var(name).ok().map_or(default, |v| v.parse().unwrap_or_else(|_| panic!("{name} must be a number")));
+    let (hd, keys, page) = (env("ATTN_RATE_HD", 64), 3072, env("ATTN_RATE_PAGE", 16));
     let codec = KvCodec::F16;
     let rb = codec.bytes(hd);
     let vals: Vec<f32> = (0..keys * hd).map(|i| ((i * 7919 % 2000) as f32 - 1000.0) * 0.001).collect();

@@ -437,27 +437,48 @@ mod simd {
         per_group!(values_f16, o.len() / (c1 - c0), o, hd, (c0, c1), p, stride, v, n)
     }
 
-    /// Values `c0..c1` of `hd`-value rows (`o`: `c1 - c0` a head).
+    /// Values `c0..c1` of `hd`-value rows (`o`: `c1 - c0` a head), the rows a block at a time
+    /// (`value_block`) so that every 16-value column walks them in L1.
     #[inline(always)]
     unsafe fn values_f16<const G: usize>(o: &mut [f32], hd: usize, (c0, c1): (usize, usize), p: &[f32], stride: usize, v: *const u8, n: usize) {
         let (y, w) = (o.as_mut_ptr(), c1 - c0);
-        for c in (c0..c1).step_by(16) {
-            let mut acc: [[__m256; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm256_loadu_ps(y.add(g * w + c - c0 + 8 * m))));
-            for j in 0..n {
-                let row = v.add(2 * (hd * j + c));
-                let vv = [f16x8(row), f16x8(row.add(16))];
-                for (g, ac) in acc.iter_mut().enumerate() {
-                    let pv = _mm256_set1_ps(*p.get_unchecked(g * stride + j));
-                    ac[0] = _mm256_fmadd_ps(pv, vv[0], ac[0]);
-                    ac[1] = _mm256_fmadd_ps(pv, vv[1], ac[1]);
+        let block = value_block(2 * hd);
+        for j0 in (0..n).step_by(block) {
+            for c in (c0..c1).step_by(16) {
+                let mut acc: [[__m256; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm256_loadu_ps(y.add(g * w + c - c0 + 8 * m))));
+                for j in j0..(j0 + block).min(n) {
+                    let row = v.add(2 * (hd * j + c));
+                    let vv = [f16x8(row), f16x8(row.add(16))];
+                    for (g, ac) in acc.iter_mut().enumerate() {
+                        let pv = _mm256_set1_ps(*p.get_unchecked(g * stride + j));
+                        ac[0] = _mm256_fmadd_ps(pv, vv[0], ac[0]);
+                        ac[1] = _mm256_fmadd_ps(pv, vv[1], ac[1]);
+                    }
                 }
-            }
-            for (g, ac) in acc.iter().enumerate() {
-                for (m, a) in ac.iter().enumerate() {
-                    _mm256_storeu_ps(y.add(g * w + c - c0 + 8 * m), *a);
+                for (g, ac) in acc.iter().enumerate() {
+                    for (m, a) in ac.iter().enumerate() {
+                        _mm256_storeu_ps(y.add(g * w + c - c0 + 8 * m), *a);
+                    }
                 }
             }
         }
+    }
+
+    /// Rows of `row_bytes` a p·v kernel takes at a time: each column of the outputs walks every
+    /// row, and over a long run (a session's prefix in one stretch of pages) the run is larger
+    /// than L2 by the time the walk comes back for the next column, so every column fetched the
+    /// rows from memory again. A block that stays in L1 is fetched once; stopping the fma chains
+    /// at its end (stored, reloaded) leaves each output's sum in the same order, so the same bits.
+    /// `examples/attn_rate`, one thread, AMD EPYC Zen 3, G multiply-adds/s before -> after:
+    /// - heads of 128 over 256-row pages: one head 8-12 -> 15-16, four 25-29 -> 37-38;
+    /// - heads of 128 or 256 in one run of 3,072 rows: one head 5-6 -> 11-16, four 17-25 -> 30-38;
+    /// - heads of 256 over 256-row pages (Gemma 3's four a K/V head) and heads of 64: the same
+    ///   within the noise.
+    ///
+    /// Blocks of 8 and 16 KB measured alike.
+    #[inline(always)]
+    fn value_block(row_bytes: usize) -> usize {
+        ((16 << 10) / row_bytes).max(8)
     }
 
     // ---- AVX-512 q·k for several query heads: two heads share a 512-bit register (each 256-bit
@@ -636,19 +657,23 @@ mod simd {
     #[inline(always)]
     unsafe fn values_512<const G: usize, const F16: bool>(o: &mut [f32], hd: usize, p: &[f32], stride: usize, v: *const u8, n: usize) {
         let y = o.as_mut_ptr();
-        for c in (0..hd).step_by(32) {
-            let mut acc: [[__m512; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm512_loadu_ps(y.add(g * hd + c + 16 * m))));
-            for j in 0..n {
-                let vv = [value16::<F16>(v, hd * j + c), value16::<F16>(v, hd * j + c + 16)];
-                for (g, ac) in acc.iter_mut().enumerate() {
-                    let pv = _mm512_set1_ps(*p.get_unchecked(g * stride + j));
-                    ac[0] = _mm512_fmadd_ps(pv, vv[0], ac[0]);
-                    ac[1] = _mm512_fmadd_ps(pv, vv[1], ac[1]);
+        // As `values_f16`: the rows a block at a time, for each 32-value column.
+        let block = value_block(if F16 { 2 * hd } else { 4 * hd });
+        for j0 in (0..n).step_by(block) {
+            for c in (0..hd).step_by(32) {
+                let mut acc: [[__m512; 2]; G] = std::array::from_fn(|g| std::array::from_fn(|m| _mm512_loadu_ps(y.add(g * hd + c + 16 * m))));
+                for j in j0..(j0 + block).min(n) {
+                    let vv = [value16::<F16>(v, hd * j + c), value16::<F16>(v, hd * j + c + 16)];
+                    for (g, ac) in acc.iter_mut().enumerate() {
+                        let pv = _mm512_set1_ps(*p.get_unchecked(g * stride + j));
+                        ac[0] = _mm512_fmadd_ps(pv, vv[0], ac[0]);
+                        ac[1] = _mm512_fmadd_ps(pv, vv[1], ac[1]);
+                    }
                 }
-            }
-            for (g, ac) in acc.iter().enumerate() {
-                for (m, a) in ac.iter().enumerate() {
-                    _mm512_storeu_ps(y.add(g * hd + c + 16 * m), *a);
+                for (g, ac) in acc.iter().enumerate() {
+                    for (m, a) in ac.iter().enumerate() {
+                        _mm512_storeu_ps(y.add(g * hd + c + 16 * m), *a);
+                    }
                 }
             }
         }
@@ -790,18 +815,30 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn f16_values_do_not_depend_on_grouping() {
-        for (hd, n, heads) in [(128, 37, 4), (64, 19, 7), (96, 9, 3)] {
+        // The last three span several of the kernels' blocks of rows (`value_block`), the last
+        // block partial.
+        for (hd, n, heads) in [(128, 37, 4), (64, 19, 7), (96, 9, 3), (256, 70, 4), (128, 150, 3), (64, 300, 1)] {
             let rows = f16_rows(n, hd);
             let p: Vec<f32> = (0..heads * n).map(|i| ((i * 13 % 29) as f32) * 0.01).collect();
             let start: Vec<f32> = (0..heads * hd).map(|i| (i % 5) as f32 * 0.25).collect();
             let mut all = start.clone();
             KvCodec::F16.axpy_rows(&mut all, hd, &p, n, &rows, n);
+            // Columns 16.. of each head alone, as the attention split takes them.
+            let cols = 16..hd;
+            let w = cols.len();
+            let mut part: Vec<f32> = (0..heads).flat_map(|g| start[g * hd + 16..(g + 1) * hd].to_vec()).collect();
+            if KvCodec::F16.splits_values(hd) {
+                KvCodec::F16.axpy_cols(&mut part, hd, cols, &p, n, &rows);
+            }
             for g in 0..heads {
                 let mut one = start[g * hd..(g + 1) * hd].to_vec();
                 for j in 0..n {
                     KvCodec::F16.axpy(&mut one, p[g * n + j], &rows[2 * hd * j..2 * hd * (j + 1)]);
                 }
                 assert_eq!(bits(&all[g * hd..(g + 1) * hd]), bits(&one), "hd {hd} head {g}");
+                if KvCodec::F16.splits_values(hd) {
+                    assert_eq!(bits(&part[g * w..(g + 1) * w]), bits(&one[16..]), "hd {hd} head {g}, columns 16..");
+                }
             }
         }
     }
@@ -815,7 +852,7 @@ mod tests {
             eprintln!("this CPU has no AVX2: nothing widens, the f16 kernels run");
             return;
         }
-        for (hd, n, heads) in [(64, 41, 30), (128, 19, 9), (256, 13, 8), (64, 8, 1), (96, 5, 3), (96, 29, 12)] {
+        for (hd, n, heads) in [(64, 41, 30), (128, 19, 9), (256, 13, 8), (64, 8, 1), (96, 5, 3), (96, 29, 12), (128, 70, 9)] {
             let rows = f16_rows(n, hd);
             let mut wide = vec![0.0f32; n * hd];
             KvCodec::F16.widen(&rows, &mut wide);
