@@ -41,11 +41,17 @@ MODELS = {"q4_k_m": "Q4_K_M", "q4_0": "Q4_0", "q8_0": "Q8_0", "gemma": "gemma3-2
 LABELS = {"q4_k_m": "1B Q4_K_M", "q4_0": "1B Q4_0", "q8_0": "1B Q8_0", "gemma": "Gemma 3 270M Q4_K_M"}
 
 
+def built_llama_tool(name: str) -> Path | None:
+    """A llama.cpp tool already on the PATH or in the cache (`scripts/build_llama_cpp.py`'s)."""
+    found = shutil.which(name) or (str(LLAMA_BIN / name) if (LLAMA_BIN / name).exists() else None)
+    return Path(found) if found else None
+
+
 def llama_tool(name: str) -> Path:
     """A llama.cpp tool: on the PATH, in the cache, or built into the cache first."""
-    found = shutil.which(name) or (str(LLAMA_BIN / name) if (LLAMA_BIN / name).exists() else None)
+    found = built_llama_tool(name)
     if found:
-        return Path(found)
+        return found
     log.info("building llama.cpp's tools into %s (minutes)", LLAMA_BIN)
     subprocess.run([sys.executable, str(ROOT / "scripts/build_llama_cpp.py"), "--dest", str(LLAMA_BIN)], check=True)
     return LLAMA_BIN / name

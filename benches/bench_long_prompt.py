@@ -2,8 +2,9 @@
 greedy, no end of generation), then a prompt of about `--prompt-tokens` tokens arrives. Prints the
 long prompt's time to first token and the decoders' inter-token gaps while it is prefilled
 (p50 / p99 / max), beside their gaps before it arrived -- and the same against llama.cpp's
-server when `llama-server` is on the PATH. Each run uses a fresh prompt (no prefix-cache hit);
-`--repeat` runs alternate between the servers and every run is printed, then the medians.
+server when `llama-server` is on the PATH or in ~/.cache/dasllama/llama.cpp/bin. Each run uses a
+fresh prompt (no prefix-cache hit); `--repeat` runs alternate between the servers and every run
+is printed, then the medians.
 
     python benches/bench_long_prompt.py [--model smollm2-135m-instruct] [--streams 8] [--prompt-tokens 4000] [--repeat 3]
 """
@@ -15,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -23,7 +23,7 @@ import time
 from itertools import pairwise
 
 import httpx
-from bench_decode import read_bandwidth
+from bench_decode import built_llama_tool, read_bandwidth
 from bench_server import free_port, llama_cpu_flags, wait_healthy
 from machine import cpu_name
 
@@ -101,12 +101,12 @@ def main() -> None:
     servers: list[tuple[str, list[str], int]] = []
     port = free_port()
     servers.append(("dasllama", [sys.executable, "-m", "dasllama.serve", "--model", path, "--alias", "m", "--port", str(port), "--streams", str(args.streams + 1), "--log-level", "warning", *args.server_arg], port))
-    if shutil.which("llama-server"):
+    if llama_server := built_llama_tool("llama-server"):
         port = free_port()
         ctx = (args.streams + 1) * (args.prompt_tokens + 2048)
-        servers.append(("llama-server", ["llama-server", "-m", path, "--port", str(port), "-np", str(args.streams + 1), "-t", str(args.threads), "-c", str(ctx), "-a", "m", *llama_cpu_flags()], port))
+        servers.append(("llama-server", [str(llama_server), "-m", path, "--port", str(port), "-np", str(args.streams + 1), "-t", str(args.threads), "-c", str(ctx), "-a", "m", *llama_cpu_flags()], port))
     else:
-        print("no llama-server on the PATH: dasllama only")
+        print("no llama-server (PATH or ~/.cache/dasllama/llama.cpp/bin): dasllama only")
     procs = {}
     try:
         for label, cmd, port in servers:

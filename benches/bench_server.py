@@ -1,7 +1,8 @@
 """Load on the HTTP server: an async httpx generator at concurrency 1, 4, 16, 64 over a fixed
 prompt set (64-token replies, streaming), printing requests/s, output tokens/s, TTFT and
 inter-token latency p50/p99 -- and the same against llama.cpp's server when one is on the PATH
-(`llama-server`) or llama-cpp-python's (`python -m llama_cpp.server`) is importable.
+(`llama-server`, or in ~/.cache/dasllama/llama.cpp/bin where `scripts/build_llama_cpp.py` puts it)
+or llama-cpp-python's (`python -m llama_cpp.server`) is importable.
 
     python benches/bench_server.py [--concurrency 1 4 16 64] [--requests 64] [--max-tokens 64]
 """
@@ -12,7 +13,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -21,7 +21,7 @@ import time
 from itertools import pairwise
 
 import httpx
-from bench_decode import read_bandwidth
+from bench_decode import built_llama_tool, read_bandwidth
 from machine import cpu_name
 from tqdm import tqdm
 
@@ -130,8 +130,8 @@ def main() -> None:
     cmd = [sys.executable, "-m", "dasllama.serve", "--model", path, "--alias", "m", "--port", str(port), "--streams", "16", "--log-level", "warning"]
     rows += run_server(cmd, f"http://127.0.0.1:{port}", "dasllama", args.concurrency, args.requests, args.max_tokens)
     port = free_port()
-    if shutil.which("llama-server"):
-        cmd = ["llama-server", "-m", path, "--port", str(port), "-np", "16", "-t", str(args.threads), "-c", str(16 * 1024), "-a", "m", *llama_cpu_flags()]
+    if llama_server := built_llama_tool("llama-server"):
+        cmd = [str(llama_server), "-m", path, "--port", str(port), "-np", "16", "-t", str(args.threads), "-c", str(16 * 1024), "-a", "m", *llama_cpu_flags()]
         rows += run_server(cmd, f"http://127.0.0.1:{port}", "llama-server", args.concurrency, args.requests, args.max_tokens)
     else:
         try:
@@ -140,7 +140,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--port", str(port), "--n_threads", str(args.threads), "--model_alias", "m", "--n_ctx", "4096"]
             rows += run_server(cmd, f"http://127.0.0.1:{port}", "llama-cpp-python", args.concurrency, args.requests, args.max_tokens)
         except ImportError:
-            print("no llama-server on the PATH and no llama_cpp.server: dasllama only")
+            print("no llama-server (PATH or ~/.cache/dasllama/llama.cpp/bin) and no llama_cpp.server: dasllama only")
     print(f"\n{cpu_name()}; {args.max_tokens}-token replies, {args.requests} requests per level (at least the concurrency); load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print(f"read bandwidth (read_bw): {args.threads} threads {bw:.1f} GB/s")
     print("| server | concurrency | completed req/s | cut off | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
