@@ -464,11 +464,11 @@ mod simd {
         }
     }
 
-    /// Rows of `row_bytes` a p·v kernel takes at a time: each column of the outputs walks every
-    /// row, and over a long run (a session's prefix in one stretch of pages) the run is larger
-    /// than L2 by the time the walk comes back for the next column, so every column fetched the
-    /// rows from memory again. A block that stays in L1 is fetched once; stopping the fma chains
-    /// at its end (stored, reloaded) leaves each output's sum in the same order, so the same bits.
+    /// Rows of `row_bytes` a p·v kernel takes at a time. Each column of the outputs walks every
+    /// row, so without blocks every 16 (AVX-512: 32) columns fetched the rows again: from L2 for
+    /// a 256-row page of 128-value heads (64 KB), from memory for a run larger than L2. A block
+    /// that stays in L1 is fetched once; stopping the fma chains at its end (stored, reloaded)
+    /// leaves each output's sum in the same order, so the same bits.
     /// `examples/attn_rate`, one thread, AMD EPYC Zen 3, G multiply-adds/s before -> after:
     /// - heads of 128 over 256-row pages: one head 8-12 -> 15-16, four 25-29 -> 37-38;
     /// - heads of 128 or 256 in one run of 3,072 rows: one head 5-6 -> 11-16, four 17-25 -> 30-38;
